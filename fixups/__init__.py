@@ -1,0 +1,1 @@
+"""Engine-aware quantization_config fixups and pre-upload validation."""

@@ -1,0 +1,1 @@
+"""Declarative data: model layouts, fixture presets, recipes, engine profiles (read with importlib.resources)."""

@@ -1,0 +1,107 @@
+"""A checkpoint directory: config.json, the safetensors index and its shards, read from headers only."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError
+from .safetensors_io import ShardHeader, TensorInfo, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def load_json(path: Path, what: str) -> Any:
+    """Read a JSON file, naming it in the error if it is missing or malformed.
+
+    Raises:
+        CheckpointError: the file does not exist or is not valid JSON.
+    """
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} not found") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+@dataclass
+class Checkpoint:
+    """A Hugging Face safetensors checkpoint on disk.
+
+    `weight_map` maps tensor name to shard file name, from the index or from a single
+    `model.safetensors`. Headers are parsed on first use.
+    """
+
+    root: Path
+    config: dict
+    weight_map: dict[str, str]
+    index_metadata: dict = field(default_factory=dict)
+    has_index: bool = True
+
+    @classmethod
+    def open(cls, root: str | Path) -> "Checkpoint":
+        """Open a checkpoint directory.
+
+        Raises:
+            CheckpointError: not a directory, no config.json, or neither an index nor model.safetensors.
+        """
+        root = Path(root)
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors")
+        if not (root / "config.json").exists():
+            raise CheckpointError(f"{root}: no config.json, so this is not a Hugging Face checkpoint directory")
+        config = load_json(root / "config.json", "config.json")
+        if (root / INDEX_NAME).exists():
+            index = load_json(root / INDEX_NAME, "safetensors index")
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{root / INDEX_NAME}: has no weight_map; the index is corrupt")
+            return cls(root, config, dict(weight_map), dict(index.get("metadata") or {}), True)
+        if (root / SINGLE_NAME).exists():
+            header = read_header(root / SINGLE_NAME)
+            return cls(root, config, {name: SINGLE_NAME for name in header.tensors}, {}, False)
+        raise CheckpointError(f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}: no safetensors weights to read")
+
+    @property
+    def shard_names(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+    @cached_property
+    def headers(self) -> dict[str, ShardHeader]:
+        """Every shard's header, by file name.
+
+        Raises:
+            CheckpointError: a shard named by the index is missing or its header is corrupt.
+        """
+        out = {}
+        for name in self.shard_names:
+            path = self.root / name
+            if not path.exists():
+                first = next(t for t, s in self.weight_map.items() if s == name)
+                raise CheckpointError(f"{path}: shard named by the index (e.g. for {first!r}) does not exist")
+            out[name] = read_header(path)
+        return out
+
+    def tensor_infos(self) -> dict[str, TensorInfo]:
+        """Header entry of every tensor named by the index, from the shard the index names.
+
+        Raises:
+            CheckpointError: the index names a tensor its shard does not hold.
+        """
+        out = {}
+        for name, shard in self.weight_map.items():
+            info = self.headers[shard].tensors.get(name)
+            if info is None:
+                raise CheckpointError(f"{self.root / shard}: index says it holds tensor {name!r}, but its header does not")
+            out[name] = info
+        return out
+
+    @property
+    def quantization_config(self) -> dict | None:
+        return self.config.get("quantization_config")

@@ -1,0 +1,173 @@
+"""GLM-5.2-shaped bf16 checkpoints built on the spot: the test and benchmark inputs.
+
+Layout (names, shapes, dtypes, shard order, index) follows the real checkpoint; dimensions shrink per
+preset (manifests/fixtures.toml). Weights are deterministic for a seed and drawn like trained weights:
+a small Gaussian with rare large outliers, so quantization error measured on them means something.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError, MxforgeError
+from .glm_layout import GlmLayout
+from .manifest_io import glm52_config, load_manifest
+from .progress import byte_progress
+from .safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
+from .checkpoint import INDEX_NAME
+
+PRESETS = ("tiny", "bench", "full-layout")
+OUTLIER_RATE = 1e-3
+
+
+@dataclass
+class FixtureResult:
+    out: Path
+    preset: str
+    tensors: int
+    shards: int
+    total_size: int
+    seed: int
+
+    def as_dict(self) -> dict:
+        return {"stage": "fixture", "out": str(self.out), "preset": self.preset, "tensors": self.tensors,
+                "shards": self.shards, "total_size": self.total_size, "seed": self.seed}
+
+
+def preset_config(preset: str, gib: float | None = None) -> tuple[dict, dict]:
+    """(config.json dict, preset settings) for a preset; `gib` sizes the bench preset.
+
+    Raises:
+        ConfigError: unknown preset, or --gib given for a preset other than bench.
+    """
+    presets = load_manifest("fixtures.toml")
+    if preset not in presets:
+        raise ConfigError(f"unknown fixture preset {preset!r}; choose one of {', '.join(presets)}")
+    settings = presets[preset]
+    config = glm52_config()
+    config.update(settings.get("config", {}))
+    if gib is not None and "default_gib" not in settings:
+        raise ConfigError(f"--gib applies to the bench preset only, not {preset!r}")
+    if "default_gib" in settings:
+        config["n_routed_experts"] = _experts_for_size(config, (gib or settings["default_gib"]) * 2**30)
+        config["num_experts_per_tok"] = min(int(config["num_experts_per_tok"]), config["n_routed_experts"])
+    return config, settings
+
+
+def _experts_for_size(config: dict, target_bytes: float) -> int:
+    """Routed-expert count that brings the checkpoint closest to target_bytes (at least 1)."""
+    def size(n: int) -> int:
+        return sum(t.nbytes for t in GlmLayout({**config, "n_routed_experts": n}).tensors())
+    base, per_expert = size(1), size(2) - size(1)
+    return max(1, round((target_bytes - base) / per_expert) + 1)
+
+
+def plan_shards(tensors: list[PlannedTensor], shards: int | None = None, shard_bytes: int | None = None) -> list[list[PlannedTensor]]:
+    """Split tensors, in order, into shards greedily under a byte cap, as save_pretrained does.
+
+    With `shards`, the smallest cap giving exactly that many shards is searched for.
+    """
+    def split(cap: int) -> list[list[PlannedTensor]]:
+        out: list[list[PlannedTensor]] = [[]]
+        size = 0
+        for t in tensors:
+            if out[-1] and size + t.nbytes > cap:
+                out.append([])
+                size = 0
+            out[-1].append(t)
+            size += t.nbytes
+        return out
+
+    if shards is None:
+        return split(int(shard_bytes))
+    lo, hi = max(t.nbytes for t in tensors), sum(t.nbytes for t in tensors)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(split(mid)) <= shards:
+            hi = mid
+        else:
+            lo = mid + 1
+    result = split(lo)
+    if len(result) != shards:
+        raise ConfigError(f"cannot split {len(tensors)} tensors into exactly {shards} shards")
+    return result
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def synth_weight(t: PlannedTensor, seed: int):
+    """A deterministic tensor shaped like trained weights (imports torch lazily)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(tensor_seed(seed, t.name))
+    numel = max(1, t.nbytes // (4 if t.dtype == "F32" else 2))
+    if t.name.endswith("norm.weight"):
+        x = 1.0 + 0.05 * torch.randn(numel, generator=gen)
+    elif t.name.endswith("e_score_correction_bias"):
+        x = 1e-3 * torch.randn(numel, generator=gen)
+    elif t.name.endswith(".bias"):
+        x = 0.01 * torch.randn(numel, generator=gen)
+    else:
+        x = torch.randn(numel, generator=gen).mul_(0.02)
+        n_out = int(numel * OUTLIER_RATE)
+        if n_out:
+            idx = torch.randint(0, numel, (n_out,), generator=gen)
+            x[idx] *= torch.empty(n_out).uniform_(8.0, 40.0, generator=gen)
+    dtype = torch.float32 if t.dtype == "F32" else torch.bfloat16
+    return x.to(dtype).reshape(t.shape)
+
+
+SIDE_FILES = {
+    "generation_config.json": lambda c: {"_from_model_config": True, "eos_token_id": c.get("eos_token_id"),
+                                         "pad_token_id": c.get("pad_token_id"), "transformers_version": "5.6.0"},
+    "tokenizer_config.json": lambda c: {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c["max_position_embeddings"],
+                                        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+    "tokenizer.json": lambda c: {"version": "1.0", "model": {"type": "WordLevel", "unk_token": "<unk>",
+                                 "vocab": {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3}},
+                                 "pre_tokenizer": {"type": "Whitespace"}, "added_tokens": []},
+}
+
+
+def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float | None = None,
+                  quiet: bool = False) -> FixtureResult:
+    """Write a GLM-5.2-shaped bf16 checkpoint to `out` (created; must be empty or absent).
+
+    Raises:
+        ConfigError: unknown preset or bad size.
+        MxforgeError: `out` exists and is not empty.
+        CheckpointError: a shard could not be written (nothing half-written is left under a final name).
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MxforgeError(f"{out}: exists and is not an empty directory; choose a new output directory")
+    config, settings = preset_config(preset, gib)
+    layout = GlmLayout(config)
+    tensors = layout.tensors()
+    shards = plan_shards(tensors, settings.get("shards"), settings.get("shard_bytes"))
+    sparse = bool(settings.get("sparse", False))
+    out.mkdir(parents=True, exist_ok=True)
+    total = sum(t.nbytes for t in tensors)
+    weight_map: dict[str, str] = {}
+    with byte_progress(0 if sparse else total, f"fixture {preset}", disable=quiet or sparse) as bar:
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            with ShardWriter(out / name, shard) as writer:
+                if sparse:
+                    writer.skip_to_end()
+                else:
+                    for t in writer.order:
+                        writer.write(t.name, synth_weight(t, seed))
+                        bar.update(t.nbytes)
+            weight_map.update({t.name: name for t in shard})
+    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total},
+                                         "weight_map": dict(sorted(weight_map.items()))})
+    for fname, make in SIDE_FILES.items():
+        write_json_atomic(out / fname, make(config))
+    write_json_atomic(out / "config.json", config)
+    return FixtureResult(out, preset, len(tensors), len(shards), total, seed)

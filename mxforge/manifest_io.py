@@ -1,0 +1,40 @@
+"""Load the declarative data shipped in manifests/ (TOML and JSON), by relative path."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from importlib import resources
+from typing import Any
+
+from .errors import ConfigError
+
+
+def manifest_text(relpath: str) -> str:
+    """Text of manifests/<relpath>.
+
+    Raises:
+        ConfigError: no such manifest.
+    """
+    node = resources.files("mxforge.manifests").joinpath(*relpath.split("/"))
+    if not node.is_file():
+        raise ConfigError(f"manifests/{relpath}: no such manifest")
+    return node.read_text()
+
+
+def load_manifest(relpath: str) -> Any:
+    """Parse manifests/<relpath> as TOML or JSON by its suffix.
+
+    Raises:
+        ConfigError: missing or malformed.
+    """
+    text = manifest_text(relpath)
+    try:
+        return json.loads(text) if relpath.endswith(".json") else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"manifests/{relpath}: malformed ({e})") from None
+
+
+def glm52_config() -> dict:
+    """The real GLM-5.2 config.json fields."""
+    return load_manifest("models/glm-5.2.config.json")

@@ -1,0 +1,1 @@
+"""The MXFP4 quantizer: recipes, numerics, streaming shard writer."""
