@@ -1,0 +1,71 @@
+"""Engine-independent checks: the index and the shards agree, headers parse, sizes add up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mxforge.checkpoint import INDEX_NAME, Checkpoint
+from mxforge.errors import CheckpointError
+from mxforge.safetensors_io import read_header
+
+from .report import Problem
+
+REDOWNLOAD = "re-download or re-create the shard"
+
+
+def _duplicate_keys(pairs):
+    seen, dups = {}, []
+    for k, v in pairs:
+        if k in seen:
+            dups.append(k)
+        seen[k] = v
+    if dups:
+        seen["__duplicate_keys__"] = dups
+    return seen
+
+
+def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], dict]:
+    """Every index key once, every shard present and parseable, no orphans, total_size right."""
+    problems: list[Problem] = []
+    root = ckpt.root
+    if ckpt.has_index:
+        raw = json.loads((root / INDEX_NAME).read_text(), object_pairs_hook=_duplicate_keys)
+        for key in raw.get("weight_map", {}).get("__duplicate_keys__", []):
+            problems.append(Problem("integrity", f"{INDEX_NAME}:{key}", "tensor listed more than once in weight_map",
+                                    "keep one entry per tensor (the shard that really holds it)"))
+    headers = {}
+    for shard in ckpt.shard_names:
+        path = root / shard
+        if not path.exists():
+            problems.append(Problem("integrity", shard, "named by the index but missing on disk", f"{REDOWNLOAD}, or fix the index"))
+            continue
+        try:
+            headers[shard] = read_header(path)
+        except CheckpointError as e:
+            problems.append(Problem("integrity", shard, str(e).removeprefix(f"{path}: "), REDOWNLOAD))
+    total = 0
+    for name, shard in ckpt.weight_map.items():
+        header = headers.get(shard)
+        if header is None:
+            continue
+        info = header.tensors.get(name)
+        if info is None:
+            problems.append(Problem("integrity", name, f"index maps it to {shard}, whose header does not hold it",
+                                    "fix the index or restore the tensor"))
+        else:
+            total += info.nbytes
+    for shard, header in headers.items():
+        for name in header.tensors:
+            if ckpt.weight_map.get(name) != shard:
+                problems.append(Problem("integrity", f"{shard}:{name}", "tensor in the shard is not mapped to it by the index",
+                                        "add it to the index's weight_map or remove it from the shard"))
+    unreferenced = sorted(p.name for p in root.glob("*.safetensors") if p.name not in set(ckpt.shard_names))
+    for name in unreferenced:
+        problems.append(Problem("integrity", name, "safetensors file not referenced by the index",
+                                "remove it, or add its tensors to the index"))
+    declared = ckpt.index_metadata.get("total_size")
+    if ckpt.has_index and not problems and declared != total:
+        problems.append(Problem("integrity", f"{INDEX_NAME}:metadata.total_size",
+                                f"says {declared} but the tensors hold {total} bytes", f"set total_size to {total}"))
+    return problems, {"shards": len(ckpt.shard_names), "tensors": len(ckpt.weight_map), "bytes": total}

@@ -1,0 +1,62 @@
+import json
+import shutil
+
+import pytest
+
+from mxforge.fixups.validate import validate_checkpoint
+
+from conftest import run_cli
+
+
+@pytest.fixture
+def ckpt(tiny_ckpt, tmp_path):
+    out = tmp_path / "c"
+    shutil.copytree(tiny_ckpt, out)
+    return out
+
+
+def _index(ckpt):
+    return json.loads((ckpt / "model.safetensors.index.json").read_text())
+
+
+def _write_index(ckpt, index):
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_clean_checkpoint_passes(tiny_ckpt):
+    report = validate_checkpoint(tiny_ckpt)
+    assert report.ok, report.format()
+    assert report.checked["integrity"]["tensors"] == 258
+    proc = run_cli("validate", str(tiny_ckpt))
+    assert proc.returncode == 0 and "OK" in proc.stdout
+
+
+def test_wrong_total_size(ckpt):
+    index = _index(ckpt)
+    index["metadata"]["total_size"] += 2
+    _write_index(ckpt, index)
+    report = validate_checkpoint(ckpt)
+    assert [p.subject for p in report.problems] == ["model.safetensors.index.json:metadata.total_size"]
+    proc = run_cli("validate", str(ckpt), "--json")
+    assert proc.returncode == 1 and json.loads(proc.stdout)["ok"] is False
+
+
+def test_missing_shard_orphans_and_truncation(ckpt):
+    index = _index(ckpt)
+    name = "model.layers.0.input_layernorm.weight"
+    index["weight_map"]["model.layers.0.not_a_tensor.weight"] = index["weight_map"][name]
+    del index["weight_map"][name]
+    _write_index(ckpt, index)
+    shard = ckpt / "model-00003-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    subjects = {p.subject: p.message for p in validate_checkpoint(ckpt).problems}
+    assert "model.layers.0.not_a_tensor.weight" in subjects
+    assert any(s.endswith(name) and "not mapped" in m for s, m in subjects.items())
+    assert "truncated" in subjects["model-00003-of-00003.safetensors"]
+    (ckpt / "model-00002-of-00003.safetensors").unlink()
+    assert "missing on disk" in {p.subject: p.message for p in validate_checkpoint(ckpt).problems}["model-00002-of-00003.safetensors"]
+
+
+def test_cannot_run_exits_2(tmp_path):
+    proc = run_cli("validate", str(tmp_path))
+    assert proc.returncode == 2 and "no config.json" in proc.stderr
