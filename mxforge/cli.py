@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Callable
 
-from . import __version__
+from . import __version__, hub_cli
 from .errors import MxforgeError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
@@ -100,6 +100,8 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "fixture": (register_fixture, run_fixture),
     "inspect": (register_inspect, run_inspect),
     "validate": (register_validate, run_validate),
+    "download": (hub_cli.register_download, hub_cli.run_download),
+    "push": (hub_cli.register_push, hub_cli.run_push),
 }
 
 

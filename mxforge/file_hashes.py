@@ -1,0 +1,124 @@
+"""Content hashes of checkpoint files: sha256 (what the Hub records for LFS files) and git blob sha1
+(what it records for regular files), hashed in parallel and cached by (size, mtime) so reruns skip them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from .progress import byte_progress
+from .safetensors_io import write_json_atomic
+
+CHUNK = 8 << 20  # hashlib releases the GIL on large updates, so threads hash in parallel
+CACHE_NAME = Path(".cache") / "mxforge" / "hashes.json"
+
+
+@dataclass(frozen=True)
+class FileHash:
+    name: str       # path relative to the checkpoint root, with '/'
+    size: int
+    sha256: str
+    git_sha1: str   # git blob id of the content (compared with the Hub's blobId for non-LFS files)
+
+
+def hash_file(path: Path, progress=None) -> tuple[str, str]:
+    """(sha256, git blob sha1) of a file in one read pass.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    size = path.stat().st_size
+    sha256, sha1 = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            sha256.update(chunk)
+            sha1.update(chunk)
+            if progress is not None:
+                progress.update(len(chunk))
+    return sha256.hexdigest(), sha1.hexdigest()
+
+
+class HashCache:
+    """Hashes of files under `root`, remembered in ROOT/.cache/mxforge/hashes.json by (size, mtime_ns)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.path = self.root / CACHE_NAME
+        self._lock = threading.Lock()
+        try:
+            self._entries: dict[str, dict] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self._entries = {}
+
+    def _stamp(self, name: str) -> tuple[int, int]:
+        st = (self.root / name).stat()
+        return st.st_size, st.st_mtime_ns
+
+    def get(self, name: str) -> FileHash | None:
+        entry = self._entries.get(name)
+        try:
+            if entry and (entry["size"], entry["mtime_ns"]) == self._stamp(name):
+                return FileHash(name, entry["size"], entry["sha256"], entry["git_sha1"])
+        except (OSError, KeyError):
+            pass
+        return None
+
+    def put(self, fh: FileHash) -> None:
+        size, mtime_ns = self._stamp(fh.name)
+        with self._lock:
+            self._entries[fh.name] = {"size": size, "mtime_ns": mtime_ns, "sha256": fh.sha256, "git_sha1": fh.git_sha1}
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._entries.pop(name, None)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            write_json_atomic(self.path, self._entries)
+
+
+def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = False, desc: str = "sha256") -> dict[str, FileHash]:
+    """Hash `names` (relative to root) in parallel, reusing cached hashes of unchanged files.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    root = Path(root)
+    cache = HashCache(root)
+    out = {n: h for n in names if (h := cache.get(n)) is not None}
+    todo = [n for n in names if n not in out]
+    total = sum((root / n).stat().st_size for n in todo)
+    with byte_progress(total, desc, disable=quiet or not todo) as bar:
+        def one(name: str) -> FileHash:
+            sha256, sha1 = hash_file(root / name, bar)
+            fh = FileHash(name, (root / name).stat().st_size, sha256, sha1)
+            cache.put(fh)
+            return fh
+
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo) or 1))) as pool:
+            for fh in pool.map(one, todo):
+                out[fh.name] = fh
+    if todo:
+        cache.save()
+    return {n: out[n] for n in names}
+
+
+def checkpoint_files(root: Path) -> list[str]:
+    """Every file under root that belongs to the checkpoint: not .cache/, .git/, or unfinished *.partial."""
+    root = Path(root)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        if rel_dir == Path("."):
+            dirnames[:] = [d for d in dirnames if d not in (".cache", ".git")]
+        for f in filenames:
+            if not f.endswith(".partial"):
+                out.append((rel_dir / f).as_posix())
+    return sorted(out)

@@ -1,0 +1,79 @@
+"""`mxforge download` and `mxforge push`: the command-line side of hub I/O."""
+
+from __future__ import annotations
+
+import argparse
+
+# mxforge.cli imports this module: take its helpers at call time, never at import time.
+
+
+def _quiet_hub(quiet: bool) -> None:
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def register_download(sub) -> argparse.ArgumentParser:
+    from .cli import add_json_option
+
+    p = sub.add_parser("download", help="download a Hub repo at one commit, resumably, verifying every file's hash",
+                       description="Download REPO_ID into DEST through huggingface_hub: resolves the revision to a commit, "
+                       "checks free disk space first, resumes interrupted files on rerun, verifies every file against the "
+                       "Hub's sha256 / git hash, and records DEST/mxforge_source.json. Honours HF_TOKEN, HF_ENDPOINT, HF_HOME, "
+                       "HF_HUB_OFFLINE and the Hub's other usual variables.")
+    p.add_argument("repo_id", help="Hub repo, e.g. zai-org/GLM-5.2")
+    p.add_argument("dest", help="destination directory (created; rerun into the same one to resume)")
+    p.add_argument("--revision", default="main", help="branch, tag or commit sha (default main)")
+    p.add_argument("--include", action="append", metavar="GLOB", help="download only files matching GLOB (repeatable)")
+    p.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB (repeatable)")
+    p.add_argument("--workers", type=int, default=8, help="parallel file downloads and hash threads (default 8)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_json_option(p)
+    return p
+
+
+def run_download(args) -> int:
+    from .cli import EXIT_OK, emit
+    from .hub_download import download
+
+    _quiet_hub(args.quiet)
+    r = download(args.repo_id, args.dest, revision=args.revision, include=args.include, exclude=args.exclude,
+                 workers=args.workers, quiet=args.quiet)
+    report = r.as_dict()
+    emit(report, args.json, f"downloaded {r.repo_id}@{r.revision} (commit {r.commit}) to {r.dest}: {report['files']} files, "
+         f"{report['bytes']:,} bytes, every hash verified against the Hub")
+    return EXIT_OK
+
+
+def register_push(sub) -> argparse.ArgumentParser:
+    from .cli import add_json_option
+
+    p = sub.add_parser("push", help="validate, write the model card, upload resumably and verify the remote hashes",
+                       description="Validate CKPT (refusing, before any network call, when it fails), write its model card "
+                       "README.md, upload with huggingface_hub's resumable large-folder upload (rerun to resume), then compare "
+                       "the Hub's sha256 of every file with the local one. Needs HF_TOKEN (or `hf auth login`) with write access.")
+    p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("repo_id", help="target Hub repo, e.g. me/GLM-5.2-MXFP4 (created if missing)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--branch", default=None, help="push to this branch (created from main if missing; default main)")
+    p.add_argument("--force", action="store_true", help="push even though validate fails (the card says so)")
+    p.add_argument("--engines", default=None, metavar="E[,E...]", help="engine profiles to validate against (default: validate's own)")
+    p.add_argument("--workers", type=int, default=8, help="hash threads (default 8)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_json_option(p)
+    return p
+
+
+def run_push(args) -> int:
+    from .cli import EXIT_OK, emit
+    from .hub_push import push
+
+    _quiet_hub(args.quiet)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()] if args.engines else None
+    r = push(args.ckpt, args.repo_id, private=args.private, branch=args.branch, force=args.force, engines=engines,
+             workers=args.workers, quiet=args.quiet)
+    forced = " (FORCED past failed validation)" if r.forced else ""
+    emit(r.as_dict(), args.json, f"pushed {args.ckpt} to {r.endpoint}/{r.repo_id} branch {r.branch} (commit {r.commit}){forced}: "
+         f"{len(r.files)} files, every remote sha256 matches the local one")
+    return EXIT_OK

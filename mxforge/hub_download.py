@@ -1,0 +1,245 @@
+"""`mxforge download`: fetch a Hub repo at one resolved commit, resumably, and verify every byte.
+
+1. Resolve the revision to a commit sha and read every file's size and hash from the Hub's metadata.
+2. Refuse before downloading anything if DEST's filesystem cannot hold the files still missing.
+3. Download each file through huggingface_hub (see hub_transfer: hf_xet where the Hub offers it; plain
+   HTTP otherwise, into DEST/.cache/mxforge/download/*.partial, continued with Range on rerun).
+4. Hash every file and compare with the Hub's metadata: sha256 for LFS files, the git blob id for the
+   rest. A file that does not match is deleted (so a rerun fetches it again) and named in the error.
+5. Write DEST/mxforge_source.json: repo, revision, commit sha, endpoint, files with size and sha256, command.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from huggingface_hub import HfApi
+from huggingface_hub.utils import filter_repo_objects
+
+from .errors import MxforgeError
+from .file_hashes import HashCache, hash_files
+from .hub_transfer import PARTIAL_DIR, fetch_file, kept_partial_bytes
+from .hub_errors import HubVerificationError, hub_endpoint, raise_as_hub_error, redact
+from .progress import byte_progress
+from .safetensors_io import write_json_atomic
+
+SOURCE_NAME = "mxforge_source.json"
+HF_DOWNLOAD_DIR = Path(".cache") / "huggingface" / "download"
+
+
+class DiskSpaceError(MxforgeError):
+    """DEST's filesystem cannot hold the files to download."""
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str
+    size: int
+    sha256: str | None   # the LFS sha256 (None: a regular git file)
+    blob_id: str | None  # the git blob id (of the LFS pointer for LFS files)
+
+    @property
+    def is_lfs(self) -> bool:
+        return self.sha256 is not None
+
+
+@dataclass
+class DownloadResult:
+    dest: Path
+    repo_id: str
+    revision: str
+    commit: str
+    endpoint: str
+    files: list[dict] = field(default_factory=list)
+    downloaded_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {"stage": "download", "dest": str(self.dest), "repo_id": self.repo_id, "revision": self.revision,
+                "commit": self.commit, "endpoint": self.endpoint, "files": len(self.files),
+                "bytes": sum(f["size"] for f in self.files), "downloaded_bytes": self.downloaded_bytes,
+                "verified": True}
+
+
+def remote_files(api: HfApi, repo_id: str, revision: str) -> tuple[str, list[RemoteFile]]:
+    """(commit sha, files with size and hashes) of a repo at a revision.
+
+    Raises:
+        HubError: missing/gated repo, unknown revision, unreachable Hub.
+    """
+    try:
+        info = api.model_info(repo_id, revision=revision, files_metadata=True)
+    except Exception as e:
+        raise_as_hub_error(e, repo_id=repo_id, revision=revision, action="read the file list of")
+        raise
+    files = [RemoteFile(s.rfilename, int(s.size or 0), s.lfs.sha256 if s.lfs else None, s.blob_id)
+             for s in info.siblings or []]
+    return info.sha, files
+
+
+def select(files: list[RemoteFile], include: list[str] | None, exclude: list[str] | None) -> list[RemoteFile]:
+    """The files matching any --include glob (all if none) and no --exclude glob."""
+    names = set(filter_repo_objects([f.name for f in files], allow_patterns=include or None, ignore_patterns=exclude or None))
+    return [f for f in files if f.name in names]
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_disk_space(dest: Path, files: list[RemoteFile]) -> int:
+    """Bytes still to download; refuse when DEST's filesystem has less free space than that.
+
+    Files already at their full size count as present (they are verified afterwards); bytes kept from
+    an interrupted download are not subtracted, so the check errs on the safe side.
+
+    Raises:
+        DiskSpaceError: not enough free space, naming the need, the free space and the largest file.
+    """
+    missing = [f for f in files if not ((dest / f.name).is_file() and (dest / f.name).stat().st_size == f.size)]
+    needed = sum(f.size for f in missing)
+    where = _existing_ancestor(dest)
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        largest = max(missing, key=lambda f: f.size)
+        raise DiskSpaceError(
+            f"{dest}: {len(missing)} file(s) need {needed / 1e9:,.2f} GB but the filesystem of {where} has only "
+            f"{free / 1e9:,.2f} GB free (largest: {largest.name}, {largest.size / 1e9:,.2f} GB): free space or "
+            "choose another DEST; nothing was downloaded")
+    return needed
+
+
+def _bar_proxy(bar):
+    """A tqdm stand-in class that huggingface_hub instantiates per file; it feeds one shared byte bar."""
+    class FileBar:
+        def __init__(self, *args, **kwargs):
+            if kwargs.get("initial"):
+                bar.update(kwargs["initial"])
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n=1):
+            bar.update(n or 0)
+
+        def update_transfer(self, n=1):
+            pass
+
+        def set_postfix_str(self, *args, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    return FileBar
+
+
+def _fetch_all(api: HfApi, repo_id: str, commit: str, dest: Path, files: list[RemoteFile], needed: int,
+               workers: int, quiet: bool) -> None:
+    """Download every file (skipping finished ones); raise the first failure after all others finished.
+
+    Raises:
+        HubError: a file could not be downloaded (its partial bytes are kept for a rerun).
+    """
+    with byte_progress(needed, "download", disable=quiet) as bar:
+        file_bar = _bar_proxy(bar)
+
+        def one(f: RemoteFile) -> BaseException | None:
+            try:
+                fetch_file(repo_id, f.name, commit, f.size, dest, endpoint=api.endpoint, token=api.token,
+                           bar=bar, hf_tqdm_class=file_bar)
+                return None
+            except Exception as e:  # collected, mapped below
+                return e
+
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(files)))) as pool:
+            failures = [(f, e) for f, e in zip(files, pool.map(one, files)) if e is not None]
+    if failures:
+        f, e = failures[0]
+        others = f" ({len(failures) - 1} other file(s) failed too)" if len(failures) > 1 else ""
+        kept = kept_partial_bytes(dest)
+        if isinstance(e, OSError) and "Consistency check failed" in str(e):
+            e = httpx.RemoteProtocolError("the server sent fewer bytes than the file's size")
+        try:
+            raise_as_hub_error(e, repo_id=repo_id, revision=commit, filename=f.name, action="download")
+        except MxforgeError as mapped:
+            raise type(mapped)(f"{mapped}{others}; {kept:,} bytes of unfinished downloads are kept in "
+                               f"{dest / PARTIAL_DIR}") from None
+        raise MxforgeError(redact(f"{repo_id} file {f.name!r}: download failed ({type(e).__name__}: {e}){others}; "
+                                  "rerun the same command to resume")) from None
+
+
+def _verify(dest: Path, files: list[RemoteFile], workers: int, quiet: bool) -> dict:
+    """Hash every file and compare with the Hub's metadata; delete and name those that differ.
+
+    Raises:
+        HubVerificationError: one or more files do not match (they were deleted; a rerun fetches them again).
+    """
+    hashes = hash_files(dest, [f.name for f in files], workers=workers, quiet=quiet, desc="verify")
+    bad = []
+    for f in files:
+        h = hashes[f.name]
+        if f.is_lfs:
+            if h.sha256 != f.sha256 or h.size != f.size:
+                bad.append(f"{f.name}: sha256 {h.sha256[:12]}… ({h.size:,} bytes), the Hub says {f.sha256[:12]}… ({f.size:,} bytes)")
+        elif f.blob_id and h.git_sha1 != f.blob_id:
+            bad.append(f"{f.name}: git blob id {h.git_sha1[:12]}…, the Hub says {f.blob_id[:12]}…")
+    if bad:
+        cache = HashCache(dest)
+        for f in files:
+            if any(b.startswith(f"{f.name}:") for b in bad):
+                (dest / f.name).unlink(missing_ok=True)
+                (dest / HF_DOWNLOAD_DIR / f"{f.name}.metadata").unlink(missing_ok=True)
+                cache.forget(f.name)
+        cache.save()
+        raise HubVerificationError(
+            f"{dest}: {len(bad)} file(s) do not match the Hub's metadata and were deleted: {'; '.join(bad)}: "
+            "rerun the same command to download them again; if it happens again, the Hub or a proxy serves corrupt bytes")
+    return hashes
+
+
+def download(repo_id: str, dest: str | Path, *, revision: str = "main", include: list[str] | None = None,
+             exclude: list[str] | None = None, workers: int = 8, quiet: bool = False,
+             command: str | None = None) -> DownloadResult:
+    """Download, verify and record a Hub repo at a revision into DEST (see the module docstring).
+
+    Raises:
+        HubError: missing/gated repo, unknown revision, unreachable Hub, dropped connection (rerun resumes).
+        DiskSpaceError: DEST cannot hold the files (checked before any download).
+        HubVerificationError: a downloaded file does not hash to the Hub's metadata.
+        MxforgeError: no file matches the filters, or DEST is not a directory.
+    """
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise MxforgeError(f"{dest}: exists and is not a directory; pass a directory for DEST")
+    api = HfApi()
+    commit, files = remote_files(api, repo_id, revision)
+    chosen = select(files, include, exclude)
+    if not chosen:
+        raise MxforgeError(f"{repo_id}@{revision}: none of its {len(files)} files match --include {include or '*'} "
+                           f"--exclude {exclude or '(none)'}; widen the filters")
+    needed = check_disk_space(dest, chosen)
+    dest.mkdir(parents=True, exist_ok=True)
+    if needed:
+        _fetch_all(api, repo_id, commit, dest, chosen, needed, workers, quiet)
+    hashes = _verify(dest, chosen, workers, quiet)
+    result = DownloadResult(dest, repo_id, revision, commit, hub_endpoint(), downloaded_bytes=needed)
+    result.files = [{"name": f.name, "size": hashes[f.name].size, "sha256": hashes[f.name].sha256, "lfs": f.is_lfs}
+                    for f in chosen]
+    write_json_atomic(dest / SOURCE_NAME, {
+        "repo_id": repo_id, "revision": revision, "commit": commit, "endpoint": result.endpoint,
+        "include": include or [], "exclude": exclude or [], "files": result.files,
+        "command": redact(command if command is not None else shlex.join(["mxforge", *sys.argv[1:]])),
+    })
+    return result

@@ -1,0 +1,549 @@
+"""A loopback Hugging Face Hub: the HTTP endpoints huggingface_hub's client uses, served from local files.
+
+Tests and demos point `HF_ENDPOINT` at it and run the real client (and the real `mxforge` command) over
+real HTTP on 127.0.0.1. It speaks exactly what huggingface_hub 1.x sends and expects:
+
+  GET  /api/whoami-v2                                   who the bearer token belongs to
+  GET  /api/models/{repo}[/revision/{rev}][?blobs=true] repo info, `sha`, `siblings` (size, blobId, lfs.sha256)
+  POST /api/repos/create                                create a repo (409 if it exists)
+  POST /api/validate-yaml                               README.md front matter check (sent before committing it)
+  POST /api/models/{repo}/branch/{branch}               create a branch (409 if it exists)
+  GET  /api/models/{repo}/commits/{rev}                 commit list
+  POST /api/models/{repo}/preupload/{rev}               upload mode per file (lfs / regular)
+  POST /{repo}.git/info/lfs/objects/batch               LFS batch: where to PUT each object
+  PUT  /lfs-objects/{oid}                               LFS object upload (sha256 checked)
+  POST /api/models/{repo}/commit/{rev}                  ndjson commit (header, file, lfsFile)
+  HEAD /{repo}/resolve/{rev}/{path}                     X-Repo-Commit, ETag, X-Linked-Etag, X-Linked-Size
+  GET  /{repo}/resolve/{rev}/{path}                     the bytes, honouring `Range: bytes=N-`
+
+It never advertises Xet (no X-Xet-* headers, no `xetHash`), so downloads use plain HTTP; uploads pick Xet
+whenever hf_xet is installed, so clients talking to this server must set `HF_HUB_DISABLE_XET=1`.
+Errors carry the Hub's headers (`X-Error-Code: RepoNotFound | RevisionNotFound | EntryNotFound | GatedRepo`,
+`X-Error-Message`) so the client raises its usual exception classes.
+
+Fault injection (attributes of `LoopbackHub`, for tests): `drop_at` cuts a download off at a byte offset,
+`corrupt` serves flipped bytes, `reported_size` makes metadata claim another size, `misreport_sha256`
+makes metadata claim another LFS sha256. `requests` logs (method, path, Range) of every request.
+
+Standalone: `python scripts/loopback_hub.py --root DIR [--port N] [--token T]`: every DIR/<owner>/<name>/
+directory is served as a model repo on branch main; pushed objects are kept under DIR/.loopback-hub/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+# Stored in LFS as the Hub's default .gitattributes does, or when large.
+LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.onnx", "*.ckpt")
+LFS_MIN_SIZE = 10 * 1024 * 1024
+CHUNK = 1 << 20
+INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
+
+
+def is_lfs_path(path: str, size: int) -> bool:
+    return size >= LFS_MIN_SIZE or any(fnmatch(path.rsplit("/", 1)[-1], p) for p in LFS_PATTERNS)
+
+
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def lfs_pointer(sha256: str, size: int) -> bytes:
+    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file at one commit: its bytes live at `disk_path`."""
+
+    disk_path: Path
+    size: int
+    sha256: str
+    lfs: bool
+
+    @property
+    def pointer(self) -> bytes:
+        return lfs_pointer(self.sha256, self.size)
+
+    @property
+    def blob_id(self) -> str:
+        if self.lfs:
+            return git_blob_sha1(self.pointer)
+        return git_blob_sha1(self.disk_path.read_bytes())
+
+
+@dataclass
+class Commit:
+    sha: str
+    title: str
+    files: dict[str, HubFile]
+    parent: str | None
+    date: float = field(default_factory=time.time)
+
+
+@dataclass
+class HubRepo:
+    repo_id: str
+    private: bool = False
+    gated: bool = False
+    granted: set[str] = field(default_factory=set)   # users who accepted a gated repo's conditions
+    branches: dict[str, str] = field(default_factory=dict)
+    commits: dict[str, Commit] = field(default_factory=dict)
+
+    def resolve(self, revision: str) -> Commit | None:
+        sha = self.branches.get(revision, revision)
+        return self.commits.get(sha)
+
+
+class HubError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+class LoopbackHub:
+    """The Hub's state (repos, tokens, blobs), its fault switches and the HTTP server around them."""
+
+    def __init__(self, root: str | Path, tokens: dict[str, str] | None = None):
+        self.root = Path(root)
+        self.blob_dir = self.root / ".loopback-hub" / "blobs"
+        self.blob_dir.mkdir(parents=True, exist_ok=True)
+        self.tokens: dict[str, str] = dict(tokens or {})   # token -> user name
+        self.repos: dict[str, HubRepo] = {}
+        self.lock = threading.RLock()
+        # Fault injection.
+        self.drop_at: dict[str, tuple[int, int]] = {}      # path -> (byte offset where the connection drops, times left)
+        self.corrupt: set[str] = set()                      # paths served with one byte flipped
+        self.reported_size: dict[str, int] = {}             # path -> size claimed by the metadata
+        self.misreport_sha256: set[str] = set()             # paths whose metadata claims another LFS sha256
+        self.requests: list[tuple[str, str, str | None]] = []
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- state ------------------------------------------------------------------------------------
+    def add_repo_from_dir(self, repo_id: str, src: str | Path, *, gated: bool = False, private: bool = False,
+                          granted: set[str] | None = None, branch: str = "main") -> str:
+        """Serve the files under `src` (except .cache/) as a repo's first commit; returns its sha."""
+        src = Path(src)
+        files = {}
+        for p in sorted(src.rglob("*")):
+            rel = p.relative_to(src).as_posix()
+            if p.is_file() and not rel.startswith(".cache/"):
+                size = p.stat().st_size
+                files[rel] = HubFile(p, size, file_sha256(p), is_lfs_path(rel, size))
+        with self.lock:
+            repo = self.repos.setdefault(repo_id, HubRepo(repo_id, private=private, gated=gated, granted=set(granted or ())))
+            return self._commit(repo, branch, files, f"Upload {src.name}")
+
+    def _commit(self, repo: HubRepo, branch: str, files: dict[str, HubFile], title: str) -> str:
+        parent = repo.branches.get(branch)
+        digest = hashlib.sha1(json.dumps([parent, title, time.time_ns(),
+                                          sorted((k, v.sha256) for k, v in files.items())]).encode()).hexdigest()
+        repo.commits[digest] = Commit(digest, title, files, parent)
+        repo.branches[branch] = digest
+        return digest
+
+    # --- server -----------------------------------------------------------------------------------
+    def start(self, port: int = 0) -> str:
+        """Serve on 127.0.0.1 (port 0: an ephemeral one) in a daemon thread; returns the endpoint URL."""
+        hub = self
+
+        class Handler(_HubHandler):
+            pass
+
+        Handler.hub = hub
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="loopback-hub", daemon=True)
+        self._thread.start()
+        return self.endpoint
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    # --- auth -------------------------------------------------------------------------------------
+    def user_for(self, headers) -> str | None:
+        """The user a request's bearer token belongs to (None without a token).
+
+        Raises:
+            HubError: a token was sent but is not known (401, as the Hub answers).
+        """
+        auth = headers.get("Authorization") or ""
+        if not auth.lower().startswith("bearer "):
+            return None
+        user = self.tokens.get(auth.split(" ", 1)[1].strip())
+        if user is None:
+            raise HubError(401, INVALID_CREDENTIALS)
+        return user
+
+    def readable_repo(self, repo_id: str, user: str | None) -> HubRepo:
+        repo = self.repos.get(repo_id)
+        if repo is None or (repo.private and user is None):
+            raise HubError(404 if user else 401, "Repository not found", "RepoNotFound")
+        if repo.gated and user not in repo.granted:
+            if user is None:
+                raise HubError(401, f"Access to model {repo_id} is restricted. You must have access to it and be "
+                               "authenticated to access it. Please log in.", "GatedRepo")
+            raise HubError(403, f"Access to model {repo_id} is restricted and you are not in the authorized list. "
+                           f"Visit {self.endpoint}/{repo_id} to ask for access.", "GatedRepo")
+        return repo
+
+    def writable_repo(self, repo_id: str, user: str | None) -> HubRepo:
+        if user is None:
+            raise HubError(401, "You must be authenticated to write to a repo")
+        repo = self.repos.get(repo_id)
+        if repo is None:
+            raise HubError(404, "Repository not found", "RepoNotFound")
+        if repo_id.split("/")[0] != user:
+            raise HubError(403, f"You don't have the rights to write to {repo_id}")
+        return repo
+
+
+def _revision_or_404(repo: HubRepo, revision: str) -> Commit:
+    commit = repo.resolve(revision)
+    if commit is None:
+        raise HubError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
+    return commit
+
+
+_REPO = r"(?P<repo>[^/]+/[^/]+)"
+ROUTES = [
+    ("GET", re.compile(r"^/api/whoami-v2$"), "whoami"),
+    ("POST", re.compile(r"^/api/repos/create$"), "create_repo"),
+    ("POST", re.compile(r"^/api/validate-yaml$"), "validate_yaml"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/revision/(?P<rev>[^/]+)$"), "repo_info"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}$"), "repo_info"),
+    ("POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<rev>[^/]+)$"), "create_branch"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/commits/(?P<rev>[^/]+)$"), "list_commits"),
+    ("POST", re.compile(rf"^/api/models/{_REPO}/preupload/(?P<rev>[^/]+)$"), "preupload"),
+    ("POST", re.compile(rf"^/api/models/{_REPO}/commit/(?P<rev>[^/]+)$"), "commit"),
+    ("POST", re.compile(rf"^/{_REPO}\.git/info/lfs/objects/batch$"), "lfs_batch"),
+    ("PUT", re.compile(r"^/lfs-objects/(?P<oid>[0-9a-f]{64})$"), "lfs_put"),
+    ("HEAD", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
+    ("GET", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
+]
+
+
+class _HubHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    hub: LoopbackHub
+
+    def log_message(self, format, *args) -> None:  # quiet: tests read `hub.requests` instead
+        pass
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_HEAD(self):
+        self._dispatch("HEAD")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def _dispatch(self, method: str) -> None:
+        url = urlsplit(self.path)
+        self.query = parse_qs(url.query)
+        self.hub.requests.append((method, unquote(url.path), self.headers.get("Range")))
+        body = self._read_body()
+        try:
+            for route_method, pattern, name in ROUTES:
+                m = pattern.match(url.path)
+                if m and route_method == method:
+                    params = {k: unquote(v) for k, v in m.groupdict().items()}
+                    return getattr(self, f"h_{name}")(body=body, **params)
+            raise HubError(404, f"no route for {method} {url.path}")
+        except HubError as e:
+            self._send_json({"error": e.message}, e.status, {"X-Error-Code": e.code, "X-Error-Message": e.message})
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _read_body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _send_json(self, obj, status: int = 200, headers: dict | None = None) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            if v is not None:
+                self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _user(self) -> str | None:
+        return self.hub.user_for(self.headers)
+
+    # --- read endpoints ---------------------------------------------------------------------------
+    def h_whoami(self, body: bytes) -> None:
+        user = self._user()
+        if user is None:
+            raise HubError(401, INVALID_CREDENTIALS)
+        self._send_json({"type": "user", "name": user, "fullname": user, "orgs": [],
+                         "auth": {"type": "access_token", "accessToken": {"displayName": "loopback", "role": "write"}}})
+
+    def h_repo_info(self, body: bytes, repo: str, rev: str = "main") -> None:
+        hub = self.hub
+        with hub.lock:
+            r = hub.readable_repo(repo, self._user())
+            commit = _revision_or_404(r, rev)
+        blobs = self.query.get("blobs", ["false"])[0].lower() in ("1", "true")
+        siblings = []
+        for path, f in sorted(commit.files.items()):
+            entry: dict = {"rfilename": path}
+            if blobs:
+                size = hub.reported_size.get(path, f.size)
+                entry.update(size=size, blobId=f.blob_id)
+                if f.lfs:
+                    sha = f.sha256 if path not in hub.misreport_sha256 else hashlib.sha256(f.sha256.encode()).hexdigest()
+                    entry["lfs"] = {"sha256": sha, "size": size, "pointerSize": len(f.pointer)}
+            siblings.append(entry)
+        self._send_json({"_id": hashlib.md5(repo.encode()).hexdigest()[:24], "id": repo, "modelId": repo,
+                         "author": repo.split("/")[0], "sha": commit.sha, "private": r.private,
+                         "gated": "manual" if r.gated else False, "disabled": False, "downloads": 0, "likes": 0,
+                         "tags": [], "siblings": siblings,
+                         "lastModified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(commit.date))})
+
+    def h_list_commits(self, body: bytes, repo: str, rev: str) -> None:
+        with self.hub.lock:
+            r = self.hub.readable_repo(repo, self._user())
+            commit, out = _revision_or_404(r, rev), []
+            while commit is not None:
+                out.append({"id": commit.sha, "title": commit.title, "message": "", "authors": [],
+                            "date": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(commit.date))})
+                commit = r.commits.get(commit.parent) if commit.parent else None
+        self._send_json(out)
+
+    def h_resolve(self, body: bytes, repo: str, rev: str, path: str) -> None:
+        hub = self.hub
+        with hub.lock:
+            r = hub.readable_repo(repo, self._user())
+            commit = _revision_or_404(r, rev)
+            f = commit.files.get(path)
+            if f is None:
+                raise HubError(404, "Entry not found", "EntryNotFound")
+        etag = f.sha256 if f.lfs else f.blob_id
+        headers = {"X-Repo-Commit": commit.sha, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+        if f.lfs:
+            headers.update({"X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.size)})
+        start = 0
+        rng = self.headers.get("Range")
+        if rng:
+            m = re.fullmatch(r"bytes=(\d+)-", rng.strip())
+            if not m or int(m.group(1)) > f.size:
+                raise HubError(416, f"unsatisfiable range {rng}")
+            start = int(m.group(1))
+        self.send_response(206 if rng else 200)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(f.size - start))
+        if rng:
+            self.send_header("Content-Range", f"bytes {start}-{f.size - 1}/{f.size}")
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        stop = f.size
+        with hub.lock:
+            drop = hub.drop_at.get(path)
+            if drop is not None:
+                offset, times = drop
+                stop = max(start, min(offset, f.size))
+                hub.drop_at[path] = (offset, times - 1)
+                if times <= 1:
+                    del hub.drop_at[path]
+        corrupt_at = f.size // 2 if path in hub.corrupt else -1
+        with open(f.disk_path, "rb") as src:
+            src.seek(start)
+            pos = start
+            while pos < stop:
+                chunk = bytearray(src.read(min(CHUNK, stop - pos)))
+                if pos <= corrupt_at < pos + len(chunk):
+                    chunk[corrupt_at - pos] ^= 0xFF
+                self.wfile.write(chunk)
+                pos += len(chunk)
+        if stop < f.size:  # the injected drop: cut the connection mid-body
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    # --- write endpoints --------------------------------------------------------------------------
+    def h_create_repo(self, body: bytes) -> None:
+        user = self._user()
+        if user is None:
+            raise HubError(401, "You must be authenticated to create a repo")
+        payload = json.loads(body or b"{}")
+        repo_id = f"{payload.get('organization') or user}/{payload['name']}"
+        if repo_id.split("/")[0] != user:
+            raise HubError(403, f"You don't have the rights to create a repo under {repo_id.split('/')[0]}")
+        with self.hub.lock:
+            if repo_id in self.hub.repos:
+                self._send_json({"error": "You already created this model repo", "url": f"{self.hub.endpoint}/{repo_id}"}, 409)
+                return
+            repo = HubRepo(repo_id, private=payload.get("visibility") == "private" or bool(payload.get("private")))
+            self.hub.repos[repo_id] = repo
+            self.hub._commit(repo, "main", {}, "initial commit")
+        self._send_json({"url": f"{self.hub.endpoint}/{repo_id}", "name": repo_id, "id": repo_id})
+
+    def h_validate_yaml(self, body: bytes) -> None:
+        content = json.loads(body).get("content", "")
+        errors = []
+        if content.startswith("---"):
+            parts = content.split("\n---", 1)
+            if len(parts) < 2:
+                errors.append({"message": "YAML front matter is not closed by a '---' line"})
+            else:
+                try:
+                    import yaml
+
+                    if not isinstance(yaml.safe_load(parts[0][3:]), dict):
+                        errors.append({"message": "YAML front matter is not a mapping"})
+                except ImportError:
+                    pass
+                except Exception as e:  # yaml.YAMLError
+                    errors.append({"message": f"invalid YAML: {e}"})
+        self._send_json({"errors": errors, "warnings": []}, 400 if errors else 200)
+
+    def h_create_branch(self, body: bytes, repo: str, rev: str) -> None:
+        with self.hub.lock:
+            r = self.hub.writable_repo(repo, self._user())
+            if rev in r.branches:
+                raise HubError(409, f"Reference already exists: refs/heads/{rev}")
+            start = json.loads(body or b"{}").get("startingPoint") or "main"
+            r.branches[rev] = _revision_or_404(r, start).sha
+        self._send_json({})
+
+    def h_preupload(self, body: bytes, repo: str, rev: str) -> None:
+        with self.hub.lock:
+            r = self.hub.writable_repo(repo, self._user())
+            existing = r.resolve(rev)
+        files = []
+        for item in json.loads(body)["files"]:
+            lfs = is_lfs_path(item["path"], int(item["size"]))
+            old = existing.files.get(item["path"]) if existing else None
+            files.append({"path": item["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
+                          "oid": old.sha256 if old is not None and old.lfs else None})
+        self._send_json({"files": files, "commitOid": existing.sha if existing else None})
+
+    def h_lfs_batch(self, body: bytes, repo: str) -> None:
+        with self.hub.lock:
+            self.hub.writable_repo(repo, self._user())
+        objects = []
+        for obj in json.loads(body)["objects"]:
+            entry = {"oid": obj["oid"], "size": obj["size"], "authenticated": True}
+            if not (self.hub.blob_dir / obj["oid"]).exists():
+                entry["actions"] = {"upload": {"href": f"{self.hub.endpoint}/lfs-objects/{obj['oid']}"}}
+            objects.append(entry)
+        self._send_json({"transfer": "basic", "objects": objects, "hash_algo": "sha256"})
+
+    def h_lfs_put(self, body: bytes, oid: str) -> None:
+        if hashlib.sha256(body).hexdigest() != oid:
+            raise HubError(400, f"uploaded bytes do not hash to {oid}")
+        target = self.hub.blob_dir / oid
+        tmp = target.with_name(oid + ".partial")
+        tmp.write_bytes(body)
+        tmp.replace(target)
+        self._send_json({})
+
+    def h_commit(self, body: bytes, repo: str, rev: str) -> None:
+        hub = self.hub
+        lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+        with hub.lock:
+            r = hub.writable_repo(repo, self._user())
+            parent = _revision_or_404(r, rev)
+            files = dict(parent.files)
+            title = "commit"
+            for line in lines:
+                key, value = line["key"], line["value"]
+                if key == "header":
+                    title = value.get("summary") or title
+                elif key == "file":
+                    data = base64.b64decode(value["content"])
+                    sha = hashlib.sha256(data).hexdigest()
+                    blob = hub.blob_dir / sha
+                    if not blob.exists():
+                        blob.write_bytes(data)
+                    files[value["path"]] = HubFile(blob, len(data), sha, False)
+                elif key == "lfsFile":
+                    blob = hub.blob_dir / value["oid"]
+                    if not blob.exists():
+                        raise HubError(400, f"LFS object {value['oid']} for {value['path']} was never uploaded")
+                    files[value["path"]] = HubFile(blob, int(value["size"]), value["oid"], True)
+                elif key in ("deletedFile", "deletedFolder"):
+                    prefix = value["path"].rstrip("/")
+                    files = {k: v for k, v in files.items() if k != prefix and not k.startswith(prefix + "/")}
+                else:
+                    raise HubError(400, f"unsupported commit operation {key!r}")
+            sha = hub._commit(r, rev, files, title)
+        self._send_json({"commitUrl": f"{hub.endpoint}/{repo}/commit/{sha}", "commitOid": sha,
+                         "pullRequestUrl": None, "success": True})
+
+
+def serve_root(root: Path, hub: LoopbackHub) -> list[str]:
+    """Register every ROOT/<owner>/<name>/ directory as a repo; returns their ids."""
+    ids = []
+    for owner in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for repo in sorted(p for p in owner.iterdir() if p.is_dir()):
+            repo_id = f"{owner.name}/{repo.name}"
+            hub.add_repo_from_dir(repo_id, repo)
+            ids.append(repo_id)
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--root", required=True, help="directory of <owner>/<name>/ repos to serve (pushed data lands in ROOT/.loopback-hub)")
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any free one)")
+    p.add_argument("--token", action="append", default=[], metavar="TOKEN[=USER]",
+                   help="accept this bearer token (for USER, default 'user'); repeatable")
+    args = p.parse_args(argv)
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    tokens = dict((t.split("=", 1) + ["user"])[:2] for t in args.token)
+    hub = LoopbackHub(root, tokens)
+    ids = serve_root(root, hub)
+    endpoint = hub.start(args.port)
+    print(f"loopback hub at {endpoint} serving {len(ids)} repo(s): {', '.join(ids) or '(none)'}", flush=True)
+    print(f"use: HF_ENDPOINT={endpoint} HF_HUB_DISABLE_XET=1", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        hub.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

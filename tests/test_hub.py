@@ -1,0 +1,308 @@
+"""`mxforge download` / `mxforge push` against a loopback Hub (scripts/loopback_hub.py): the real
+huggingface_hub client over real HTTP on 127.0.0.1, the real `mxforge` command in a subprocess.
+Select with `pytest -k "hub or push or download"`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import socket
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "scripts"))
+from loopback_hub import LoopbackHub  # noqa: E402
+
+TOKEN = "hf_mxforgeTESTtokenDoNotLeak0123456789"
+OTHER_TOKEN = "hf_otherUserToken9876543210"
+SHARD = "model-00002-of-00003.safetensors"
+BIG = "big.safetensors"
+
+
+@pytest.fixture
+def hub(tmp_path, tiny_ckpt):
+    h = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice", OTHER_TOKEN: "bob"})
+    h.add_repo_from_dir("zai/glm-tiny", tiny_ckpt)
+    h.add_repo_from_dir("zai/glm-gated", tiny_ckpt, gated=True, granted={"alice"})
+    h.start()
+    yield h
+    h.stop()
+
+
+def _env(hub, tmp_path, token: str | None = TOKEN) -> dict:
+    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
+            "HF_TOKEN": token or "", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def _mx(hub, tmp_path, *args, token: str | None = TOKEN):
+    return run_cli(*args, env=_env(hub, tmp_path, token), timeout=300)
+
+
+def _one_line_error(proc) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("mxforge ")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def _resolve_gets(hub) -> list[tuple[str, str, str | None]]:
+    return [r for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]]
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_download_hub_normal_verifies_and_records_source(hub, tmp_path, tiny_ckpt):
+    dest = tmp_path / "dest"
+    proc = _mx(hub, tmp_path, "download", "zai/glm-tiny", str(dest), "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    commit = hub.repos["zai/glm-tiny"].branches["main"]
+    assert report["commit"] == commit and report["verified"] is True
+    for src in tiny_ckpt.iterdir():
+        if src.is_file():
+            assert (dest / src.name).read_bytes() == src.read_bytes(), src.name
+    source = json.loads((dest / "mxforge_source.json").read_text())
+    assert source["repo_id"] == "zai/glm-tiny" and source["revision"] == "main" and source["commit"] == commit
+    assert source["endpoint"] == hub.endpoint and source["command"].startswith("mxforge download zai/glm-tiny")
+    recorded = {f["name"]: f for f in source["files"]}
+    assert recorded[SHARD]["sha256"] == _sha256(tiny_ckpt / SHARD) and recorded[SHARD]["lfs"] is True
+    assert recorded["config.json"]["lfs"] is False and recorded["config.json"]["size"] == (tiny_ckpt / "config.json").stat().st_size
+
+    # A rerun is a no-op on the network: every file is already there and verified.
+    hub.requests.clear()
+    proc = _mx(hub, tmp_path, "download", "zai/glm-tiny", str(dest), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert _resolve_gets(hub) == []
+
+    # Filters and a revision given as a commit sha.
+    only = tmp_path / "only-json"
+    proc = _mx(hub, tmp_path, "download", "zai/glm-tiny", str(only), "--revision", commit, "--include", "*.json",
+               "--exclude", "generation_config.json", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    names = {f["name"] for f in json.loads((only / "mxforge_source.json").read_text())["files"]}
+    assert "config.json" in names and "generation_config.json" not in names
+    assert not any(n.endswith(".safetensors") for n in names)
+
+
+@pytest.fixture
+def big_repo(hub, tmp_path):
+    """A repo with one 14 MB shard."""
+    src = tmp_path / "big-src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    save_file({"w": rng.standard_normal(3_500_000).astype(np.float32)}, str(src / BIG))
+    (src / "config.json").write_text("{}")
+    hub.add_repo_from_dir("zai/big", src)
+    return src
+
+
+def test_download_resumes_after_dropped_connection(hub, tmp_path, big_repo):
+    dest = tmp_path / "dest"
+    size = (big_repo / BIG).stat().st_size
+    hub.drop_at[BIG] = (12_000_000, 1000)  # every attempt dies at byte 12 M: the client's retries run out
+    first = _one_line_error(_mx(hub, tmp_path, "download", "zai/big", str(dest), "--quiet"))
+    assert BIG in first and "rerun the same command to resume" in first
+    assert not (dest / BIG).exists() and not (dest / "mxforge_source.json").exists()
+    partial = list((dest / ".cache" / "mxforge" / "download").rglob("*.partial"))
+    assert len(partial) == 1 and partial[0].stat().st_size == 12_000_000  # every byte received is kept
+
+    hub.drop_at.clear()
+    hub.requests.clear()
+    proc = _mx(hub, tmp_path, "download", "zai/big", str(dest), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert [r[2] for r in _resolve_gets(hub)] == ["bytes=12000000-"]  # resumed, not restarted
+    assert (dest / BIG).read_bytes() == (big_repo / BIG).read_bytes() and (dest / BIG).stat().st_size == size
+
+
+def test_download_detects_sha256_mismatch(hub, tmp_path, tiny_ckpt):
+    dest = tmp_path / "dest"
+    hub.corrupt.add(SHARD)  # right size, one byte flipped: only the hash can tell
+    line = _one_line_error(_mx(hub, tmp_path, "download", "zai/glm-tiny", str(dest), "--quiet"))
+    assert SHARD in line and "do not match the Hub's metadata" in line and "sha256" in line
+    assert not (dest / SHARD).exists(), "a corrupt file must not stay looking complete"
+    assert not (dest / "mxforge_source.json").exists()
+    assert (dest / "model-00001-of-00003.safetensors").exists()  # the good files are kept
+
+    hub.corrupt.clear()
+    hub.requests.clear()
+    proc = _mx(hub, tmp_path, "download", "zai/glm-tiny", str(dest), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert [r[1].rsplit("/", 1)[-1] for r in _resolve_gets(hub)] == [SHARD]  # only the bad file again
+    assert _sha256(dest / SHARD) == _sha256(tiny_ckpt / SHARD)
+
+
+def test_download_disk_precheck_refuses_before_downloading(hub, tmp_path):
+    hub.reported_size[SHARD] = 10**18  # the Hub says one shard is an exabyte
+    dest = tmp_path / "dest"
+    line = _one_line_error(_mx(hub, tmp_path, "download", "zai/glm-tiny", str(dest), "--quiet"))
+    assert "GB free" in line and SHARD in line and "nothing was downloaded" in line
+    assert _resolve_gets(hub) == [] and not dest.exists()
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_download_hub_errors_are_one_clear_line(hub, tmp_path):
+    dest = str(tmp_path / "dest")
+    line = _one_line_error(_mx(hub, tmp_path, "download", "zai/glm-gated", dest, token=None))
+    assert "gated" in line and "no token is configured" in line and "HF_TOKEN" in line
+    line = _one_line_error(_mx(hub, tmp_path, "download", "zai/glm-gated", dest, token=OTHER_TOKEN))
+    assert "gated" in line and "your token has no access" in line
+    line = _one_line_error(_mx(hub, tmp_path, "download", "zai/nope", dest))
+    assert "zai/nope: repository not found" in line
+    line = _one_line_error(_mx(hub, tmp_path, "download", "zai/glm-tiny", dest, "--revision", "v9"))
+    assert "revision 'v9' not found" in line
+    line = _one_line_error(_mx(hub, tmp_path, "download", "zai/glm-tiny", dest, "--include", "*.gguf"))
+    assert "match" in line
+    env = {**_env(hub, tmp_path), "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    line = _one_line_error(run_cli("download", "zai/glm-tiny", dest, env=env))
+    assert "cannot reach the Hub" in line and "HF_ENDPOINT" in line
+    # The gated repo works for the user who was granted access.
+    proc = _mx(hub, tmp_path, "download", "zai/glm-gated", dest, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture
+def downloaded(hub, tmp_path):
+    dest = tmp_path / "ckpt"
+    proc = _mx(hub, tmp_path, "download", "zai/glm-tiny", str(dest), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    return dest
+
+
+def test_push_refused_when_validate_fails_before_any_network_call(hub, tmp_path, downloaded):
+    index_path = downloaded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"]["total_size"] += 2
+    index_path.write_text(json.dumps(index))
+    hub.requests.clear()
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--quiet"))
+    assert "nothing was pushed" in line and "total_size" in line and "--force" in line
+    assert hub.requests == [] and "alice/glm-tiny-mxfp4" not in hub.repos
+    assert not (downloaded / "README.md").exists()
+
+    # --force pushes anyway, says so loudly, and the card records it.
+    proc = _mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--force", "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING: --force" in proc.stderr and json.loads(proc.stdout)["forced"] is True
+    assert "pushed with `--force` although validation failed" in (downloaded / "README.md").read_text()
+
+
+def test_push_hub_normal_with_model_card_and_remote_hashes(hub, tmp_path, downloaded):
+    (downloaded / "README.md").write_text("# the source model's own card\n")
+    proc = _mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--private", "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    repo = hub.repos["alice/glm-tiny-mxfp4"]
+    assert repo.private and report["commit"] == repo.branches["main"] and report["remote_hashes_match"]
+    remote = repo.commits[repo.branches["main"]].files
+    local = {p.name for p in downloaded.iterdir() if p.is_file()}
+    assert set(remote) == local and not any(n.startswith(".cache") for n in remote)
+    for name, f in remote.items():
+        assert f.sha256 == _sha256(downloaded / name), name
+    assert remote[SHARD].lfs and not remote["config.json"].lfs
+    assert (downloaded / "README.source.md").read_text() == "# the source model's own card\n"
+
+    card = (downloaded / "README.md").read_text()
+    source = json.loads((downloaded / "mxforge_source.json").read_text())
+    assert "base_model: zai/glm-tiny" in card and source["commit"] in card
+    assert "| experts |" in card and "| mtp |" in card and "BF16" in card
+    assert "## Quantization recipe\n\nnot recorded" in card and "## Fixups applied\n\nnot recorded" in card
+    assert "No `quantization_config` in config.json" in card
+    assert "checkpoint integrity: OK" in card
+    for name in local - {"README.md"}:
+        assert f"| {name} | {(downloaded / name).stat().st_size:,} | `{_sha256(downloaded / name)}` |" in card, name
+    assert source["command"] in card and "mxforge push " in card
+
+    # A second push to a new branch: the branch is created; only the card is new there.
+    proc = _mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--branch", "mxfp4-v2", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert set(repo.commits[repo.branches["mxfp4-v2"]].files) == local
+
+
+def test_push_remote_hash_check_detects_mismatch(hub, tmp_path, downloaded):
+    hub.misreport_sha256.add(SHARD)
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/out", "--quiet"))
+    assert SHARD in line and "differ from the local checkpoint" in line
+
+
+def test_push_without_token_or_rights_is_one_clear_line(hub, tmp_path, downloaded):
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/out", "--quiet", token=None))
+    assert "HF_TOKEN" in line and "401" in line
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "zai/glm-tiny", "--quiet"))
+    assert "403" in line
+
+
+def test_hub_token_never_leaks(hub, tmp_path, tiny_ckpt):
+    outputs = []
+    dest = tmp_path / "dl"
+    report = tmp_path / "reports"
+    report.mkdir()
+    for args in (("download", "zai/glm-gated", str(dest), "--json", str(report / "dl.json")),
+                 ("push", str(dest), "alice/leak-check", "--json", str(report / "push.json")),
+                 ("download", "zai/glm-gated", str(tmp_path / "x"), "--revision", "nope"),
+                 ("push", str(dest), "zai/forbidden")):
+        proc = _mx(hub, tmp_path, *args)
+        outputs += [proc.stdout, proc.stderr]
+    assert (report / "push.json").exists() and (dest / "README.md").exists()
+    for text in outputs:
+        assert TOKEN not in text
+    for root in (dest, report, tmp_path / "hf_home"):
+        for path in root.rglob("*"):
+            if path.is_file():
+                assert TOKEN.encode() not in path.read_bytes(), path
+
+
+def test_model_card_precision_and_exclusions_on_a_quantized_checkpoint(tmp_path, tiny_ckpt):
+    """MXFP4 detection and the exclusions summary, on a small checkpoint shaped like Quark's output."""
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    from mxforge.checkpoint import Checkpoint
+    from mxforge.file_hashes import hash_files
+    from mxforge.model_card import render_model_card
+
+    ckpt = tmp_path / "q"
+    ckpt.mkdir()
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    mtp = config["num_hidden_layers"]
+    config["quantization_config"] = {"quant_method": "quark", "exclude": [
+        "lm_head", f"model.layers.{mtp}.self_attn.o_proj", "model.decoder.self_attn.o_proj", "re:.*mlp\\.gate$"]}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    save_torch({
+        "model.layers.3.mlp.experts.0.up_proj.weight": torch.zeros(64, 128, dtype=torch.uint8),
+        "model.layers.3.mlp.experts.0.up_proj.weight_scale": torch.full((64, 8), 127, dtype=torch.uint8),
+        "model.layers.3.mlp.gate.e_score_correction_bias": torch.zeros(8, dtype=torch.float32),
+        f"model.layers.{mtp}.self_attn.o_proj.weight": torch.zeros(256, 128, dtype=torch.bfloat16),
+        "lm_head.weight": torch.zeros(16, 256, dtype=torch.bfloat16),
+    }, str(ckpt / "model.safetensors"))
+    (ckpt / "mxforge_quantize.json").write_text(json.dumps({"recipe": {"name": "mxfp4-moe", "sha256": "ab" * 32},
+                                                           "command": "mxforge quantize src q"}))
+    (ckpt / "mxforge_fixups.json").write_text(json.dumps({"fixups": [{"name": "mtp-aliases", "description": "sglang draft names"}],
+                                                          "engines": ["sglang", "vllm"], "command": "mxforge fixup q"}))
+    files = list(hash_files(ckpt, ["config.json", "model.safetensors"], quiet=True).values())
+    card = render_model_card(Checkpoint.open(ckpt), repo_id="me/q", files=files, forced=False, push_command="mxforge push q me/q",
+                             validation={"ok": True, "engines": {"sglang": True, "vllm": False}, "problems": []})
+    assert "| experts | 1 | MXFP4 ×1 |" in card
+    assert "| router | 1 | F32 ×1 |" in card and "| mtp | 1 | BF16 ×1 |" in card and "| embeddings | 1 | BF16 ×1 |" in card
+    assert "keeps 4 entries" in card and "| mtp | 1 |" in card and "| regex | 1 | `re:.*mlp\\.gate$` |" in card
+    assert "| aliases and globals | 2 |" in card
+    assert "mxfp4-moe" in card and "- mtp-aliases: sglang draft names" in card and "- engines: sglang, vllm" in card
+    assert "- sglang: loads" in card and "- vllm: FAILS" in card
+    assert "## Source\n\nnot recorded" in card and "# download: not recorded" in card
+    assert "mxforge quantize src q" in card and "mxforge fixup q" in card and "mxforge push q me/q" in card
