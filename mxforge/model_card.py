@@ -117,14 +117,15 @@ def render_model_card(ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], 
     root = ckpt.root
     source, quantize, fixups = (read_provenance(root, n) for n in PROVENANCE)
     base_model = source.get("repo_id") if source else None
-    front = ["---", "library_name: transformers", "tags:", "- mxfp4", "- quark", "- mxforge"]
+    quantized = isinstance(ckpt.config.get("quantization_config"), dict)
+    front = ["---", "library_name: transformers", "tags:", "- mxforge"] + (["- mxfp4", "- quark"] if quantized else [])
     if base_model:
-        front += [f"base_model: {base_model}", "base_model_relation: quantized"]
+        front += [f"base_model: {base_model}"] + (["base_model_relation: quantized"] if quantized else [])
     front.append("---")
-
-    out = front + [CARD_MARKER, f"# {repo_id.split('/')[-1]}", "",
-                   f"`{ckpt.config.get('architectures', ['?'])[0]}` checkpoint produced by mxforge: MXFP4 weights in "
-                   "AMD Quark's format, with the MTP layer kept loadable in sglang and vLLM.", ""]
+    arch = (ckpt.config.get("architectures") or ["?"])[0]
+    what = ("MXFP4 weights in AMD Quark's format, with the MTP layer kept loadable in sglang and vLLM"
+            if quantized else "weights as stored, not quantized")
+    out = front + [CARD_MARKER, f"# {repo_id.split('/')[-1]}", "", f"`{arch}` checkpoint published by mxforge: {what}.", ""]
     out += ["## Source", ""]
     if source:
         out += [f"- repo: `{source.get('repo_id', NOT_RECORDED)}`", f"- revision: `{source.get('revision', NOT_RECORDED)}`",

@@ -123,6 +123,15 @@ def test_download_resumes_after_dropped_connection(hub, tmp_path, big_repo):
     assert [r[2] for r in _resolve_gets(hub)] == ["bytes=12000000-"]  # resumed, not restarted
     assert (dest / BIG).read_bytes() == (big_repo / BIG).read_bytes() and (dest / BIG).stat().st_size == size
 
+    # A single drop is resumed within the same run.
+    again = tmp_path / "again"
+    hub.drop_at[BIG] = (5_000_000, 1)
+    hub.requests.clear()
+    proc = _mx(hub, tmp_path, "download", "zai/big", str(again), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert [r[2] for r in _resolve_gets(hub) if r[1].endswith(BIG)] == [None, "bytes=5000000-"]
+    assert (again / BIG).read_bytes() == (big_repo / BIG).read_bytes()
+
 
 def test_download_detects_sha256_mismatch(hub, tmp_path, tiny_ckpt):
     dest = tmp_path / "dest"
@@ -223,7 +232,7 @@ def test_push_hub_normal_with_model_card_and_remote_hashes(hub, tmp_path, downlo
     assert "base_model: zai/glm-tiny" in card and source["commit"] in card
     assert "| experts |" in card and "| mtp |" in card and "BF16" in card
     assert "## Quantization recipe\n\nnot recorded" in card and "## Fixups applied\n\nnot recorded" in card
-    assert "No `quantization_config` in config.json" in card
+    assert "No `quantization_config` in config.json" in card and "not quantized" in card and "- mxfp4" not in card
     assert "checkpoint integrity: OK" in card
     for name in local - {"README.md"}:
         assert f"| {name} | {(downloaded / name).stat().st_size:,} | `{_sha256(downloaded / name)}` |" in card, name
@@ -298,6 +307,7 @@ def test_model_card_precision_and_exclusions_on_a_quantized_checkpoint(tmp_path,
     files = list(hash_files(ckpt, ["config.json", "model.safetensors"], quiet=True).values())
     card = render_model_card(Checkpoint.open(ckpt), repo_id="me/q", files=files, forced=False, push_command="mxforge push q me/q",
                              validation={"ok": True, "engines": {"sglang": True, "vllm": False}, "problems": []})
+    assert "base_model_relation" not in card and "- mxfp4" in card and "MXFP4 weights in AMD Quark's format" in card
     assert "| experts | 1 | MXFP4 ×1 |" in card
     assert "| router | 1 | F32 ×1 |" in card and "| mtp | 1 | BF16 ×1 |" in card and "| embeddings | 1 | BF16 ×1 |" in card
     assert "keeps 4 entries" in card and "| mtp | 1 |" in card and "| regex | 1 | `re:.*mlp\\.gate$` |" in card
