@@ -23,7 +23,7 @@ from huggingface_hub import HfApi
 from .checkpoint import Checkpoint
 from .errors import MxforgeError
 from .file_hashes import FileHash, checkpoint_files, hash_file, hash_files
-from .hub_errors import HubError, HubVerificationError, hub_endpoint, raise_as_hub_error, redact
+from .hub_errors import HubError, HubVerificationError, as_hub_error, hub_endpoint, raise_as_hub_error, redact
 from .model_card import CARD_MARKER, CARD_NAME, render_model_card
 
 IGNORE_PATTERNS = [".cache/*", "*.partial", ".git/*"]
@@ -116,9 +116,10 @@ def upload(api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, qui
                                   ignore_patterns=list(IGNORE_PATTERNS))
     except RuntimeError as e:  # upload_large_folder gives up after repeated errors; its cause says why
         cause = e.__cause__ or e
-        raise_as_hub_error(cause, **context)
-        raise HubError(redact(f"upload of {ckpt} to {repo_id}@{branch} aborted ({cause}): progress is saved in "
-                              f"{ckpt}/.cache/huggingface/upload; rerun the same command to resume")) from None
+        mapped = as_hub_error(cause, **context)
+        why = str(mapped).split(": rerun")[0] if mapped else f"{type(cause).__name__}: {cause}"
+        raise HubError(redact(f"upload of {ckpt} to {repo_id}@{branch} aborted after repeated errors ({why}); "
+                              f"progress is saved in {ckpt}/.cache/huggingface/upload: rerun the same command to resume")) from None
     except Exception as e:
         raise_as_hub_error(e, **context)
         raise

@@ -23,7 +23,7 @@ Errors carry the Hub's headers (`X-Error-Code: RepoNotFound | RevisionNotFound |
 
 Fault injection (attributes of `LoopbackHub`, for tests): `drop_at` cuts a download off at a byte offset,
 `corrupt` serves flipped bytes, `reported_size` makes metadata claim another size, `misreport_sha256`
-makes metadata claim another LFS sha256. `requests` logs (method, path, Range) of every request.
+makes metadata claim another LFS sha256, `fail_commits` refuses that many commits. `requests` logs (method, path, Range) of every request.
 
 Standalone: `python scripts/loopback_hub.py --root DIR [--port N] [--token T]`: every DIR/<owner>/<name>/
 directory is served as a model repo on branch main; pushed objects are kept under DIR/.loopback-hub/.
@@ -136,6 +136,7 @@ class LoopbackHub:
         self.corrupt: set[str] = set()                      # paths served with one byte flipped
         self.reported_size: dict[str, int] = {}             # path -> size claimed by the metadata
         self.misreport_sha256: set[str] = set()             # paths whose metadata claims another LFS sha256
+        self.fail_commits = 0                               # refuse this many commits (409) before accepting
         self.requests: list[tuple[str, str, str | None]] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -482,6 +483,9 @@ class _HubHandler(BaseHTTPRequestHandler):
         lines = [json.loads(line) for line in body.splitlines() if line.strip()]
         with hub.lock:
             r = hub.writable_repo(repo, self._user())
+            if hub.fail_commits > 0:
+                hub.fail_commits -= 1
+                raise HubError(409, "injected commit failure")
             parent = _revision_or_404(r, rev)
             files = dict(parent.files)
             title = "commit"

@@ -244,6 +244,22 @@ def test_push_hub_normal_with_model_card_and_remote_hashes(hub, tmp_path, downlo
     assert set(repo.commits[repo.branches["mxfp4-v2"]].files) == local
 
 
+def test_push_resumes_an_interrupted_upload(hub, tmp_path, downloaded):
+    hub.fail_commits = 1000  # every commit is refused: the large-folder upload gives up after its retries
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/resume", "--quiet"))
+    assert "aborted" in line and "injected commit failure" in line and "rerun the same command to resume" in line
+    uploaded = {r[1] for r in hub.requests if r[0] == "PUT"}
+    assert len(uploaded) == 3  # the three shards reached LFS storage before the commits failed
+
+    hub.fail_commits = 0
+    hub.requests.clear()
+    proc = _mx(hub, tmp_path, "push", str(downloaded), "alice/resume", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert not [r for r in hub.requests if r[0] == "PUT"]  # nothing uploaded twice
+    repo = hub.repos["alice/resume"]
+    assert SHARD in repo.commits[repo.branches["main"]].files
+
+
 def test_push_remote_hash_check_detects_mismatch(hub, tmp_path, downloaded):
     hub.misreport_sha256.add(SHARD)
     line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/out", "--quiet"))
