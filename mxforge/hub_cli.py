@@ -7,6 +7,13 @@ import argparse
 # mxforge.cli imports this module: take its helpers at call time, never at import time.
 
 
+def _check_workers(workers: int) -> None:
+    from .errors import MxforgeError
+
+    if workers < 1:
+        raise MxforgeError(f"--workers must be at least 1, got {workers}")
+
+
 def _quiet_hub(quiet: bool) -> None:
     if quiet:
         from huggingface_hub.utils import disable_progress_bars
@@ -14,9 +21,15 @@ def _quiet_hub(quiet: bool) -> None:
         disable_progress_bars()
 
 
-def register_download(sub) -> argparse.ArgumentParser:
+def _add_common_options(p: argparse.ArgumentParser, workers_help: str) -> None:
     from .cli import add_json_option
 
+    p.add_argument("--workers", type=int, default=8, help=f"{workers_help} (default 8)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_json_option(p)
+
+
+def register_download(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("download", help="download a Hub repo at one commit, resumably, verifying every file's hash",
                        description="Download REPO_ID into DEST through huggingface_hub: resolves the revision to a commit, "
                        "checks free disk space first, resumes interrupted files on rerun, verifies every file against the "
@@ -27,9 +40,7 @@ def register_download(sub) -> argparse.ArgumentParser:
     p.add_argument("--revision", default="main", help="branch, tag or commit sha (default main)")
     p.add_argument("--include", action="append", metavar="GLOB", help="download only files matching GLOB (repeatable)")
     p.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB (repeatable)")
-    p.add_argument("--workers", type=int, default=8, help="parallel file downloads and hash threads (default 8)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_json_option(p)
+    _add_common_options(p, "parallel file downloads and hash threads")
     return p
 
 
@@ -37,6 +48,7 @@ def run_download(args) -> int:
     from .cli import EXIT_OK, emit
     from .hub_download import download
 
+    _check_workers(args.workers)
     _quiet_hub(args.quiet)
     r = download(args.repo_id, args.dest, revision=args.revision, include=args.include, exclude=args.exclude,
                  workers=args.workers, quiet=args.quiet)
@@ -47,8 +59,6 @@ def run_download(args) -> int:
 
 
 def register_push(sub) -> argparse.ArgumentParser:
-    from .cli import add_json_option
-
     p = sub.add_parser("push", help="validate, write the model card, upload resumably and verify the remote hashes",
                        description="Validate CKPT (refusing, before any network call, when it fails), write its model card "
                        "README.md, upload with huggingface_hub's resumable large-folder upload (rerun to resume), then compare "
@@ -59,9 +69,7 @@ def register_push(sub) -> argparse.ArgumentParser:
     p.add_argument("--branch", default=None, help="push to this branch (created from main if missing; default main)")
     p.add_argument("--force", action="store_true", help="push even though validate fails (the card says so)")
     p.add_argument("--engines", default=None, metavar="E[,E...]", help="engine profiles to validate against (default: validate's own)")
-    p.add_argument("--workers", type=int, default=8, help="hash threads (default 8)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_json_option(p)
+    _add_common_options(p, "hash threads")
     return p
 
 
@@ -69,6 +77,7 @@ def run_push(args) -> int:
     from .cli import EXIT_OK, emit
     from .hub_push import push
 
+    _check_workers(args.workers)
     _quiet_hub(args.quiet)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()] if args.engines else None
     r = push(args.ckpt, args.repo_id, private=args.private, branch=args.branch, force=args.force, engines=engines,

@@ -5,6 +5,7 @@ real HTTP on 127.0.0.1. It speaks exactly what huggingface_hub 1.x sends and exp
 
   GET  /api/whoami-v2                                   who the bearer token belongs to
   GET  /api/models/{repo}[/revision/{rev}][?blobs=true] repo info, `sha`, `siblings` (size, blobId, lfs.sha256)
+  GET  /api/models/{repo}/tree/{rev}[/{path}]           file listing (snapshot_download), one page
   POST /api/repos/create                                create a repo (409 if it exists)
   POST /api/validate-yaml                               README.md front matter check (sent before committing it)
   POST /api/models/{repo}/branch/{branch}               create a branch (409 if it exists)
@@ -242,6 +243,7 @@ ROUTES = [
     ("POST", re.compile(r"^/api/validate-yaml$"), "validate_yaml"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/revision/(?P<rev>[^/]+)$"), "repo_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}$"), "repo_info"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?$"), "tree"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<rev>[^/]+)$"), "create_branch"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/commits/(?P<rev>[^/]+)$"), "list_commits"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/preupload/(?P<rev>[^/]+)$"), "preupload"),
@@ -281,13 +283,15 @@ class _HubHandler(BaseHTTPRequestHandler):
             for route_method, pattern, name in ROUTES:
                 m = pattern.match(url.path)
                 if m and route_method == method:
-                    params = {k: unquote(v) for k, v in m.groupdict().items()}
+                    params = {k: unquote(v) for k, v in m.groupdict().items() if v is not None}
                     return getattr(self, f"h_{name}")(body=body, **params)
             raise HubError(404, f"no route for {method} {url.path}")
         except HubError as e:
             self._send_json({"error": e.message}, e.status, {"X-Error-Code": e.code, "X-Error-Message": e.message})
         except (BrokenPipeError, ConnectionResetError):
             pass
+        except Exception as e:  # a bug here must answer 500, not hang the client
+            self._send_json({"error": f"loopback hub: {type(e).__name__}: {e}"}, 500)
 
     def _read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
@@ -337,6 +341,31 @@ class _HubHandler(BaseHTTPRequestHandler):
                          "gated": "manual" if r.gated else False, "disabled": False, "downloads": 0, "likes": 0,
                          "tags": [], "siblings": siblings,
                          "lastModified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(commit.date))})
+
+    def h_tree(self, body: bytes, repo: str, rev: str, path: str | None = None) -> None:
+        with self.hub.lock:
+            r = self.hub.readable_repo(repo, self._user())
+            commit = _revision_or_404(r, rev)
+        prefix = (path or "").strip("/")
+        recursive = self.query.get("recursive", ["false"])[0].lower() in ("1", "true")
+        entries, folders = [], set()
+        for name, f in sorted(commit.files.items()):
+            if prefix and not name.startswith(prefix + "/"):
+                continue
+            rest = name[len(prefix) + 1:] if prefix else name
+            parts = rest.split("/")
+            for depth in range(1, len(parts)):
+                folder = "/".join(filter(None, [prefix] + parts[:depth]))
+                if folder not in folders and (recursive or depth == 1):
+                    folders.add(folder)
+                    entries.append({"type": "directory", "path": folder, "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0})
+            if len(parts) > 1 and not recursive:
+                continue
+            entry = {"type": "file", "path": name, "size": f.size, "oid": f.blob_id}
+            if f.lfs:
+                entry["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": len(f.pointer)}
+            entries.append(entry)
+        self._send_json(entries)
 
     def h_list_commits(self, body: bytes, repo: str, rev: str) -> None:
         with self.hub.lock:

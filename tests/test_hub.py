@@ -332,3 +332,15 @@ def test_model_card_precision_and_exclusions_on_a_quantized_checkpoint(tmp_path,
     assert "- sglang: loads" in card and "- vllm: FAILS" in card
     assert "## Source\n\nnot recorded" in card and "# download: not recorded" in card
     assert "mxforge quantize src q" in card and "mxforge fixup q" in card and "mxforge push q me/q" in card
+
+
+def test_loopback_hub_serves_snapshot_download(hub, tmp_path, tiny_ckpt):
+    """The tree listing that huggingface_hub's own snapshot_download needs (used by scripts/bench_hub.py)."""
+    from huggingface_hub import snapshot_download
+
+    out = snapshot_download("zai/glm-tiny", local_dir=tmp_path / "snap", cache_dir=tmp_path / "cache",
+                            endpoint=hub.endpoint, token=False)
+    for src in tiny_ckpt.iterdir():
+        if src.is_file():
+            assert (tmp_path / "snap" / src.name).read_bytes() == src.read_bytes()
+    assert str(out) == str((tmp_path / "snap").resolve())
