@@ -5,7 +5,8 @@
 3. Download each file through huggingface_hub (see hub_transfer: hf_xet where the Hub offers it; plain
    HTTP otherwise, into DEST/.cache/mxforge/download/*.partial, continued with Range on rerun).
 4. Hash every file and compare with the Hub's metadata: sha256 for LFS files, the git blob id for the
-   rest. A file that does not match is deleted (so a rerun fetches it again) and named in the error.
+   rest. A downloaded file that does not match is deleted (so a rerun fetches it again) and named in the
+   error; a file already in DEST that does not match (another revision, damage) is replaced.
 5. Write DEST/mxforge_source.json: repo, revision, commit sha, endpoint, files with size and sha256, command.
 """
 
@@ -180,33 +181,33 @@ def _fetch_all(api: HfApi, repo_id: str, commit: str, dest: Path, files: list[Re
                                   "rerun the same command to resume")) from None
 
 
-def _verify(dest: Path, files: list[RemoteFile], workers: int, quiet: bool) -> dict:
-    """Hash every file and compare with the Hub's metadata; delete and name those that differ.
+def _mismatches(dest: Path, files: list[RemoteFile], workers: int, quiet: bool, desc: str) -> tuple[dict, list[str]]:
+    """Hash files (cached by size and mtime) and compare with the Hub; delete those that differ.
 
-    Raises:
-        HubVerificationError: one or more files do not match (they were deleted; a rerun fetches them again).
+    Returns (hashes, one description per deleted file).
     """
-    hashes = hash_files(dest, [f.name for f in files], workers=workers, quiet=quiet, desc="verify")
-    bad = []
+    hashes = hash_files(dest, [f.name for f in files], workers=workers, quiet=quiet, desc=desc)
+    bad = {}
     for f in files:
         h = hashes[f.name]
         if f.is_lfs:
             if h.sha256 != f.sha256 or h.size != f.size:
-                bad.append(f"{f.name}: sha256 {h.sha256[:12]}… ({h.size:,} bytes), the Hub says {f.sha256[:12]}… ({f.size:,} bytes)")
+                bad[f.name] = f"{f.name}: sha256 {h.sha256[:12]}… ({h.size:,} bytes), the Hub says {f.sha256[:12]}… ({f.size:,} bytes)"
         elif f.blob_id and h.git_sha1 != f.blob_id:
-            bad.append(f"{f.name}: git blob id {h.git_sha1[:12]}…, the Hub says {f.blob_id[:12]}…")
+            bad[f.name] = f"{f.name}: git blob id {h.git_sha1[:12]}…, the Hub says {f.blob_id[:12]}…"
     if bad:
         cache = HashCache(dest)
-        for f in files:
-            if any(b.startswith(f"{f.name}:") for b in bad):
-                (dest / f.name).unlink(missing_ok=True)
-                (dest / HF_DOWNLOAD_DIR / f"{f.name}.metadata").unlink(missing_ok=True)
-                cache.forget(f.name)
+        for name in bad:
+            (dest / name).unlink(missing_ok=True)
+            (dest / HF_DOWNLOAD_DIR / f"{name}.metadata").unlink(missing_ok=True)
+            cache.forget(name)
         cache.save()
-        raise HubVerificationError(
-            f"{dest}: {len(bad)} file(s) do not match the Hub's metadata and were deleted: {'; '.join(bad)}: "
-            "rerun the same command to download them again; if it happens again, the Hub or a proxy serves corrupt bytes")
-    return hashes
+    return hashes, list(bad.values())
+
+
+def _is_full_size(dest: Path, f: RemoteFile) -> bool:
+    path = dest / f.name
+    return path.is_file() and path.stat().st_size == f.size
 
 
 def download(repo_id: str, dest: str | Path, *, revision: str = "main", include: list[str] | None = None,
@@ -229,12 +230,23 @@ def download(repo_id: str, dest: str | Path, *, revision: str = "main", include:
     if not chosen:
         raise MxforgeError(f"{repo_id}@{revision}: none of its {len(files)} files match --include {include or '*'} "
                            f"--exclude {exclude or '(none)'}; widen the filters")
-    needed = check_disk_space(dest, chosen)
+    check_disk_space(dest, chosen)
     dest.mkdir(parents=True, exist_ok=True)
-    if needed:
-        _fetch_all(api, repo_id, commit, dest, chosen, needed, workers, quiet)
-    hashes = _verify(dest, chosen, workers, quiet)
-    result = DownloadResult(dest, repo_id, revision, commit, hub_endpoint(), downloaded_bytes=needed)
+    # Files already there at full size (an earlier run, another revision) are checked first and replaced if stale.
+    _, stale = _mismatches(dest, [f for f in chosen if _is_full_size(dest, f)], workers, quiet, "check existing")
+    if stale and not quiet:
+        print(f"mxforge download: replacing {len(stale)} existing file(s) that differ from {repo_id}@{commit[:12]}",
+              file=sys.stderr)
+    todo = [f for f in chosen if not _is_full_size(dest, f)]
+    if todo:
+        _fetch_all(api, repo_id, commit, dest, todo, sum(f.size for f in todo), workers, quiet)
+    hashes, bad = _mismatches(dest, todo, workers, quiet, "verify")
+    if bad:
+        raise HubVerificationError(
+            f"{dest}: {len(bad)} downloaded file(s) do not match the Hub's metadata and were deleted: {'; '.join(bad)}: "
+            "rerun the same command to download them again; if it happens again, the Hub or a proxy serves corrupt bytes")
+    hashes = hash_files(dest, [f.name for f in chosen], workers=workers, quiet=True)  # all cached by now
+    result = DownloadResult(dest, repo_id, revision, commit, hub_endpoint(), downloaded_bytes=sum(f.size for f in todo))
     result.files = [{"name": f.name, "size": hashes[f.name].size, "sha256": hashes[f.name].sha256, "lfs": f.is_lfs}
                     for f in chosen]
     write_json_atomic(dest / SOURCE_NAME, {

@@ -84,6 +84,15 @@ def test_download_hub_normal_verifies_and_records_source(hub, tmp_path, tiny_ckp
     assert proc.returncode == 0, proc.stderr
     assert _resolve_gets(hub) == []
 
+    # A file already in DEST at full size but with other bytes (another revision, damage) is replaced.
+    data = bytearray((dest / SHARD).read_bytes())
+    data[-1] ^= 0xFF
+    (dest / SHARD).write_bytes(bytes(data))
+    proc = _mx(hub, tmp_path, "download", "zai/glm-tiny", str(dest))
+    assert proc.returncode == 0 and "replacing 1 existing file(s)" in proc.stderr, proc.stderr
+    assert [r[1].rsplit("/", 1)[-1] for r in _resolve_gets(hub)] == [SHARD]
+    assert _sha256(dest / SHARD) == _sha256(tiny_ckpt / SHARD)
+
     # Filters and a revision given as a commit sha.
     only = tmp_path / "only-json"
     proc = _mx(hub, tmp_path, "download", "zai/glm-tiny", str(only), "--revision", commit, "--include", "*.json",
