@@ -190,8 +190,13 @@ def test_download_hub_errors_are_one_clear_line(hub, tmp_path):
     env = {**_env(hub, tmp_path), "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
     line = _one_line_error(run_cli("download", "zai/glm-tiny", dest, env=env))
     assert "cannot reach the Hub" in line and "HF_ENDPOINT" in line
-    # The gated repo works for the user who was granted access.
+    # The gated repo works for the user who was granted access: by HF_TOKEN, or by the token that
+    # `hf auth login` saved under HF_HOME.
     proc = _mx(hub, tmp_path, "download", "zai/glm-gated", dest, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "hf_home").mkdir(exist_ok=True)
+    (tmp_path / "hf_home" / "token").write_text(TOKEN)
+    proc = _mx(hub, tmp_path, "download", "zai/glm-gated", str(tmp_path / "dest2"), "--quiet", token=None)
     assert proc.returncode == 0, proc.stderr
 
 
