@@ -307,7 +307,7 @@ def test_hub_token_never_leaks(hub, tmp_path, tiny_ckpt):
                 assert TOKEN.encode() not in path.read_bytes(), path
 
 
-def test_model_card_precision_and_exclusions_on_a_quantized_checkpoint(tmp_path, tiny_ckpt):
+def test_push_model_card_precision_and_exclusions_on_a_quantized_checkpoint(tmp_path, tiny_ckpt):
     """MXFP4 detection and the exclusions summary, on a small checkpoint shaped like Quark's output."""
     import torch
     from safetensors.torch import save_file as save_torch
