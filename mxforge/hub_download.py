@@ -4,7 +4,7 @@
 2. Refuse before downloading anything if DEST's filesystem cannot hold the files still missing.
 3. Download each file through huggingface_hub (see hub_transfer: hf_xet where the Hub offers it; plain
    HTTP otherwise, into DEST/.cache/mxforge/download/*.partial, continued with Range on rerun).
-4. Hash every file and compare with the Hub's metadata: sha256 for LFS files, the git blob id for the
+4. Hash every file (as it streams in, else by reading it back) and compare with the Hub's metadata: sha256 for LFS files, the git blob id for the
    rest. A downloaded file that does not match is deleted (so a rerun fetches it again) and named in the
    error; a file already in DEST that does not match (another revision, damage) is replaced.
 5. Write DEST/mxforge_source.json: repo, revision, commit sha, endpoint, files with size and sha256, command.
@@ -153,19 +153,23 @@ def _fetch_all(api: HfApi, repo_id: str, commit: str, dest: Path, files: list[Re
     Raises:
         HubError: a file could not be downloaded (its partial bytes are kept for a rerun).
     """
+    cache = HashCache(dest)  # hashes taken while streaming: the verify pass then reads nothing again
     with byte_progress(needed, "download", disable=quiet) as bar:
         file_bar = _bar_proxy(bar)
 
         def one(f: RemoteFile) -> BaseException | None:
             try:
-                fetch_file(repo_id, f.name, commit, f.size, dest, endpoint=api.endpoint, token=api.token,
-                           bar=bar, hf_tqdm_class=file_bar)
+                streamed = fetch_file(repo_id, f.name, commit, f.size, dest, endpoint=api.endpoint, token=api.token,
+                                      bar=bar, hf_tqdm_class=file_bar)
+                if streamed is not None:
+                    cache.put(streamed)
                 return None
             except Exception as e:  # collected, mapped below
                 return e
 
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(files)))) as pool:
             failures = [(f, e) for f, e in zip(files, pool.map(one, files)) if e is not None]
+    cache.save()
     if failures:
         f, e = failures[0]
         others = f" ({len(failures) - 1} other file(s) failed too)" if len(failures) > 1 else ""
