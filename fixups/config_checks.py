@@ -6,12 +6,11 @@ import re
 from typing import Mapping
 
 from mxforge.glm_layout import GlmLayout
-from mxforge.safetensors_io import TensorInfo
+from mxforge.safetensors_io import PlannedTensor, TensorInfo
 
 from .matching import is_glob
-from .modules import Linear
 from .report import Problem
-from .tensor_forms import BF16, MXFP4, stored_form
+from .tensor_forms import BF16, MXFP4, Stored
 
 QC = "config.json:quantization_config"
 
@@ -69,8 +68,8 @@ def check_quant_config(qc: Mapping | None, has_uint8: bool) -> list[Problem]:
     return problems
 
 
-def check_layout(layout: GlmLayout, linears: dict[int | None, list[Linear]], infos: Mapping[str, TensorInfo],
-                 skip: frozenset[str]) -> tuple[list[Problem], dict]:
+def check_layout(layout: GlmLayout, planned: list[PlannedTensor], stored: Mapping[str, Stored],
+                 infos: Mapping[str, TensorInfo], skip: frozenset[str]) -> tuple[list[Problem], dict]:
     """Every tensor config.json implies is stored (a linear as bf16 or MXFP4); the MTP layer is complete.
 
     Returns the problems and the count of stored linears per form.
@@ -78,19 +77,17 @@ def check_layout(layout: GlmLayout, linears: dict[int | None, list[Linear]], inf
     problems: list[Problem] = []
     counts = {MXFP4: 0, BF16: 0}
     missing_by_layer: dict[int | None, list[str]] = {}
-    linear_weights = {lin.name + ".weight" for group in linears.values() for lin in group}
-    for group in linears.values():
-        for lin in group:
-            form = stored_form(lin, infos).form
-            if form:
-                counts[form] += 1
-    for t in layout.tensors():
+    for s in stored.values():
+        if s.form:
+            counts[s.form] += 1
+    mtp_present = {layer: any(n.startswith(f"model.layers.{layer}.") for n in infos) for layer in layout.mtp_layers}
+    for t in planned:
         if t.name in infos or t.name in skip:
             continue
         layer = int(t.name.split(".")[2]) if t.name.startswith("model.layers.") else None
         missing_by_layer.setdefault(layer, []).append(t.name)
     for layer, names in missing_by_layer.items():
-        if layer is not None and layout.is_mtp(layer) and not any(n.startswith(f"model.layers.{layer}.") for n in infos):
+        if layer is not None and layout.is_mtp(layer) and not mtp_present[layer]:
             problems.append(Problem(
                 "mtp", f"model.layers.{layer}",
                 f"the checkpoint ships no MTP layer tensors (num_nextn_predict_layers = {len(layout.mtp_layers)}, so "
@@ -100,7 +97,7 @@ def check_layout(layout: GlmLayout, linears: dict[int | None, list[Linear]], inf
             continue
         check = "mtp" if layer is not None and layout.is_mtp(layer) else "layout"
         for name in names:
-            what = "linear weight (bf16 or MXFP4)" if name in linear_weights else "tensor"
+            what = "linear weight (bf16 or MXFP4)" if name.removesuffix(".weight") in stored else "tensor"
             problems.append(Problem(check, name, f"config.json implies this {what} but no shard holds it",
                                     "re-create the checkpoint from its source (or restore the tensor)"))
     return problems, counts

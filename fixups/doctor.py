@@ -9,12 +9,12 @@ from mxforge.safetensors_io import TensorInfo
 
 from .config_checks import exclude_entries
 from .matching import is_glob
-from .modules import Linear
-from .tensor_forms import BF16, MXFP4, stored_form
+from .modules import LayerLinears
+from .tensor_forms import BF16, MXFP4, Stored
 
 
-def diagnose(layout: GlmLayout, linears: dict[int | None, list[Linear]], infos: Mapping[str, TensorInfo],
-             qc: Mapping | None) -> list[str]:
+def diagnose(layout: GlmLayout, linears: dict[int | None, LayerLinears], stored: Mapping[str, Stored],
+             infos: Mapping[str, TensorInfo], qc: Mapping | None) -> list[str]:
     """Sentences describing the export: exclude style (exact / glob / regex) and the MTP layer's state."""
     notes = []
     if qc is None:
@@ -34,7 +34,8 @@ def diagnose(layout: GlmLayout, linears: dict[int | None, list[Linear]], infos: 
             notes.append(f"exclude holds {len(regexes)} 're:' regex entr{'y' if len(regexes) == 1 else 'ies'}")
     for layer in layout.mtp_layers:
         prefix = f"model.layers.{layer}."
-        forms = [stored_form(lin, infos).form for lin in linears[layer]]
+        group = linears[layer]
+        forms = [stored[lin.name].form for lin in (*group.experts, *group.others.values())]
         if not any(name.startswith(prefix) for name in infos):
             notes.append(f"MTP layer {layer} is missing: the export ships no {prefix}* tensors, so MTP cannot be used; "
                          "re-inject it with mxforge fixup --mtp-from BF16_SRC --recipe RECIPE")

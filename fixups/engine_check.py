@@ -5,13 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from mxforge.safetensors_io import TensorInfo
-
 from .matching import ExcludeList, ShardsDisagree, engine_excludes
 from .modules import EngineModule
 from .profiles import EngineProfile
 from .report import Problem
-from .tensor_forms import BF16, MXFP4, Stored, braced, describe_stored, mxfp4_shapes, stored_form
+from .tensor_forms import BF16, MXFP4, Stored, braced, describe_stored, mxfp4_shapes
 
 RUN_FIXUP = "run mxforge fixup"
 
@@ -44,7 +42,7 @@ def decide(profile: EngineProfile, module: EngineModule, main: ExcludeList, draf
     return Verdict(module, MXFP4, "no exclude entry matches it")
 
 
-def check_engine(profile: EngineProfile, modules: list[EngineModule], infos: Mapping[str, TensorInfo],
+def check_engine(profile: EngineProfile, modules: list[EngineModule], stored: Mapping[str, Stored],
                  main: ExcludeList, draft: ExcludeList, quantized_checkpoint: bool,
                  skip: frozenset[str] = frozenset()) -> list[Problem]:
     """Every disagreement between what `profile`'s engine allocates and what the checkpoint stores.
@@ -54,11 +52,11 @@ def check_engine(profile: EngineProfile, modules: list[EngineModule], infos: Map
     """
     problems = []
     for module in modules:
-        stored = [stored_form(lin, infos) for lin in module.shards]
-        if any(s.form is None for s in stored) or any(s.linear.name + ".weight" in skip for s in stored):
+        items = [stored[lin.name] for lin in module.shards]
+        if any(s.form is None for s in items) or any(s.linear.name + ".weight" in skip for s in items):
             continue
         verdict = decide(profile, module, main, draft, quantized_checkpoint)
-        problem = _compare(profile, verdict, stored)
+        problem = _compare(profile, verdict, items)
         if problem:
             problems.append(problem)
     return problems
@@ -83,9 +81,12 @@ def expected_text(module: EngineModule, form: str) -> str:
 
 def _compare(profile: EngineProfile, verdict: Verdict, stored: list[Stored]) -> Problem | None:
     module = verdict.module
+    forms = {s.form for s in stored}
+    defects = [s.defect for s in stored if s.defect]
+    if verdict.disagree is None and not defects and forms == {verdict.form}:
+        return None
     where = braced([s.linear.name for s in stored])
     found = describe_stored(stored)
-    forms = {s.form for s in stored}
 
     def problem(message: str, remedy: str) -> Problem:
         return Problem("engine", module.runtime, message, remedy, profile.name)
@@ -97,12 +98,9 @@ def _compare(profile: EngineProfile, verdict: Verdict, stored: list[Stored]) -> 
         return problem(f"exclude entries match {', '.join(d.matched)} but not {', '.join(d.unmatched)}: the engine raises "
                        f"\"Found different quantization schemes\" and stops loading (the checkpoint holds {found} under {where})",
                        remedy)
-    defects = [s.defect for s in stored if s.defect]
     if defects:
         more = f" (and {len(defects) - 1} more)" if len(defects) > 1 else ""
         return problem(f"malformed tensors: {defects[0]}{more}", "re-quantize or re-download these tensors")
-    if forms == {verdict.form}:
-        return None
     message = f"would be {expected_text(module, verdict.form)} but the checkpoint holds {found} under {where}"
     if len(forms) > 1:
         return problem(message + "; its shards are stored in different formats and the engine loads them into one parameter",

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 
 from mxforge.glm_layout import GlmLayout
+from mxforge.safetensors_io import PlannedTensor
+from mxforge.tensor_kinds import LAYER_RE
 
 from .profiles import EngineProfile
 
@@ -38,49 +40,68 @@ class EngineModule:
     quantizable: bool            # False: the engine builds it unquantized whatever `exclude` says
 
 
-def checkpoint_linears(layout: GlmLayout) -> dict[int | None, list[Linear]]:
-    """The checkpoint's linear weights by layer (None: global), from config.json."""
-    out: dict[int | None, list[Linear]] = {None: []}
+@dataclass
+class LayerLinears:
+    """One layer's linear weights: its routed experts' projections, and the rest by layer-relative name."""
+
+    experts: list[Linear]
+    others: dict[str, Linear]
+
+
+def checkpoint_linears(layout: GlmLayout, planned: list[PlannedTensor] | None = None) -> dict[int | None, LayerLinears]:
+    """The checkpoint's linear weights by layer (None: global modules, by full name), from config.json."""
+    out: dict[int | None, LayerLinears] = {None: LayerLinears([], {})}
     for layer in layout.all_layers:
-        out[layer] = [_linear(t) for t in layout.layer_tensors(layer) if _is_linear(t)]
-    for t in layout.tensors():
-        if not t.name.startswith("model.layers.") and _is_linear(t):
-            out[None].append(_linear(t))
+        out[layer] = LayerLinears([], {})
+    for t in planned if planned is not None else layout.tensors():
+        if not (t.name.endswith(".weight") and len(t.shape) == 2):
+            continue
+        lin = Linear(t.name[: -len(".weight")], t.shape[0], t.shape[1])
+        m = LAYER_RE.match(lin.name)
+        if m is None:
+            out[None].others[lin.name] = lin
+            continue
+        local = lin.name[m.end():]
+        group = out[int(m.group(1))]
+        if EXPERT_RE.match(local):
+            group.experts.append(lin)
+        else:
+            group.others[local] = lin
     return out
 
 
+def all_linears(linears: dict[int | None, LayerLinears]) -> list[Linear]:
+    return [lin for group in linears.values() for lin in (*group.experts, *group.others.values())]
+
+
 def engine_modules(profile: EngineProfile, layout: GlmLayout,
-                   linears: dict[int | None, list[Linear]] | None = None) -> list[EngineModule]:
+                   linears: dict[int | None, LayerLinears] | None = None) -> list[EngineModule]:
     """Every module `profile`'s engine builds, with the checkpoint linears each one loads."""
     linears = linears if linears is not None else checkpoint_linears(layout)
-    modules = [EngineModule(lin.name, lin.name, lin.name, (lin,), False, False, profile.quantizable(lin.name, False))
-               for lin in linears[None]]
+    modules = [EngineModule(name, name, name, (lin,), False, False, profile.quantizable(name, False))
+               for name, lin in linears[None].others.items()]
     for layer in layout.all_layers:
-        modules += _layer_modules(profile, layout, layer, linears[layer])
+        modules += _layer_modules(profile, layer, layout.is_mtp(layer), linears[layer])
     return modules
 
 
-def _layer_modules(profile: EngineProfile, layout: GlmLayout, layer: int, linears: list[Linear]) -> list[EngineModule]:
+def _layer_modules(profile: EngineProfile, layer: int, is_mtp: bool, linears: LayerLinears) -> list[EngineModule]:
     prefix = f"model.layers.{layer}."
-    is_mtp = layout.is_mtp(layer)
-    by_local = {lin.name[len(prefix):]: lin for lin in linears}
     groups: dict[str, list[Linear]] = {}
+    if linears.experts:
+        groups["mlp.experts"] = linears.experts
     taken: set[str] = set()
-    experts = [lin for local, lin in by_local.items() if EXPERT_RE.match(local)]
-    if experts:
-        groups["mlp.experts"] = experts
-        taken.update(lin.name for lin in experts)
-    for fused, shard_names in profile.fused.items():
-        for local in by_local:
-            parent, _, proj = local.rpartition(".")
+    for local in linears.others:
+        parent, _, proj = local.rpartition(".")
+        for fused, shard_names in profile.fused.items():
             if proj != shard_names[0]:
                 continue
-            members = [by_local.get(f"{parent}.{s}" if parent else s) for s in shard_names]
-            if all(members) and not any(m.name in taken for m in members):
-                groups[f"{parent}.{fused}" if parent else fused] = members
-                taken.update(m.name for m in members)
-    for local, lin in by_local.items():
-        if lin.name not in taken:
+            locals_ = [f"{parent}.{s}" if parent else s for s in shard_names]
+            if all(n in linears.others and n not in taken for n in locals_):
+                groups[f"{parent}.{fused}" if parent else fused] = [linears.others[n] for n in locals_]
+                taken.update(locals_)
+    for local, lin in linears.others.items():
+        if local not in taken:
             groups[local] = [lin]
     out = []
     for local, members in groups.items():
@@ -88,11 +109,3 @@ def _layer_modules(profile: EngineProfile, layout: GlmLayout, layer: int, linear
         out.append(EngineModule(runtime, prefix + local, local, tuple(members), local == "mlp.experts", is_mtp,
                                 profile.quantizable(local, is_mtp)))
     return out
-
-
-def _is_linear(t) -> bool:
-    return t.name.endswith(".weight") and len(t.shape) == 2
-
-
-def _linear(t) -> Linear:
-    return Linear(t.name[: -len(".weight")], t.shape[0], t.shape[1])

@@ -7,14 +7,15 @@ from pathlib import Path
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.glm_layout import GlmLayout
-from mxforge.safetensors_io import TensorInfo
+from mxforge.safetensors_io import PlannedTensor, TensorInfo
 
 from .config_checks import check_layout, check_quant_config, exclude_entries
 from .doctor import diagnose
 from .engine_check import check_engine
 from .integrity import check_index_and_shards
 from .matching import ExcludeList, with_mtp_remap
-from .modules import Linear, checkpoint_linears, engine_modules
+from .modules import LayerLinears, all_linears, checkpoint_linears, engine_modules
+from .tensor_forms import Stored, stored_form
 from .profiles import EngineProfile, resolve_profiles
 from .report import ValidationReport
 
@@ -25,8 +26,10 @@ class LoadedCheckpoint:
 
     ckpt: Checkpoint
     layout: GlmLayout
-    linears: dict[int | None, list[Linear]]
+    planned: list[PlannedTensor]   # every tensor config.json implies, bf16 shapes
+    linears: dict[int | None, LayerLinears]
     infos: dict[str, TensorInfo]
+    stored: dict[str, Stored]      # how each linear is stored, by module name
     unreadable: frozenset[str]     # tensors whose shard is missing or corrupt
 
 
@@ -48,7 +51,10 @@ def load_checkpoint(root: str | Path) -> tuple[LoadedCheckpoint, list, dict]:
             unreadable.add(name)
         else:
             infos[name] = info
-    return LoadedCheckpoint(ckpt, layout, checkpoint_linears(layout), infos, frozenset(unreadable)), problems, counts
+    planned = layout.tensors()
+    linears = checkpoint_linears(layout, planned)
+    stored = {lin.name: stored_form(lin, infos) for lin in all_linears(linears)}
+    return LoadedCheckpoint(ckpt, layout, planned, linears, infos, stored, frozenset(unreadable)), problems, counts
 
 
 def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exclude: list[str]) -> tuple[list, dict]:
@@ -61,7 +67,7 @@ def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exc
         for layer in loaded.layout.mtp_layers:
             draft = with_mtp_remap(draft, profile, layer)
         modules = engine_modules(profile, loaded.layout, loaded.linears)
-        found = check_engine(profile, modules, loaded.infos, main, draft, quantized, loaded.unreadable)
+        found = check_engine(profile, modules, loaded.stored, main, draft, quantized, loaded.unreadable)
         problems += found
         checked[profile.name] = {"modules": len(modules), "problems": len(found)}
     return problems, checked
@@ -85,11 +91,11 @@ def validate_checkpoint(root: str | Path, engines: list[str] | None = None) -> V
     qc = loaded.ckpt.quantization_config
     has_uint8 = any(i.dtype == "U8" and n.endswith(".weight") for n, i in loaded.infos.items())
     report.problems += check_quant_config(qc, has_uint8)
-    layout_problems, forms = check_layout(loaded.layout, loaded.linears, loaded.infos, loaded.unreadable)
+    layout_problems, forms = check_layout(loaded.layout, loaded.planned, loaded.stored, loaded.infos, loaded.unreadable)
     report.problems += layout_problems
     report.checked["linears"] = forms
     found, checked = engine_problems(loaded, profiles, exclude_entries(qc))
     report.problems += found
     report.checked["engines"] = checked
-    report.notes = diagnose(loaded.layout, loaded.linears, loaded.infos, qc)
+    report.notes = diagnose(loaded.layout, loaded.linears, loaded.stored, loaded.infos, qc)
     return report
