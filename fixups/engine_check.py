@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from .matching import ExcludeList, ShardsDisagree, engine_excludes
-from .modules import EngineModule
+from .loaded import LoadedCheckpoint
+from .matching import ExcludeList, ShardsDisagree, engine_excludes, with_mtp_remap
+from .modules import EngineModule, engine_modules
 from .profiles import EngineProfile
 from .report import Problem
 from .tensor_forms import BF16, MXFP4, Stored, braced, describe_stored, mxfp4_shapes
@@ -112,3 +113,19 @@ def _compare(profile: EngineProfile, verdict: Verdict, stored: list[Stored]) -> 
                        f"re-quantize with {module.checkpoint} excluded (kept bf16)")
     return problem(message + f" ({verdict.reason})",
                    "remove that exclude entry (the tensors are MXFP4 on disk), or re-quantize the module in bf16")
+
+
+def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exclude: list[str]) -> tuple[list, dict]:
+    """Per-engine disagreements between what each engine allocates under `exclude` and what is stored."""
+    quantized = loaded.ckpt.quantization_config is not None
+    main = ExcludeList(tuple(exclude))
+    problems, checked = [], {}
+    for profile in profiles:
+        draft = main
+        for layer in loaded.layout.mtp_layers:
+            draft = with_mtp_remap(draft, profile, layer)
+        modules = engine_modules(profile, loaded.layout, loaded.linears)
+        found = check_engine(profile, modules, loaded.stored, main, draft, quantized, loaded.unreadable)
+        problems += found
+        checked[profile.name] = {"modules": len(modules), "problems": len(found)}
+    return problems, checked

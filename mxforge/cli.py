@@ -78,28 +78,13 @@ def run_inspect(args) -> int:
     return EXIT_OK
 
 
-# --- validate --------------------------------------------------------------------------------------
-def register_validate(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("validate", help="check, before upload, that the checkpoint is intact and loads in each engine",
-                       description="Check index/shard integrity and, per engine profile, that every module the engine "
-                       "builds agrees with the tensors on disk. Reads headers only. Exit 0 clean, 1 problems found, 2 could not run.")
-    p.add_argument("ckpt", help="checkpoint directory")
-    add_json_option(p)
-    return p
-
-
-def run_validate(args) -> int:
-    from .fixups.validate import validate_checkpoint
-
-    report = validate_checkpoint(args.ckpt)
-    emit(report.as_dict(), args.json, report.format())
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
-
+from .fixups import cli as fixups_cli  # noqa: E402  (after the helpers it imports)
 
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "fixture": (register_fixture, run_fixture),
     "inspect": (register_inspect, run_inspect),
-    "validate": (register_validate, run_validate),
+    "validate": (fixups_cli.register_validate, fixups_cli.run_validate),
+    "fixup": (fixups_cli.register_fixup, fixups_cli.run_fixup),
 }
 
 
