@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from mxforge.cli import EXIT_OK, EXIT_PROBLEMS, add_json_option, emit
-
+# mxforge.cli imports this module to build its COMMANDS table, so its helpers are imported inside the
+# functions below (at call time), never at import time.
 from .profiles import PROFILE_NAMES, parse_engines_arg
 
 
-def _add_engines_option(p: argparse.ArgumentParser) -> None:
+def _add_common_options(p: argparse.ArgumentParser) -> None:
+    from mxforge.cli import add_json_option
+
     p.add_argument("--engines", default=None, metavar="LIST",
                    help=f"comma-separated engine profiles (default: all of {', '.join(PROFILE_NAMES)}; "
                    "rules in manifests/engines/*.toml)")
+    add_json_option(p)
 
 
 def _engines(args) -> list[str] | None:
@@ -27,12 +30,13 @@ def register_validate(sub) -> argparse.ArgumentParser:
                        "builds finds the dtype and shape it allocates. Reads headers only. "
                        "Exit 0 clean, 1 problems found, 2 could not run.")
     p.add_argument("ckpt", help="checkpoint directory")
-    _add_engines_option(p)
-    add_json_option(p)
+    _add_common_options(p)
     return p
 
 
 def run_validate(args) -> int:
+    from mxforge.cli import EXIT_OK, EXIT_PROBLEMS, emit
+
     from .validate import validate_checkpoint
 
     report = validate_checkpoint(args.ckpt, _engines(args))
@@ -48,13 +52,14 @@ def register_fixup(sub) -> argparse.ArgumentParser:
                        "config.json.orig, records what it applied in mxforge_fixups.json. Exit 0 when every engine "
                        "can load the result, 1 when problems remain that the config cannot cure, 2 could not run.")
     p.add_argument("ckpt", help="checkpoint directory (config.json is edited in place)")
-    _add_engines_option(p)
     p.add_argument("--dry-run", action="store_true", help="print the unified diff of config.json; write nothing")
-    add_json_option(p)
+    _add_common_options(p)
     return p
 
 
 def run_fixup(args) -> int:
+    from mxforge.cli import EXIT_OK, EXIT_PROBLEMS, emit
+
     from .fixup import fixup_checkpoint
 
     result = fixup_checkpoint(args.ckpt, _engines(args), dry_run=args.dry_run)

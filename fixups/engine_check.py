@@ -115,9 +115,10 @@ def _compare(profile: EngineProfile, verdict: Verdict, stored: list[Stored]) -> 
                    "remove that exclude entry (the tensors are MXFP4 on disk), or re-quantize the module in bf16")
 
 
-def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exclude: list[str]) -> tuple[list, dict]:
-    """Per-engine disagreements between what each engine allocates under `exclude` and what is stored."""
-    quantized = loaded.ckpt.quantization_config is not None
+def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exclude: list[str],
+                    quantized: bool = True) -> tuple[list, dict]:
+    """Per-engine disagreements between what each engine allocates under `exclude` and what is stored
+    (`quantized` False: the checkpoint has no quantization_config, so engines build everything bf16)."""
     main = ExcludeList(tuple(exclude))
     problems, checked = [], {}
     for profile in profiles:

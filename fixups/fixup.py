@@ -23,13 +23,13 @@ from pathlib import Path
 from mxforge.safetensors_io import write_json_atomic
 
 from .config_checks import exclude_entries
-from .engine_check import engine_problems
 from .matching import ExcludeList, ShardsDisagree, engine_excludes, is_glob, with_mtp_remap
 from .modules import engine_modules
 from .profiles import EngineProfile, resolve_profiles
 from .report import Problem
 from .tensor_forms import BF16
 from .loaded import LoadedCheckpoint, load_checkpoint
+from .validate import loadability_problems
 
 FIXUPS_NAME = "mxforge_fixups.json"
 BACKUP_NAME = "config.json.orig"
@@ -41,7 +41,7 @@ class FixupResult:
     engines: list[str]
     applied: list[dict] = field(default_factory=list)    # what was (or, dry run, would be) changed
     warnings: list[str] = field(default_factory=list)
-    remaining: list[Problem] = field(default_factory=list)  # engine problems editing the config cannot cure
+    remaining: list[Problem] = field(default_factory=list)  # problems editing `exclude` cannot cure
     diff: str = ""
     dry_run: bool = False
 
@@ -140,7 +140,7 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     aliases = needed_aliases(entries, loaded, profiles)
     entries += [a["entry"] for a in aliases]
     result.applied, result.warnings = applied + aliases, warnings
-    result.remaining, _ = engine_problems(loaded, profiles, entries)
+    result.remaining, _ = loadability_problems(loaded, profiles, {**qc, "exclude": entries})
     if not result.changed:
         return result
     new_config = {**config, "quantization_config": {**qc, "exclude": entries}}

@@ -7,9 +7,21 @@ from pathlib import Path
 from .config_checks import check_layout, check_quant_config, exclude_entries
 from .doctor import diagnose
 from .engine_check import engine_problems
-from .loaded import load_checkpoint
-from .profiles import resolve_profiles
+from .loaded import LoadedCheckpoint, load_checkpoint
+from .profiles import EngineProfile, resolve_profiles
+from .tensor_forms import MXFP4
 from .report import ValidationReport
+
+
+def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict | None) -> tuple[list, dict]:
+    """Problems with `qc` as the checkpoint's quantization_config: its form, missing tensors (MTP layer
+    included), and per engine every module whose allocation disagrees with the stored tensors."""
+    has_uint8 = any(s.form == MXFP4 for s in loaded.stored.values())
+    problems = check_quant_config(qc, has_uint8)
+    layout_problems, forms = check_layout(loaded.layout, loaded.planned, loaded.stored, loaded.infos, loaded.unreadable)
+    problems += layout_problems
+    found, engines = engine_problems(loaded, profiles, exclude_entries(qc), quantized=qc is not None)
+    return problems + found, {"linears": forms, "engines": engines}
 
 
 def validate_checkpoint(root: str | Path, engines: list[str] | None = None) -> ValidationReport:
@@ -28,13 +40,8 @@ def validate_checkpoint(root: str | Path, engines: list[str] | None = None) -> V
     report.problems += problems
     report.checked["integrity"] = counts
     qc = loaded.ckpt.quantization_config
-    has_uint8 = any(i.dtype == "U8" and n.endswith(".weight") for n, i in loaded.infos.items())
-    report.problems += check_quant_config(qc, has_uint8)
-    layout_problems, forms = check_layout(loaded.layout, loaded.planned, loaded.stored, loaded.infos, loaded.unreadable)
-    report.problems += layout_problems
-    report.checked["linears"] = forms
-    found, checked = engine_problems(loaded, profiles, exclude_entries(qc))
+    found, checked = loadability_problems(loaded, profiles, qc)
     report.problems += found
-    report.checked["engines"] = checked
+    report.checked.update(checked)
     report.notes = diagnose(loaded.layout, loaded.linears, loaded.stored, loaded.infos, qc)
     return report
