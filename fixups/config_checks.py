@@ -80,7 +80,7 @@ def check_layout(layout: GlmLayout, planned: list[PlannedTensor], stored: Mappin
     for s in stored.values():
         if s.form:
             counts[s.form] += 1
-    mtp_present = {layer: any(n.startswith(f"model.layers.{layer}.") for n in infos) for layer in layout.mtp_layers}
+    mtp_present = {layer: any(t.name in infos for t in layout.layer_tensors(layer)) for layer in layout.mtp_layers}
     for t in planned:
         if t.name in infos or t.name in skip:
             continue

@@ -36,7 +36,7 @@ def diagnose(layout: GlmLayout, linears: dict[int | None, LayerLinears], stored:
         prefix = f"model.layers.{layer}."
         group = linears[layer]
         forms = [stored[lin.name].form for lin in (*group.experts, *group.others.values())]
-        if not any(name.startswith(prefix) for name in infos):
+        if all(f is None for f in forms):
             notes.append(f"MTP layer {layer} is missing: the export ships no {prefix}* tensors, so MTP cannot be used; "
                          "re-inject it with mxforge fixup --mtp-from BF16_SRC --recipe RECIPE")
         elif forms and all(f == BF16 for f in forms):

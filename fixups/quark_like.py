@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
-from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
+from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, write_json_atomic
 
 PLACEHOLDER_SCALE = 127  # E8M0 byte for 2^0
 
@@ -65,7 +65,7 @@ def write_quark_like(src: str | Path, out: str | Path, patterns: list[str], *, g
     total = 0
     for shard in src_ckpt.shard_names:
         planned: list[PlannedTensor] = []
-        sources: dict[str, object] = {}
+        sources: dict[str, TensorInfo | tuple[int, int]] = {}
         for name in sorted(n for n, s in src_ckpt.weight_map.items() if s == shard):
             if name.startswith(dropped):
                 continue
@@ -76,8 +76,8 @@ def write_quark_like(src: str | Path, out: str | Path, patterns: list[str], *, g
                 rows, cols = info.shape[0], math.prod(info.shape[1:])
                 planned += [PlannedTensor(name, "U8", (rows, cols // 2)),
                             PlannedTensor(module + ".weight_scale", "U8", (rows, math.ceil(cols / 32)))]
-                sources[name] = b"\0" * (rows * (cols // 2))
-                sources[module + ".weight_scale"] = bytes([PLACEHOLDER_SCALE]) * (rows * math.ceil(cols / 32))
+                sources[name] = (0, rows * (cols // 2))
+                sources[module + ".weight_scale"] = (PLACEHOLDER_SCALE, rows * math.ceil(cols / 32))
             else:
                 if decision is False:
                     excluded.append(module)
@@ -90,10 +90,12 @@ def write_quark_like(src: str | Path, out: str | Path, patterns: list[str], *, g
                 writer.skip_to_end()
             else:
                 for t in writer.order:
-                    data = sources[t.name]
-                    if not isinstance(data, bytes):
-                        f.seek(data.start)
-                        data = f.read(data.nbytes)
+                    source = sources[t.name]
+                    if isinstance(source, tuple):  # placeholder MXFP4 bytes: (byte value, count)
+                        data = bytes([source[0]]) * source[1]
+                    else:
+                        f.seek(source.start)
+                        data = f.read(source.nbytes)
                     writer.write(t.name, data)
         weight_map.update({t.name: shard for t in planned})
         total += sum(t.nbytes for t in planned)
