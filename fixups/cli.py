@@ -30,6 +30,9 @@ def register_validate(sub) -> argparse.ArgumentParser:
                        "builds finds the dtype and shape it allocates. Reads headers only. "
                        "Exit 0 clean, 1 problems found, 2 could not run.")
     p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("--deep", action="store_true", help="also read every MXFP4 scale (255 = NaN) and check files "
+                   "against the download's sha256 manifest (reads data: minutes on a full checkpoint)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (--deep)")
     _add_common_options(p)
     return p
 
@@ -39,7 +42,7 @@ def run_validate(args) -> int:
 
     from .validate import validate_checkpoint
 
-    report = validate_checkpoint(args.ckpt, _engines(args))
+    report = validate_checkpoint(args.ckpt, _engines(args), deep=args.deep, quiet=args.quiet)
     emit(report.as_dict(), args.json, report.format())
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config_checks import check_layout, check_quant_config, exclude_entries
+from .deep_checks import check_sha256, scan_scales
 from .doctor import diagnose
 from .engine_check import engine_problems
 from .loaded import LoadedCheckpoint, load_checkpoint
@@ -24,11 +25,13 @@ def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile]
     return problems + found, {"linears": forms, "engines": engines}
 
 
-def validate_checkpoint(root: str | Path, engines: list[str] | None = None) -> ValidationReport:
+def validate_checkpoint(root: str | Path, engines: list[str] | None = None, *, deep: bool = False,
+                        quiet: bool = True) -> ValidationReport:
     """Check integrity, quantization_config, layout/MTP completeness and, per engine profile, loadability.
 
-    `engines=None` (or empty) checks every profile. Returns a report; `report.ok` is False when problems
-    were found.
+    `engines=None` (or empty) checks every profile. Headers only, unless `deep`: then every MXFP4 scale is
+    read (a 255 byte is NaN) and files are checked against the download's sha256 manifest (progress
+    shown unless `quiet`). Returns a report; `report.ok` is False when problems were found.
 
     Raises:
         CheckpointError: the checkpoint cannot be checked at all (not a directory, no config.json, no index).
@@ -43,5 +46,10 @@ def validate_checkpoint(root: str | Path, engines: list[str] | None = None) -> V
     found, checked = loadability_problems(loaded, profiles, qc)
     report.problems += found
     report.checked.update(checked)
+    if deep:
+        scale_problems, scale_bytes = scan_scales(loaded.ckpt.root, loaded.ckpt.weight_map, loaded.infos, quiet)
+        hash_problems, hashed = check_sha256(loaded.ckpt.root, quiet)
+        report.problems += scale_problems + hash_problems
+        report.checked["deep"] = {"scale_bytes": scale_bytes, "sha256": hashed}
     report.notes = diagnose(loaded.layout, loaded.linears, loaded.stored, loaded.infos, qc)
     return report
