@@ -32,6 +32,9 @@ def diagnose(layout: GlmLayout, linears: dict[int | None, LayerLinears], stored:
             notes.append(f"exclude lists {exact} exact module name(s) (the form Quark writes on export)")
         if regexes:
             notes.append(f"exclude holds {len(regexes)} 're:' regex entr{'y' if len(regexes) == 1 else 'ies'}")
+        if any(".shared_experts" in e for e in entries):
+            notes.append("exclude names shared experts: sglang and vLLM then run them unfused from the routed experts "
+                         "(a speed cost, not an error)")
     for layer in layout.mtp_layers:
         prefix = f"model.layers.{layer}."
         group = linears[layer]

@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mxforge.errors import ConfigError
 from mxforge.safetensors_io import write_json_atomic
 
 from .config_checks import exclude_entries
@@ -135,6 +136,10 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     if qc is None:
         result.warnings.append("no quantization_config: every engine loads this checkpoint as bf16; nothing to fix")
         return result
+    raw = qc.get("exclude", [])
+    if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
+        raise ConfigError(f"{loaded.ckpt.root / 'config.json'}: quantization_config.exclude is not a list of module "
+                          "names; fix it by hand (see mxforge validate) before running fixup")
     before = exclude_entries(qc)
     entries, applied, warnings = rewrite_globs(before, loaded)
     aliases = needed_aliases(entries, loaded, profiles)
