@@ -100,6 +100,8 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "fixture": (register_fixture, run_fixture),
     "inspect": (register_inspect, run_inspect),
     "validate": (register_validate, run_validate),
+    "quantize": (lambda sub: __import__("mxforge.quantize.cli").quantize.cli.register_quantize(sub),
+                 lambda args: __import__("mxforge.quantize.cli").quantize.cli.run_quantize(args)),
 }
 
 

@@ -18,8 +18,9 @@ and a torch one that runs on any device (`--device cuda`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from mxforge.errors import ConfigError, MxforgeError
 
@@ -30,6 +31,9 @@ ZERO_BLOCK_SCALE = 1
 _UP_AT_OR_ABOVE = (0.75, 1.75, 3.5)
 _UP_ABOVE = (0.25, 1.25, 2.5, 5.0)
 ROW_CHUNK_ELEMENTS = 1 << 20  # rows per chunk of the torch path: about 4 MB of float32 at a time
+
+if TYPE_CHECKING:  # torch is imported where used: worker processes on the CPU path never load it
+    import torch
 
 
 class NonFiniteWeightError(MxforgeError):
@@ -62,6 +66,8 @@ def quantize_mxfp4(weight: torch.Tensor, name: str | None = None, refuse_nonfini
         ConfigError: not 2-D, not floating point, or an odd in-dimension.
         NonFiniteWeightError: NaN/Inf present and `refuse_nonfinite` (the message names `name` and the count).
     """
+    import torch
+
     if not weight.is_floating_point():
         raise ConfigError(f"{name or 'weight'}: MXFP4 needs a floating-point weight, got {weight.dtype}")
     codes_shape, scales_shape = packed_shapes(tuple(weight.shape))
@@ -98,6 +104,8 @@ def quantize_rows_cpu(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray) -
 
 def _quantize_torch(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, device: torch.device) -> int:
     """The same numerics as torch ops on `device`, in row chunks; fills CPU `codes`/`scales`."""
+    import torch
+
     out, inner = weight.shape
     nblocks = scales.shape[1]
     padded = nblocks * BLOCK
@@ -125,6 +133,8 @@ def _quantize_torch(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
 
 def power_of_two_bits(exponent: torch.Tensor) -> torch.Tensor:
     """float32 bit patterns (int32) of 2**exponent for exponent in [-127, 126], built exactly (2**-127 is subnormal)."""
+    import torch
+
     biased = exponent + 127
     return torch.where(biased > 0, biased << 23, torch.full_like(biased, 1 << 22))
 
@@ -138,6 +148,8 @@ def _quark_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, inner: int) -> torch.Tensor:
     """Float32 `[out, inner]` values that `codes`/`scales` encode (for error measurements and checks)."""
+    import torch
+
     grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32)
     nib = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(codes.shape[0], -1)[:, :inner].long()
     values = grid[nib]
