@@ -85,6 +85,8 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "inspect": (register_inspect, run_inspect),
     "validate": (fixups_cli.register_validate, fixups_cli.run_validate),
     "fixup": (fixups_cli.register_fixup, fixups_cli.run_fixup),
+    "quantize": (lambda sub: __import__("mxforge.quantize.cli").quantize.cli.register_quantize(sub),
+                 lambda args: __import__("mxforge.quantize.cli").quantize.cli.run_quantize(args)),
 }
 
 
