@@ -56,15 +56,24 @@ def register_fixup(sub) -> argparse.ArgumentParser:
                        "can load the result, 1 when problems remain that the config cannot cure, 2 could not run.")
     p.add_argument("ckpt", help="checkpoint directory (config.json is edited in place)")
     p.add_argument("--dry-run", action="store_true", help="print the unified diff of config.json; write nothing")
+    p.add_argument("--mtp-from", metavar="BF16_SRC", default=None,
+                   help="first re-inject a missing MTP layer from this bf16 checkpoint (a new shard; index and config updated)")
+    p.add_argument("--recipe", default=None, help="with --mtp-from: the quantization recipe for the MTP layer "
+                   "(name in manifests/ or a TOML path; default: the quantizer's default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (--mtp-from)")
     _add_common_options(p)
     return p
 
 
 def run_fixup(args) -> int:
     from mxforge.cli import EXIT_OK, EXIT_PROBLEMS, emit
+    from mxforge.errors import ConfigError
 
     from .fixup import fixup_checkpoint
 
-    result = fixup_checkpoint(args.ckpt, _engines(args), dry_run=args.dry_run)
+    if args.recipe and not args.mtp_from:
+        raise ConfigError("--recipe applies only with --mtp-from BF16_SRC")
+    result = fixup_checkpoint(args.ckpt, _engines(args), dry_run=args.dry_run, mtp_from=args.mtp_from,
+                              recipe=args.recipe, quiet=args.quiet)
     emit(result.as_dict(), args.json, result.format())
     return EXIT_OK if not result.remaining else EXIT_PROBLEMS

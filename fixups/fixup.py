@@ -57,9 +57,11 @@ class FixupResult:
 
     def format(self) -> str:
         verb = "would change" if self.dry_run else "changed"
-        lines = [f"{self.path}: {verb} {len(self.applied)} exclude entr{'y' if len(self.applied) == 1 else 'ies'}"
+        lines = [f"{self.path}: {verb} {len(self.applied)} fixup(s)"
                  if self.changed else f"{self.path}: nothing to fix ({', '.join(self.engines)})"]
         lines += [f"  warning: {w}" for w in self.warnings]
+        lines += [f"  + MTP layer(s) {a['layers']} from {a['source']}: {a['quantized']} weights MXFP4 ({a['why']})"
+                  for a in self.applied if a["fixup"] == "mtp_inject"]
         lines += [f"  + {a['entry']} (for {', '.join(a['engines'])}: {a['why']})" for a in self.applied if a["fixup"] == "alias"]
         if self.remaining:
             lines.append(f"  {len(self.remaining)} problem(s) that editing quantization_config cannot cure:")
@@ -118,19 +120,31 @@ def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[
 
 
 def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run: bool = False,
-                     command: str | None = None) -> FixupResult:
+                     command: str | None = None, mtp_from: str | Path | None = None, recipe: str | None = None,
+                     quiet: bool = True) -> FixupResult:
     """Rewrite config.json's `quantization_config.exclude` so that every engine profile loads the checkpoint.
 
     Keeps the original as config.json.orig (first run only), writes atomically, records what it applied
     in mxforge_fixups.json beside config.json. `dry_run` computes the same and writes nothing.
+    `mtp_from` (a bf16 checkpoint) first re-injects a missing MTP layer, quantized per `recipe`
+    (default: the quantizer's default recipe); when the MTP layer is present it is left alone.
 
     Raises:
         CheckpointError: not a checkpoint directory, or a file cannot be written.
-        ConfigError: unknown engine profile, or config.json is not a GlmMoeDsaForCausalLM config.
+        ConfigError: unknown engine profile or recipe, or config.json is not a GlmMoeDsaForCausalLM config.
+        NonFiniteWeightError: a source MTP weight to quantize holds NaN/Inf.
     """
     profiles = resolve_profiles(engines)
+    command = command or shlex.join(["mxforge", *sys.argv[1:]])
+    injected, note = _maybe_inject(Path(root), mtp_from, recipe, dry_run, quiet)
     loaded, _, _ = load_checkpoint(root)
     result = FixupResult(str(loaded.ckpt.root), [p.name for p in profiles], dry_run=dry_run)
+    if note:
+        result.warnings.append(note)
+    if injected:
+        result.applied.append(injected)
+        if not dry_run:
+            record_fixups(loaded.ckpt.root, [injected], result.engines, command)
     config = loaded.ckpt.config
     qc = loaded.ckpt.quantization_config
     if qc is None:
@@ -144,9 +158,12 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     entries, applied, warnings = rewrite_globs(before, loaded)
     aliases = needed_aliases(entries, loaded, profiles)
     entries += [a["entry"] for a in aliases]
-    result.applied, result.warnings = applied + aliases, warnings
+    result.applied += applied + aliases
+    result.warnings += warnings
     result.remaining, _ = loadability_problems(loaded, profiles, {**qc, "exclude": entries})
-    if not result.changed:
+    if dry_run and injected:
+        result.remaining = [p for p in result.remaining if p.check != "mtp"]
+    if not (applied or aliases):
         return result
     new_config = {**config, "quantization_config": {**qc, "exclude": entries}}
     old_text, new_text = (json.dumps(c, indent=2) + "\n" for c in (config, new_config))
@@ -154,20 +171,54 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
                                                "a/config.json", "b/config.json"))
     if dry_run:
         return result
-    _write(loaded.ckpt.root, new_config, result, command or shlex.join(["mxforge", *sys.argv[1:]]))
+    backup_config(loaded.ckpt.root)
+    write_json_atomic(loaded.ckpt.root / "config.json", new_config)
+    record_fixups(loaded.ckpt.root, applied + aliases, result.engines, command)
     return result
 
 
-def _write(root: Path, new_config: dict, result: FixupResult, command: str) -> None:
+def _maybe_inject(root: Path, mtp_from, recipe: str | None, dry_run: bool, quiet: bool) -> tuple[dict | None, str | None]:
+    """Re-inject the MTP layer from `mtp_from` when the checkpoint lacks it: (record, note)."""
+    if mtp_from is None:
+        return None, None
+    from mxforge.checkpoint import Checkpoint
+    from mxforge.quantize.recipe import load_recipe
+
+    from .mtp_inject import inject_mtp, plan_mtp_injection
+
+    ckpt = Checkpoint.open(root)
+    layers = loaded_mtp_layers(ckpt)
+    if layers:
+        return None, f"--mtp-from: the checkpoint already holds MTP layer(s) {layers}; nothing injected"
+    if dry_run:
+        plan = plan_mtp_injection(ckpt, Checkpoint.open(mtp_from), load_recipe(recipe))
+        return {"fixup": "mtp_inject", "layers": plan.layers, "source": str(mtp_from), "quantized": len(plan.quantize),
+                "why": "the export shipped without its MTP layer (dry run: not written)"}, None
+    return inject_mtp(root, mtp_from, recipe, quiet=quiet), None
+
+
+def loaded_mtp_layers(ckpt) -> list[int]:
+    """MTP layers (per config.json) of which the index holds any tensor."""
+    n_layers = int(ckpt.config.get("num_hidden_layers", 0))
+    nextn = int(ckpt.config.get("num_nextn_predict_layers", 0) or 0)
+    return [n for n in range(n_layers, n_layers + nextn)
+            if any(name.startswith(f"model.layers.{n}.") for name in ckpt.weight_map)]
+
+
+def backup_config(root: Path) -> None:
+    """Keep the original config.json as config.json.orig (first change only; copied, then renamed)."""
     backup = root / BACKUP_NAME
     if not backup.exists():
         tmp = backup.with_name(BACKUP_NAME + ".partial")
         shutil.copy2(root / "config.json", tmp)
         tmp.replace(backup)
+
+
+def record_fixups(root: Path, applied: list[dict], engines: list[str], command: str) -> None:
+    """Append what was applied to mxforge_fixups.json (beside config.json, never inside quantization_config)."""
     record_path = root / FIXUPS_NAME
     record = json.loads(record_path.read_text()) if record_path.exists() else {"stage": "fixup", "fixups": [], "runs": []}
-    record["fixups"] += result.applied
-    record["runs"].append({"command": command, "engines": result.engines, "applied": len(result.applied)})
-    record.update({"engines": result.engines, "config_backup": BACKUP_NAME, "command": command})
-    write_json_atomic(root / "config.json", new_config)
+    record["fixups"] += applied
+    record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
+    record.update({"engines": engines, "config_backup": BACKUP_NAME, "command": command})
     write_json_atomic(record_path, record)
