@@ -18,7 +18,7 @@ from .profiles import EngineProfile
 EXPERT_RE = re.compile(r"^mlp\.experts\.\d+\.")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Linear:
     """One checkpoint linear weight: module name (tensor name minus `.weight`) and its bf16 [out, in]."""
 

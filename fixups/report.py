@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+MAX_LISTED = 60  # problems listed in the human summary; the JSON report has every one
+
+
 @dataclass(frozen=True)
 class Problem:
     """One disagreement: which check found it, for which engine (None: engine-independent), about what."""
@@ -45,5 +48,7 @@ class ValidationReport:
             return "\n".join([f"{self.path}: OK ({engines})"] + [f"  note: {n}" for n in self.notes])
         verdicts = ", ".join(f"{e} {'ok' if self.engine_ok(e) else 'FAILS'}" for e in self.engines)
         lines = [f"{self.path}: {len(self.problems)} problem(s) ({verdicts})"] + [f"  note: {n}" for n in self.notes]
-        lines += [f"  - {p.format()}" for p in self.problems]
+        lines += [f"  - {p.format()}" for p in self.problems[:MAX_LISTED]]
+        if len(self.problems) > MAX_LISTED:
+            lines.append(f"  ... and {len(self.problems) - MAX_LISTED} more (all of them in --json)")
         return "\n".join(lines)

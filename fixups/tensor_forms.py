@@ -20,7 +20,7 @@ def mxfp4_shapes(out_features: int, in_features: int) -> tuple[tuple[int, int], 
     return (out_features, in_features // 2), (out_features, math.ceil(in_features / GROUP))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Stored:
     """How one linear is stored: `form` MXFP4 / bf16 / None (missing), and what is wrong with it, if anything."""
 
@@ -34,11 +34,12 @@ class Stored:
 def stored_form(lin: Linear, infos: Mapping[str, TensorInfo]) -> Stored:
     """Classify the tensors stored for `lin` (`<name>.weight`, `<name>.weight_scale`)."""
     weight = infos.get(lin.name + ".weight")
-    scale = infos.get(lin.name + ".weight_scale")
     if weight is None:
         return Stored(lin, None)
+    scale = infos.get(lin.name + ".weight_scale")
     if weight.dtype == "U8":
-        w_shape, s_shape = mxfp4_shapes(lin.out_features, lin.in_features)
+        w_shape = (lin.out_features, lin.in_features // 2)
+        s_shape = (lin.out_features, -(-lin.in_features // GROUP))
         defect = None
         if weight.shape != w_shape:
             defect = f"{weight.name} is uint8 {list(weight.shape)}, expected {list(w_shape)}"
