@@ -136,6 +136,7 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     """
     profiles = resolve_profiles(engines)
     command = command or shlex.join(["mxforge", *sys.argv[1:]])
+    _check_exclude_form(Path(root))
     injected, note = _maybe_inject(Path(root), mtp_from, recipe, dry_run, quiet)
     loaded, _, _ = load_checkpoint(root)
     result = FixupResult(str(loaded.ckpt.root), [p.name for p in profiles], dry_run=dry_run)
@@ -150,10 +151,6 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     if qc is None:
         result.warnings.append("no quantization_config: every engine loads this checkpoint as bf16; nothing to fix")
         return result
-    raw = qc.get("exclude", [])
-    if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
-        raise ConfigError(f"{loaded.ckpt.root / 'config.json'}: quantization_config.exclude is not a list of module "
-                          "names; fix it by hand (see mxforge validate) before running fixup")
     before = exclude_entries(qc)
     entries, applied, warnings = rewrite_globs(before, loaded)
     aliases = needed_aliases(entries, loaded, profiles)
@@ -175,6 +172,21 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     write_json_atomic(loaded.ckpt.root / "config.json", new_config)
     record_fixups(loaded.ckpt.root, applied + aliases, result.engines, command)
     return result
+
+
+def _check_exclude_form(root: Path) -> None:
+    """Refuse to edit an `exclude` that is not a list of strings (before anything is written).
+
+    Raises:
+        CheckpointError: not a checkpoint directory. ConfigError: a malformed `exclude`.
+    """
+    from mxforge.checkpoint import Checkpoint
+
+    qc = Checkpoint.open(root).quantization_config
+    raw = (qc or {}).get("exclude", [])
+    if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
+        raise ConfigError(f"{root / 'config.json'}: quantization_config.exclude is not a list of module names; "
+                          "fix it by hand (see mxforge validate) before running fixup")
 
 
 def _maybe_inject(root: Path, mtp_from, recipe: str | None, dry_run: bool, quiet: bool) -> tuple[dict | None, str | None]:

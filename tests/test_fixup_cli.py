@@ -57,3 +57,9 @@ def test_fixup_exit_codes(tiny_ckpt, tmp_path):
     proc = run_cli("fixup", str(ckpt), "--engines", "sglang,trtllm")
     assert proc.returncode == 2 and "unknown engine profile 'trtllm'" in proc.stderr and "Traceback" not in proc.stderr
     assert run_cli("fixup", str(tmp_path / "nope")).returncode == 2
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"]["exclude"] = "*self_attn*"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    proc = run_cli("fixup", str(ckpt), "--mtp-from", str(tiny_ckpt))
+    assert proc.returncode == 2 and "exclude is not a list" in proc.stderr
+    assert not (ckpt / "model-mtp.safetensors").exists() and not (ckpt / "config.json.orig").exists()
