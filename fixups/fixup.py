@@ -27,7 +27,7 @@ from .config_checks import exclude_entries
 from .matching import ExcludeList, ShardsDisagree, engine_excludes, is_glob, with_mtp_remap
 from .modules import engine_modules
 from .profiles import EngineProfile, resolve_profiles
-from .report import Problem
+from .report import MAX_LISTED, Problem
 from .tensor_forms import BF16
 from .loaded import LoadedCheckpoint, load_checkpoint
 from .validate import loadability_problems
@@ -62,10 +62,15 @@ class FixupResult:
         lines += [f"  warning: {w}" for w in self.warnings]
         lines += [f"  + MTP layer(s) {a['layers']} from {a['source']}: {a['quantized']} weights MXFP4 ({a['why']})"
                   for a in self.applied if a["fixup"] == "mtp_inject"]
-        lines += [f"  + {a['entry']} (for {', '.join(a['engines'])}: {a['why']})" for a in self.applied if a["fixup"] == "alias"]
+        aliases = [a for a in self.applied if a["fixup"] == "alias"]
+        lines += [f"  + {a['entry']} (for {', '.join(a['engines'])}: {a['why']})" for a in aliases[:MAX_LISTED]]
+        if len(aliases) > MAX_LISTED:
+            lines.append(f"  ... and {len(aliases) - MAX_LISTED} more aliases (all of them in --json)")
         if self.remaining:
             lines.append(f"  {len(self.remaining)} problem(s) that editing quantization_config cannot cure:")
-            lines += [f"  - {p.format()}" for p in self.remaining]
+            lines += [f"  - {p.format()}" for p in self.remaining[:MAX_LISTED]]
+            if len(self.remaining) > MAX_LISTED:
+                lines.append(f"  ... and {len(self.remaining) - MAX_LISTED} more (all of them in --json)")
         if self.dry_run and self.diff:
             lines.append(self.diff.rstrip("\n"))
         return "\n".join(lines)
