@@ -7,7 +7,9 @@ Two checkpoints, built as sparse files (real headers, data holes) under --workdi
          so that every engine check runs against a realistic 1,000+ entry exclude list.
 For each: the median wall time of validate_checkpoint (all three engine profiles) over --repeat runs, and,
 measured side by side in the same run, the median time to parse the 282 headers alone (the floor any
-header-only check pays). Target: validate under 2 s.
+header-only check pays). Target: validate under 2 s. Also timed: `fixup` on the same Quark-format
+checkpoint with its exclusions written as globs (7 globs -> 1,319 exact names + 13 aliases), config restored
+between runs.
 
     .venv/bin/python scripts/bench_validate.py [--workdir DIR] [--repeat N] [--json REPORT]
 """
@@ -77,9 +79,26 @@ def main() -> int:
               f"{rows[label]['exclude_entries']:,} exclude entries: validate {validate:.3f} s (3 engine profiles), "
               f"header parse alone {headers:.3f} s, ratio {validate / headers:.2f}x; target < {TARGET_S} s: "
               f"{'met' if validate < TARGET_S else 'MISSED'}")
+    globbed = work / "full-quark-globs"
+    if not globbed.exists():
+        write_quark_like(bf16, globbed, AMD_WITH_MTP, sparse=True, glob_exclude=True)
+    original = (globbed / "config.json").read_text()
+
+    def fixup_fresh() -> None:
+        (globbed / "config.json").write_text(original)
+        for leftover in ("config.json.orig", "mxforge_fixups.json"):
+            (globbed / leftover).unlink(missing_ok=True)
+        result = fixup_checkpoint(globbed, command="bench_validate.py")
+        assert result.changed and not result.remaining
+
+    fixup_s = median_time(fixup_fresh, args.repeat)
+    rows["fixup_globs"] = {"fixup_s": round(fixup_s, 3), "exclude_entries_after": len(
+        Checkpoint.open(globbed).quantization_config["exclude"])}
+    print(f"fixup: quark export with 7 glob exclusions -> {rows["fixup_globs"]["exclude_entries_after"]:,} exact entries (names + aliases): "
+          f"{fixup_s:.3f} s (3 engine profiles)")
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "validate", "repeat": args.repeat, "results": rows}, indent=2) + "\n")
-    return 0 if all(r["under_target"] for r in rows.values()) else 1
+    return 0 if all(r.get("under_target", True) for r in rows.values()) else 1
 
 
 if __name__ == "__main__":
