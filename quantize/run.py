@@ -168,6 +168,12 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> No
             state.record(run_shard(job, bar.update))
         return
     ctx = mp.get_context("spawn")
+    if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
+        # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
+        from .mxfp4 import warm_cpu_kernel
+
+        warm_cpu_kernel()
+        ctx = mp.get_context("fork")
     counter = ctx.Value("q", 0)
     seen = 0
     with ctx.Pool(workers, initializer=_init_worker, initargs=(counter,), maxtasksperchild=None) as pool:
