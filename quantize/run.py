@@ -69,6 +69,7 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     skipped = len(plan.shards) - len(todo)
     for s in todo:
         state.forget(s.name)
+    state.save()  # marks OUT as ours before any shard is written, so a rerun after a kill may resume into it
     _remove_strays(out, plan)
     _check_free_space(out, todo)
     expected = _expected_sha256(src)
