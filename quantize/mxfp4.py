@@ -102,6 +102,12 @@ def quantize_rows_cpu(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray) -
     return int(kernel(rows, codes, scales))
 
 
+def warm_cpu_kernel() -> None:
+    """Load (or compile, the first time) the CPU kernels now, e.g. before forking workers."""
+    for arr in (np.zeros((1, 32), dtype=np.int16), np.zeros((1, 32), dtype=np.float32)):
+        quantize_rows_cpu(arr, np.empty((1, 16), dtype=np.uint8), np.empty((1, 1), dtype=np.uint8))
+
+
 def _quantize_torch(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, device: torch.device) -> int:
     """The same numerics as torch ops on `device`, in row chunks; fills CPU `codes`/`scales`."""
     import torch

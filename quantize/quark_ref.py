@@ -7,8 +7,13 @@ where Quark is needed (writing `quantization_config`, tests, the benchmark, non-
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+from importlib import metadata
+from pathlib import Path
 
-import torch
+os.environ.setdefault("QUARK_LOG_LEVEL", "warning")  # Quark's import logs at INFO to the terminal otherwise
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,8 +44,43 @@ def export_quantization_config(qconfig) -> dict:
     return out
 
 
-def quark_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scale bytes) from Quark's own file-to-file per-tensor routine."""
+def cached_quantization_config(exclude: list[str], quantize_inputs: bool = True) -> dict:
+    """`export_quantization_config` for this scheme, without importing Quark on every run.
+
+    Quark builds the config once per (Quark version, scheme, this file) and it is kept in the user's cache
+    (MXFORGE_CACHE, else $XDG_CACHE_HOME/mxforge or ~/.cache/mxforge); `exclude` is the only part that
+    varies, and Quark writes it as the sorted list, which is what is substituted here.
+    """
+    path = _cache_dir() / f"quark-config-{_cache_key(quantize_inputs)}.json"
+    try:
+        template = json.loads(path.read_text())
+    except (OSError, ValueError):
+        template = export_quantization_config(mxfp4_qconfig([], quantize_inputs))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            tmp.write_text(json.dumps(template))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # no cache: Quark is simply imported again next time
+    template["exclude"] = sorted(exclude)
+    return template
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("MXFORGE_CACHE"):
+        return Path(os.environ["MXFORGE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxforge"
+
+
+def _cache_key(quantize_inputs: bool) -> str:
+    version = metadata.version("amd-quark")
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    return f"{version}-mxfp4-{'w-a' if quantize_inputs else 'w'}-{code}"
+
+
+def quark_quantize_weight(weight):
+    """(codes, scale bytes) from Quark's own file-to-file per-tensor routine, for a torch weight."""
     from quark.torch.quantization import file2file_quantization as f2f
 
     spec, _ = mxfp4_specs()

@@ -106,10 +106,10 @@ class Recipe:
         return SCHEMES[self.scheme]
 
     def quantization_config(self, excluded_modules: list[str]) -> dict:
-        """`quantization_config` for config.json, built with Quark's own config objects (imports Quark)."""
-        from .quark_ref import export_quantization_config, mxfp4_qconfig
+        """`quantization_config` for config.json, built with Quark's own config objects (cached per Quark version)."""
+        from .quark_ref import cached_quantization_config
 
-        return export_quantization_config(mxfp4_qconfig(sorted(excluded_modules), self.quantize_inputs))
+        return cached_quantization_config(sorted(excluded_modules), self.quantize_inputs)
 
 
 def load_recipe(name_or_path: str | Path | None = None) -> Recipe:

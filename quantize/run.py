@@ -69,6 +69,7 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     skipped = len(plan.shards) - len(todo)
     for s in todo:
         state.forget(s.name)
+    state.save()  # marks OUT as ours before any shard is written, so a rerun after a kill may resume into it
     _remove_strays(out, plan)
     _check_free_space(out, todo)
     expected = _expected_sha256(src)
@@ -168,6 +169,12 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> No
             state.record(run_shard(job, bar.update))
         return
     ctx = mp.get_context("spawn")
+    if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
+        # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
+        from .mxfp4 import warm_cpu_kernel
+
+        warm_cpu_kernel()
+        ctx = mp.get_context("fork")
     counter = ctx.Value("q", 0)
     seen = 0
     with ctx.Pool(workers, initializer=_init_worker, initargs=(counter,), maxtasksperchild=None) as pool:

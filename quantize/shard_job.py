@@ -11,6 +11,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -89,20 +91,57 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None) -
                        plan.header_sha256)
 
 
+class _BackgroundHasher:
+    """sha256 of the chunks fed in order, computed on a helper thread (hashlib releases the GIL, as does the
+    kernel), so hashing overlaps quantizing; at most MAX_PENDING chunks are held."""
+
+    MAX_PENDING = 2
+
+    def __init__(self):
+        self._hash = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        self._pending: deque = deque()
+
+    def update(self, data: bytes) -> None:
+        while len(self._pending) >= self.MAX_PENDING:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._hash.update, data))
+
+    def hexdigest(self) -> str:
+        while self._pending:
+            self._pending.popleft().result()
+        self._pool.shutdown()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None]) -> str:
     """Read the source sequentially (header, then tensors by offset), transform and place each tensor."""
     plan = job.plan
-    hasher = hashlib.sha256()
-    tensors = sorted(plan.tensors, key=lambda t: t.source.start)
-    data_start = tensors[0].source.start if tensors else plan.source_size
-    header = _read_exact(fin, 0, data_start, fin.name)
-    hasher.update(header)
-    for t in tensors:
-        if t.fate == "quantized":
-            _quantize_tensor(fin, out_fd, t, job, hasher, progress)
-        else:
-            _copy_tensor(fin, out_fd, t, plan.offsets[t.source.name], hasher, progress, _out_path(job))
-    return hasher.hexdigest()
+    hasher = _BackgroundHasher()
+    try:
+        tensors = sorted(plan.tensors, key=lambda t: t.source.start)
+        data_start = tensors[0].source.start if tensors else plan.source_size
+        hasher.update(_read_exact(fin, 0, data_start, fin.name))
+        for t in tensors:
+            if t.fate == "quantized":
+                _quantize_tensor(fin, out_fd, t, job, hasher, progress)
+            else:
+                _copy_tensor(fin, out_fd, t, plan.offsets[t.source.name], hasher, progress, _out_path(job))
+            _start_writeback(out_fd)
+        return hasher.hexdigest()
+    finally:
+        hasher.close()
+
+
+def _start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing what we wrote so far, so the final fsync waits only for the tail."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
 
 
 def _out_path(job: ShardJob) -> Path:

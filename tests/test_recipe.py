@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,16 @@ def test_quantization_config_is_quarks(tiny_ckpt):
     assert (w["dtype"], w["group_size"], w["scale_format"], w["is_dynamic"]) == ("fp4", 32, "e8m0", False)
     assert qc["global_quant_config"]["input_tensors"]["is_dynamic"] is True
     assert qc["export"]["pack_method"] == "reorder"
+
+
+def test_cached_quantization_config_equals_a_fresh_quark_build(tmp_path, monkeypatch):
+    from mxforge.quantize import quark_ref
+
+    monkeypatch.setenv("MXFORGE_CACHE", str(tmp_path))
+    exclude = ["model.layers.7.mlp.shared_experts.up_proj", "lm_head", "model.layers.0.self_attn.q_a_proj"]
+    for quantize_inputs in (True, False):
+        fresh = quark_ref.export_quantization_config(quark_ref.mxfp4_qconfig(exclude, quantize_inputs))
+        first = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # builds and stores
+        second = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # from the cache
+        assert json.dumps(first) == json.dumps(second) == json.dumps(fresh)
+    assert len(list(tmp_path.glob("quark-config-*.json"))) == 2
