@@ -89,9 +89,9 @@ def test_every_source_tensor_accounted_for(tiny_ckpt, quantized_tiny):
     assert infos[f"{mtp}eh_proj.weight"].dtype == "BF16"
     assert infos["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == "F32"
     # Engine-independent checks pass; per-engine, only sglang before 0.5.23 needs `mxforge fixup`'s MTP aliases.
-    report = validate_checkpoint(out)
-    assert not [p for p in report.problems if p.engine is None]
-    assert report.as_dict()["engines"] == {"sglang-legacy": False, "sglang": True, "vllm": True}
+    validation = validate_checkpoint(out)
+    assert not [p for p in validation.problems if p.engine is None]
+    assert validation.as_dict()["engines"] == {"sglang-legacy": False, "sglang": True, "vllm": True}
     config = json.loads((out / "config.json").read_text())
     exclude = config["quantization_config"]["exclude"]
     assert exclude == sorted(n.removesuffix(".weight") for n in report["tensors"]["kept"])
