@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError
-from mxforge.safetensors_io import read_header
+from mxforge.safetensors_io import ShardHeader, read_header
 
 from .report import Problem
 
@@ -25,8 +24,11 @@ def _duplicate_keys(pairs):
     return seen
 
 
-def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], dict]:
-    """Every index key once, every shard present and parseable, no orphans, total_size right."""
+def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], dict, dict[str, ShardHeader]]:
+    """Every index key once, every shard present and parseable, no orphans, total_size right.
+
+    Returns the problems, counts of what was checked, and the headers that parsed (by shard name).
+    """
     problems: list[Problem] = []
     root = ckpt.root
     if ckpt.has_index:
@@ -60,7 +62,8 @@ def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], dict]:
             if ckpt.weight_map.get(name) != shard:
                 problems.append(Problem("integrity", f"{shard}:{name}", "tensor in the shard is not mapped to it by the index",
                                         "add it to the index's weight_map or remove it from the shard"))
-    unreferenced = sorted(p.name for p in root.glob("*.safetensors") if p.name not in set(ckpt.shard_names))
+    referenced = set(ckpt.shard_names)
+    unreferenced = sorted(p.name for p in root.glob("*.safetensors") if p.name not in referenced)
     for name in unreferenced:
         problems.append(Problem("integrity", name, "safetensors file not referenced by the index",
                                 "remove it, or add its tensors to the index"))
@@ -68,4 +71,4 @@ def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], dict]:
     if ckpt.has_index and not problems and declared != total:
         problems.append(Problem("integrity", f"{INDEX_NAME}:metadata.total_size",
                                 f"says {declared} but the tensors hold {total} bytes", f"set total_size to {total}"))
-    return problems, {"shards": len(ckpt.shard_names), "tensors": len(ckpt.weight_map), "bytes": total}
+    return problems, {"shards": len(ckpt.shard_names), "tensors": len(ckpt.weight_map), "bytes": total}, headers

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+MAX_LISTED = 60  # problems listed in the human summary; the JSON report has every one
+
+
 @dataclass(frozen=True)
 class Problem:
     """One disagreement: which check found it, for which engine (None: engine-independent), about what."""
@@ -26,6 +29,7 @@ class ValidationReport:
     engines: list[str]
     problems: list[Problem] = field(default_factory=list)
     checked: dict = field(default_factory=dict)  # counts of what was checked, per check / engine
+    notes: list[str] = field(default_factory=list)  # plain-words diagnosis (what kind of export this is)
 
     @property
     def ok(self) -> bool:
@@ -36,12 +40,15 @@ class ValidationReport:
 
     def as_dict(self) -> dict:
         return {"stage": "validate", "path": self.path, "ok": self.ok, "engines": {e: self.engine_ok(e) for e in self.engines},
-                "problems": [asdict(p) for p in self.problems], "checked": self.checked}
+                "problems": [asdict(p) for p in self.problems], "checked": self.checked, "notes": self.notes}
 
     def format(self) -> str:
         if self.ok:
             engines = ", ".join(self.engines) or "integrity only"
-            return f"{self.path}: OK ({engines})"
-        lines = [f"{self.path}: {len(self.problems)} problem(s)"]
-        lines += [f"  - {p.format()}" for p in self.problems]
+            return "\n".join([f"{self.path}: OK ({engines})"] + [f"  note: {n}" for n in self.notes])
+        verdicts = ", ".join(f"{e} {'ok' if self.engine_ok(e) else 'FAILS'}" for e in self.engines)
+        lines = [f"{self.path}: {len(self.problems)} problem(s) ({verdicts})"] + [f"  note: {n}" for n in self.notes]
+        lines += [f"  - {p.format()}" for p in self.problems[:MAX_LISTED]]
+        if len(self.problems) > MAX_LISTED:
+            lines.append(f"  ... and {len(self.problems) - MAX_LISTED} more (all of them in --json)")
         return "\n".join(lines)

@@ -4,23 +4,52 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mxforge.checkpoint import Checkpoint
-
-from .integrity import check_index_and_shards
+from .config_checks import check_layout, check_quant_config, exclude_entries
+from .deep_checks import check_sha256, scan_scales
+from .doctor import diagnose
+from .engine_check import engine_problems
+from .loaded import LoadedCheckpoint, load_checkpoint
+from .profiles import EngineProfile, resolve_profiles
+from .tensor_forms import MXFP4
 from .report import ValidationReport
 
 
-def validate_checkpoint(root: str | Path, engines: list[str] | None = None) -> ValidationReport:
-    """Check a checkpoint for integrity (and, per engine profile, loadability).
+def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict | None) -> tuple[list, dict]:
+    """Problems with `qc` as the checkpoint's quantization_config: its form, missing tensors (MTP layer
+    included), and per engine every module whose allocation disagrees with the stored tensors."""
+    has_uint8 = any(s.form == MXFP4 for s in loaded.stored.values())
+    problems = check_quant_config(qc, has_uint8)
+    layout_problems, forms = check_layout(loaded.layout, loaded.planned, loaded.stored, loaded.infos, loaded.unreadable)
+    problems += layout_problems
+    found, engines = engine_problems(loaded, profiles, exclude_entries(qc), quantized=qc is not None)
+    return problems + found, {"linears": forms, "engines": engines}
 
-    Returns a report; `report.ok` is False when problems were found.
+
+def validate_checkpoint(root: str | Path, engines: list[str] | None = None, *, deep: bool = False,
+                        quiet: bool = True) -> ValidationReport:
+    """Check integrity, quantization_config, layout/MTP completeness and, per engine profile, loadability.
+
+    `engines=None` (or empty) checks every profile. Headers only, unless `deep`: then every MXFP4 scale is
+    read (a 255 byte is NaN) and files are checked against the download's sha256 manifest (progress
+    shown unless `quiet`). Returns a report; `report.ok` is False when problems were found.
 
     Raises:
         CheckpointError: the checkpoint cannot be checked at all (not a directory, no config.json, no index).
+        ConfigError: unknown engine profile, or config.json is not a GlmMoeDsaForCausalLM config.
     """
-    ckpt = Checkpoint.open(root)
-    report = ValidationReport(str(ckpt.root), list(engines or []))
-    problems, counts = check_index_and_shards(ckpt)
+    profiles = resolve_profiles(engines)
+    loaded, problems, counts = load_checkpoint(root)
+    report = ValidationReport(str(loaded.ckpt.root), [p.name for p in profiles])
     report.problems += problems
     report.checked["integrity"] = counts
+    qc = loaded.ckpt.quantization_config
+    found, checked = loadability_problems(loaded, profiles, qc)
+    report.problems += found
+    report.checked.update(checked)
+    if deep:
+        scale_problems, scale_bytes = scan_scales(loaded.ckpt.root, loaded.ckpt.weight_map, loaded.infos, quiet)
+        hash_problems, hashed = check_sha256(loaded.ckpt.root, quiet)
+        report.problems += scale_problems + hash_problems
+        report.checked["deep"] = {"scale_bytes": scale_bytes, "sha256": hashed}
+    report.notes = diagnose(loaded.layout, loaded.linears, loaded.stored, loaded.infos, qc)
     return report

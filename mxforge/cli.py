@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Callable
 
-from . import __version__, hub_cli
+from . import __version__
 from .errors import MxforgeError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
@@ -78,29 +78,18 @@ def run_inspect(args) -> int:
     return EXIT_OK
 
 
-# --- validate --------------------------------------------------------------------------------------
-def register_validate(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("validate", help="check, before upload, that the checkpoint is intact and loads in each engine",
-                       description="Check index/shard integrity and, per engine profile, that every module the engine "
-                       "builds agrees with the tensors on disk. Reads headers only. Exit 0 clean, 1 problems found, 2 could not run.")
-    p.add_argument("ckpt", help="checkpoint directory")
-    add_json_option(p)
-    return p
-
-
-def run_validate(args) -> int:
-    from .fixups.validate import validate_checkpoint
-
-    report = validate_checkpoint(args.ckpt)
-    emit(report.as_dict(), args.json, report.format())
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
-
+# Stage subcommands live beside their engines; imported here, after the helpers above that they use.
+from . import hub_cli  # noqa: E402
+from .fixups import cli as fixups_cli  # noqa: E402
+from .quantize import cli as quantize_cli  # noqa: E402
 
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "fixture": (register_fixture, run_fixture),
     "inspect": (register_inspect, run_inspect),
-    "validate": (register_validate, run_validate),
     "download": (hub_cli.register_download, hub_cli.run_download),
+    "quantize": (quantize_cli.register_quantize, quantize_cli.run_quantize),
+    "fixup": (fixups_cli.register_fixup, fixups_cli.run_fixup),
+    "validate": (fixups_cli.register_validate, fixups_cli.run_validate),
     "push": (hub_cli.register_push, hub_cli.run_push),
 }
 

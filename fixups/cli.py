@@ -1,0 +1,79 @@
+"""`mxforge validate` and `mxforge fixup`: argument parsing and output (the work is in validate.py / fixup.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+# mxforge.cli imports this module to build its COMMANDS table, so its helpers are imported inside the
+# functions below (at call time), never at import time.
+from .profiles import PROFILE_NAMES, parse_engines_arg
+
+
+def _add_common_options(p: argparse.ArgumentParser) -> None:
+    from mxforge.cli import add_json_option
+
+    p.add_argument("--engines", default=None, metavar="LIST",
+                   help=f"comma-separated engine profiles (default: all of {', '.join(PROFILE_NAMES)}; "
+                   "rules in manifests/engines/*.toml)")
+    add_json_option(p)
+
+
+def _engines(args) -> list[str] | None:
+    """The --engines list (None: all profiles). Raises ConfigError for an unknown name."""
+    return parse_engines_arg(args.engines) if args.engines else None
+
+
+def register_validate(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("validate", help="check, before upload, that the checkpoint is intact and loads in each engine",
+                       description="Check index/shard integrity, quantization_config, that every tensor config.json "
+                       "implies is stored (MTP layer included) and, per engine profile, that every module the engine "
+                       "builds finds the dtype and shape it allocates. Reads headers only. "
+                       "Exit 0 clean, 1 problems found, 2 could not run.")
+    p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("--deep", action="store_true", help="also read every MXFP4 scale (255 = NaN) and check files "
+                   "against the download's sha256 manifest (reads data: minutes on a full checkpoint)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (--deep)")
+    _add_common_options(p)
+    return p
+
+
+def run_validate(args) -> int:
+    from mxforge.cli import EXIT_OK, EXIT_PROBLEMS, emit
+
+    from .validate import validate_checkpoint
+
+    report = validate_checkpoint(args.ckpt, _engines(args), deep=args.deep, quiet=args.quiet)
+    emit(report.as_dict(), args.json, report.format())
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
+def register_fixup(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("fixup", help="write the MTP exclusion aliases each engine needs; rewrite glob exclusions",
+                       description="Edit quantization_config.exclude so that each engine builds bf16 exactly the modules "
+                       "stored bf16: exact aliases for the MTP layer (model.decoder.*, model.eh_proj, fused names, "
+                       "<layer>.mlp.experts) and glob entries rewritten into exact names. Idempotent. Keeps "
+                       "config.json.orig, records what it applied in mxforge_fixups.json. Exit 0 when every engine "
+                       "can load the result, 1 when problems remain that the config cannot cure, 2 could not run.")
+    p.add_argument("ckpt", help="checkpoint directory (config.json is edited in place)")
+    p.add_argument("--dry-run", action="store_true", help="print the unified diff of config.json; write nothing")
+    p.add_argument("--mtp-from", metavar="BF16_SRC", default=None,
+                   help="first re-inject a missing MTP layer from this bf16 checkpoint (a new shard; index and config updated)")
+    p.add_argument("--recipe", default=None, help="with --mtp-from: the quantization recipe for the MTP layer "
+                   "(name in manifests/ or a TOML path; default: the quantizer's default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (--mtp-from)")
+    _add_common_options(p)
+    return p
+
+
+def run_fixup(args) -> int:
+    from mxforge.cli import EXIT_OK, EXIT_PROBLEMS, emit
+    from mxforge.errors import ConfigError
+
+    from .fixup import fixup_checkpoint
+
+    if args.recipe and not args.mtp_from:
+        raise ConfigError("--recipe applies only with --mtp-from BF16_SRC")
+    result = fixup_checkpoint(args.ckpt, _engines(args), dry_run=args.dry_run, mtp_from=args.mtp_from,
+                              recipe=args.recipe, quiet=args.quiet)
+    emit(result.as_dict(), args.json, result.format())
+    return EXIT_OK if not result.remaining else EXIT_PROBLEMS

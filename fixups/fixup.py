@@ -1,0 +1,241 @@
+"""`mxforge fixup`: make `quantization_config.exclude` say, in every engine's terms, what the checkpoint stores.
+
+Two edits, both derived from the tensors on disk and the engine profiles:
+- glob entries (Quark's syntax, which no engine understands) become the exact names of the modules they
+  cover that are stored bf16;
+- every module stored bf16 that an engine would otherwise build as MXFP4 (or cannot decide on, because
+  its fused shards disagree), and every bf16 module of the MTP layer, gets its exact runtime name in that
+  engine: `model.decoder.X`, `model.eh_proj`, the fused names, `<layer>.mlp.experts`.
+Nothing else is touched. A second run finds nothing to add and writes nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import json
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mxforge.errors import ConfigError
+from mxforge.safetensors_io import write_json_atomic
+
+from .config_checks import exclude_entries
+from .matching import ExcludeList, ShardsDisagree, engine_excludes, is_glob, with_mtp_remap
+from .modules import engine_modules
+from .profiles import EngineProfile, resolve_profiles
+from .report import MAX_LISTED, Problem
+from .tensor_forms import BF16
+from .loaded import LoadedCheckpoint, load_checkpoint
+from .validate import loadability_problems
+
+FIXUPS_NAME = "mxforge_fixups.json"
+BACKUP_NAME = "config.json.orig"
+
+
+@dataclass
+class FixupResult:
+    path: str
+    engines: list[str]
+    applied: list[dict] = field(default_factory=list)    # what was (or, dry run, would be) changed
+    warnings: list[str] = field(default_factory=list)
+    remaining: list[Problem] = field(default_factory=list)  # problems editing `exclude` cannot cure
+    diff: str = ""
+    dry_run: bool = False
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.applied)
+
+    def as_dict(self) -> dict:
+        return {"stage": "fixup", "path": self.path, "engines": self.engines, "dry_run": self.dry_run,
+                "changed": self.changed, "applied": self.applied, "warnings": self.warnings,
+                "remaining": [p.__dict__ for p in self.remaining], "ok": not self.remaining}
+
+    def format(self) -> str:
+        verb = "would change" if self.dry_run else "changed"
+        lines = [f"{self.path}: {verb} {len(self.applied)} fixup(s)"
+                 if self.changed else f"{self.path}: nothing to fix ({', '.join(self.engines)})"]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        lines += [f"  + MTP layer(s) {a['layers']} from {a['source']}: {a['quantized']} weights MXFP4 ({a['why']})"
+                  for a in self.applied if a["fixup"] == "mtp_inject"]
+        aliases = [a for a in self.applied if a["fixup"] == "alias"]
+        lines += [f"  + {a['entry']} (for {', '.join(a['engines'])}: {a['why']})" for a in aliases[:MAX_LISTED]]
+        if len(aliases) > MAX_LISTED:
+            lines.append(f"  ... and {len(aliases) - MAX_LISTED} more aliases (all of them in --json)")
+        if self.remaining:
+            lines.append(f"  {len(self.remaining)} problem(s) that editing quantization_config cannot cure:")
+            lines += [f"  - {p.format()}" for p in self.remaining[:MAX_LISTED]]
+            if len(self.remaining) > MAX_LISTED:
+                lines.append(f"  ... and {len(self.remaining) - MAX_LISTED} more (all of them in --json)")
+        if self.dry_run and self.diff:
+            lines.append(self.diff.rstrip("\n"))
+        return "\n".join(lines)
+
+
+def rewrite_globs(entries: list[str], loaded: LoadedCheckpoint) -> tuple[list[str], list[dict], list[str]]:
+    """Replace each glob entry by the exact names of the bf16-stored modules it covers (Quark's fnmatch)."""
+    bf16_modules = sorted(name for name, s in loaded.stored.items() if s.form == BF16)
+    out, applied, warnings = [], [], []
+    for entry in entries:
+        if not is_glob(entry):
+            out.append(entry)
+            continue
+        covered = [m for m in bf16_modules if fnmatch.fnmatchcase(m, entry)]
+        out += covered
+        applied.append({"fixup": "glob_rewrite", "entry": entry, "replaced_by": covered,
+                        "why": "engines match exact names or 're:' regexes only"})
+        warnings.append(f"exclude entry {entry!r} is a glob no engine understands: replaced by the {len(covered)} exact "
+                        f"module name(s) it covers that are stored bf16" if covered else
+                        f"exclude entry {entry!r} is a glob no engine understands and covers no module stored bf16: removed")
+    return list(dict.fromkeys(out)), applied, warnings
+
+
+def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[EngineProfile]) -> list[dict]:
+    """The exact runtime names each engine needs so that every module stored bf16 is built bf16."""
+    added: dict[str, dict] = {}
+    for profile in profiles:
+        main = ExcludeList(tuple(entries) + tuple(added))
+        draft = main
+        for layer in loaded.layout.mtp_layers:
+            draft = with_mtp_remap(draft, profile, layer)
+        for module in engine_modules(profile, loaded.layout, loaded.linears):
+            forms = {loaded.stored[lin.name].form for lin in module.shards}
+            if forms != {BF16} or not module.quantizable:
+                continue
+            current = draft if module.is_mtp else main
+            if current.matching_entry(module.runtime):
+                continue
+            try:
+                would_quantize = not engine_excludes(profile, module.runtime, module.is_experts, current)
+                why = "stored bf16; " + ("the engine would build it MXFP4" if would_quantize else f"MTP module as {profile.name} names it")
+            except ShardsDisagree:
+                would_quantize, why = True, "stored bf16; its shard entries disagree and the engine would raise"
+            if not (would_quantize or module.is_mtp):
+                continue
+            if module.runtime in added:
+                added[module.runtime]["engines"].append(profile.name)
+            else:
+                added[module.runtime] = {"fixup": "alias", "entry": module.runtime, "module": module.checkpoint,
+                                         "engines": [profile.name], "why": why}
+    return list(added.values())
+
+
+def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run: bool = False,
+                     command: str | None = None, mtp_from: str | Path | None = None, recipe: str | None = None,
+                     quiet: bool = True) -> FixupResult:
+    """Rewrite config.json's `quantization_config.exclude` so that every engine profile loads the checkpoint.
+
+    Keeps the original as config.json.orig (first run only), writes atomically, records what it applied
+    in mxforge_fixups.json beside config.json. `dry_run` computes the same and writes nothing.
+    `mtp_from` (a bf16 checkpoint) first re-injects a missing MTP layer, quantized per `recipe`
+    (default: the quantizer's default recipe); when the MTP layer is present it is left alone.
+
+    Raises:
+        CheckpointError: not a checkpoint directory, or a file cannot be written.
+        ConfigError: unknown engine profile or recipe, or config.json is not a GlmMoeDsaForCausalLM config.
+        NonFiniteWeightError: a source MTP weight to quantize holds NaN/Inf.
+    """
+    profiles = resolve_profiles(engines)
+    command = command or shlex.join(["mxforge", *sys.argv[1:]])
+    _check_exclude_form(Path(root))
+    injected, note = _maybe_inject(Path(root), mtp_from, recipe, dry_run, quiet)
+    loaded, _, _ = load_checkpoint(root)
+    result = FixupResult(str(loaded.ckpt.root), [p.name for p in profiles], dry_run=dry_run)
+    if note:
+        result.warnings.append(note)
+    if injected:
+        result.applied.append(injected)
+        if not dry_run:
+            record_fixups(loaded.ckpt.root, [injected], result.engines, command)
+    config = loaded.ckpt.config
+    qc = loaded.ckpt.quantization_config
+    if qc is None:
+        result.warnings.append("no quantization_config: every engine loads this checkpoint as bf16; nothing to fix")
+        return result
+    before = exclude_entries(qc)
+    entries, applied, warnings = rewrite_globs(before, loaded)
+    aliases = needed_aliases(entries, loaded, profiles)
+    entries += [a["entry"] for a in aliases]
+    result.applied += applied + aliases
+    result.warnings += warnings
+    result.remaining, _ = loadability_problems(loaded, profiles, {**qc, "exclude": entries})
+    if dry_run and injected:
+        result.remaining = [p for p in result.remaining if p.check != "mtp"]
+    if not (applied or aliases):
+        return result
+    new_config = {**config, "quantization_config": {**qc, "exclude": entries}}
+    old_text, new_text = (json.dumps(c, indent=2) + "\n" for c in (config, new_config))
+    result.diff = "".join(difflib.unified_diff(old_text.splitlines(True), new_text.splitlines(True),
+                                               "a/config.json", "b/config.json"))
+    if dry_run:
+        return result
+    backup_config(loaded.ckpt.root)
+    write_json_atomic(loaded.ckpt.root / "config.json", new_config)
+    record_fixups(loaded.ckpt.root, applied + aliases, result.engines, command)
+    return result
+
+
+def _check_exclude_form(root: Path) -> None:
+    """Refuse to edit an `exclude` that is not a list of strings (before anything is written).
+
+    Raises:
+        CheckpointError: not a checkpoint directory. ConfigError: a malformed `exclude`.
+    """
+    from mxforge.checkpoint import Checkpoint
+
+    qc = Checkpoint.open(root).quantization_config
+    raw = (qc or {}).get("exclude", [])
+    if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
+        raise ConfigError(f"{root / 'config.json'}: quantization_config.exclude is not a list of module names; "
+                          "fix it by hand (see mxforge validate) before running fixup")
+
+
+def _maybe_inject(root: Path, mtp_from, recipe: str | None, dry_run: bool, quiet: bool) -> tuple[dict | None, str | None]:
+    """Re-inject the MTP layer from `mtp_from` when the checkpoint lacks it: (record, note)."""
+    if mtp_from is None:
+        return None, None
+    from mxforge.checkpoint import Checkpoint
+    from mxforge.quantize.recipe import load_recipe
+
+    from .mtp_inject import inject_mtp, plan_mtp_injection
+
+    ckpt = Checkpoint.open(root)
+    layers = loaded_mtp_layers(ckpt)
+    if layers:
+        return None, f"--mtp-from: the checkpoint already holds MTP layer(s) {layers}; nothing injected"
+    if dry_run:
+        plan = plan_mtp_injection(ckpt, Checkpoint.open(mtp_from), load_recipe(recipe))
+        return {"fixup": "mtp_inject", "layers": plan.layers, "source": str(mtp_from), "quantized": len(plan.quantize),
+                "why": "the export shipped without its MTP layer (dry run: not written)"}, None
+    return inject_mtp(root, mtp_from, recipe, quiet=quiet), None
+
+
+def loaded_mtp_layers(ckpt) -> list[int]:
+    """MTP layers (per config.json) of which the index holds any tensor."""
+    n_layers = int(ckpt.config.get("num_hidden_layers", 0))
+    nextn = int(ckpt.config.get("num_nextn_predict_layers", 0) or 0)
+    return [n for n in range(n_layers, n_layers + nextn)
+            if any(name.startswith(f"model.layers.{n}.") for name in ckpt.weight_map)]
+
+
+def backup_config(root: Path) -> None:
+    """Keep the original config.json as config.json.orig (first change only; copied, then renamed)."""
+    backup = root / BACKUP_NAME
+    if not backup.exists():
+        tmp = backup.with_name(BACKUP_NAME + ".partial")
+        shutil.copy2(root / "config.json", tmp)
+        tmp.replace(backup)
+
+
+def record_fixups(root: Path, applied: list[dict], engines: list[str], command: str) -> None:
+    """Append what was applied to mxforge_fixups.json (beside config.json, never inside quantization_config)."""
+    record_path = root / FIXUPS_NAME
+    record = json.loads(record_path.read_text()) if record_path.exists() else {"stage": "fixup", "fixups": [], "runs": []}
+    record["fixups"] += applied
+    record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
+    record.update({"engines": engines, "config_backup": BACKUP_NAME, "command": command})
+    write_json_atomic(record_path, record)

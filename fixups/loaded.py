@@ -1,0 +1,51 @@
+"""A checkpoint read once for every check: config, layout implied by config.json, tensor headers, stored forms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mxforge.checkpoint import Checkpoint
+from mxforge.glm_layout import GlmLayout
+from mxforge.safetensors_io import PlannedTensor, TensorInfo
+
+from .integrity import check_index_and_shards
+from .modules import LayerLinears, all_linears, checkpoint_linears
+from .tensor_forms import Stored, stored_form
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint's config, layout and tensor headers, read once for every check."""
+
+    ckpt: Checkpoint
+    layout: GlmLayout
+    planned: list[PlannedTensor]   # every tensor config.json implies, bf16 shapes
+    linears: dict[int | None, LayerLinears]
+    infos: dict[str, TensorInfo]
+    stored: dict[str, Stored]      # how each linear is stored, by module name
+    unreadable: frozenset[str]     # tensors whose shard is missing or corrupt
+
+
+def load_checkpoint(root: str | Path) -> tuple[LoadedCheckpoint, list, dict]:
+    """Open a checkpoint and parse every header once. Returns it, integrity problems, integrity counts.
+
+    Raises:
+        CheckpointError: not a checkpoint directory (no config.json, no index).
+        ConfigError: config.json is not a GlmMoeDsaForCausalLM config.
+    """
+    ckpt = Checkpoint.open(root)
+    layout = GlmLayout(ckpt.config)
+    problems, counts, headers = check_index_and_shards(ckpt)
+    infos, unreadable = {}, set()
+    for name, shard in ckpt.weight_map.items():
+        header = headers.get(shard)
+        info = header.tensors.get(name) if header else None
+        if info is None:
+            unreadable.add(name)
+        else:
+            infos[name] = info
+    planned = layout.tensors()
+    linears = checkpoint_linears(layout, planned)
+    stored = {lin.name: stored_form(lin, infos) for lin in all_linears(linears)}
+    return LoadedCheckpoint(ckpt, layout, planned, linears, infos, stored, frozenset(unreadable)), problems, counts

@@ -1,0 +1,111 @@
+"""Every module an engine builds from config.json, with the checkpoint tensors it loads.
+
+The checkpoint's linear weights come from `GlmLayout` (config.json alone); the engine profile says how
+they are grouped (fused modules, routed experts as one module) and named (the MTP layer).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from mxforge.glm_layout import GlmLayout
+from mxforge.safetensors_io import PlannedTensor
+from mxforge.tensor_kinds import LAYER_RE
+
+from .profiles import EngineProfile
+
+EXPERT_RE = re.compile(r"^mlp\.experts\.\d+\.")
+
+
+@dataclass(slots=True)
+class Linear:
+    """One checkpoint linear weight: module name (tensor name minus `.weight`) and its bf16 [out, in]."""
+
+    name: str
+    out_features: int
+    in_features: int
+
+
+@dataclass(frozen=True)
+class EngineModule:
+    """A module as one engine builds it."""
+
+    runtime: str                 # the prefix the engine asks its quantization config about
+    checkpoint: str              # the checkpoint-side module name (fused: the common parent + fused name)
+    local: str                   # layer-relative name (global modules: the full name)
+    shards: tuple[Linear, ...]   # checkpoint linears loaded into it (one, a fused group, or every expert projection)
+    is_experts: bool
+    is_mtp: bool
+    quantizable: bool            # False: the engine builds it unquantized whatever `exclude` says
+
+
+@dataclass
+class LayerLinears:
+    """One layer's linear weights: its routed experts' projections, and the rest by layer-relative name."""
+
+    experts: list[Linear]
+    others: dict[str, Linear]
+
+
+def checkpoint_linears(layout: GlmLayout, planned: list[PlannedTensor] | None = None) -> dict[int | None, LayerLinears]:
+    """The checkpoint's linear weights by layer (None: global modules, by full name), from config.json."""
+    out: dict[int | None, LayerLinears] = {None: LayerLinears([], {})}
+    for layer in layout.all_layers:
+        out[layer] = LayerLinears([], {})
+    for t in planned if planned is not None else layout.tensors():
+        if not (t.name.endswith(".weight") and len(t.shape) == 2):
+            continue
+        lin = Linear(t.name[: -len(".weight")], t.shape[0], t.shape[1])
+        m = LAYER_RE.match(lin.name)
+        if m is None:
+            out[None].others[lin.name] = lin
+            continue
+        local = lin.name[m.end():]
+        group = out[int(m.group(1))]
+        if EXPERT_RE.match(local):
+            group.experts.append(lin)
+        else:
+            group.others[local] = lin
+    return out
+
+
+def all_linears(linears: dict[int | None, LayerLinears]) -> list[Linear]:
+    return [lin for group in linears.values() for lin in (*group.experts, *group.others.values())]
+
+
+def engine_modules(profile: EngineProfile, layout: GlmLayout,
+                   linears: dict[int | None, LayerLinears] | None = None) -> list[EngineModule]:
+    """Every module `profile`'s engine builds, with the checkpoint linears each one loads."""
+    linears = linears if linears is not None else checkpoint_linears(layout)
+    modules = [EngineModule(name, name, name, (lin,), False, False, profile.quantizable(name, False))
+               for name, lin in linears[None].others.items()]
+    for layer in layout.all_layers:
+        modules += _layer_modules(profile, layer, layout.is_mtp(layer), linears[layer])
+    return modules
+
+
+def _layer_modules(profile: EngineProfile, layer: int, is_mtp: bool, linears: LayerLinears) -> list[EngineModule]:
+    prefix = f"model.layers.{layer}."
+    groups: dict[str, list[Linear]] = {}
+    if linears.experts:
+        groups["mlp.experts"] = linears.experts
+    taken: set[str] = set()
+    for local in linears.others:
+        parent, _, proj = local.rpartition(".")
+        for fused, shard_names in profile.fused.items():
+            if proj != shard_names[0]:
+                continue
+            locals_ = [f"{parent}.{s}" if parent else s for s in shard_names]
+            if all(n in linears.others and n not in taken for n in locals_):
+                groups[f"{parent}.{fused}" if parent else fused] = [linears.others[n] for n in locals_]
+                taken.update(locals_)
+    for local, lin in linears.others.items():
+        if local not in taken:
+            groups[local] = [lin]
+    out = []
+    for local, members in groups.items():
+        runtime = profile.mtp_runtime_name(layer, local) if is_mtp else prefix + local
+        out.append(EngineModule(runtime, prefix + local, local, tuple(members), local == "mlp.experts", is_mtp,
+                                profile.quantizable(local, is_mtp)))
+    return out

@@ -1,0 +1,154 @@
+"""`mxforge fixup --mtp-from BF16_SRC --recipe R`: put back an MTP layer an export shipped without.
+
+The MTP layer(s) are read from the bf16 source, quantized per the recipe with the quantizer's own
+numerics (bit-identical to Quark), and written as one new shard; then the index and config.json are
+updated (exclude gains the MTP modules kept bf16) and the usual fixup runs on the result.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from mxforge.checkpoint import INDEX_NAME, Checkpoint
+from mxforge.errors import CheckpointError, ConfigError
+from mxforge.glm_layout import GlmLayout
+from mxforge.progress import byte_progress
+from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
+
+MTP_SHARD = "model-mtp.safetensors"
+INDEX_BACKUP = INDEX_NAME + ".orig"
+# config.json fields that must agree between the export and the bf16 source for its MTP layer to fit.
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_routed_experts", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_attention_heads",
+                "index_n_heads", "index_head_dim", "n_shared_experts")
+
+
+@dataclass
+class MtpPlan:
+    layers: list[int]
+    tensors: list[PlannedTensor]        # as written (quantized weights: codes + scales)
+    quantize: set[str]                  # source weight names that become MXFP4
+    kept_modules: list[str]             # 2-D weights kept bf16: they join `exclude`
+    source_bytes: int
+
+
+def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
+    """What to copy from `src`: every tensor of the MTP layer(s) `ckpt` lacks, with the recipe's decisions.
+
+    Raises:
+        ConfigError: the source's config does not match the export's, or neither declares MTP layers.
+        CheckpointError: the export already holds MTP tensors, or the source lacks them.
+    """
+    from mxforge.quantize.mxfp4 import packed_shapes
+    from mxforge.quantize.recipe import is_linear_weight_name
+
+    mismatched = [f for f in SHAPE_FIELDS if ckpt.config.get(f) != src.config.get(f)]
+    if mismatched:
+        raise ConfigError(f"{src.root}: config.json differs from {ckpt.root}'s in {mismatched}; "
+                          "--mtp-from needs the bf16 source this export was made from")
+    layout = GlmLayout({**ckpt.config, "num_nextn_predict_layers": _nextn(ckpt.config) or _nextn(src.config)})
+    if not layout.mtp_layers:
+        raise ConfigError(f"{src.root}: num_nextn_predict_layers is 0 in both configs: there is no MTP layer to inject")
+    prefixes = tuple(f"model.layers.{n}." for n in layout.mtp_layers)
+    present = [n for n in ckpt.weight_map if n.startswith(prefixes)]
+    if present:
+        raise CheckpointError(f"{ckpt.root}: already holds MTP tensors (e.g. {present[0]}); --mtp-from only re-injects "
+                              "a missing MTP layer")
+    infos = {n: i for n, i in src.tensor_infos().items() if n.startswith(prefixes)}
+    if not infos:
+        raise CheckpointError(f"{src.root}: holds no {prefixes[0]}* tensors either; use the original bf16 checkpoint")
+    tensors, quantize, kept = [], set(), []
+    for name in sorted(infos):
+        info = infos[name]
+        linear = len(info.shape) == 2 and is_linear_weight_name(name) and info.dtype in ("BF16", "F16", "F32")
+        if linear and recipe.decide(name, layout) == "quantize":
+            codes, scales = packed_shapes(info.shape)
+            module = name.removesuffix(".weight")
+            tensors += [PlannedTensor(name, "U8", codes), PlannedTensor(module + ".weight_scale", "U8", scales)]
+            quantize.add(name)
+        else:
+            if linear:
+                kept.append(name.removesuffix(".weight"))
+            tensors.append(PlannedTensor(name, info.dtype, info.shape))
+    return MtpPlan(list(layout.mtp_layers), tensors, quantize, kept, sum(i.nbytes for i in infos.values()))
+
+
+def inject_mtp(root: str | Path, src_root: str | Path, recipe_name: str, quiet: bool = False) -> dict:
+    """Write the MTP layer(s) from `src_root` into checkpoint `root`; returns the record of what was done.
+
+    The new shard is written under a temporary name and renamed; then the index, then config.json
+    (originals kept as *.orig on the first change).
+
+    Raises:
+        ConfigError / CheckpointError: see plan_mtp_injection; NonFiniteWeightError from the quantizer.
+    """
+    from safetensors import safe_open
+
+    from mxforge.quantize.mxfp4 import quantize_mxfp4
+    from mxforge.quantize.recipe import load_recipe
+
+    recipe = load_recipe(recipe_name)
+    ckpt, src = Checkpoint.open(root), Checkpoint.open(src_root)
+    plan = plan_mtp_injection(ckpt, src, recipe)
+    if (ckpt.root / MTP_SHARD).exists() and MTP_SHARD in ckpt.shard_names:
+        raise CheckpointError(f"{ckpt.root / MTP_SHARD}: already in the index; nothing to inject")
+    pending_scales = {}
+    with byte_progress(plan.source_bytes, "fixup: MTP layer", disable=quiet) as bar, \
+            ShardWriter(ckpt.root / MTP_SHARD, plan.tensors) as writer:
+        handles = {}
+        try:
+            for t in writer.order:  # a quantized weight's codes come right before its scales (name order)
+                if t.name in pending_scales:
+                    writer.write(t.name, pending_scales.pop(t.name))
+                    continue
+                shard = src.weight_map[t.name]
+                if shard not in handles:
+                    handles[shard] = safe_open(str(src.root / shard), framework="pt")
+                tensor = handles[shard].get_tensor(t.name)
+                bar.update(tensor.numel() * tensor.element_size())
+                if t.name in plan.quantize:
+                    codes, scales = quantize_mxfp4(tensor, name=t.name)
+                    pending_scales[t.name.removesuffix(".weight") + ".weight_scale"] = scales
+                    writer.write(t.name, codes)
+                else:
+                    writer.write(t.name, tensor)
+        finally:
+            handles.clear()
+    _update_index(ckpt, plan)
+    _update_config(ckpt, src, plan)
+    return {"fixup": "mtp_inject", "layers": plan.layers, "source": str(src.root), "recipe": recipe.name,
+            "recipe_sha256": recipe.sha256, "shard": MTP_SHARD, "quantized": len(plan.quantize),
+            "kept_bf16": len(plan.tensors) - 2 * len(plan.quantize), "excluded_modules_added": len(plan.kept_modules),
+            "why": "the export shipped without its MTP layer"}
+
+
+def _update_index(ckpt: Checkpoint, plan: MtpPlan) -> None:
+    index_path = ckpt.root / INDEX_NAME
+    if not (ckpt.root / INDEX_BACKUP).exists():
+        shutil.copy2(index_path, ckpt.root / (INDEX_BACKUP + ".partial"))
+        (ckpt.root / (INDEX_BACKUP + ".partial")).replace(ckpt.root / INDEX_BACKUP)
+    weight_map = dict(ckpt.weight_map)
+    weight_map.update({t.name: MTP_SHARD for t in plan.tensors})
+    total = int(ckpt.index_metadata.get("total_size", 0)) + sum(t.nbytes for t in plan.tensors)
+    write_json_atomic(index_path, {"metadata": {**ckpt.index_metadata, "total_size": total},
+                                   "weight_map": dict(sorted(weight_map.items()))})
+
+
+def _update_config(ckpt: Checkpoint, src: Checkpoint, plan: MtpPlan) -> None:
+    from .fixup import backup_config
+
+    backup_config(ckpt.root)
+    config = dict(ckpt.config)
+    if not _nextn(config):
+        config["num_nextn_predict_layers"] = _nextn(src.config)
+    qc = config.get("quantization_config")
+    if qc is not None:
+        exclude = list(qc.get("exclude") or [])
+        config["quantization_config"] = {**qc, "exclude": exclude + [m for m in plan.kept_modules if m not in exclude]}
+    write_json_atomic(ckpt.root / "config.json", config)
+
+
+def _nextn(config: dict) -> int:
+    return int(config.get("num_nextn_predict_layers", 0) or 0)

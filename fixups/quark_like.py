@@ -1,0 +1,115 @@
+"""Write a checkpoint in AMD Quark's MXFP4 export format from a bf16 one, for tests and benchmarks.
+
+It reproduces what Quark's file-to-file mode decides and writes (quark-mxfp4.md): every `.weight` with
+two or more dimensions is quantized unless its module name matches an `exclude` fnmatch pattern, or ends
+in `norm`, or contains `embed`; the exported `exclude` lists the exact module names that matched.
+Names, dtypes and shapes are exact; the MXFP4 bytes are placeholders (zero codes, scale 2^0), since the
+validate and fixup stages read headers only. Real quantization is `mxforge quantize`'s job.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import shutil
+from pathlib import Path
+
+from mxforge.checkpoint import INDEX_NAME, Checkpoint
+from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, write_json_atomic
+
+PLACEHOLDER_SCALE = 127  # E8M0 byte for 2^0
+
+
+def quark_quantization_config(exclude: list[str]) -> dict:
+    """A quantization_config shaped as Quark 0.13 exports it for the "mxfp4" scheme (quark-mxfp4.md)."""
+    weight = {"dtype": "fp4", "is_dynamic": False, "qscheme": "per_group", "ch_axis": -1, "group_size": 32,
+              "symmetric": None, "round_method": "half_even", "scale_type": "float", "scale_format": "e8m0",
+              "scale_calculation_mode": "even", "mx_element_dtype": None, "observer_cls": "PerBlockMXObserver",
+              "is_scale_quant": False}
+    return {"global_quant_config": {"weight": weight, "input_tensors": {**weight, "is_dynamic": True},
+                                    "output_tensors": None, "bias": None, "target_device": None},
+            "exclude": exclude, "algo_config": None, "softmax_quant_spec": None, "quant_method": "quark",
+            "layer_type_quant_config": {}, "layer_quant_config": {}, "kv_cache_quant_config": {},
+            "kv_cache_post_rope": False, "quant_mode": "eager_mode", "version": "0.13",
+            "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
+                       "weight_format": "real_quantized", "weight_merge_groups": None}}
+
+
+def quark_quantizes(module: str, shape: tuple[int, ...], patterns: list[str]) -> bool | None:
+    """True: quantized; False: excluded by a pattern; None: never a candidate (not a >=2-D weight, norm, embed)."""
+    if len(shape) < 2 or module.endswith("norm") or "embed" in module:
+        return None
+    return not any(fnmatch.fnmatchcase(module, p) for p in patterns)
+
+
+def write_quark_like(src: str | Path, out: str | Path, patterns: list[str], *, glob_exclude: bool = False,
+                     drop_layers: tuple[int, ...] = (), sparse: bool | None = None) -> list[str]:
+    """Write `src` (bf16) to `out` as Quark would with exclusion `patterns`; returns the written exclude list.
+
+    `glob_exclude` writes the patterns themselves into `exclude` (exports edited by hand or by other tools),
+    instead of Quark's exact names. `drop_layers` leaves those layers out entirely (exports that lost the
+    MTP layer). `sparse` writes headers with holes for data (default: when the source is sparse).
+
+    Raises:
+        CheckpointError: `src` is not a checkpoint, or a shard cannot be written.
+    """
+    src_ckpt = Checkpoint.open(src)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=False)
+    dropped = tuple(f"model.layers.{n}." for n in drop_layers)
+    infos = src_ckpt.tensor_infos()
+    if sparse is None:
+        sparse = any(h.file_size > 4096 * 8 and _is_sparse(h.path) for h in list(src_ckpt.headers.values())[:1])
+    excluded: list[str] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard in src_ckpt.shard_names:
+        planned: list[PlannedTensor] = []
+        sources: dict[str, TensorInfo | tuple[int, int]] = {}
+        for name in sorted(n for n, s in src_ckpt.weight_map.items() if s == shard):
+            if name.startswith(dropped):
+                continue
+            info = infos[name]
+            module = name.removesuffix(".weight")
+            decision = quark_quantizes(module, info.shape, patterns) if name.endswith(".weight") else None
+            if decision:
+                rows, cols = info.shape[0], math.prod(info.shape[1:])
+                planned += [PlannedTensor(name, "U8", (rows, cols // 2)),
+                            PlannedTensor(module + ".weight_scale", "U8", (rows, math.ceil(cols / 32)))]
+                sources[name] = (0, rows * (cols // 2))
+                sources[module + ".weight_scale"] = (PLACEHOLDER_SCALE, rows * math.ceil(cols / 32))
+            else:
+                if decision is False:
+                    excluded.append(module)
+                planned.append(PlannedTensor(name, info.dtype, info.shape))
+                sources[name] = info
+        if not planned:
+            continue
+        with ShardWriter(out / shard, planned) as writer, open(src_ckpt.root / shard, "rb") as f:
+            if sparse:
+                writer.skip_to_end()
+            else:
+                for t in writer.order:
+                    source = sources[t.name]
+                    if isinstance(source, tuple):  # placeholder MXFP4 bytes: (byte value, count)
+                        data = bytes([source[0]]) * source[1]
+                    else:
+                        f.seek(source.start)
+                        data = f.read(source.nbytes)
+                    writer.write(t.name, data)
+        weight_map.update({t.name: shard for t in planned})
+        total += sum(t.nbytes for t in planned)
+    exclude = list(patterns) if glob_exclude else sorted(excluded)
+    config = dict(src_ckpt.config)
+    config["quantization_config"] = quark_quantization_config(exclude)
+    for path in src_ckpt.root.iterdir():
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name not in ("config.json", INDEX_NAME):
+            shutil.copy2(path, out / path.name)
+    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_json_atomic(out / "config.json", config)
+    return exclude
+
+
+def _is_sparse(path: Path) -> bool:
+    st = path.stat()
+    return st.st_blocks * 512 < st.st_size // 2

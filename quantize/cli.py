@@ -1,0 +1,43 @@
+"""`mxforge quantize SRC OUT`: argument parsing and the one-line summary (the work is in run.py)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from mxforge.cli import EXIT_OK, add_json_option, emit
+
+
+def register_quantize(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("quantize", help="quantize a bf16 checkpoint to MXFP4 in Quark's format (streaming, parallel, resumable)",
+                       description="Quantize SRC into OUT as AMD Quark 0.13's file-to-file mode would, bit for bit, "
+                       "with the weights a recipe selects. Rerun with the same OUT to resume after a crash: finished "
+                       "shards that still match their source, recipe and tool versions are skipped.")
+    p.add_argument("src", help="bf16 checkpoint directory (config.json, index, shards)")
+    p.add_argument("out", help="output directory: new, empty, or a previous quantize output to resume")
+    p.add_argument("--recipe", default=None, help="recipe TOML path or shipped name (default: glm-5.2-mxfp4; "
+                   "also glm-5.2-mxfp4-mtp-bf16)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes across shards (default: one per CPU core)")
+    p.add_argument("--device", default="cpu", help="where the numerics run: cpu (default) or cuda[:N]; same bytes")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="encode NaN/Inf weights as Quark does (+6.0 blocks) instead of refusing")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_json_option(p)
+    return p
+
+
+def run_quantize(args) -> int:
+    from .run import quantize_checkpoint
+
+    report = quantize_checkpoint(args.src, args.out, args.recipe, workers=args.workers, device=args.device,
+                                 quiet=args.quiet, refuse_nonfinite=not args.allow_nonfinite,
+                                 command=shlex.join(["mxforge", *sys.argv[1:]]))
+    c, s = report["counts"], report["shards"]
+    emit(report, args.json,
+         f"quantized {report['source']} -> {report['out']} with recipe {report['recipe']['name']}: "
+         f"{c['quantized']:,} tensors MXFP4, {c['kept']:,} 2-D weights kept, {c['copied']:,} copied "
+         f"(MTP layer(s) {report['mtp_layers']}: {report['mtp_tensors']} tensors); shards {s['quantized_now']} done, "
+         f"{s['skipped_complete']} already complete; {report['bytes_processed_now'] / 1e9:.2f} GB in "
+         f"{report['seconds']:.1f} s")
+    return EXIT_OK

@@ -1,0 +1,119 @@
+"""What quantize will write: per source shard, each tensor's fate and the output shard's exact byte layout.
+
+An output shard keeps its source shard's name and holds, in safetensors order, every tensor of that
+shard: kept ones unchanged, each quantized `X.weight` as U8 codes `X.weight` plus U8 `X.weight_scale`.
+Headers carry no `__metadata__`, as Quark's file-to-file writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mxforge.checkpoint import Checkpoint
+from mxforge.errors import CheckpointError, ConfigError
+from mxforge.glm_layout import GlmLayout
+from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, safetensors_order
+
+from .mxfp4 import packed_shapes
+from .recipe import Recipe, is_linear_weight_name
+
+Fate = Literal["quantized", "kept", "copied"]
+QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
+SHARD_METADATA: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One source tensor: `quantized` (MXFP4), `kept` (a 2-D linear weight left as is, listed in `exclude`)
+    or `copied` (anything else, byte for byte)."""
+
+    source: TensorInfo
+    fate: Fate
+
+    def outputs(self) -> list[PlannedTensor]:
+        s = self.source
+        if self.fate != "quantized":
+            return [PlannedTensor(s.name, s.dtype, s.shape)]
+        codes, scales = packed_shapes(s.shape)
+        return [PlannedTensor(s.name, "U8", codes), PlannedTensor(s.name + "_scale", "U8", scales)]
+
+
+@dataclass
+class ShardPlan:
+    name: str
+    tensors: list[TensorPlan]
+    source_size: int
+    header: bytes = b""
+    offsets: dict[str, int] = field(default_factory=dict)  # output tensor name -> absolute byte offset
+    output_size: int = 0
+
+    def __post_init__(self):
+        order = safetensors_order([o for t in self.tensors for o in t.outputs()])
+        self.header = encode_header(order, SHARD_METADATA)
+        cursor = len(self.header)
+        for t in order:
+            self.offsets[t.name] = cursor
+            cursor += t.nbytes
+        self.output_size = cursor
+
+    @property
+    def header_sha256(self) -> str:
+        """Fingerprint of everything decided about this shard (names, dtypes, shapes of every output)."""
+        return hashlib.sha256(self.header).hexdigest()
+
+
+@dataclass
+class QuantizePlan:
+    layout: GlmLayout
+    shards: list[ShardPlan]
+
+    def tensors(self) -> list[TensorPlan]:
+        return [t for s in self.shards for t in s.tensors]
+
+    def names(self, fate: Fate) -> list[str]:
+        return sorted(t.source.name for t in self.tensors() if t.fate == fate)
+
+    def excluded_modules(self) -> list[str]:
+        """Kept 2-D linear weights as module names: Quark's resolved `exclude` list."""
+        return sorted(n.removesuffix(".weight") for n in self.names("kept"))
+
+
+def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
+    """Decide every tensor's fate and lay out every output shard.
+
+    Raises:
+        CheckpointError: a shard is missing/corrupt, the index and the shard headers disagree.
+        ConfigError: not a GLM-MoE-DSA config, a recipe rule matches nothing, or a weight the recipe
+            selects cannot be packed (odd in-dimension).
+    """
+    layout = GlmLayout(ckpt.config)
+    infos = ckpt.tensor_infos()
+    for shard, header in ckpt.headers.items():
+        orphans = [n for n in header.tensors if ckpt.weight_map.get(n) != shard]
+        if orphans:
+            raise CheckpointError(f"{ckpt.root / shard}: holds tensor {orphans[0]!r} that the index does not map to it "
+                                  f"({len(orphans)} such); the index is stale: rebuild or re-download it")
+    recipe.check_matches([n for n, i in infos.items() if _is_quantizable(i)], layout, str(ckpt.root))
+    shards = []
+    for shard in ckpt.shard_names:
+        header = ckpt.headers[shard]
+        plans = [TensorPlan(info, _fate(info, recipe, layout)) for info in header.tensors.values()]
+        shards.append(ShardPlan(shard, plans, header.file_size))
+    return QuantizePlan(layout, shards)
+
+
+def _is_quantizable(info: TensorInfo) -> bool:
+    return len(info.shape) == 2 and info.dtype in QUANTIZABLE_DTYPES and is_linear_weight_name(info.name)
+
+
+def _fate(info: TensorInfo, recipe: Recipe, layout: GlmLayout) -> Fate:
+    if not _is_quantizable(info):
+        return "copied"
+    if recipe.decide(info.name, layout) == "keep":
+        return "kept"
+    if info.shape[1] % 2:
+        raise ConfigError(f"tensor {info.name!r} {list(info.shape)}: the recipe selects it, but MXFP4 packs two "
+                          "codes per byte and its in-dimension is odd; keep it with a [[keep]] rule")
+    return "quantized"

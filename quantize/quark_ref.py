@@ -1,0 +1,89 @@
+"""AMD Quark 0.13 itself, as the reference: its file-to-file per-weight routine and its config objects.
+
+Quark's import takes ~20 s and JIT-compiles a C++ extension, so this module is imported lazily, only
+where Quark is needed (writing `quantization_config`, tests, the benchmark, non-finite weights).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+
+os.environ.setdefault("QUARK_LOG_LEVEL", "warning")  # Quark's import logs at INFO to the terminal otherwise
+
+
+@functools.lru_cache(maxsize=None)
+def mxfp4_specs():
+    """(weight spec, input spec) of Quark's "mxfp4" scheme: static weights, dynamic activations, OCP MX."""
+    from quark.torch.quantization.config.config import OCP_MXFP4Spec
+
+    weight = OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
+    inputs = OCP_MXFP4Spec(ch_axis=-1, is_dynamic=True).to_quantization_spec()
+    return weight, inputs
+
+
+def mxfp4_qconfig(exclude: list[str], quantize_inputs: bool = True):
+    """A Quark `QConfig` for MXFP4 weights (and dynamic MXFP4 inputs), excluding `exclude` (fnmatch patterns)."""
+    from quark.torch.quantization.config.config import QConfig, QLayerConfig
+
+    weight, inputs = mxfp4_specs()
+    layer = QLayerConfig(weight=weight, input_tensors=inputs if quantize_inputs else None)
+    return QConfig(global_quant_config=layer, exclude=list(exclude))
+
+
+def export_quantization_config(qconfig) -> dict:
+    """`quantization_config` exactly as Quark's file-to-file export writes it into config.json."""
+    out = qconfig.to_dict()
+    out["export"] = {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
+                     "weight_format": "real_quantized", "weight_merge_groups": None}
+    out["exclude"] = sorted(qconfig.exclude)
+    return out
+
+
+def cached_quantization_config(exclude: list[str], quantize_inputs: bool = True) -> dict:
+    """`export_quantization_config` for this scheme, without importing Quark on every run.
+
+    Quark builds the config once per (Quark version, scheme, this file) and it is kept in the user's cache
+    (MXFORGE_CACHE, else $XDG_CACHE_HOME/mxforge or ~/.cache/mxforge); `exclude` is the only part that
+    varies, and Quark writes it as the sorted list, which is what is substituted here.
+    """
+    path = _cache_dir() / f"quark-config-{_cache_key(quantize_inputs)}.json"
+    try:
+        template = json.loads(path.read_text())
+    except (OSError, ValueError):
+        template = export_quantization_config(mxfp4_qconfig([], quantize_inputs))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            tmp.write_text(json.dumps(template))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # no cache: Quark is simply imported again next time
+    template["exclude"] = sorted(exclude)
+    return template
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("MXFORGE_CACHE"):
+        return Path(os.environ["MXFORGE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxforge"
+
+
+def _cache_key(quantize_inputs: bool) -> str:
+    version = metadata.version("amd-quark")
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    return f"{version}-mxfp4-{'w-a' if quantize_inputs else 'w'}-{code}"
+
+
+def quark_quantize_weight(weight):
+    """(codes, scale bytes) from Quark's own file-to-file per-tensor routine, for a torch weight."""
+    from quark.torch.quantization import file2file_quantization as f2f
+
+    spec, _ = mxfp4_specs()
+    out: dict[str, torch.Tensor] = {}
+    f2f._single_stage_quantize_weight(weight, "w.weight", "w", spec, out, "ref.safetensors")
+    return out["w.weight"], out["w.weight_scale"]

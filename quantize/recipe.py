@@ -1,0 +1,190 @@
+"""Quantization recipes: which weights become MXFP4, as data (manifests/*.toml), validated on load.
+
+A recipe names a scheme and ordered rules. `[[keep]]` rules win over `[[quantize]]` rules; a weight no
+rule matches is kept. A rule selects 2-D linear weights by tensor kind (`mxforge.tensor_kinds`: experts,
+shared_experts, router, dense_mlp, attention, indexer, mtp_proj, embeddings, other), by layer scope
+(`all`, `decoder` = layers 0..num_hidden_layers-1, `mtp` = the MTP layers after them, from config.json)
+and optionally by `names`, regular expressions that must match the whole module name. Every rule must
+match something in the checkpoint it is applied to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal
+
+import tomllib
+
+from mxforge.errors import ConfigError
+from mxforge.glm_layout import GlmLayout
+from mxforge.manifest_io import manifest_text
+from mxforge.tensor_kinds import KINDS, kind_of, layer_of
+
+Decision = Literal["quantize", "keep"]
+DEFAULT_RECIPE = "glm-5.2-mxfp4"
+SCHEMES = {"mxfp4": True, "w_mxfp4": False}  # scheme -> are dynamic MXFP4 activations declared?
+LAYER_SCOPES = ("all", "decoder", "mtp")
+TOP_KEYS = {"name", "description", "scheme", "quantize", "keep"}
+RULE_KEYS = {"kinds", "layers", "names"}
+
+
+def is_linear_weight_name(name: str) -> bool:
+    """Quark file-to-file's notion of a Linear weight, by name: `X.weight`, X not a norm, not an embedding."""
+    module, _, param = name.rpartition(".")
+    return bool(module) and param == "weight" and not module.endswith("norm") and "embed" not in module
+
+
+@dataclass(frozen=True)
+class Rule:
+    action: Decision
+    index: int  # position among the recipe's rules of this action, for messages
+    kinds: tuple[str, ...]
+    layers: str
+    names: tuple[re.Pattern, ...]
+
+    def matches(self, tensor_name: str, layout: GlmLayout) -> bool:
+        if self.kinds and kind_of(tensor_name) not in self.kinds:
+            return False
+        layer = layer_of(tensor_name)
+        if self.layers == "decoder" and (layer is None or layout.is_mtp(layer)):
+            return False
+        if self.layers == "mtp" and (layer is None or not layout.is_mtp(layer)):
+            return False
+        module = tensor_name.removesuffix(".weight")
+        return not self.names or any(p.fullmatch(module) for p in self.names)
+
+    def describe(self) -> str:
+        parts = [f"kinds={list(self.kinds)}" if self.kinds else "", f"layers={self.layers!r}",
+                 f"names={[p.pattern for p in self.names]}" if self.names else ""]
+        return f"[[{self.action}]] rule {self.index + 1} ({', '.join(p for p in parts if p)})"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    scheme: str
+    rules: tuple[Rule, ...]
+    source: str  # where it was loaded from
+    sha256: str  # of the recipe file's bytes
+
+    def decide(self, tensor_name: str, layout: GlmLayout) -> Decision:
+        """"quantize" or "keep" for a tensor name; non-weights, norms and embeddings are always kept.
+
+        The caller keeps tensors that are not 2-D floating point whatever this says.
+        """
+        rule = self.matching_rule(tensor_name, layout)
+        return "quantize" if rule is not None and rule.action == "quantize" else "keep"
+
+    def matching_rule(self, tensor_name: str, layout: GlmLayout) -> Rule | None:
+        if not is_linear_weight_name(tensor_name):
+            return None
+        for rule in self.rules:  # keep rules first
+            if rule.matches(tensor_name, layout):
+                return rule
+        return None
+
+    def check_matches(self, candidate_names: Iterable[str], layout: GlmLayout, where: str) -> None:
+        """Every rule must select at least one of the 2-D weights in `candidate_names` (keep rules: at all).
+
+        Raises:
+            ConfigError: a rule that matches nothing, naming the rule and the checkpoint.
+        """
+        names = list(candidate_names)
+        for rule in self.rules:
+            if not any(rule.matches(n, layout) for n in names if is_linear_weight_name(n)):
+                scope = f" (this checkpoint has no MTP layer: num_nextn_predict_layers is 0)" \
+                    if rule.layers == "mtp" and not layout.mtp_layers else ""
+                raise ConfigError(f"recipe {self.source}: {rule.describe()} matches no 2-D weight in {where}{scope}; "
+                                  "fix the rule or choose a recipe for this checkpoint")
+
+    @property
+    def quantize_inputs(self) -> bool:
+        return SCHEMES[self.scheme]
+
+    def quantization_config(self, excluded_modules: list[str]) -> dict:
+        """`quantization_config` for config.json, built with Quark's own config objects (cached per Quark version)."""
+        from .quark_ref import cached_quantization_config
+
+        return cached_quantization_config(sorted(excluded_modules), self.quantize_inputs)
+
+
+def load_recipe(name_or_path: str | Path | None = None) -> Recipe:
+    """Load and validate a recipe: a path to a TOML file, or the name of one shipped in manifests/.
+
+    Raises:
+        ConfigError: not found, malformed TOML, unknown keys, bad scheme/kind/layer scope/regex.
+    """
+    name_or_path = str(name_or_path or DEFAULT_RECIPE)
+    path = Path(name_or_path)
+    if path.is_file():
+        raw, source = path.read_bytes(), str(path)
+    else:
+        shipped = path.name if path.suffix == ".toml" else f"{path.name}.toml"
+        try:
+            raw, source = manifest_text(shipped).encode(), f"manifests/{shipped}"
+        except ConfigError:
+            raise ConfigError(f"recipe {name_or_path!r}: no such file, and no manifests/{shipped} shipped; "
+                              f"pass a path to a recipe TOML or a shipped name such as {DEFAULT_RECIPE!r}") from None
+    try:
+        data = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"recipe {source}: malformed TOML ({e})") from None
+    return parse_recipe(data, source, hashlib.sha256(raw).hexdigest())
+
+
+def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
+    """Validate a parsed recipe table.
+
+    Raises:
+        ConfigError: unknown keys, bad values, bad regexes, or no quantize rule.
+    """
+    unknown = set(data) - TOP_KEYS
+    if unknown:
+        raise ConfigError(f"recipe {source}: unknown key(s) {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}")
+    for key in ("name", "scheme"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ConfigError(f"recipe {source}: {key!r} must be a non-empty string")
+    if data["scheme"] not in SCHEMES:
+        raise ConfigError(f"recipe {source}: scheme {data['scheme']!r} is not supported; choose one of {sorted(SCHEMES)}")
+    rules = [_parse_rule(r, "keep", i, source) for i, r in enumerate(_rule_list(data, "keep", source))]
+    quantize = [_parse_rule(r, "quantize", i, source) for i, r in enumerate(_rule_list(data, "quantize", source))]
+    if not quantize:
+        raise ConfigError(f"recipe {source}: no [[quantize]] rule, so it would quantize nothing")
+    return Recipe(data["name"], str(data.get("description", "")), data["scheme"], tuple(rules + quantize), source, sha256)
+
+
+def _rule_list(data: dict, key: str, source: str) -> list:
+    rules = data.get(key, [])
+    if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
+        raise ConfigError(f"recipe {source}: {key!r} must be an array of tables ([[{key}]])")
+    return rules
+
+
+def _parse_rule(raw: dict, action: Decision, index: int, source: str) -> Rule:
+    where = f"recipe {source}: [[{action}]] rule {index + 1}"
+    unknown = set(raw) - RULE_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(RULE_KEYS)}")
+    kinds = raw.get("kinds", [])
+    if not isinstance(kinds, list) or any(k not in KINDS for k in kinds):
+        raise ConfigError(f"{where}: kinds {kinds!r} must be a list drawn from {list(KINDS)}")
+    layers = raw.get("layers", "all")
+    if layers not in LAYER_SCOPES:
+        raise ConfigError(f"{where}: layers {layers!r} must be one of {list(LAYER_SCOPES)} "
+                          "(layer numbers come from config.json, never from the recipe)")
+    names = raw.get("names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}: names must be a list of regular expressions")
+    if not kinds and not names:
+        raise ConfigError(f"{where}: give kinds or names, or the rule would select every weight")
+    compiled = []
+    for pattern in names:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as e:
+            raise ConfigError(f"{where}: names pattern {pattern!r} is not a valid regular expression ({e})") from None
+    return Rule(action, index, tuple(kinds), layers, tuple(compiled))

@@ -1,0 +1,299 @@
+"""`mxforge quantize`: a bf16 checkpoint to a Quark-format MXFP4 checkpoint, streaming, parallel, resumable.
+
+Order of work, so that OUT never looks complete before it is: plan everything from headers (bad input
+fails here, before any write); quantize shards in worker processes, each renamed into place when whole
+and recorded in the state file; check every source tensor is in the output; then write the index, the
+side files, config.json with Quark's quantization_config, and mxforge_quantize.json last.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing as mp
+import os
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
+from mxforge.errors import CheckpointError, ConfigError, MxforgeError
+from mxforge.progress import byte_progress
+from mxforge.safetensors_io import partial_path, read_header, write_json_atomic
+
+from .plan import QuantizePlan, ShardPlan, plan_checkpoint
+from .recipe import Recipe, load_recipe
+from .shard_job import ShardJob, ShardResult, run_shard
+from .state import PROVENANCE_NAME, STATE_NAME, ResumeState, tool_versions
+
+SOURCE_PROVENANCE = "mxforge_source.json"
+NOT_COPIED = {INDEX_NAME, STATE_NAME, PROVENANCE_NAME, "config.json"}  # config.json is rewritten
+
+
+def default_workers(shards: int) -> int:
+    """One worker per usable CPU core, no more than there are shards to do."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, shards))
+
+
+def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: int | None = None, device: str = "cpu",
+                        quiet: bool = False, refuse_nonfinite: bool = True, command: str | None = None) -> dict:
+    """Quantize checkpoint `src` into `out` with `recipe`; returns the JSON report (also in OUT/mxforge_quantize.json).
+
+    Rerunning on the same OUT resumes: shards already complete and still valid are skipped.
+
+    Raises:
+        CheckpointError: bad source (missing/truncated/corrupt shard, index naming a missing tensor or
+            shard, lying header), OUT unusable or full, or a source tensor missing from the output.
+        ConfigError: bad recipe, a rule matching nothing, bad --workers/--device.
+        NonFiniteWeightError: NaN/Inf in a weight to quantize (unless refuse_nonfinite=False).
+    """
+    started = time.monotonic()
+    src, out = Path(src), Path(out)
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    _check_device(device)
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    ckpt = Checkpoint.open(src)
+    plan = plan_checkpoint(ckpt, recipe)
+    _prepare_out(src, out)
+    versions = tool_versions()
+    state = ResumeState(out, recipe.sha256, versions)
+    todo = [s for s in plan.shards if not state.is_done(s.name, src, out, s.header_sha256)]
+    skipped = len(plan.shards) - len(todo)
+    for s in todo:
+        state.forget(s.name)
+    state.save()  # marks OUT as ours before any shard is written, so a rerun after a kill may resume into it
+    _remove_strays(out, plan)
+    _check_free_space(out, todo)
+    expected = _expected_sha256(src)
+    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name))
+            for s in sorted(todo, key=lambda s: -s.source_size)]
+    workers = workers or default_workers(len(jobs))
+    total = sum(s.source_size for s in todo)
+    with byte_progress(total, "quantize", disable=quiet) as bar:
+        _run_jobs(jobs, workers, state, bar)
+    accounted = verify_output(plan, out)
+    _write_index(plan, out)
+    _copy_side_files(src, out)
+    _write_config(ckpt.config, recipe, plan, out)
+    elapsed = time.monotonic() - started
+    report = _report(src, out, recipe, plan, device, workers, versions, len(todo), skipped, total, elapsed,
+                     accounted, command)
+    write_json_atomic(out / PROVENANCE_NAME, report)
+    return report
+
+
+def _check_device(device: str) -> None:
+    if device == "cpu":
+        return
+    if device.split(":")[0] != "cuda":
+        raise ConfigError(f"--device {device!r}: choose cpu or cuda")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device is visible to torch {torch.__version__} "
+                          f"(built with CUDA {torch.version.cuda}); use --device cpu")
+
+
+def _prepare_out(src: Path, out: Path) -> None:
+    """OUT must be new, empty, or a previous mxforge quantize output (to resume)."""
+    if out.resolve() == src.resolve():
+        raise MxforgeError(f"{out}: OUT is the source checkpoint; choose another directory")
+    if out.exists():
+        if not out.is_dir():
+            raise MxforgeError(f"{out}: exists and is not a directory; choose another OUT")
+        if any(out.iterdir()) and not (out / STATE_NAME).exists():
+            raise MxforgeError(f"{out}: not empty and not a previous `mxforge quantize` output (no {STATE_NAME}); "
+                               "choose a new or empty OUT")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot create OUT: {e.strerror or e}") from None
+
+
+def _remove_strays(out: Path, plan: QuantizePlan) -> None:
+    """Partial files from an interrupted run, and shards that are not part of this plan."""
+    planned = {s.name for s in plan.shards}
+    for p in out.iterdir():
+        if p.name.endswith(".partial") or (p.suffix == ".safetensors" and p.name not in planned):
+            p.unlink()
+
+
+def _check_free_space(out: Path, todo: list[ShardPlan]) -> None:
+    need = sum(s.output_size for s in todo)
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise CheckpointError(f"{out}: needs {need / 1e9:.2f} GB for the remaining output shards but only "
+                              f"{free / 1e9:.2f} GB is free; free space or choose another OUT")
+
+
+def _expected_sha256(src: Path) -> dict[str, str]:
+    """Shard sha256 recorded by `mxforge download`, if the source has that provenance."""
+    path = src / SOURCE_PROVENANCE
+    if not path.exists():
+        return {}
+    data = load_json(path, SOURCE_PROVENANCE)
+    files = data.get("files", []) if isinstance(data, dict) else []
+    return {f["name"]: f["sha256"] for f in files if isinstance(f, dict) and f.get("sha256") and f.get("name")}
+
+
+# --- workers ---------------------------------------------------------------------------------------
+_counter = None
+
+
+def _init_worker(counter) -> None:
+    global _counter
+    _counter = counter
+
+
+def _worker(job: ShardJob) -> ShardResult:
+    def progress(n: int) -> None:
+        with _counter.get_lock():
+            _counter.value += n
+
+    return run_shard(job, progress)
+
+
+def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> None:
+    if not jobs:
+        return
+    if workers == 1:
+        for job in jobs:
+            state.record(run_shard(job, bar.update))
+        return
+    ctx = mp.get_context("spawn")
+    if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
+        # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
+        from .mxfp4 import warm_cpu_kernel
+
+        warm_cpu_kernel()
+        ctx = mp.get_context("fork")
+    counter = ctx.Value("q", 0)
+    seen = 0
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(counter,), maxtasksperchild=None) as pool:
+        pending = [pool.apply_async(_worker, (job,)) for job in jobs]
+        try:
+            while pending:
+                time.sleep(0.2)
+                seen = _tick(bar, counter, seen)
+                still = []
+                for res in pending:
+                    if res.ready():
+                        state.record(res.get())  # re-raises a worker's error here
+                    else:
+                        still.append(res)
+                pending = still
+        except BaseException:
+            pool.terminate()
+            raise
+    _tick(bar, counter, seen)
+
+
+def _tick(bar, counter, seen: int) -> int:
+    value = counter.value
+    bar.update(value - seen)
+    return value
+
+
+# --- finishing -------------------------------------------------------------------------------------
+def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
+    """Every source tensor must be in the output as planned (read back from the written headers).
+
+    Raises:
+        CheckpointError: a tensor is missing or differs from the plan; the MTP layer is named first.
+    """
+    counts = {"quantized": 0, "kept": 0, "copied": 0, "mtp_tensors": 0}
+    mtp_prefixes = tuple(f"model.layers.{i}." for i in plan.layout.mtp_layers)
+    for shard in plan.shards:
+        header = read_header(out / shard.name)
+        for t in shard.tensors:
+            for o in t.outputs():
+                got = header.tensors.get(o.name)
+                if got is None or (got.dtype, got.shape) != (o.dtype, o.shape):
+                    what = "MTP layer tensor" if t.source.name.startswith(mtp_prefixes) else "tensor"
+                    raise CheckpointError(f"{out / shard.name}: source {what} {t.source.name!r} is missing from the "
+                                          f"output (expected {o.name} {o.dtype}{list(o.shape)}); rerun to redo the shard")
+            counts[t.fate] += 1
+            counts["mtp_tensors"] += t.source.name.startswith(mtp_prefixes)
+    if mtp_prefixes and not counts["mtp_tensors"]:
+        raise CheckpointError(f"{out}: config.json declares MTP layer(s) {list(plan.layout.mtp_layers)} "
+                              "but the output holds none of their tensors")
+    return counts
+
+
+def _write_index(plan: QuantizePlan, out: Path) -> None:
+    weight_map = {o.name: s.name for s in plan.shards for t in s.tensors for o in t.outputs()}
+    total = sum(o.nbytes for s in plan.shards for t in s.tensors for o in t.outputs())
+    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    """Top-level non-weight files (tokenizer, generation config, provenance...), not hidden ones or state."""
+    for p in sorted(src.iterdir()):
+        if (not p.is_file() or p.name.startswith(".") or p.suffix == ".safetensors" or p.name in NOT_COPIED
+                or p.name.endswith(".partial")):
+            continue
+        tmp = partial_path(out / p.name)
+        try:
+            shutil.copyfile(p, tmp)
+            os.replace(tmp, out / p.name)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"{out / p.name}: cannot copy from {p}: {e.strerror or e}") from None
+
+
+def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -> None:
+    """config.json with quantization_config as Quark's file-to-file writes it (same JSON layout)."""
+    config = copy.deepcopy(config)
+    _drop_quantization_config(config)
+    config["quantization_config"] = recipe.quantization_config(plan.excluded_modules())
+    tmp = partial_path(out / "config.json")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(config, f, ensure_ascii=False, indent=4)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out / "config.json")
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{out / 'config.json'}: cannot write: {e.strerror or e}") from None
+
+
+def _drop_quantization_config(config: dict) -> None:
+    config.pop("quantization_config", None)
+    for value in config.values():
+        if isinstance(value, dict):
+            _drop_quantization_config(value)
+
+
+def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: str, workers: int,
+            versions: dict, done: int, skipped: int, bytes_read: int, elapsed: float, accounted: dict,
+            command: str | None) -> dict:
+    bytes_out = sum(s.output_size for s in plan.shards)
+    return {
+        "stage": "quantize",
+        "source": str(src.resolve()),
+        "out": str(out.resolve()),
+        "recipe": {"name": recipe.name, "sha256": recipe.sha256, "source": recipe.source, "scheme": recipe.scheme},
+        "device": device,
+        "workers": workers,
+        "shards": {"total": len(plan.shards), "quantized_now": done, "skipped_complete": skipped},
+        "counts": {k: accounted[k] for k in ("quantized", "kept", "copied")},
+        "mtp_layers": list(plan.layout.mtp_layers),
+        "mtp_tensors": accounted["mtp_tensors"],
+        "bytes_in": sum(s.source_size for s in plan.shards),
+        "bytes_out": bytes_out,
+        "bytes_processed_now": bytes_read,
+        "seconds": round(elapsed, 3),
+        "gb_per_s": round(bytes_read / elapsed / 1e9, 4) if elapsed > 0 else None,
+        "tool_versions": versions,
+        "command": command or shlex.join(["mxforge", *sys.argv[1:]]),
+        "tensors": {fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
+    }

@@ -1,0 +1,267 @@
+"""Quantize one shard, streaming: read the source once in file order (hashing it as it goes), write each
+output tensor at its planned offset of `NAME.partial`, then fsync and rename.
+
+Memory stays at one chunk of rows (CHUNK_BYTES) plus its outputs, whatever the shard or tensor size.
+Runs in worker processes: it imports numpy and the compiled kernel, and torch only for a non-CPU device
+or for non-finite weights that the user allowed.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from mxforge.errors import CheckpointError, MxforgeError
+from mxforge.safetensors_io import partial_path
+
+from .plan import ShardPlan, TensorPlan
+
+CHUNK_BYTES = 16 << 20
+NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    src_dir: str
+    out_dir: str
+    plan: ShardPlan
+    device: str = "cpu"
+    refuse_nonfinite: bool = True
+    expected_sha256: str | None = None  # from mxforge_source.json, when download recorded it
+
+
+@dataclass
+class ShardResult:
+    name: str
+    source_size: int
+    source_mtime_ns: int
+    source_sha256: str
+    output_size: int
+    output_mtime_ns: int
+    header_sha256: str
+
+
+def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None) -> ShardResult:
+    """Write OUT/<shard> for one source shard; nothing under the final name unless it is complete.
+
+    Raises:
+        CheckpointError: the source cannot be read or changed under us, its sha256 disagrees with
+            mxforge_source.json, or OUT is full / unwritable.
+        NonFiniteWeightError: a weight to quantize holds NaN/Inf (unless allowed).
+    """
+    plan = job.plan
+    src = Path(job.src_dir) / plan.name
+    final = Path(job.out_dir) / plan.name
+    tmp = partial_path(final)
+    try:
+        with open(src, "rb") as fin:
+            stat = os.fstat(fin.fileno())
+            if stat.st_size != plan.source_size:
+                raise CheckpointError(f"{src}: changed size since it was planned ({plan.source_size} -> {stat.st_size})")
+            try:
+                out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError as e:
+                raise _write_error(e, final) from None
+            try:
+                _reserve(out_fd, plan.output_size, final)
+                _pwrite_all(out_fd, plan.header, 0, final)
+                digest = _stream_tensors(fin, out_fd, job, progress)
+                os.fsync(out_fd)
+            finally:
+                os.close(out_fd)
+        if job.expected_sha256 and digest != job.expected_sha256:
+            raise CheckpointError(f"{src}: sha256 {digest} differs from {job.expected_sha256} recorded in "
+                                  "mxforge_source.json: the shard is corrupt; re-download it")
+        os.replace(tmp, final)
+    except BaseException as e:
+        _remove(tmp)
+        if isinstance(e, OSError) and not isinstance(e, MxforgeError):
+            raise CheckpointError(f"{src}: cannot read shard: {e.strerror or e}") from None
+        raise
+    out_stat = final.stat()
+    return ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, out_stat.st_size, out_stat.st_mtime_ns,
+                       plan.header_sha256)
+
+
+class _BackgroundHasher:
+    """sha256 of the chunks fed in order, computed on a helper thread (hashlib releases the GIL, as does the
+    kernel), so hashing overlaps quantizing; at most MAX_PENDING chunks are held."""
+
+    MAX_PENDING = 2
+
+    def __init__(self):
+        self._hash = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        self._pending: deque = deque()
+
+    def update(self, data: bytes) -> None:
+        while len(self._pending) >= self.MAX_PENDING:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._hash.update, data))
+
+    def hexdigest(self) -> str:
+        while self._pending:
+            self._pending.popleft().result()
+        self._pool.shutdown()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None]) -> str:
+    """Read the source sequentially (header, then tensors by offset), transform and place each tensor."""
+    plan = job.plan
+    hasher = _BackgroundHasher()
+    try:
+        tensors = sorted(plan.tensors, key=lambda t: t.source.start)
+        data_start = tensors[0].source.start if tensors else plan.source_size
+        hasher.update(_read_exact(fin, 0, data_start, fin.name))
+        for t in tensors:
+            if t.fate == "quantized":
+                _quantize_tensor(fin, out_fd, t, job, hasher, progress)
+            else:
+                _copy_tensor(fin, out_fd, t, plan.offsets[t.source.name], hasher, progress, _out_path(job))
+            _start_writeback(out_fd)
+        return hasher.hexdigest()
+    finally:
+        hasher.close()
+
+
+def _start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing what we wrote so far, so the final fsync waits only for the tail."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
+
+
+def _out_path(job: ShardJob) -> Path:
+    return Path(job.out_dir) / job.plan.name
+
+
+def _copy_tensor(fin, out_fd: int, t: TensorPlan, dest: int, hasher, progress, where: Path) -> None:
+    s = t.source
+    for pos in range(s.start, s.end, CHUNK_BYTES):
+        n = min(CHUNK_BYTES, s.end - pos)
+        buf = _read_exact(fin, pos, n, fin.name)
+        hasher.update(buf)
+        _pwrite_all(out_fd, buf, dest + pos - s.start, where)
+        progress(n)
+
+
+def _quantize_tensor(fin, out_fd: int, t: TensorPlan, job: ShardJob, hasher, progress) -> None:
+    s = t.source
+    rows, inner = s.shape
+    itemsize = s.nbytes // max(1, s.numel)
+    row_bytes = inner * itemsize
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
+    nblocks = -(-inner // 32)
+    codes_at, scales_at = job.plan.offsets[s.name], job.plan.offsets[s.name + "_scale"]
+    nonfinite = 0
+    for r0 in range(0, rows, rows_per_chunk):
+        n = min(rows_per_chunk, rows - r0)
+        raw = _read_exact(fin, s.start + r0 * row_bytes, n * row_bytes, fin.name)
+        hasher.update(raw)
+        x = _as_rows(raw, s.dtype, n, inner)
+        codes = np.empty((n, inner // 2), dtype=np.uint8)
+        scales = np.empty((n, nblocks), dtype=np.uint8)
+        nonfinite += _quantize_rows(x, codes, scales, s.dtype, job.device)
+        _pwrite_all(out_fd, codes.data, codes_at + r0 * (inner // 2), _out_path(job))
+        _pwrite_all(out_fd, scales.data, scales_at + r0 * nblocks, _out_path(job))
+        progress(n * row_bytes)
+    if nonfinite:
+        _handle_nonfinite(fin, out_fd, t, job, nonfinite, codes_at, scales_at)
+
+
+def _as_rows(raw: bytes, dtype: str, n: int, inner: int) -> np.ndarray:
+    if dtype == "BF16":
+        return np.frombuffer(raw, dtype="<i2").reshape(n, inner)
+    if dtype == "F16":
+        return np.frombuffer(raw, dtype="<f2").reshape(n, inner).astype(np.float32)
+    return np.frombuffer(raw, dtype="<f4").reshape(n, inner)
+
+
+def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: str, device: str) -> int:
+    if device == "cpu":
+        from .mxfp4 import quantize_rows_cpu
+
+        return quantize_rows_cpu(x, codes, scales)
+    import torch
+
+    from .mxfp4 import _quantize_torch
+
+    w = torch.from_numpy(x.copy())
+    if dtype == "BF16":
+        w = w.view(torch.bfloat16)
+    codes_t, scales_t = torch.from_numpy(codes), torch.from_numpy(scales)
+    return _quantize_torch(w, codes_t, scales_t, torch.device(device))
+
+
+def _handle_nonfinite(fin, out_fd: int, t: TensorPlan, job: ShardJob, count: int, codes_at: int, scales_at: int) -> None:
+    """Refuse, or (when allowed) redo the tensor with Quark's own kernel, which encodes NaN blocks as +6.0."""
+    from .mxfp4 import NonFiniteWeightError, _quark_reference
+
+    s = t.source
+    if job.refuse_nonfinite:
+        raise NonFiniteWeightError(
+            f"{Path(job.src_dir) / job.plan.name}: tensor {s.name!r} holds {count} NaN/Inf value(s); quantizing "
+            "would silently encode their blocks as +6.0 (Quark does). Fix or re-download the source, "
+            "keep the tensor with a [[keep]] recipe rule, or pass --allow-nonfinite to encode as Quark does")
+    import torch
+
+    raw = _read_exact(fin, s.start, s.nbytes, fin.name)
+    w = torch.from_numpy(_as_rows(raw, s.dtype, *s.shape).copy())
+    codes, scales = _quark_reference(w.view(torch.bfloat16) if s.dtype == "BF16" else w)
+    _pwrite_all(out_fd, codes.numpy().data, codes_at, _out_path(job))
+    _pwrite_all(out_fd, scales.numpy().data, scales_at, _out_path(job))
+
+
+def _read_exact(fin, offset: int, n: int, name: str) -> bytes:
+    data = os.pread(fin.fileno(), n, offset)
+    if len(data) != n:
+        raise CheckpointError(f"{name}: truncated while reading at byte {offset + len(data)} "
+                              f"(wanted {n} bytes at {offset}); re-download the shard")
+    return data
+
+
+def _pwrite_all(fd: int, data, offset: int, where: Path) -> None:
+    view = memoryview(data).cast("B")
+    try:
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+    except OSError as e:
+        raise _write_error(e, where) from None
+
+
+def _reserve(fd: int, size: int, where: Path) -> None:
+    """Claim the output's space up front, so a full disk fails now rather than hours in."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in NO_SPACE:
+            raise _write_error(e, where) from None
+        # filesystems without fallocate: space is claimed as we write
+
+
+def _write_error(e: OSError, where: Path) -> CheckpointError:
+    if e.errno in NO_SPACE:
+        return CheckpointError(f"{where}: no space left for the output ({e.strerror}); free space on OUT's "
+                               "filesystem or choose another OUT, then rerun: finished shards are kept")
+    return CheckpointError(f"{where}: cannot write: {e.strerror or e}")
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

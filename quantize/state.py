@@ -1,0 +1,89 @@
+"""Resume state: OUT/mxforge_quantize.state.json, one entry per finished output shard.
+
+An entry records the identity of the shard's input (size, mtime, sha256), the recipe's sha256, the tool
+versions, the planned output header's sha256 (every decision about the shard) and the output's size and
+mtime. A rerun skips a shard only when all of these still hold; anything else is redone. The file is
+rewritten atomically after each shard, so a SIGKILL at any moment leaves either the old or the new state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+
+from mxforge.safetensors_io import write_json_atomic
+
+from .shard_job import ShardResult
+
+STATE_NAME = "mxforge_quantize.state.json"
+PROVENANCE_NAME = "mxforge_quantize.json"
+STATE_FORMAT = 1
+VERSIONED_PACKAGES = ("mxforge", "amd-quark", "torch", "numba", "numpy")
+
+
+def tool_versions() -> dict[str, str]:
+    out = {}
+    for pkg in VERSIONED_PACKAGES:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class ResumeState:
+    """The state file of one OUT directory for one (recipe, tool versions) pair."""
+
+    def __init__(self, out: Path, recipe_sha256: str, versions: dict[str, str]):
+        self.path = out / STATE_NAME
+        self.recipe_sha256 = recipe_sha256
+        self.versions = versions
+        self.shards: dict[str, dict] = {}
+        if self.path.exists():
+            try:
+                data = json.loads(self.path.read_text())
+                if data.get("format") == STATE_FORMAT:
+                    self.shards = dict(data.get("shards") or {})
+            except (OSError, ValueError):
+                self.shards = {}  # unreadable state: everything is redone
+
+    def is_done(self, name: str, src_dir: Path, out_dir: Path, header_sha256: str) -> bool:
+        """Whether OUT/<name> is complete and still matches its source, recipe, tools and plan."""
+        entry = self.shards.get(name)
+        if not entry or entry.get("recipe_sha256") != self.recipe_sha256 or entry.get("versions") != self.versions:
+            return False
+        if entry.get("header_sha256") != header_sha256:
+            return False
+        try:
+            src, out = (src_dir / name).stat(), (out_dir / name).stat()
+        except FileNotFoundError:
+            return False
+        if (out.st_size, out.st_mtime_ns) != (entry["output_size"], entry["output_mtime_ns"]):
+            return False
+        if src.st_size != entry["source_size"]:
+            return False
+        if src.st_mtime_ns != entry["source_mtime_ns"]:  # touched: same only if the bytes are the same
+            return file_sha256(src_dir / name) == entry["source_sha256"]
+        return True
+
+    def record(self, result: ShardResult) -> None:
+        self.shards[result.name] = {**asdict(result), "recipe_sha256": self.recipe_sha256, "versions": self.versions}
+        self.save()
+
+    def forget(self, name: str) -> None:
+        if self.shards.pop(name, None) is not None:
+            self.save()
+
+    def save(self) -> None:
+        write_json_atomic(self.path, {"format": STATE_FORMAT, "shards": dict(sorted(self.shards.items()))})

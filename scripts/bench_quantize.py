@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Benchmark `mxforge quantize` against AMD Quark 0.13's file-to-file mode and a plain copy, side by side.
+
+On one bench fixture (`mxforge fixture --preset bench --gib N`), in one run: a plain copy of the same
+files, `mxforge quantize` (a subprocess, end to end), and Quark's
+`ModelQuantizer(cfg).direct_quantize_checkpoint(src, dst, device="cpu")` with the same exclusions (its
+import time is not counted). The source is read once beforehand so every contender reads from the page
+cache, and `sync` runs between contenders. Prints GB/s (source bytes / wall seconds), the ratios, each
+one's peak RSS (summed over its process group, sampled every 50 ms) and whether mxforge's files are
+byte-identical to Quark's.
+
+    .venv/bin/python scripts/bench_quantize.py [--gib 2] [--workdir DIR] [--workers N] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+QUARK_SNIPPET = """
+import json, sys, time
+from quark.torch import ModelQuantizer
+from mxforge.quantize.quark_ref import mxfp4_qconfig
+src, dst, exclude = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
+quantizer = ModelQuantizer(mxfp4_qconfig(exclude))
+print("READY", flush=True)
+t = time.monotonic()
+quantizer.direct_quantize_checkpoint(src, dst, device="cpu")
+print("SECONDS", time.monotonic() - t, flush=True)
+"""
+
+
+class PeakRss:
+    """Peak of the summed RSS of every process in a process group, sampled in a thread."""
+
+    def __init__(self, pgid: int):
+        self.pgid, self.peak, self._stop = pgid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for pid in os.listdir("/proc"):
+                if not pid.isdigit():
+                    continue
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                    fields = stat[stat.rindex(")") + 2:].split()
+                    if int(fields[2]) == self.pgid:
+                        total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+                except (OSError, ValueError, IndexError):
+                    continue
+            self.peak = max(self.peak, total)
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def run_measured(cmd: list[str], ready_marker: str | None = None) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes, stdout) of a command; with `ready_marker`, timing starts when it prints it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    rss = PeakRss(proc.pid)
+    start = time.monotonic()
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if ready_marker and line.startswith(ready_marker):
+            start = time.monotonic()
+    proc.wait()
+    seconds = time.monotonic() - start
+    peak = rss.stop()
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd[:4])}... failed ({proc.returncode}):\n{proc.stderr.read()[-3000:]}")
+    return seconds, peak, "".join(lines)
+
+
+def weight_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.glob("*.safetensors"))
+
+
+def warm(d: Path) -> None:
+    for p in sorted(d.iterdir()):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while f.read(64 << 20):
+                    pass
+
+
+def plain_copy(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            shutil.copyfile(p, dst / p.name)
+
+
+def identical(ours: Path, quark: Path) -> dict[str, bool]:
+    skip = {"mxforge_quantize.json", "mxforge_quantize.state.json"}
+    return {p.name: (ours / p.name).exists() and (ours / p.name).read_bytes() == p.read_bytes()
+            for p in sorted(quark.iterdir()) if p.is_file() and p.name not in skip}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--workdir", type=Path, default=None, help="where the fixture and outputs go (default: a temp dir)")
+    ap.add_argument("--workers", type=int, default=None, help="mxforge --workers (default: its own default)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    args = ap.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="mxforge-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / f"bench-{args.gib:g}gib"
+    mxforge = [sys.executable, "-m", "mxforge.cli"]
+    if not (src / "config.json").exists():
+        subprocess.run([*mxforge, "fixture", str(src), "--preset", "bench", "--gib", str(args.gib), "--quiet"], check=True)
+    size = weight_bytes(src)
+    outs = {name: work / f"out-{name}" for name in ("copy", "mxforge", "quark")}
+    for d in outs.values():
+        shutil.rmtree(d, ignore_errors=True)
+    # Fill the numba and Quark-config caches so the timed run measures the work, not first-use compiles.
+    warmup = work / "warmup"
+    shutil.rmtree(warmup, ignore_errors=True)
+    subprocess.run([*mxforge, "fixture", str(warmup / "src"), "--quiet"], check=True, capture_output=True)
+    subprocess.run([*mxforge, "quantize", str(warmup / "src"), str(warmup / "out"), "--quiet"], check=True, capture_output=True)
+    warm(src)
+    results = {}
+
+    subprocess.run(["sync"])
+    t = time.monotonic()
+    plain_copy(src, outs["copy"])
+    results["copy"] = {"seconds": time.monotonic() - t, "peak_rss": 0}
+
+    subprocess.run(["sync"])
+    cmd = [*mxforge, "quantize", str(src), str(outs["mxforge"]), "--quiet"]
+    if args.workers:
+        cmd += ["--workers", str(args.workers)]
+    seconds, peak, _ = run_measured(cmd)
+    results["mxforge"] = {"seconds": seconds, "peak_rss": peak}
+
+    exclude = json.loads((outs["mxforge"] / "config.json").read_text())["quantization_config"]["exclude"]
+    (work / "exclude.json").write_text(json.dumps(exclude))
+    subprocess.run(["sync"])
+    seconds, peak, stdout = run_measured([sys.executable, "-c", QUARK_SNIPPET, str(src), str(outs["quark"]),
+                                          str(work / "exclude.json")], ready_marker="READY")
+    results["quark"] = {"seconds": seconds, "peak_rss": peak}
+
+    same = identical(outs["mxforge"], outs["quark"])
+    for r in results.values():
+        r["gb_per_s"] = size / r["seconds"] / 1e9
+    report = {
+        "source_bytes": size, "cores": len(os.sched_getaffinity(0)), "results": results,
+        "mxforge_vs_quark": results["mxforge"]["gb_per_s"] / results["quark"]["gb_per_s"],
+        "mxforge_vs_copy": results["mxforge"]["gb_per_s"] / results["copy"]["gb_per_s"],
+        "identical_to_quark": same,
+        "load_average": os.getloadavg(),
+    }
+    print(f"source: {size / 1e9:.2f} GB of bf16 shards ({src}), {report['cores']} cores, "
+          f"load average {report['load_average'][0]:.2f}")
+    print(f"{'contender':<10} {'seconds':>8} {'GB/s':>7} {'peak RSS':>10}")
+    for name, r in results.items():
+        rss = f"{r['peak_rss'] / 2**30:.2f} GiB" if r["peak_rss"] else "-"
+        print(f"{name:<10} {r['seconds']:>8.2f} {r['gb_per_s']:>7.3f} {rss:>10}")
+    print(f"mxforge / quark throughput: {report['mxforge_vs_quark']:.1f}x   "
+          f"mxforge / copy: {100 * report['mxforge_vs_copy']:.0f}%")
+    shards = {k: v for k, v in same.items() if k.endswith(".safetensors")}
+    print(f"byte-identical to Quark: shards {sum(shards.values())}/{len(shards)}, "
+          f"config.json {same.get('config.json')}, other files: "
+          + ", ".join(f"{k} {v}" for k, v in same.items() if not k.endswith(".safetensors") and k != "config.json"))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Benchmark `mxforge validate` on the full GLM-5.2 layout (59,585 tensors, 282 shards), headers only.
+
+Two checkpoints, built as sparse files (real headers, data holes) under --workdir:
+  bf16   the `full-layout` fixture;
+  quark  the same written in Quark's MXFP4 format (AMD's exclusions + the MTP layer), then `fixup`-ed,
+         so that every engine check runs against a realistic 1,000+ entry exclude list.
+For each: the median wall time of validate_checkpoint (all three engine profiles) over --repeat runs, and,
+measured side by side in the same run, the median time to parse the 282 headers alone (the floor any
+header-only check pays). Target: validate under 2 s. Also timed: `fixup` on the same Quark-format
+checkpoint with its exclusions written as globs (7 globs -> 1,319 exact names + 13 aliases), config restored
+between runs.
+
+    .venv/bin/python scripts/bench_validate.py [--workdir DIR] [--repeat N] [--json REPORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mxforge.checkpoint import Checkpoint
+from mxforge.fixture import write_fixture
+from mxforge.fixups.fixup import fixup_checkpoint
+from mxforge.fixups.quark_like import write_quark_like
+from mxforge.fixups.validate import validate_checkpoint
+from mxforge.safetensors_io import read_header
+
+TARGET_S = 2.0
+AMD_WITH_MTP = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj", "*layers.78.*"]
+
+
+def median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def parse_headers(root: Path) -> None:
+    ckpt = Checkpoint.open(root)
+    for shard in ckpt.shard_names:
+        read_header(root / shard)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=None, help="where to build the checkpoints (default: a temp dir)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    args = ap.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-validate-"))
+    bf16, quark = work / "full-bf16", work / "full-quark"
+    if not bf16.exists():
+        write_fixture(bf16, "full-layout", quiet=True)
+    if not quark.exists():
+        write_quark_like(bf16, quark, AMD_WITH_MTP, sparse=True)
+        fixup_checkpoint(quark, command="bench_validate.py")
+    rows = {}
+    for label, path in (("bf16", bf16), ("quark", quark)):
+        report = validate_checkpoint(path)
+        if not report.ok:
+            print(report.format()[:2000], file=sys.stderr)
+            return 1
+        headers = median_time(lambda: parse_headers(path), args.repeat)
+        validate = median_time(lambda: validate_checkpoint(path), args.repeat)
+        rows[label] = {"tensors": report.checked["integrity"]["tensors"], "shards": report.checked["integrity"]["shards"],
+                       "exclude_entries": len((Checkpoint.open(path).quantization_config or {}).get("exclude", [])),
+                       "validate_s": round(validate, 3), "headers_only_s": round(headers, 3),
+                       "ratio_to_headers": round(validate / headers, 2), "under_target": validate < TARGET_S}
+        print(f"{label:5s}: {rows[label]['tensors']:,} tensors, {rows[label]['shards']} shards, "
+              f"{rows[label]['exclude_entries']:,} exclude entries: validate {validate:.3f} s (3 engine profiles), "
+              f"header parse alone {headers:.3f} s, ratio {validate / headers:.2f}x; target < {TARGET_S} s: "
+              f"{'met' if validate < TARGET_S else 'MISSED'}")
+    globbed = work / "full-quark-globs"
+    if not globbed.exists():
+        write_quark_like(bf16, globbed, AMD_WITH_MTP, sparse=True, glob_exclude=True)
+    backup = globbed / "config.json.orig"  # present when an earlier run fixed it up
+    original = (backup if backup.exists() else globbed / "config.json").read_text()
+
+    def fixup_fresh() -> None:
+        (globbed / "config.json").write_text(original)
+        for leftover in ("config.json.orig", "mxforge_fixups.json"):
+            (globbed / leftover).unlink(missing_ok=True)
+        result = fixup_checkpoint(globbed, command="bench_validate.py")
+        assert result.changed and not result.remaining
+
+    fixup_s = median_time(fixup_fresh, args.repeat)
+    rows["fixup_globs"] = {"fixup_s": round(fixup_s, 3), "exclude_entries_after": len(
+        Checkpoint.open(globbed).quantization_config["exclude"])}
+    print(f"fixup: quark export with 7 glob exclusions -> {rows['fixup_globs']['exclude_entries_after']:,} exact entries (names + aliases): "
+          f"{fixup_s:.3f} s (3 engine profiles)")
+    if args.json:
+        args.json.write_text(json.dumps({"benchmark": "validate", "repeat": args.repeat, "results": rows}, indent=2) + "\n")
+    return 0 if all(r.get("under_target", True) for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

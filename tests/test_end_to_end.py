@@ -1,0 +1,83 @@
+"""The issue's Done-when on the real quantizer's output, and --mtp-from against it."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mxforge.fixups.fixup import fixup_checkpoint
+from mxforge.fixups.profiles import PROFILE_NAMES
+from mxforge.fixups.quark_like import write_quark_like
+from mxforge.fixups.validate import validate_checkpoint
+from mxforge.quantize.run import quantize_checkpoint
+
+from conftest import run_cli
+from test_engine_failures import BASE, MTP
+
+
+@pytest.fixture(scope="session")
+def quantized_tiny(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("quantized") / "tiny-mxfp4"
+    quantize_checkpoint(tiny_ckpt, out, "glm-5.2-mxfp4", workers=1, quiet=True)
+    return out
+
+
+def test_quantize_then_validate_fails_legacy_sglang_then_fixup_passes_everywhere(quantized_tiny, tmp_path):
+    ckpt = tmp_path / "q"
+    shutil.copytree(quantized_tiny, ckpt)
+    proc = run_cli("validate", str(ckpt), "--json")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1
+    assert report["engines"] == {"sglang-legacy": False, "sglang": True, "vllm": True}
+    subjects = {p["subject"] for p in report["problems"]}
+    assert {"model.eh_proj", "model.decoder.mlp.shared_experts.gate_up_proj"} <= subjects
+    assert all(p["engine"] == "sglang-legacy" and p["remedy"] == "run mxforge fixup" for p in report["problems"])
+
+    proc = run_cli("fixup", str(ckpt))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for engine in PROFILE_NAMES:
+        assert run_cli("validate", str(ckpt), "--engines", engine).returncode == 0, engine
+    assert validate_checkpoint(ckpt).ok
+    assert run_cli("fixup", str(ckpt)).stdout.strip().endswith("nothing to fix (sglang-legacy, sglang, vllm)")
+
+
+def test_mtp_from_reinjects_the_layer_as_the_quantizer_writes_it(tiny_ckpt, quantized_tiny, tmp_path):
+    ckpt = tmp_path / "no-mtp"
+    write_quark_like(tiny_ckpt, ckpt, BASE, drop_layers=(MTP,))
+    assert not validate_checkpoint(ckpt).ok
+    before = json.loads((ckpt / "model.safetensors.index.json").read_text())
+
+    dry = run_cli("fixup", str(ckpt), "--mtp-from", str(tiny_ckpt), "--dry-run")
+    assert dry.returncode == 0 and "MTP layer(s) [7]" in dry.stdout and not (ckpt / "model-mtp.safetensors").exists()
+
+    result = fixup_checkpoint(ckpt, mtp_from=tiny_ckpt, recipe="glm-5.2-mxfp4")
+    assert result.applied[0]["fixup"] == "mtp_inject" and not result.remaining
+    assert validate_checkpoint(ckpt).ok
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert json.loads((ckpt / "model.safetensors.index.json.orig").read_text()) == before
+    mtp = {n: s for n, s in index["weight_map"].items() if n.startswith(f"model.layers.{MTP}.")}
+    reference = json.loads((quantized_tiny / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(mtp) == {n for n in reference if n.startswith(f"model.layers.{MTP}.")}
+    with safe_open(str(ckpt / "model-mtp.safetensors"), "pt") as mine:
+        for name in mtp:
+            with safe_open(str(quantized_tiny / reference[name]), "pt") as ref:
+                a, b = mine.get_tensor(name), ref.get_tensor(name)
+                assert a.dtype == b.dtype and a.shape == b.shape and a.view(-1).view(torch.uint8).equal(b.view(-1).view(torch.uint8)), name
+
+    again = fixup_checkpoint(ckpt, mtp_from=tiny_ckpt, recipe="glm-5.2-mxfp4")
+    assert not again.changed and "already holds MTP layer(s) [7]" in again.warnings[0]
+
+
+def test_mtp_from_refuses_a_mismatched_source(tiny_ckpt, tmp_path):
+    ckpt = tmp_path / "no-mtp"
+    write_quark_like(tiny_ckpt, ckpt, BASE, drop_layers=(MTP,))
+    other = tmp_path / "other"
+    shutil.copytree(tiny_ckpt, other)
+    config = json.loads((other / "config.json").read_text())
+    config["n_routed_experts"] = 16
+    (other / "config.json").write_text(json.dumps(config))
+    proc = run_cli("fixup", str(ckpt), "--mtp-from", str(other))
+    assert proc.returncode == 2 and "n_routed_experts" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (ckpt / "model-mtp.safetensors").exists() and not (ckpt / "config.json.orig").exists()

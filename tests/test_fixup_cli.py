@@ -1,0 +1,65 @@
+"""`mxforge fixup` and `mxforge validate` as a user runs them: exit codes, dry run, backup, record, idempotence."""
+
+import json
+
+from mxforge.fixups.quark_like import write_quark_like
+
+from conftest import run_cli
+from test_engine_failures import AMD, MTP
+
+
+def test_validate_fixup_validate(tiny_ckpt, tmp_path):
+    ckpt = tmp_path / "q"
+    write_quark_like(tiny_ckpt, ckpt, AMD)
+    original = (ckpt / "config.json").read_text()
+
+    proc = run_cli("validate", str(ckpt))
+    assert proc.returncode == 1
+    assert "sglang-legacy FAILS, sglang ok, vllm ok" in proc.stdout
+    assert f"under model.layers.{MTP}.mlp.shared_experts.{{gate,up}}_proj: run mxforge fixup" in proc.stdout
+    assert run_cli("validate", str(ckpt), "--engines", "sglang,vllm").returncode == 0
+
+    proc = run_cli("fixup", str(ckpt), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert '+      "model.eh_proj",' in proc.stdout and "--- a/config.json" in proc.stdout
+    assert (ckpt / "config.json").read_text() == original and not (ckpt / "config.json.orig").exists()
+
+    report = tmp_path / "fixup.json"
+    proc = run_cli("fixup", str(ckpt), "--json", str(report))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(report.read_text())["changed"] is True
+    assert (ckpt / "config.json.orig").read_text() == original
+    record = json.loads((ckpt / "mxforge_fixups.json").read_text())
+    assert record["command"].startswith("mxforge fixup ") and record["engines"] == ["sglang-legacy", "sglang", "vllm"]
+    assert {"fixup": "alias", "entry": "model.eh_proj"}.items() <= next(f for f in record["fixups"] if f["entry"] == "model.eh_proj").items()
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert "mxforge" not in json.dumps(qc)  # the record lives beside config.json, not inside quantization_config
+    assert not list(ckpt.glob("*.partial"))
+
+    proc = run_cli("validate", str(ckpt), "--json")
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 0 and out["ok"] and out["engines"] == {"sglang-legacy": True, "sglang": True, "vllm": True}
+    assert set(out) >= {"ok", "engines", "problems", "checked"}
+
+    after = (ckpt / "config.json").read_text()
+    proc = run_cli("fixup", str(ckpt))
+    assert proc.returncode == 0 and "nothing to fix" in proc.stdout
+    assert (ckpt / "config.json").read_text() == after
+    assert (ckpt / "config.json.orig").read_text() == original
+    assert len(json.loads((ckpt / "mxforge_fixups.json").read_text())["runs"]) == 1
+
+
+def test_fixup_exit_codes(tiny_ckpt, tmp_path):
+    ckpt = tmp_path / "q"
+    write_quark_like(tiny_ckpt, ckpt, AMD, drop_layers=(MTP,))
+    proc = run_cli("fixup", str(ckpt))
+    assert proc.returncode == 1 and "--mtp-from" in proc.stdout
+    proc = run_cli("fixup", str(ckpt), "--engines", "sglang,trtllm")
+    assert proc.returncode == 2 and "unknown engine profile 'trtllm'" in proc.stderr and "Traceback" not in proc.stderr
+    assert run_cli("fixup", str(tmp_path / "nope")).returncode == 2
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"]["exclude"] = "*self_attn*"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    proc = run_cli("fixup", str(ckpt), "--mtp-from", str(tiny_ckpt))
+    assert proc.returncode == 2 and "exclude is not a list" in proc.stderr
+    assert not (ckpt / "model-mtp.safetensors").exists() and not (ckpt / "config.json.orig").exists()

@@ -1,0 +1,111 @@
+"""Recipes as data: loading, validation errors, and which tensors each shipped recipe quantizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mxforge.checkpoint import Checkpoint
+from mxforge.errors import ConfigError
+from mxforge.glm_layout import GlmLayout
+from mxforge.quantize.recipe import load_recipe
+
+
+def _decisions(recipe_name: str, ckpt_dir: Path) -> tuple[GlmLayout, dict[str, str]]:
+    ckpt = Checkpoint.open(ckpt_dir)
+    layout = GlmLayout(ckpt.config)
+    recipe = load_recipe(recipe_name)
+    return layout, {n: recipe.decide(n, layout) for n in ckpt.weight_map}
+
+
+def test_default_recipe_selects_experts_and_decoder_shared_experts(tiny_ckpt):
+    layout, decisions = _decisions("glm-5.2-mxfp4", tiny_ckpt)
+    mtp = f"model.layers.{layout.num_hidden_layers}."
+    quantized = {n for n, d in decisions.items() if d == "quantize"}
+    assert f"{mtp}mlp.experts.0.gate_proj.weight" in quantized
+    assert "model.layers.3.mlp.shared_experts.down_proj.weight" in quantized
+    for kept in (f"{mtp}mlp.shared_experts.up_proj.weight", f"{mtp}eh_proj.weight", f"{mtp}mlp.gate.weight",
+                 "model.layers.3.mlp.gate.weight", "model.layers.0.mlp.gate_proj.weight", "lm_head.weight",
+                 "model.embed_tokens.weight", "model.layers.6.self_attn.indexer.wq_b.weight",
+                 "model.layers.3.self_attn.q_a_proj.weight", "model.norm.weight"):
+        assert decisions[kept] == "keep", kept
+    assert all(".experts." in n or ".shared_experts." in n for n in quantized)
+
+
+def test_mtp_bf16_recipe_keeps_the_whole_mtp_layer(tiny_ckpt):
+    layout, decisions = _decisions("manifests/glm-5.2-mxfp4-mtp-bf16.toml", tiny_ckpt)
+    mtp = f"model.layers.{layout.num_hidden_layers}."
+    assert all(d == "keep" for n, d in decisions.items() if n.startswith(mtp))
+    assert decisions["model.layers.5.mlp.experts.7.down_proj.weight"] == "quantize"
+
+
+def test_mtp_layer_comes_from_config_not_a_constant(tiny_ckpt):
+    recipe = load_recipe("glm-5.2-mxfp4")
+    layout = GlmLayout({**Checkpoint.open(tiny_ckpt).config, "num_hidden_layers": 5})
+    # with 5 decoder layers, layer 5 is the MTP layer: its shared expert is kept
+    assert recipe.decide("model.layers.5.mlp.shared_experts.up_proj.weight", layout) == "keep"
+    assert recipe.decide("model.layers.4.mlp.shared_experts.up_proj.weight", layout) == "quantize"
+
+
+def test_recipe_hash_and_name():
+    recipe = load_recipe("glm-5.2-mxfp4")
+    text = Path(__file__).resolve().parents[1].joinpath("manifests/glm-5.2-mxfp4.toml").read_bytes()
+    import hashlib
+
+    assert recipe.name == "glm-5.2-mxfp4" and recipe.sha256 == hashlib.sha256(text).hexdigest()
+
+
+@pytest.mark.parametrize("body, message", [
+    ('name="x"\nscheme="mxfp4"\ncolour="red"\n[[quantize]]\nkinds=["experts"]\n', r"unknown key\(s\) \['colour'\]"),
+    ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nlayer="all"\n', r"unknown key\(s\) \['layer'\]"),
+    ('name="x"\nscheme="mxfp4"\n[[quantize]]\nnames=["mlp.(experts"]\n', "not a valid regular expression"),
+    ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["expert"]\n', "kinds"),
+    ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nlayers="78"\n', "layers '78'"),
+    ('name="x"\nscheme="nvfp4"\n[[quantize]]\nkinds=["experts"]\n', "scheme 'nvfp4'"),
+    ('name="x"\nscheme="mxfp4"\n', r"no \[\[quantize\]\] rule"),
+    ('name="x"\nscheme="mxfp4"\n[[quantize]\n', "malformed TOML"),
+])
+def test_bad_recipes_are_clear_errors(tmp_path, body, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_recipe(path)
+    assert str(path) in str(info.value)
+
+
+def test_unknown_recipe_name():
+    with pytest.raises(ConfigError, match="no such file"):
+        load_recipe("glm-9-nonexistent")
+
+
+def test_rule_matching_nothing_is_an_error(tiny_ckpt, tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('name="x"\nscheme="mxfp4"\n[[quantize]]\nnames=["model\\\\.layers\\\\.999\\\\..*"]\n')
+    recipe = load_recipe(path)
+    ckpt = Checkpoint.open(tiny_ckpt)
+    with pytest.raises(ConfigError, match=r"\[\[quantize\]\] rule 1 .* matches no 2-D weight"):
+        recipe.check_matches(ckpt.weight_map, GlmLayout(ckpt.config), str(tiny_ckpt))
+
+
+def test_quantization_config_is_quarks(tiny_ckpt):
+    qc = load_recipe("glm-5.2-mxfp4").quantization_config(["model.layers.0.mlp.gate_proj", "lm_head"])
+    assert qc["quant_method"] == "quark" and qc["exclude"] == ["lm_head", "model.layers.0.mlp.gate_proj"]
+    w = qc["global_quant_config"]["weight"]
+    assert (w["dtype"], w["group_size"], w["scale_format"], w["is_dynamic"]) == ("fp4", 32, "e8m0", False)
+    assert qc["global_quant_config"]["input_tensors"]["is_dynamic"] is True
+    assert qc["export"]["pack_method"] == "reorder"
+
+
+def test_cached_quantization_config_equals_a_fresh_quark_build(tmp_path, monkeypatch):
+    from mxforge.quantize import quark_ref
+
+    monkeypatch.setenv("MXFORGE_CACHE", str(tmp_path))
+    exclude = ["model.layers.7.mlp.shared_experts.up_proj", "lm_head", "model.layers.0.self_attn.q_a_proj"]
+    for quantize_inputs in (True, False):
+        fresh = quark_ref.export_quantization_config(quark_ref.mxfp4_qconfig(exclude, quantize_inputs))
+        first = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # builds and stores
+        second = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # from the cache
+        assert json.dumps(first) == json.dumps(second) == json.dumps(fresh)
+    assert len(list(tmp_path.glob("quark-config-*.json"))) == 2

@@ -1,0 +1,72 @@
+"""validate's engine-independent checks: quantization_config form, tensors config.json implies, scale shapes."""
+
+import json
+
+from mxforge.checkpoint import Checkpoint
+from mxforge.fixups.fixup import fixup_checkpoint
+from mxforge.fixups.quark_like import write_quark_like
+from mxforge.fixups.validate import validate_checkpoint
+from mxforge.safetensors_io import PlannedTensor, ShardWriter
+
+from test_engine_failures import AMD, MTP
+
+
+def _fixed_export(tiny_ckpt, path):
+    write_quark_like(tiny_ckpt, path, AMD)
+    fixup_checkpoint(path)
+    assert validate_checkpoint(path).ok
+    return path
+
+
+def _edit_qc(path, edit):
+    config = json.loads((path / "config.json").read_text())
+    edit(config["quantization_config"])
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_malformed_quantization_config(tiny_ckpt, tmp_path):
+    ckpt = _fixed_export(tiny_ckpt, tmp_path / "q")
+
+    def edit(qc):
+        del qc["export"]
+        qc["global_quant_config"]["weight"]["group_size"] = 16
+        qc["exclude"].append("re:model.layers.(")
+    _edit_qc(ckpt, edit)
+    found = {p.subject: p.message for p in validate_checkpoint(ckpt).problems if p.check == "quant_config"}
+    assert "export key" in found["config.json:quantization_config.export"]
+    assert "16" in found["config.json:quantization_config.global_quant_config.weight.group_size"]
+    assert any("not a valid regex" in m for m in found.values())
+
+
+def test_uint8_weights_without_quantization_config(tiny_ckpt, tmp_path):
+    ckpt = _fixed_export(tiny_ckpt, tmp_path / "q")
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["quantization_config"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    report = validate_checkpoint(ckpt)
+    assert any(p.check == "quant_config" and "uint8" in p.message for p in report.problems)
+    assert any(p.engine == "vllm" and "would be bf16" in p.message for p in report.problems)
+
+
+def test_missing_mtp_tensor_and_wrong_scale_shape(tiny_ckpt, tmp_path):
+    ckpt = _fixed_export(tiny_ckpt, tmp_path / "q")
+    src = Checkpoint.open(ckpt)
+    gone = f"model.layers.{MTP}.hnorm.weight"
+    bad = "model.layers.4.mlp.experts.1.up_proj.weight_scale"
+    infos = src.tensor_infos()
+    for shard in {src.weight_map[gone], src.weight_map[bad]}:
+        names = [n for n, s in src.weight_map.items() if s == shard and n != gone]
+        planned = [PlannedTensor(n, infos[n].dtype, (infos[n].shape[0], infos[n].shape[1] + 1) if n == bad else infos[n].shape)
+                   for n in names]
+        with ShardWriter(ckpt / shard, planned) as w:
+            w.skip_to_end()
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    del index["weight_map"][gone]
+    index["metadata"]["total_size"] = sum(
+        i.nbytes for s in set(index["weight_map"].values()) for i in Checkpoint.open(ckpt).headers[s].tensors.values())
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    report = validate_checkpoint(ckpt)
+    by_subject = {p.subject: p for p in report.problems}
+    assert by_subject[gone].check == "mtp" and "no shard holds it" in by_subject[gone].message
+    experts = by_subject["model.layers.4.mlp.experts"]
+    assert "malformed" in experts.message and bad in experts.message and "expected U8 [64, 8]" in experts.message
