@@ -10,7 +10,7 @@ from .profiles import PROFILE_NAMES, parse_engines_arg
 
 
 def _add_common_options(p: argparse.ArgumentParser) -> None:
-    from mxforge.cli import add_json_option
+    from mxforge.cli_support import add_json_option
 
     p.add_argument("--engines", default=None, metavar="LIST",
                    help=f"comma-separated engine profiles (default: all of {', '.join(PROFILE_NAMES)}; "
@@ -38,7 +38,7 @@ def register_validate(sub) -> argparse.ArgumentParser:
 
 
 def run_validate(args) -> int:
-    from mxforge.cli import EXIT_OK, EXIT_PROBLEMS, emit
+    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit
 
     from .validate import validate_checkpoint
 
@@ -66,7 +66,7 @@ def register_fixup(sub) -> argparse.ArgumentParser:
 
 
 def run_fixup(args) -> int:
-    from mxforge.cli import EXIT_OK, EXIT_PROBLEMS, emit
+    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit
     from mxforge.errors import ConfigError
 
     from .fixup import fixup_checkpoint

@@ -1,37 +1,22 @@
 """The `mxforge` command: one subcommand per pipeline stage.
 
-Each subcommand is a (register, run) pair: `register` adds its arguments, `run` returns a report dict.
+Each subcommand is a (register, run) pair: `register` adds its arguments, `run` does the work and returns
+the exit code. Stage subcommands live beside their engines (hub_cli, quantize/cli, fixups/cli) and share
+the helpers in cli_support.
 Expected failures (MxforgeError) print one line to stderr and exit 2, with no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Callable
 
-from . import __version__
+from . import __version__, hub_cli
+from .cli_support import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, add_json_option, emit  # noqa: F401 (re-exported)
 from .errors import MxforgeError
-
-EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
-
-
-def add_json_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="REPORT", nargs="?", const="-", default=None,
-                   help="write a JSON report to REPORT ('-' or no value: stdout, replacing the human summary)")
-
-
-def emit(report: dict, json_target: str | None, human: str) -> None:
-    """Print the human summary, and the JSON report where asked (stdout for '-')."""
-    if json_target == "-":
-        print(json.dumps(report, indent=2, default=str))
-        return
-    print(human)
-    if json_target:
-        from .safetensors_io import write_json_atomic
-
-        write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
+from .fixups import cli as fixups_cli
+from .quantize import cli as quantize_cli
 
 
 # --- fixture ---------------------------------------------------------------------------------------
@@ -78,11 +63,6 @@ def run_inspect(args) -> int:
     return EXIT_OK
 
 
-# Stage subcommands live beside their engines; imported here, after the helpers above that they use.
-from . import hub_cli  # noqa: E402
-from .fixups import cli as fixups_cli  # noqa: E402
-from .quantize import cli as quantize_cli  # noqa: E402
-
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "fixture": (register_fixture, run_fixture),
     "inspect": (register_inspect, run_inspect),
@@ -110,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except MxforgeError as e:
         print(f"mxforge {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return EXIT_OK
     except KeyboardInterrupt:
         print(f"mxforge {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-# mxforge.cli imports this module: take its helpers at call time, never at import time.
+# Helpers come from cli_support; heavy modules are imported inside the functions, at call time.
 
 
 def _check_workers(workers: int) -> None:
@@ -22,7 +22,7 @@ def _quiet_hub(quiet: bool) -> None:
 
 
 def _add_common_options(p: argparse.ArgumentParser, workers_help: str) -> None:
-    from .cli import add_json_option
+    from .cli_support import add_json_option
 
     p.add_argument("--workers", type=int, default=8, help=f"{workers_help} (default 8)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -45,7 +45,7 @@ def register_download(sub) -> argparse.ArgumentParser:
 
 
 def run_download(args) -> int:
-    from .cli import EXIT_OK, emit
+    from .cli_support import EXIT_OK, emit
     from .hub_download import download
 
     _check_workers(args.workers)
@@ -74,7 +74,7 @@ def register_push(sub) -> argparse.ArgumentParser:
 
 
 def run_push(args) -> int:
-    from .cli import EXIT_OK, emit
+    from .cli_support import EXIT_OK, emit
     from .hub_push import push
 
     _check_workers(args.workers)

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from mxforge.cli import EXIT_OK, add_json_option, emit
+from mxforge.cli_support import EXIT_OK, add_json_option, emit
 
 
 def register_quantize(sub) -> argparse.ArgumentParser:
