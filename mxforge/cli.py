@@ -63,6 +63,50 @@ def run_inspect(args) -> int:
     return EXIT_OK
 
 
+# --- run -------------------------------------------------------------------------------------------
+def register_run(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("run", help="the whole pipeline: download, quantize, fixup, validate, push; resumable",
+                       description="Run download (when SOURCE is a Hub repo id), quantize, fixup, validate and, with "
+                       "--push, push. OUT/bf16 holds the download, OUT/mxfp4 the product, OUT/mxforge_run.json the state: "
+                       "rerun the same command after a crash to continue at the first incomplete stage (and inside "
+                       "quantize, at the first incomplete shard). Exit 0 done, 1 validation found problems (nothing "
+                       "pushed), 2 could not run.")
+    p.add_argument("source", help="Hub repo id (owner/name) or a local bf16 checkpoint directory")
+    p.add_argument("out", help="working directory (created; rerun with the same one to resume)")
+    p.add_argument("--recipe", default=None, help="recipe TOML path or shipped name (default glm-5.2-mxfp4)")
+    p.add_argument("--engines", default=None, metavar="LIST", help="engine profiles to fix up and validate for "
+                   "(comma-separated; default: all of manifests/engines/)")
+    p.add_argument("--push", metavar="REPO_ID", default=None, help="push the validated checkpoint to this Hub repo")
+    p.add_argument("--private", action="store_true", help="with --push: create the repo private")
+    p.add_argument("--revision", default="main", help="revision of SOURCE when it is a Hub repo (default main)")
+    p.add_argument("--workers", type=int, default=None, help="quantize worker processes (default: one per core)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_json_option(p)
+    return p
+
+
+def run_run(args) -> int:
+    import shlex
+
+    from .fixups.profiles import parse_engines_arg
+    from .pipeline import Pipeline, RunOptions, ValidationFailed, format_run_summary
+    from .hub_errors import redact
+
+    opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe,
+                      engines=parse_engines_arg(args.engines) if args.engines else None, push_repo=args.push,
+                      revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
+                      command=redact(shlex.join(["mxforge", *sys.argv[1:]])))
+    pipeline = Pipeline(opts)
+    try:
+        report = pipeline.run()
+    except ValidationFailed as e:
+        emit(pipeline.report(), args.json, format_run_summary(pipeline.report()))
+        print(f"mxforge run: {e}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    emit(report, args.json, format_run_summary(report))
+    return EXIT_OK
+
+
 COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "fixture": (register_fixture, run_fixture),
     "inspect": (register_inspect, run_inspect),
@@ -71,6 +115,7 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "fixup": (fixups_cli.register_fixup, fixups_cli.run_fixup),
     "validate": (fixups_cli.register_validate, fixups_cli.run_validate),
     "push": (hub_cli.register_push, hub_cli.run_push),
+    "run": (register_run, run_run),
 }
 
 

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from .quantize.state import STATE_NAME as QUANTIZE_STATE_NAME
 from .progress import byte_progress
 from .safetensors_io import write_json_atomic
 
@@ -110,8 +111,13 @@ def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = 
     return {n: out[n] for n in names}
 
 
+# Bookkeeping that stays on the machine that made it: quantize's resume state is meaningless elsewhere.
+LOCAL_ONLY_FILES = (QUANTIZE_STATE_NAME,)
+
+
 def checkpoint_files(root: Path) -> list[str]:
-    """Every file under root that belongs to the checkpoint: not .cache/, .git/, or unfinished *.partial."""
+    """Every file under root that belongs to the checkpoint: not .cache/, .git/, unfinished *.partial or
+    local-only bookkeeping (LOCAL_ONLY_FILES)."""
     root = Path(root)
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -119,6 +125,6 @@ def checkpoint_files(root: Path) -> list[str]:
         if rel_dir == Path("."):
             dirnames[:] = [d for d in dirnames if d not in (".cache", ".git")]
         for f in filenames:
-            if not f.endswith(".partial"):
+            if not f.endswith(".partial") and not (rel_dir == Path(".") and f in LOCAL_ONLY_FILES):
                 out.append((rel_dir / f).as_posix())
     return sorted(out)

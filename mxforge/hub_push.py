@@ -22,11 +22,11 @@ from huggingface_hub import HfApi
 
 from .checkpoint import Checkpoint
 from .errors import MxforgeError
-from .file_hashes import FileHash, checkpoint_files, hash_file, hash_files
+from .file_hashes import LOCAL_ONLY_FILES, FileHash, checkpoint_files, hash_file, hash_files
 from .hub_errors import HubError, HubVerificationError, as_hub_error, hub_endpoint, raise_as_hub_error, redact
 from .model_card import CARD_MARKER, CARD_NAME, render_model_card
 
-IGNORE_PATTERNS = [".cache/*", "*.partial", ".git/*"]
+IGNORE_PATTERNS = [".cache/*", "*.partial", ".git/*", *LOCAL_ONLY_FILES]
 
 
 class PushRefused(MxforgeError):

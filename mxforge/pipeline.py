@@ -1,0 +1,242 @@
+"""`mxforge run`: download -> quantize -> fixup -> validate -> push, resumable across stages.
+
+OUT holds `bf16/` (the downloaded source, when SOURCE is a Hub repo), `mxfp4/` (the product) and
+`mxforge_run.json`, the state file: the run's arguments and, per stage, its status, timing, bytes and
+report. A rerun with the same arguments skips every stage recorded done whose output is still there and
+continues at the first incomplete one (inside quantize, at the first incomplete shard: quantize keeps its
+own per-shard state). A finished stage's output is never trusted blindly: download and quantize verify
+what they find on disk when they run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import MxforgeError
+from .safetensors_io import write_json_atomic
+
+STATE_NAME = "mxforge_run.json"
+STAGES = ("download", "quantize", "fixup", "validate", "push")
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ValidationFailed(MxforgeError):
+    """Validation found problems: the pipeline stops before push (exit 1)."""
+
+
+@dataclass
+class RunOptions:
+    source: str
+    out: Path
+    recipe: str
+    engines: list[str] | None = None
+    push_repo: str | None = None
+    revision: str = "main"
+    private: bool = False
+    workers: int | None = None
+    quiet: bool = False
+    command: str | None = None
+
+    def inputs(self) -> dict:
+        """What each stage's output depends on; a change reruns the stages that depend on it."""
+        from .quantize.recipe import load_recipe
+
+        recipe = load_recipe(self.recipe)
+        return {"source": self.source, "revision": self.revision, "recipe": recipe.name,
+                "recipe_sha256": recipe.sha256, "engines": sorted(self.engines) if self.engines else None,
+                "push_repo": self.push_repo}
+
+
+# Which stages must run again when one of the run's inputs changes.
+INVALIDATED_BY = {
+    "recipe_sha256": ("quantize", "fixup", "validate", "push"),
+    "engines": ("fixup", "validate", "push"),
+    "push_repo": ("push",),
+}
+
+
+def is_local_source(source: str) -> bool:
+    """A local checkpoint directory, or else a Hub repo id.
+
+    Raises:
+        MxforgeError: SOURCE is neither an existing directory nor a valid repo id.
+    """
+    if Path(source).is_dir():
+        return True
+    if REPO_ID_RE.match(source) and not Path(source).exists():
+        return False
+    raise MxforgeError(f"{source}: neither a checkpoint directory nor a Hub repo id (owner/name)")
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
+
+
+class Pipeline:
+    """Runs the stages in order, recording each in the state file as it completes."""
+
+    def __init__(self, opts: RunOptions):
+        self.opts = opts
+        self.out = Path(opts.out)
+        self.state_path = self.out / STATE_NAME
+        self.local = is_local_source(opts.source)
+        self.bf16_dir = Path(opts.source) if self.local else self.out / "bf16"
+        self.mxfp4_dir = self.out / "mxfp4"
+        self.state = self._load_state()
+        self.reused: set[str] = set()  # stages recorded done by an earlier run and not redone
+
+    def _load_state(self) -> dict:
+        inputs = self.opts.inputs()
+        if not self.state_path.exists():
+            return {"inputs": inputs, "stages": {}}
+        try:
+            state = json.loads(self.state_path.read_text())
+            old = state["inputs"]
+        except (ValueError, KeyError, TypeError):
+            raise MxforgeError(f"{self.state_path}: state file is corrupt; remove it to start the run over") from None
+        for key in ("source", "revision"):
+            if old.get(key) != inputs[key]:
+                raise MxforgeError(f"{self.out}: holds a run of {key} {old.get(key)!r}, not {inputs[key]!r}: "
+                                   "use another OUT directory, or remove this one to start over")
+        for key, stages in INVALIDATED_BY.items():
+            if old.get(key) != inputs[key]:
+                for stage in stages:
+                    state["stages"].pop(stage, None)
+        state["inputs"] = inputs
+        return state
+
+    def _save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.state_path, self.state)
+
+    def _done(self, stage: str, marker: Path | None) -> bool:
+        rec = self.state["stages"].get(stage)
+        return bool(rec and rec.get("status") == "done" and (marker is None or marker.exists()))
+
+    def _stage(self, stage: str, work: Callable[[], dict], *, marker: Path | None = None, out_dir: Path | None = None,
+               bytes_in: int = 0, always: bool = False) -> dict:
+        """Run one stage unless recorded done (and its marker file still exists); record it in the state file."""
+        if not always and self._done(stage, marker):
+            self.reused.add(stage)
+            return self.state["stages"][stage]
+        self.state["stages"][stage] = {"status": "running"}
+        self._save()
+        start = time.monotonic()
+        report = work()
+        seconds = time.monotonic() - start
+        rec = {"status": "done", "seconds": round(seconds, 3), "bytes_in": bytes_in,
+               "bytes_out": _dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,
+               "gb_per_s": round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
+               "report": report}
+        self.state["stages"][stage] = rec
+        self._save()
+        return rec
+
+    def run(self) -> dict:
+        """Run every stage not yet done; returns the combined report.
+
+        Raises:
+            ValidationFailed: validate found problems (nothing is pushed).
+            MxforgeError: any stage's expected failure, unchanged.
+        """
+        o = self.opts
+        if o.quiet:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._save()
+        if self.local:
+            self.state["stages"]["download"] = {"status": "done", "skipped": f"local source {self.bf16_dir}",
+                                                "seconds": 0.0, "bytes_in": 0, "bytes_out": 0, "report": None}
+        else:
+            rec = self._stage("download", self._download, marker=self.bf16_dir / "config.json", out_dir=self.bf16_dir)
+            if rec["report"] and rec.get("seconds"):  # bytes in = bytes fetched this time (a resume fetches less)
+                rec["bytes_in"] = rec["report"]["downloaded_bytes"]
+                rec["gb_per_s"] = round(rec["bytes_in"] / rec["seconds"] / 1e9, 4) if rec["bytes_in"] else None
+                self._save()
+        self._stage("quantize", self._quantize, marker=self.mxfp4_dir / "config.json", out_dir=self.mxfp4_dir,
+                    bytes_in=_dir_bytes(self.bf16_dir))
+        self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json")
+        # Header-only and cheap: always checked again, never taken from the state file.
+        validate = self._stage("validate", self._validate, always=True)
+        if not validate["report"]["ok"]:
+            del self.state["stages"]["validate"]  # rerun it next time, after the user's fix
+            self._save()
+            raise ValidationFailed(f"{self.mxfp4_dir}: validation found problems; nothing was pushed:\n"
+                                   + "\n".join(f"  - {p['engine'] + ': ' if p.get('engine') else ''}{p['subject']}: "
+                                               f"{p['message']}: {p['remedy']}" for p in validate["report"]["problems"]))
+        if o.push_repo:
+            self._stage("push", self._push, bytes_in=_dir_bytes(self.mxfp4_dir))
+        return self.report()
+
+    # --- the stages, each a thin call into its engine --------------------------------------------
+    def _download(self) -> dict:
+        from .hub_download import download
+
+        return download(self.opts.source, self.bf16_dir, revision=self.opts.revision, quiet=self.opts.quiet,
+                        command=self.opts.command).as_dict()
+
+    def _quantize(self) -> dict:
+        from .quantize.run import quantize_checkpoint
+
+        report = quantize_checkpoint(self.bf16_dir, self.mxfp4_dir, self.opts.recipe, workers=self.opts.workers,
+                                     quiet=self.opts.quiet, command=self.opts.command)
+        report.pop("tensors", None)  # per-tensor lists stay in mxfp4/mxforge_quantize.json
+        return report
+
+    def _fixup(self) -> dict:
+        from .fixups.fixup import fixup_checkpoint
+
+        return fixup_checkpoint(self.mxfp4_dir, engines=self.opts.engines, command=self.opts.command).as_dict()
+
+    def _validate(self) -> dict:
+        from .fixups.validate import validate_checkpoint
+
+        return validate_checkpoint(self.mxfp4_dir, engines=self.opts.engines).as_dict()
+
+    def _push(self) -> dict:
+        from .hub_push import push
+
+        return push(self.mxfp4_dir, self.opts.push_repo, private=self.opts.private, engines=self.opts.engines,
+                    quiet=self.opts.quiet, command=self.opts.command).as_dict()
+
+    def report(self) -> dict:
+        return {"stage": "run", "source": self.opts.source, "out": str(self.out), "product": str(self.mxfp4_dir),
+                "pushed_to": self.opts.push_repo, "reused_from_earlier_run": sorted(self.reused),
+                "stages": self.state["stages"]}
+
+
+def format_run_summary(report: dict) -> str:
+    """The human summary: per stage time, bytes and GB/s, then what was quantized, fixed and validated."""
+    stages = report["stages"]
+    lines = [f"mxforge run {report['source']} -> {report['product']}",
+             f"  {'stage':<10}{'status':<9}{'time':>9}{'in':>12}{'out':>12}{'GB/s':>8}"]
+    for stage in STAGES:
+        rec = stages.get(stage)
+        if rec is None:
+            continue
+        status = "skipped" if rec.get("skipped") else ("earlier" if stage in report["reused_from_earlier_run"] else rec["status"])
+        gbs = f"{rec['gb_per_s']:.3f}" if rec.get("gb_per_s") else "-"
+        lines.append(f"  {stage:<10}{status:<9}{rec.get('seconds', 0):>8.1f}s{rec.get('bytes_in', 0) / 1e9:>10.3f}GB"
+                     f"{rec.get('bytes_out', 0) / 1e9:>10.3f}GB{gbs:>8}")
+    quant = (stages.get("quantize") or {}).get("report") or {}
+    if quant.get("counts"):
+        c = quant["counts"]
+        lines.append(f"  tensors: {c['quantized']:,} MXFP4, {c['kept']:,} 2-D weights kept bf16, {c['copied']:,} copied; "
+                     f"MTP layer(s) {quant.get('mtp_layers')} ({quant.get('mtp_tensors')} tensors) carried")
+    fix = (stages.get("fixup") or {}).get("report") or {}
+    if fix:
+        lines.append(f"  fixups: {len(fix.get('applied') or [])} applied" + (f", {len(fix['warnings'])} warning(s)" if fix.get("warnings") else ""))
+    val = (stages.get("validate") or {}).get("report") or {}
+    if val.get("engines"):
+        lines.append("  engines: " + ", ".join(f"{e} {'OK' if ok else 'FAIL'}" for e, ok in val["engines"].items()))
+    push = (stages.get("push") or {}).get("report") or {}
+    if push.get("url"):
+        lines.append(f"  pushed: {push['url']} @ {str(push.get('commit'))[:12]} (remote hashes checked)")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""`mxforge run` end to end: Hub source -> quantize -> fixup -> validate -> push on the loopback Hub,
+and a SIGKILL during quantize followed by a rerun that ends byte-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mxforge.fixture import write_fixture
+from mxforge.fixups.validate import validate_checkpoint
+from mxforge.pipeline import STATE_NAME
+from mxforge.quantize.state import STATE_NAME as QUANTIZE_STATE
+
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "scripts"))
+from loopback_hub import LoopbackHub  # noqa: E402
+
+TOKEN = "hf_mxforgeRunTestTokenNeverLogged42"
+
+
+@pytest.fixture
+def hub(tmp_path, tiny_ckpt):
+    h = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
+    h.add_repo_from_dir("zai/glm-tiny", tiny_ckpt)
+    h.start()
+    yield h
+    h.stop()
+
+
+def _env(hub, tmp_path) -> dict:
+    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
+            "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def _product(out: Path) -> dict[str, bytes]:
+    """The checkpoint's files (not provenance records, which hold paths and timings)."""
+    skip = {QUANTIZE_STATE, "mxforge_quantize.json", "mxforge_fixups.json", "mxforge_source.json", "README.md"}
+    return {p.name: p.read_bytes() for p in sorted((out / "mxfp4").iterdir()) if p.is_file() and p.name not in skip}
+
+
+def test_run_from_hub_to_hub_with_push(hub, tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("run", "zai/glm-tiny", str(out), "--push", "alice/glm-tiny-mxfp4", "--quiet", "--json", "-",
+                   env=_env(hub, tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    stages = report["stages"]
+    assert [s for s in ("download", "quantize", "fixup", "validate", "push") if stages[s]["status"] == "done"] == \
+        ["download", "quantize", "fixup", "validate", "push"]
+    assert stages["quantize"]["report"]["mtp_layers"] == [7]
+    assert stages["validate"]["report"]["engines"] == {"sglang-legacy": True, "sglang": True, "vllm": True}
+    assert stages["push"]["report"]["remote_hashes_match"] is True
+    assert validate_checkpoint(out / "mxfp4").ok
+    from huggingface_hub import HfApi
+
+    remote = set(HfApi(endpoint=hub.endpoint, token=TOKEN).list_repo_files("alice/glm-tiny-mxfp4"))
+    assert {"README.md", "config.json", "model.safetensors.index.json", "mxforge_source.json"} <= remote
+    assert QUANTIZE_STATE not in remote  # local resume bookkeeping stays local
+    written = [proc.stdout, proc.stderr] + [p.read_text(errors="ignore") for p in out.rglob("*.json")]
+    assert not any(TOKEN in text for text in written)
+    # A rerun finds every stage done (validate is always checked again) and pushes nothing new.
+    again = run_cli("run", "zai/glm-tiny", str(out), "--push", "alice/glm-tiny-mxfp4", "--quiet", "--json", "-",
+                    env=_env(hub, tmp_path), timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["reused_from_earlier_run"] == ["download", "fixup", "push", "quantize"]
+
+
+def test_run_human_summary_and_local_source(tiny_ckpt, tmp_path):
+    proc = run_cli("run", str(tiny_ckpt), str(tmp_path / "run"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    for text in ("download  skipped", "quantize  done", "engines: sglang-legacy OK, sglang OK, vllm OK",
+                 "132 MXFP4", "MTP layer(s) [7]"):
+        assert text in proc.stdout, proc.stdout
+    state = json.loads((tmp_path / "run" / STATE_NAME).read_text())
+    assert state["inputs"]["recipe"] == "glm-5.2-mxfp4"
+
+
+def test_run_refuses_another_source_in_the_same_out(tiny_ckpt, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("run", str(tiny_ckpt), str(out), "--quiet").returncode == 0
+    other = tmp_path / "other"
+    write_fixture(other, "tiny", seed=5, quiet=True)
+    proc = run_cli("run", str(other), str(out), "--quiet")
+    assert proc.returncode == 2 and "holds a run of source" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_run_stops_before_push_when_validation_fails(hub, tmp_path, tiny_ckpt):
+    """A recipe that quantizes eh_proj cannot load in vLLM: run exits 1 and pushes nothing."""
+    recipe = tmp_path / "bad.toml"
+    text = (REPO / "manifests" / "glm-5.2-mxfp4.toml").read_text()
+    recipe.write_text(text + '\n[[quantize]]\nkinds = ["mtp_proj"]\nlayers = "mtp"\n')
+    out = tmp_path / "run"
+    proc = run_cli("run", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--push", "alice/never", "--quiet",
+                   env=_env(hub, tmp_path), timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "vllm" in proc.stderr and "nothing was pushed" in proc.stderr
+    assert not any("/api/repos/create" in r[1] for r in hub.requests)
+
+
+@pytest.fixture(scope="module")
+def bench_src(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run-bench") / "bf16"
+    write_fixture(out, "bench", seed=2, gib=0.75, quiet=True)
+    return out
+
+
+def test_sigkill_during_quantize_then_rerun_is_byte_identical(bench_src, tmp_path):
+    reference = tmp_path / "reference"
+    run_cli("run", str(bench_src), str(reference), "--quiet", "--workers", "2", check=True)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "mxforge.cli", "run", str(bench_src), str(out), "--quiet",
+                             "--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    mxfp4 = out / "mxfp4"
+    deadline = time.monotonic() + 300
+    while not (mxfp4.exists() and any(p.name.endswith(".partial") for p in mxfp4.iterdir())):
+        assert proc.poll() is None, "the run ended before quantize wrote anything"
+        assert time.monotonic() < deadline, "quantize made no progress"
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    state = json.loads((out / STATE_NAME).read_text())
+    assert state["stages"]["quantize"]["status"] == "running"
+    assert not (mxfp4 / "config.json").exists()
+    rerun = run_cli("run", str(bench_src), str(out), "--quiet", "--workers", "2", "--json", "-", check=True)
+    report = json.loads(rerun.stdout)
+    assert report["stages"]["validate"]["report"]["ok"] is True
+    assert _product(out) == _product(reference)
