@@ -16,7 +16,8 @@ import shlex
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
@@ -162,6 +163,11 @@ def _worker(job: ShardJob) -> ShardResult:
 
 
 def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> None:
+    """Run shard jobs (in worker processes when workers > 1), recording each finished shard at once.
+
+    Raises:
+        MxforgeError: a worker's error (the first one), or a worker that died (e.g. killed for memory).
+    """
     if not jobs:
         return
     if workers == 1:
@@ -177,22 +183,28 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> No
         ctx = mp.get_context("fork")
     counter = ctx.Value("q", 0)
     seen = 0
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(counter,), maxtasksperchild=None) as pool:
-        pending = [pool.apply_async(_worker, (job,)) for job in jobs]
-        try:
-            while pending:
-                time.sleep(0.2)
-                seen = _tick(bar, counter, seen)
-                still = []
-                for res in pending:
-                    if res.ready():
-                        state.record(res.get())  # re-raises a worker's error here
-                    else:
-                        still.append(res)
-                pending = still
-        except BaseException:
-            pool.terminate()
-            raise
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,))
+    failed = True
+    try:
+        pending = {pool.submit(_worker, job) for job in jobs}
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            seen = _tick(bar, counter, seen)
+            for future in done:
+                state.record(future.result())  # re-raises a worker's error here
+        failed = False
+    except BrokenProcessPool:
+        raise MxforgeError("a quantize worker process died (killed for memory?); rerun the same command to "
+                           "resume, with fewer --workers if memory is short") from None
+    finally:
+        if failed:  # stop the other workers at once and remove what they had half written
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                if process.is_alive():
+                    process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        if failed:
+            for job in jobs:
+                partial_path(Path(job.out_dir) / job.plan.name).unlink(missing_ok=True)
     _tick(bar, counter, seen)
 
 

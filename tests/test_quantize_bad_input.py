@@ -163,3 +163,14 @@ def test_out_not_ours(src, tmp_path):
     (out / "precious.txt").write_text("x")
     _fails(src, out, match="not a previous `mxforge quantize` output")
     assert (out / "precious.txt").read_text() == "x"
+
+
+def test_error_in_one_worker_stops_the_others_cleanly(src, tmp_path):
+    name = "model.layers.4.mlp.experts.0.up_proj.weight"
+    shard = _shard_holding(src, name)
+    tensors = load_file(shard)
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, shard)
+    proc = run_cli("quantize", str(src), str(tmp_path / "out"), "--quiet", "--workers", "3")
+    assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not list((tmp_path / "out").glob("*.partial")) and not (tmp_path / "out" / "config.json").exists()
