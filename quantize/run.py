@@ -16,7 +16,7 @@ import shlex
 import shutil
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from mxforge.safetensors_io import partial_path, read_header, write_json_atomic
 
 from .plan import QuantizePlan, ShardPlan, plan_checkpoint
 from .recipe import Recipe, load_recipe
-from .shard_job import ShardJob, ShardResult, run_shard
+from .shard_job import ShardJob, ShardResult, finish_shard, run_shard
 from .state import PROVENANCE_NAME, STATE_NAME, ResumeState, tool_versions
 
 SOURCE_PROVENANCE = "mxforge_source.json"
@@ -159,7 +159,7 @@ def _worker(job: ShardJob) -> ShardResult:
         with _counter.get_lock():
             _counter.value += n
 
-    return run_shard(job, progress)
+    return run_shard(job, progress, finish=False)  # the parent fsyncs and renames, off the workers' path
 
 
 def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> None:
@@ -184,14 +184,23 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> No
     counter = ctx.Value("q", 0)
     seen = 0
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,))
+    finisher = ThreadPoolExecutor(workers, thread_name_prefix="fsync")
+    out_dir = Path(jobs[0].out_dir)
     failed = True
     try:
-        pending = {pool.submit(_worker, job) for job in jobs}
-        while pending:
-            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+        working = {pool.submit(_worker, job) for job in jobs}
+        finishing: set = set()
+        while working or finishing:
+            done, _ = wait(working | finishing, timeout=0.2, return_when=FIRST_COMPLETED)
             seen = _tick(bar, counter, seen)
             for future in done:
-                state.record(future.result())  # re-raises a worker's error here
+                result = future.result()  # re-raises a worker's (or a finisher's) error here
+                if future in working:
+                    working.discard(future)
+                    finishing.add(finisher.submit(finish_shard, result, out_dir))
+                else:
+                    finishing.discard(future)
+                    state.record(result)
         failed = False
     except BrokenProcessPool:
         raise MxforgeError("a quantize worker process died (killed for memory?); rerun the same command to "
@@ -202,6 +211,7 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> No
                 if process.is_alive():
                     process.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
+        finisher.shutdown(wait=True, cancel_futures=True)
         if failed:
             for job in jobs:
                 partial_path(Path(job.out_dir) / job.plan.name).unlink(missing_ok=True)

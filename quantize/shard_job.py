@@ -12,7 +12,7 @@ import errno
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -48,8 +48,11 @@ class ShardResult:
     header_sha256: str
 
 
-def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None) -> ShardResult:
+def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, finish: bool = True) -> ShardResult:
     """Write OUT/<shard> for one source shard; nothing under the final name unless it is complete.
+
+    With `finish=False` the complete file is left as `SHARD.partial` for `finish_shard` (fsync and
+    rename), so a worker can start its next shard while the disk catches up.
 
     Raises:
         CheckpointError: the source cannot be read or changed under us, its sha256 disagrees with
@@ -73,21 +76,40 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None) -
                 _reserve(out_fd, plan.output_size, final)
                 _pwrite_all(out_fd, plan.header, 0, final)
                 digest = _stream_tensors(fin, out_fd, job, progress)
-                os.fsync(out_fd)
             finally:
                 os.close(out_fd)
         if job.expected_sha256 and digest != job.expected_sha256:
             raise CheckpointError(f"{src}: sha256 {digest} differs from {job.expected_sha256} recorded in "
                                   "mxforge_source.json: the shard is corrupt; re-download it")
-        os.replace(tmp, final)
     except BaseException as e:
         _remove(tmp)
         if isinstance(e, OSError) and not isinstance(e, MxforgeError):
             raise CheckpointError(f"{src}: cannot read shard: {e.strerror or e}") from None
         raise
-    out_stat = final.stat()
-    return ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, out_stat.st_size, out_stat.st_mtime_ns,
-                       plan.header_sha256)
+    result = ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256)
+    return finish_shard(result, Path(job.out_dir)) if finish else result
+
+
+def finish_shard(result: ShardResult, out_dir: Path) -> ShardResult:
+    """fsync `SHARD.partial` and rename it into place; returns the result with the output's mtime.
+
+    Raises:
+        CheckpointError: the disk refused the data (full), or the rename failed; the partial file is removed.
+    """
+    final = Path(out_dir) / result.name
+    tmp = partial_path(final)
+    try:
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        out_stat = final.stat()
+    except OSError as e:
+        _remove(tmp)
+        raise _write_error(e, final) from None
+    return replace(result, output_size=out_stat.st_size, output_mtime_ns=out_stat.st_mtime_ns)
 
 
 class _HashingReader:
