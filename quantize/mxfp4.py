@@ -110,12 +110,11 @@ def quantize_rows_cpu(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray) -
     return int(kernel(rows, codes, scales))
 
 
-def warm_cpu_kernel() -> None:
-    """Load (or compile, the first time) the CPU kernels now, e.g. before forking workers."""
-    from ._native import bf16_kernel
-
-    bf16_kernel()
-    for arr in (np.zeros((1, 32), dtype=np.int16), np.zeros((1, 32), dtype=np.float32)):
+def warm_cpu_kernel(dtypes: set[str]) -> None:
+    """Load (or compile, the first time) the CPU kernels for these safetensors dtypes now, e.g. before
+    forking workers. numba is imported only where it serves (float inputs, or bf16 without a C compiler)."""
+    for dtype in dtypes:
+        arr = np.zeros((1, 32), dtype=np.int16 if dtype == "BF16" else np.float32)
         quantize_rows_cpu(arr, np.empty((1, 16), dtype=np.uint8), np.empty((1, 1), dtype=np.uint8))
 
 

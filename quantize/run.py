@@ -179,7 +179,7 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> No
         # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
         from .mxfp4 import warm_cpu_kernel
 
-        warm_cpu_kernel()
+        warm_cpu_kernel({t.source.dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
         ctx = mp.get_context("fork")
     counter = ctx.Value("q", 0)
     seen = 0
