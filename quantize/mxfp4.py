@@ -12,8 +12,9 @@ What Quark's file-to-file mode writes for a weight `[out, in]` (checked byte for
 - Non-finite input: Quark silently writes NaN blocks as +6.0. We refuse by default
   (`NonFiniteWeightError`); with `refuse_nonfinite=False` such tensors go through Quark's own kernel.
 
-Two implementations share these rules: a compiled CPU kernel (numba, one pass per block, the fast path)
-and a torch one that runs on any device (`--device cuda`).
+Three implementations share these rules, all tested byte for byte against Quark: for bf16 on the CPU a C
+kernel built on first use (`_mxfp4_bf16.c`, the fast path), a numba kernel (float32 input, and bf16
+where no C compiler is found), and a torch one that runs on any device (`--device cuda`).
 """
 
 from __future__ import annotations
@@ -96,15 +97,24 @@ def quantize_rows_cpu(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray) -
 
     Returns the number of non-finite values seen (their blocks' outputs are then meaningless).
     """
+    if rows.dtype == np.int16:
+        from ._native import bf16_kernel
+
+        native = bf16_kernel()
+        if native is not None and codes.flags.c_contiguous and scales.flags.c_contiguous:
+            rows = np.ascontiguousarray(rows)
+            return int(native(rows.ctypes.data, codes.ctypes.data, scales.ctypes.data, rows.shape[0], rows.shape[1]))
     from ._mxfp4_kernel import quantize_bf16_rows, quantize_f32_rows
 
     kernel = quantize_bf16_rows if rows.dtype == np.int16 else quantize_f32_rows
     return int(kernel(rows, codes, scales))
 
 
-def warm_cpu_kernel() -> None:
-    """Load (or compile, the first time) the CPU kernels now, e.g. before forking workers."""
-    for arr in (np.zeros((1, 32), dtype=np.int16), np.zeros((1, 32), dtype=np.float32)):
+def warm_cpu_kernel(dtypes: set[str]) -> None:
+    """Load (or compile, the first time) the CPU kernels for these safetensors dtypes now, e.g. before
+    forking workers. numba is imported only where it serves (float inputs, or bf16 without a C compiler)."""
+    for dtype in dtypes:
+        arr = np.zeros((1, 32), dtype=np.int16 if dtype == "BF16" else np.float32)
         quantize_rows_cpu(arr, np.empty((1, 16), dtype=np.uint8), np.empty((1, 1), dtype=np.uint8))
 
 

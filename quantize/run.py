@@ -16,7 +16,8 @@ import shlex
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
@@ -26,7 +27,7 @@ from mxforge.safetensors_io import partial_path, read_header, write_json_atomic
 
 from .plan import QuantizePlan, ShardPlan, plan_checkpoint
 from .recipe import Recipe, load_recipe
-from .shard_job import ShardJob, ShardResult, run_shard
+from .shard_job import ShardJob, ShardResult, finish_shard, run_shard
 from .state import PROVENANCE_NAME, STATE_NAME, ResumeState, tool_versions
 
 SOURCE_PROVENANCE = "mxforge_source.json"
@@ -158,10 +159,15 @@ def _worker(job: ShardJob) -> ShardResult:
         with _counter.get_lock():
             _counter.value += n
 
-    return run_shard(job, progress)
+    return run_shard(job, progress, finish=False)  # the parent fsyncs and renames, off the workers' path
 
 
 def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> None:
+    """Run shard jobs (in worker processes when workers > 1), recording each finished shard at once.
+
+    Raises:
+        MxforgeError: a worker's error (the first one), or a worker that died (e.g. killed for memory).
+    """
     if not jobs:
         return
     if workers == 1:
@@ -173,26 +179,42 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> No
         # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
         from .mxfp4 import warm_cpu_kernel
 
-        warm_cpu_kernel()
+        warm_cpu_kernel({t.source.dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
         ctx = mp.get_context("fork")
     counter = ctx.Value("q", 0)
     seen = 0
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(counter,), maxtasksperchild=None) as pool:
-        pending = [pool.apply_async(_worker, (job,)) for job in jobs]
-        try:
-            while pending:
-                time.sleep(0.2)
-                seen = _tick(bar, counter, seen)
-                still = []
-                for res in pending:
-                    if res.ready():
-                        state.record(res.get())  # re-raises a worker's error here
-                    else:
-                        still.append(res)
-                pending = still
-        except BaseException:
-            pool.terminate()
-            raise
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,))
+    finisher = ThreadPoolExecutor(workers, thread_name_prefix="fsync")
+    out_dir = Path(jobs[0].out_dir)
+    failed = True
+    try:
+        working = {pool.submit(_worker, job) for job in jobs}
+        finishing: set = set()
+        while working or finishing:
+            done, _ = wait(working | finishing, timeout=0.2, return_when=FIRST_COMPLETED)
+            seen = _tick(bar, counter, seen)
+            for future in done:
+                result = future.result()  # re-raises a worker's (or a finisher's) error here
+                if future in working:
+                    working.discard(future)
+                    finishing.add(finisher.submit(finish_shard, result, out_dir))
+                else:
+                    finishing.discard(future)
+                    state.record(result)
+        failed = False
+    except BrokenProcessPool:
+        raise MxforgeError("a quantize worker process died (killed for memory?); rerun the same command to "
+                           "resume, with fewer --workers if memory is short") from None
+    finally:
+        if failed:  # stop the other workers at once and remove what they had half written
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                if process.is_alive():
+                    process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        finisher.shutdown(wait=True, cancel_futures=True)
+        if failed:
+            for job in jobs:
+                partial_path(Path(job.out_dir) / job.plan.name).unlink(missing_ok=True)
     _tick(bar, counter, seen)
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -49,8 +48,11 @@ class ShardResult:
     header_sha256: str
 
 
-def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None) -> ShardResult:
+def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, finish: bool = True) -> ShardResult:
     """Write OUT/<shard> for one source shard; nothing under the final name unless it is complete.
+
+    With `finish=False` the complete file is left as `SHARD.partial` for `finish_shard` (fsync and
+    rename), so a worker can start its next shard while the disk catches up.
 
     Raises:
         CheckpointError: the source cannot be read or changed under us, its sha256 disagrees with
@@ -74,43 +76,84 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None) -
                 _reserve(out_fd, plan.output_size, final)
                 _pwrite_all(out_fd, plan.header, 0, final)
                 digest = _stream_tensors(fin, out_fd, job, progress)
-                os.fsync(out_fd)
             finally:
                 os.close(out_fd)
         if job.expected_sha256 and digest != job.expected_sha256:
             raise CheckpointError(f"{src}: sha256 {digest} differs from {job.expected_sha256} recorded in "
                                   "mxforge_source.json: the shard is corrupt; re-download it")
-        os.replace(tmp, final)
     except BaseException as e:
         _remove(tmp)
         if isinstance(e, OSError) and not isinstance(e, MxforgeError):
             raise CheckpointError(f"{src}: cannot read shard: {e.strerror or e}") from None
         raise
-    out_stat = final.stat()
-    return ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, out_stat.st_size, out_stat.st_mtime_ns,
-                       plan.header_sha256)
+    result = ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256)
+    return finish_shard(result, Path(job.out_dir)) if finish else result
 
 
-class _BackgroundHasher:
-    """sha256 of the chunks fed in order, computed on a helper thread (hashlib releases the GIL, as does the
-    kernel), so hashing overlaps quantizing; at most MAX_PENDING chunks are held."""
+def finish_shard(result: ShardResult, out_dir: Path) -> ShardResult:
+    """fsync `SHARD.partial` and rename it into place; returns the result with the output's mtime.
 
-    MAX_PENDING = 2
+    Raises:
+        CheckpointError: the disk refused the data (full), or the rename failed; the partial file is removed.
+    """
+    final = Path(out_dir) / result.name
+    tmp = partial_path(final)
+    try:
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        out_stat = final.stat()
+    except OSError as e:
+        _remove(tmp)
+        raise _write_error(e, final) from None
+    return replace(result, output_size=out_stat.st_size, output_mtime_ns=out_stat.st_mtime_ns)
 
-    def __init__(self):
-        self._hash = hashlib.sha256()
+
+class _HashingReader:
+    """Reads the source in order into a small ring of reused buffers (no fresh pages per chunk) while a
+    helper thread computes the sha256 of everything read (hashlib and the kernels release the GIL, so
+    hashing overlaps quantizing). A view returned by `read` stays valid for the next RING - 1 reads."""
+
+    RING = 3
+
+    def __init__(self, fin):
+        self._fin, self._hash = fin, hashlib.sha256()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        self._pending: deque = deque()
+        self._buffers: list[bytearray] = [bytearray(0) for _ in range(self.RING)]
+        self._hashed: list = [None] * self.RING
+        self._turn = 0
 
-    def update(self, data: bytes) -> None:
-        while len(self._pending) >= self.MAX_PENDING:
-            self._pending.popleft().result()
-        self._pending.append(self._pool.submit(self._hash.update, data))
+    def read(self, offset: int, n: int) -> memoryview:
+        """Bytes [offset, offset + n) of the source, which must be read in file order.
+
+        Raises:
+            CheckpointError: the file ends early.
+        """
+        i = self._turn % self.RING
+        self._turn += 1
+        if self._hashed[i] is not None:
+            self._hashed[i].result()
+        if len(self._buffers[i]) < n:
+            self._buffers[i] = bytearray(max(n, CHUNK_BYTES))
+        view = memoryview(self._buffers[i])[:n]
+        got = os.preadv(self._fin.fileno(), [view], offset)
+        if got != n:
+            raise CheckpointError(f"{self._fin.name}: truncated while reading at byte {offset + got} "
+                                  f"(wanted {n} bytes at {offset}); re-download the shard")
+        self._hashed[i] = self._pool.submit(self._hash.update, view)
+        return view
+
+    def reread(self, offset: int, n: int) -> bytes:
+        """Bytes already read once, again, outside the hashed sequence (the rare non-finite path)."""
+        return os.pread(self._fin.fileno(), n, offset)
 
     def hexdigest(self) -> str:
-        while self._pending:
-            self._pending.popleft().result()
-        self._pool.shutdown()
+        for future in self._hashed:
+            if future is not None:
+                future.result()
         return self._hash.hexdigest()
 
     def close(self) -> None:
@@ -120,20 +163,21 @@ class _BackgroundHasher:
 def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None]) -> str:
     """Read the source sequentially (header, then tensors by offset), transform and place each tensor."""
     plan = job.plan
-    hasher = _BackgroundHasher()
+    reader = _HashingReader(fin)
     try:
         tensors = sorted(plan.tensors, key=lambda t: t.source.start)
         data_start = tensors[0].source.start if tensors else plan.source_size
-        hasher.update(_read_exact(fin, 0, data_start, fin.name))
+        for pos in range(0, data_start, CHUNK_BYTES):
+            reader.read(pos, min(CHUNK_BYTES, data_start - pos))
         for t in tensors:
             if t.fate == "quantized":
-                _quantize_tensor(fin, out_fd, t, job, hasher, progress)
+                _quantize_tensor(reader, out_fd, t, job, progress)
             else:
-                _copy_tensor(fin, out_fd, t, plan.offsets[t.source.name], hasher, progress, _out_path(job))
+                _copy_tensor(reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job))
             _start_writeback(out_fd)
-        return hasher.hexdigest()
+        return reader.hexdigest()
     finally:
-        hasher.close()
+        reader.close()
 
 
 def _start_writeback(fd: int) -> None:
@@ -148,17 +192,15 @@ def _out_path(job: ShardJob) -> Path:
     return Path(job.out_dir) / job.plan.name
 
 
-def _copy_tensor(fin, out_fd: int, t: TensorPlan, dest: int, hasher, progress, where: Path) -> None:
+def _copy_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, dest: int, progress, where: Path) -> None:
     s = t.source
     for pos in range(s.start, s.end, CHUNK_BYTES):
         n = min(CHUNK_BYTES, s.end - pos)
-        buf = _read_exact(fin, pos, n, fin.name)
-        hasher.update(buf)
-        _pwrite_all(out_fd, buf, dest + pos - s.start, where)
+        _pwrite_all(out_fd, reader.read(pos, n), dest + pos - s.start, where)
         progress(n)
 
 
-def _quantize_tensor(fin, out_fd: int, t: TensorPlan, job: ShardJob, hasher, progress) -> None:
+def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, progress) -> None:
     s = t.source
     rows, inner = s.shape
     itemsize = s.nbytes // max(1, s.numel)
@@ -166,20 +208,20 @@ def _quantize_tensor(fin, out_fd: int, t: TensorPlan, job: ShardJob, hasher, pro
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
     nblocks = -(-inner // 32)
     codes_at, scales_at = job.plan.offsets[s.name], job.plan.offsets[s.name + "_scale"]
+    codes_buf = np.empty(min(rows, rows_per_chunk) * (inner // 2), dtype=np.uint8)
+    scales_buf = np.empty(min(rows, rows_per_chunk) * nblocks, dtype=np.uint8)
     nonfinite = 0
     for r0 in range(0, rows, rows_per_chunk):
         n = min(rows_per_chunk, rows - r0)
-        raw = _read_exact(fin, s.start + r0 * row_bytes, n * row_bytes, fin.name)
-        hasher.update(raw)
-        x = _as_rows(raw, s.dtype, n, inner)
-        codes = np.empty((n, inner // 2), dtype=np.uint8)
-        scales = np.empty((n, nblocks), dtype=np.uint8)
+        x = _as_rows(reader.read(s.start + r0 * row_bytes, n * row_bytes), s.dtype, n, inner)
+        codes = codes_buf[:n * (inner // 2)].reshape(n, inner // 2)
+        scales = scales_buf[:n * nblocks].reshape(n, nblocks)
         nonfinite += _quantize_rows(x, codes, scales, s.dtype, job.device)
         _pwrite_all(out_fd, codes.data, codes_at + r0 * (inner // 2), _out_path(job))
         _pwrite_all(out_fd, scales.data, scales_at + r0 * nblocks, _out_path(job))
         progress(n * row_bytes)
     if nonfinite:
-        _handle_nonfinite(fin, out_fd, t, job, nonfinite, codes_at, scales_at)
+        _handle_nonfinite(reader, out_fd, t, job, nonfinite, codes_at, scales_at)
 
 
 def _as_rows(raw: bytes, dtype: str, n: int, inner: int) -> np.ndarray:
@@ -206,7 +248,7 @@ def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: 
     return _quantize_torch(w, codes_t, scales_t, torch.device(device))
 
 
-def _handle_nonfinite(fin, out_fd: int, t: TensorPlan, job: ShardJob, count: int, codes_at: int, scales_at: int) -> None:
+def _handle_nonfinite(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, count: int, codes_at: int, scales_at: int) -> None:
     """Refuse, or (when allowed) redo the tensor with Quark's own kernel, which encodes NaN blocks as +6.0."""
     from .mxfp4 import NonFiniteWeightError, _quark_reference
 
@@ -218,19 +260,11 @@ def _handle_nonfinite(fin, out_fd: int, t: TensorPlan, job: ShardJob, count: int
             "keep the tensor with a [[keep]] recipe rule, or pass --allow-nonfinite to encode as Quark does")
     import torch
 
-    raw = _read_exact(fin, s.start, s.nbytes, fin.name)
+    raw = reader.reread(s.start, s.nbytes)
     w = torch.from_numpy(_as_rows(raw, s.dtype, *s.shape).copy())
     codes, scales = _quark_reference(w.view(torch.bfloat16) if s.dtype == "BF16" else w)
     _pwrite_all(out_fd, codes.numpy().data, codes_at, _out_path(job))
     _pwrite_all(out_fd, scales.numpy().data, scales_at, _out_path(job))
-
-
-def _read_exact(fin, offset: int, n: int, name: str) -> bytes:
-    data = os.pread(fin.fileno(), n, offset)
-    if len(data) != n:
-        raise CheckpointError(f"{name}: truncated while reading at byte {offset + len(data)} "
-                              f"(wanted {n} bytes at {offset}); re-download the shard")
-    return data
 
 
 def _pwrite_all(fd: int, data, offset: int, where: Path) -> None:

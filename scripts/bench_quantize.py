@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from mxforge.quantize.state import file_sha256
+
 QUARK_SNIPPET = """
 import json, sys, time
 from quark.torch import ModelQuantizer
@@ -98,11 +100,14 @@ def warm(d: Path) -> None:
                     pass
 
 
-def plain_copy(src: Path, dst: Path) -> None:
+def plain_copy(src: Path, dst: Path, fsync: bool = False) -> None:
     dst.mkdir(parents=True)
     for p in sorted(src.iterdir()):
         if p.is_file():
             shutil.copyfile(p, dst / p.name)
+            if fsync:
+                with open(dst / p.name, "rb+") as f:
+                    os.fsync(f.fileno())
 
 
 def identical(ours: Path, quark: Path) -> dict[str, bool]:
@@ -141,6 +146,19 @@ def main() -> None:
     plain_copy(src, outs["copy"])
     results["copy"] = {"seconds": time.monotonic() - t, "peak_rss": 0}
 
+    # Two references for what mxforge does beyond a copy: fsync of every output file, and sha256 of every
+    # source byte (its resume identity and corruption check), on one core.
+    subprocess.run(["sync"])
+    shutil.rmtree(outs["copy"])
+    t = time.monotonic()
+    plain_copy(src, outs["copy"], fsync=True)
+    results["copy+fsync"] = {"seconds": time.monotonic() - t, "peak_rss": 0}
+    shutil.rmtree(outs["copy"])
+    t = time.monotonic()
+    for p in sorted(src.glob("*.safetensors")):
+        file_sha256(p)
+    results["sha256 (1 core)"] = {"seconds": time.monotonic() - t, "peak_rss": 0}
+
     subprocess.run(["sync"])
     cmd = [*mxforge, "quantize", str(src), str(outs["mxforge"]), "--quiet"]
     if args.workers:
@@ -167,10 +185,11 @@ def main() -> None:
     }
     print(f"source: {size / 1e9:.2f} GB of bf16 shards ({src}), {report['cores']} cores, "
           f"load average {report['load_average'][0]:.2f}")
-    print(f"{'contender':<10} {'seconds':>8} {'GB/s':>7} {'peak RSS':>10}")
+    print(f"| {'contender':<16} | {'seconds':>8} | {'GB/s':>7} | {'peak RSS':>10} |")
+    print(f"|{'-' * 18}|{'-' * 9}:|{'-' * 8}:|{'-' * 11}:|")
     for name, r in results.items():
         rss = f"{r['peak_rss'] / 2**30:.2f} GiB" if r["peak_rss"] else "-"
-        print(f"{name:<10} {r['seconds']:>8.2f} {r['gb_per_s']:>7.3f} {rss:>10}")
+        print(f"| {name:<16} | {r['seconds']:>8.2f} | {r['gb_per_s']:>7.3f} | {rss:>10} |")
     print(f"mxforge / quark throughput: {report['mxforge_vs_quark']:.1f}x   "
           f"mxforge / copy: {100 * report['mxforge_vs_copy']:.0f}%")
     shards = {k: v for k, v in same.items() if k.endswith(".safetensors")}

@@ -44,15 +44,28 @@ def references() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("name", list(_cases()))
-@pytest.mark.parametrize("path", ["cpu_kernel", "torch"])
+@pytest.mark.parametrize("path", ["default", "c_kernel", "numba_kernel", "torch"])
 def test_bytes_equal_quark(name, path, references):
+    from mxforge.quantize import _mxfp4_kernel
+    from mxforge.quantize._native import bf16_kernel
+
     weight = _cases()[name]
     ref_codes, ref_scales = references[name]
-    if path == "cpu_kernel":
+    codes = torch.empty(ref_codes.shape, dtype=torch.uint8)
+    scales = torch.empty(ref_scales.shape, dtype=torch.uint8)
+    rows = weight.view(torch.int16).numpy() if weight.dtype == torch.bfloat16 else weight.numpy()
+    if path == "default":
         codes, scales = quantize_mxfp4(weight, name)
+    elif path == "c_kernel":
+        if weight.dtype != torch.bfloat16:
+            pytest.skip("the C kernel takes bf16 only (float32 goes to the numba kernel)")
+        if bf16_kernel() is None:
+            pytest.skip("no working C compiler: the numba kernel serves bf16 here")
+        assert bf16_kernel()(rows.ctypes.data, codes.numpy().ctypes.data, scales.numpy().ctypes.data, *rows.shape) == 0
+    elif path == "numba_kernel":
+        kernel = _mxfp4_kernel.quantize_bf16_rows if weight.dtype == torch.bfloat16 else _mxfp4_kernel.quantize_f32_rows
+        assert kernel(rows, codes.numpy(), scales.numpy()) == 0
     else:
-        codes = torch.empty(ref_codes.shape, dtype=torch.uint8)
-        scales = torch.empty(ref_scales.shape, dtype=torch.uint8)
         assert mxfp4._quantize_torch(weight, codes, scales, torch.device("cpu")) == 0
     assert codes.dtype == scales.dtype == torch.uint8
     assert codes.shape == ref_codes.shape and scales.shape == ref_scales.shape

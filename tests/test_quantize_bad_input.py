@@ -31,6 +31,14 @@ def _shard_holding(src: Path, tensor: str) -> Path:
     return src / json.loads((src / INDEX_NAME).read_text())["weight_map"][tensor]
 
 
+def _fill_with_nan(src: Path, name: str) -> None:
+    """Rewrite the shard holding `name` with that tensor all NaN."""
+    shard = _shard_holding(src, name)
+    tensors = load_file(shard)
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, shard)
+
+
 def _fails(src: Path, out: Path, *extra: str, match: str, preexec=None) -> str:
     if preexec is None:
         proc = run_cli("quantize", str(src), str(out), "--quiet", "--workers", "1", *extra)
@@ -111,11 +119,7 @@ def test_nan_in_a_weight_to_quantize_is_refused_with_count(src, tmp_path):
 
 
 def test_nan_in_a_kept_weight_is_copied(src, tmp_path):
-    name = "model.layers.0.self_attn.q_a_proj.weight"
-    shard = _shard_holding(src, name)
-    tensors = load_file(shard)
-    tensors[name] = tensors[name].clone().fill_(float("nan"))
-    save_file(tensors, shard)
+    _fill_with_nan(src, "model.layers.0.self_attn.q_a_proj.weight")
     assert run_cli("quantize", str(src), str(tmp_path / "out"), "--quiet").returncode == 0
 
 
@@ -163,3 +167,11 @@ def test_out_not_ours(src, tmp_path):
     (out / "precious.txt").write_text("x")
     _fails(src, out, match="not a previous `mxforge quantize` output")
     assert (out / "precious.txt").read_text() == "x"
+
+
+def test_error_in_one_worker_stops_the_others_cleanly(src, tmp_path):
+    name = "model.layers.4.mlp.experts.0.up_proj.weight"
+    _fill_with_nan(src, name)
+    proc = run_cli("quantize", str(src), str(tmp_path / "out"), "--quiet", "--workers", "3")
+    assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not list((tmp_path / "out").glob("*.partial")) and not (tmp_path / "out" / "config.json").exists()

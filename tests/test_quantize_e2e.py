@@ -141,5 +141,24 @@ def test_rerun_skips_complete_shards_and_redoes_stale_ones(tiny_ckpt, tmp_path):
     # another recipe: everything is stale
     fourth = quantize_checkpoint(src, out, "glm-5.2-mxfp4-mtp-bf16", workers=1, quiet=True)
     assert fourth["shards"]["quantized_now"] == 3
-    assert _files(out) == _files(quantize_checkpoint(src, tmp_path / "fresh", "glm-5.2-mxfp4-mtp-bf16",
-                                                     workers=1, quiet=True) and tmp_path / "fresh")
+    quantize_checkpoint(src, tmp_path / "fresh", "glm-5.2-mxfp4-mtp-bf16", workers=1, quiet=True)
+    assert _files(out) == _files(tmp_path / "fresh")
+
+
+def test_output_missing_an_mtp_tensor_fails_the_check(tiny_ckpt, quantized_tiny, tmp_path):
+    from mxforge.errors import CheckpointError
+    from mxforge.quantize.plan import plan_checkpoint
+    from mxforge.quantize.recipe import load_recipe
+    from mxforge.quantize.run import verify_output
+    from safetensors.torch import save_file
+
+    out = tmp_path / "out"
+    shutil.copytree(quantized_tiny[0], out)
+    plan = plan_checkpoint(Checkpoint.open(tiny_ckpt), load_recipe(None))
+    mtp = f"model.layers.{plan.layout.mtp_layers[0]}.eh_proj.weight"
+    shard = out / json.loads((out / INDEX_NAME).read_text())["weight_map"][mtp]
+    tensors = load_file(shard)
+    del tensors[mtp]
+    save_file(tensors, shard)
+    with pytest.raises(CheckpointError, match=rf"source MTP layer tensor '{mtp}' is missing"):
+        verify_output(plan, out)

@@ -109,3 +109,21 @@ def test_cached_quantization_config_equals_a_fresh_quark_build(tmp_path, monkeyp
         second = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # from the cache
         assert json.dumps(first) == json.dumps(second) == json.dumps(fresh)
     assert len(list(tmp_path.glob("quark-config-*.json"))) == 2
+
+
+@pytest.mark.parametrize("recipe_name, quantized", [
+    # 76 MoE layers (3..77 and MTP 78) x 256 experts x 3 projections + 75 decoder shared experts x 3
+    ("glm-5.2-mxfp4", 76 * 256 * 3 + 75 * 3),
+    ("glm-5.2-mxfp4-mtp-bf16", 75 * 256 * 3 + 75 * 3),
+])
+def test_plan_on_the_full_glm52_layout(full_layout_ckpt, recipe_name, quantized):
+    from mxforge.quantize.plan import plan_checkpoint
+
+    plan = plan_checkpoint(Checkpoint.open(full_layout_ckpt), load_recipe(recipe_name))
+    assert list(plan.layout.mtp_layers) == [78]
+    assert len(plan.names("quantized")) == quantized
+    assert len(plan.tensors()) == 59_585
+    exclude = plan.excluded_modules()
+    assert "model.layers.78.eh_proj" in exclude and "model.layers.78.mlp.shared_experts.down_proj" in exclude
+    assert "model.layers.77.mlp.shared_experts.down_proj" not in exclude and "lm_head" in exclude
+    assert ("model.layers.78.mlp.experts.255.up_proj" in exclude) == (recipe_name == "glm-5.2-mxfp4-mtp-bf16")
