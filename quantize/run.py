@@ -110,7 +110,8 @@ def _prepare_out(src: Path, out: Path) -> None:
     if out.exists():
         if not out.is_dir():
             raise MxforgeError(f"{out}: exists and is not a directory; choose another OUT")
-        if any(out.iterdir()) and not (out / STATE_NAME).exists():
+        # Unfinished *.partial files are never results (a kill during the first state write leaves only one).
+        if any(not p.name.endswith(".partial") for p in out.iterdir()) and not (out / STATE_NAME).exists():
             raise MxforgeError(f"{out}: not empty and not a previous `mxforge quantize` output (no {STATE_NAME}); "
                                "choose a new or empty OUT")
     try:

@@ -84,3 +84,15 @@ def test_sigkill_then_rerun_is_byte_identical(multi_shard_ckpt, uninterrupted, t
     assert report["shards"]["quantized_now"] >= 1
     assert not list(out.glob("*.partial"))
     assert _outputs(out) == _outputs(uninterrupted)
+
+
+def test_kill_during_the_first_state_write_still_resumes(tiny_ckpt, tmp_path):
+    """A kill can land while OUT holds nothing but the state file's unfinished `.partial`: still ours."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / (STATE_NAME + ".partial")).write_text('{"format": 1, "sha')
+    run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", check=True)
+    reference = tmp_path / "ref"
+    run_cli("quantize", str(tiny_ckpt), str(reference), "--quiet", check=True)
+    assert _outputs(out) == _outputs(reference)
+    assert not list(out.glob("*.partial"))

@@ -121,7 +121,7 @@ def test_sigkill_during_quantize_then_rerun_is_byte_identical(bench_src, tmp_pat
                             start_new_session=True)
     mxfp4 = out / "mxfp4"
     deadline = time.monotonic() + 300
-    while not (mxfp4.exists() and any(p.name.endswith(".partial") for p in mxfp4.iterdir())):
+    while not (mxfp4.exists() and any(p.name.endswith(".safetensors.partial") for p in mxfp4.iterdir())):
         assert proc.poll() is None, "the run ended before quantize wrote anything"
         assert time.monotonic() < deadline, "quantize made no progress"
         time.sleep(0.002)
