@@ -82,33 +82,37 @@ def exclusions_summary(config: dict) -> list[str]:
     return lines
 
 
-def _kv_lines(data: dict | None, skip: tuple[str, ...] = ("command",)) -> list[str]:
-    if data is None:
+def _quantize_lines(q: dict | None) -> list[str]:
+    """mxforge_quantize.json as a few readable lines (the per-tensor lists stay in that file)."""
+    if q is None:
         return [NOT_RECORDED]
-    lines = []
-    for k, v in data.items():
-        if k in skip or isinstance(v, list) and len(v) > 8:
-            continue
-        text = json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
-        lines.append(f"- {k}: `{text}`" if len(text) < 300 else f"- {k}: ({len(v)} entries)")
-    return lines or [NOT_RECORDED]
+    recipe, counts = q.get("recipe") or {}, q.get("counts") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (q.get("tool_versions") or {}).items())
+    lines = [f"- recipe: `{recipe.get('name', NOT_RECORDED)}` ({recipe.get('source', NOT_RECORDED)}), "
+             f"scheme `{recipe.get('scheme', NOT_RECORDED)}`, sha256 `{recipe.get('sha256', NOT_RECORDED)}`"]
+    if counts:
+        lines.append(f"- tensors: {counts.get('quantized', 0):,} quantized to MXFP4, {counts.get('kept', 0):,} 2-D weights "
+                     f"kept in source precision, {counts.get('copied', 0):,} other tensors copied")
+    if q.get("mtp_layers") is not None:
+        lines.append(f"- MTP layer(s): {q['mtp_layers']} ({q.get('mtp_tensors', NOT_RECORDED)} tensors)")
+    lines.append(f"- tools: {versions or NOT_RECORDED}")
+    return lines
 
 
 def _fixup_lines(fixups: dict | None) -> list[str]:
+    """mxforge_fixups.json as a table: each exclude entry added or rewritten, for which engines, and why."""
     if fixups is None:
         return [NOT_RECORDED]
-    applied = fixups.get("fixups") or fixups.get("applied") or []
-    lines = []
-    for item in applied:
-        if isinstance(item, dict):
-            label = item.get("name") or item.get("id") or json.dumps(item, sort_keys=True)
-            detail = item.get("description") or item.get("summary") or ""
-            lines.append(f"- {label}" + (f": {detail}" if detail else ""))
-        else:
-            lines.append(f"- {item}")
-    if fixups.get("engines"):
-        lines.append(f"- engines: {', '.join(map(str, fixups['engines']))}")
-    return lines or ["none applied"]
+    applied = [f for f in fixups.get("fixups") or [] if isinstance(f, dict)]
+    if not applied:
+        return ["none needed"]
+    lines = [f"{len(applied)} `exclude` entries written so every engine's module names match "
+             f"(original config kept as `{fixups.get('config_backup', 'config.json.orig')}`):", "",
+             "| entry | kind | for | covers | why |", "|---|---|---|---|---|"]
+    for f in applied:
+        lines.append(f"| `{f.get('entry')}` | {f.get('fixup', '')} | {', '.join(f.get('engines') or []) or 'all'} "
+                     f"| `{f.get('module', '')}` | {f.get('why', '')} |")
+    return lines
 
 
 def render_model_card(ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], validation: dict,
@@ -132,7 +136,7 @@ def render_model_card(ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], 
                 f"- commit: `{source.get('commit', NOT_RECORDED)}`", f"- endpoint: {source.get('endpoint', NOT_RECORDED)}"]
     else:
         out += [NOT_RECORDED]
-    out += ["", "## Quantization recipe", ""] + _kv_lines(quantize)
+    out += ["", "## Quantization recipe", ""] + _quantize_lines(quantize)
     out += ["", "## Precision per module class", "", "| module class | tensors | precision |", "|---|---|---|"]
     for cls, counts in precision_table(ckpt).items():
         precisions = ", ".join(f"{p} ×{n}" for p, n in counts.most_common())
