@@ -330,10 +330,14 @@ def test_push_model_card_precision_and_exclusions_on_a_quantized_checkpoint(tmp_
         f"model.layers.{mtp}.self_attn.o_proj.weight": torch.zeros(256, 128, dtype=torch.bfloat16),
         "lm_head.weight": torch.zeros(16, 256, dtype=torch.bfloat16),
     }, str(ckpt / "model.safetensors"))
-    (ckpt / "mxforge_quantize.json").write_text(json.dumps({"recipe": {"name": "mxfp4-moe", "sha256": "ab" * 32},
-                                                           "command": "mxforge quantize src q"}))
-    (ckpt / "mxforge_fixups.json").write_text(json.dumps({"fixups": [{"name": "mtp-aliases", "description": "sglang draft names"}],
-                                                          "engines": ["sglang", "vllm"], "command": "mxforge fixup q"}))
+    (ckpt / "mxforge_quantize.json").write_text(json.dumps({
+        "recipe": {"name": "mxfp4-moe", "sha256": "ab" * 32, "source": "r.toml", "scheme": "mxfp4"},
+        "counts": {"quantized": 1, "kept": 3, "copied": 1}, "mtp_layers": [mtp], "mtp_tensors": 1,
+        "command": "mxforge quantize src q"}))
+    (ckpt / "mxforge_fixups.json").write_text(json.dumps({
+        "fixups": [{"fixup": "alias", "entry": "model.eh_proj", "module": f"model.layers.{mtp}.eh_proj",
+                    "engines": ["sglang-legacy"], "why": "stored bf16; the engine would build it MXFP4"}],
+        "engines": ["sglang", "vllm"], "config_backup": "config.json.orig", "command": "mxforge fixup q"}))
     files = list(hash_files(ckpt, ["config.json", "model.safetensors"], quiet=True).values())
     card = render_model_card(Checkpoint.open(ckpt), repo_id="me/q", files=files, forced=False, push_command="mxforge push q me/q",
                              validation={"ok": True, "engines": {"sglang": True, "vllm": False}, "problems": []})
@@ -342,7 +346,8 @@ def test_push_model_card_precision_and_exclusions_on_a_quantized_checkpoint(tmp_
     assert "| router | 1 | F32 ×1 |" in card and "| mtp | 1 | BF16 ×1 |" in card and "| embeddings | 1 | BF16 ×1 |" in card
     assert "keeps 4 entries" in card and "| mtp | 1 |" in card and "| regex | 1 | `re:.*mlp\\.gate$` |" in card
     assert "| aliases and globals | 2 |" in card
-    assert "mxfp4-moe" in card and "- mtp-aliases: sglang draft names" in card and "- engines: sglang, vllm" in card
+    assert "- recipe: `mxfp4-moe` (r.toml)" in card and "1 quantized to MXFP4, 3 2-D weights kept" in card
+    assert f"| `model.eh_proj` | alias | sglang-legacy | `model.layers.{mtp}.eh_proj` |" in card
     assert "- sglang: loads" in card and "- vllm: FAILS" in card
     assert "## Source\n\nnot recorded" in card and "# download: not recorded" in card
     assert "mxforge quantize src q" in card and "mxforge fixup q" in card and "mxforge push q me/q" in card
