@@ -162,3 +162,15 @@ def test_output_missing_an_mtp_tensor_fails_the_check(tiny_ckpt, quantized_tiny,
     save_file(tensors, shard)
     with pytest.raises(CheckpointError, match=rf"source MTP layer tensor '{mtp}' is missing"):
         verify_output(plan, out)
+
+
+def test_torch_device_path_writes_the_same_shards(tiny_ckpt, quantized_tiny, tmp_path):
+    """`--device cuda` runs the torch numerics in the workers; a torch CPU device exercises that same path."""
+    from mxforge.quantize.plan import plan_checkpoint
+    from mxforge.quantize.recipe import load_recipe
+    from mxforge.quantize.shard_job import ShardJob, run_shard
+
+    plan = plan_checkpoint(Checkpoint.open(tiny_ckpt), load_recipe(None))
+    for shard in plan.shards:
+        run_shard(ShardJob(str(tiny_ckpt), str(tmp_path), shard, device="cpu:0"))
+        assert (tmp_path / shard.name).read_bytes() == (quantized_tiny[0] / shard.name).read_bytes(), shard.name
