@@ -127,7 +127,12 @@ class Pipeline:
         self.state["stages"][stage] = {"status": "running"}
         self._save()
         start = time.monotonic()
-        report = work()
+        try:
+            report = work()
+        except MxforgeError as e:  # recorded for whoever reads the state file; the rerun starts this stage again
+            self.state["stages"][stage] = {"status": "failed", "error": str(e)}
+            self._save()
+            raise
         seconds = time.monotonic() - start
         rec = {"status": "done", "seconds": round(seconds, 3), "bytes_in": bytes_in,
                "bytes_out": _dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,

@@ -134,3 +134,18 @@ def test_sigkill_during_quantize_then_rerun_is_byte_identical(bench_src, tmp_pat
     report = json.loads(rerun.stdout)
     assert report["stages"]["validate"]["report"]["ok"] is True
     assert _product(out) == _product(reference)
+
+
+def test_run_unreachable_hub_is_one_line_and_recorded(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    proc = run_cli("run", "zai/glm-tiny", str(out), "--quiet",
+                   env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("mxforge run: error:") == 1 and "cannot reach the Hub" in proc.stderr
+    state = json.loads((out / STATE_NAME).read_text())
+    assert state["stages"]["download"]["status"] == "failed" and "cannot reach" in state["stages"]["download"]["error"]
