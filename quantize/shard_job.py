@@ -37,6 +37,9 @@ class ShardJob:
     device: str = "cpu"
     refuse_nonfinite: bool = True
     expected_sha256: str | None = None  # from mxforge_source.json, when download recorded it
+    # (size, mtime_ns) at which download verified the source against expected_sha256 (its hash cache):
+    # while the source still has them, its sha256 is taken as verified instead of computed again
+    verified_stat: tuple[int, int] | None = None
 
 
 @dataclass
@@ -48,6 +51,7 @@ class ShardResult:
     output_size: int
     output_mtime_ns: int
     header_sha256: str
+    sha256_from_download: bool = False  # the source's sha256 was download's verified one, not recomputed
 
 
 def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, finish: bool = True) -> ShardResult:
@@ -70,6 +74,7 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
             stat = os.fstat(fin.fileno())
             if stat.st_size != plan.source_size:
                 raise CheckpointError(f"{src}: changed size since it was planned ({plan.source_size} -> {stat.st_size})")
+            reuse = job.expected_sha256 is not None and job.verified_stat == (stat.st_size, stat.st_mtime_ns)
             try:
                 out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             except OSError as e:
@@ -77,10 +82,12 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
             try:
                 _reserve(out_fd, plan.output_size, final)
                 _pwrite_all(out_fd, plan.header, 0, final)
-                digest = _stream_tensors(fin, out_fd, job, progress)
+                digest = _stream_tensors(fin, out_fd, job, progress, hashing=not reuse)
             finally:
                 os.close(out_fd)
-        if job.expected_sha256 and digest != job.expected_sha256:
+        if reuse:
+            digest = job.expected_sha256
+        elif job.expected_sha256 and digest != job.expected_sha256:
             raise CheckpointError(f"{src}: sha256 {digest} differs from {job.expected_sha256} recorded in "
                                   "mxforge_source.json: the shard is corrupt; re-download it")
     except BaseException as e:
@@ -88,7 +95,7 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
         if isinstance(e, OSError) and not isinstance(e, MxforgeError):
             raise CheckpointError(f"{src}: cannot read shard: {e.strerror or e}") from None
         raise
-    result = ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256)
+    result = ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256, reuse)
     return finish_shard(result, Path(job.out_dir)) if finish else result
 
 
@@ -127,8 +134,8 @@ class _HashingReader:
 
     RING = 3
 
-    def __init__(self, fin, size: int):
-        self._fin, self._hash = fin, hashlib.sha256()
+    def __init__(self, fin, size: int, hashing: bool = True):
+        self._fin, self._hash, self._hashing = fin, hashlib.sha256(), hashing
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
         self._hashed: list = [None] * self.RING
         self._chunks: list = [None] * self.RING  # (offset, length) of the mapped chunk in each ring slot
@@ -172,7 +179,8 @@ class _HashingReader:
             if got != n:
                 raise CheckpointError(f"{self._fin.name}: truncated while reading at byte {offset + got} "
                                       f"(wanted {n} bytes at {offset}); re-download the shard")
-        self._hashed[i] = self._pool.submit(self._hash.update, view)
+        if self._hashing:
+            self._hashed[i] = self._pool.submit(self._hash.update, view)
         return view
 
     def _populate(self, offset: int, n: int) -> bool:
@@ -214,10 +222,11 @@ class _HashingReader:
                 pass
 
 
-def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None]) -> str:
-    """Read the source sequentially (header, then tensors by offset), transform and place each tensor."""
+def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None], hashing: bool = True) -> str:
+    """Read the source sequentially (header, then tensors by offset), transform and place each tensor;
+    returns the source's sha256 (when `hashing`)."""
     plan = job.plan
-    reader = _HashingReader(fin, job.plan.source_size)
+    reader = _HashingReader(fin, job.plan.source_size, hashing)
     try:
         tensors = sorted(plan.tensors, key=lambda t: t.source.start)
         data_start = tensors[0].source.start if tensors else plan.source_size
