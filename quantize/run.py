@@ -74,19 +74,20 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     _remove_strays(out, plan)
     _check_free_space(out, todo)
     expected = _expected_sha256(src)
-    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name))
+    verified = _download_verified(src, expected)
+    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name))
             for s in sorted(todo, key=lambda s: -s.source_size)]
     workers = workers or default_workers(len(jobs))
     total = sum(s.source_size for s in todo)
     with byte_progress(total, "quantize", disable=quiet) as bar:
-        _run_jobs(jobs, workers, state, bar)
+        results = _run_jobs(jobs, workers, state, bar)
     accounted = verify_output(plan, out)
     _write_index(plan, out)
     _copy_side_files(src, out)
     _write_config(ckpt.config, recipe, plan, out)
     elapsed = time.monotonic() - started
     report = _report(src, out, recipe, plan, device, workers, versions, len(todo), skipped, total, elapsed,
-                     accounted, command)
+                     accounted, command, sum(r.sha256_from_download for r in results))
     write_json_atomic(out / PROVENANCE_NAME, report)
     return report
 
@@ -146,6 +147,27 @@ def _expected_sha256(src: Path) -> dict[str, str]:
     return {f["name"]: f["sha256"] for f in files if isinstance(f, dict) and f.get("sha256") and f.get("name")}
 
 
+def _download_verified(src: Path, expected: dict[str, str]) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of each shard whose sha256 `mxforge download` verified (its hash cache) and that
+    still has that size and mtime: its recorded sha256 stands for its bytes, as everywhere mxforge caches
+    hashes, so quantize need not hash it again. Touching or rewriting the file makes quantize hash it."""
+    if not expected:
+        return {}
+    from mxforge.file_hashes import HashCache
+
+    cache, out = HashCache(src), {}
+    for name, sha256 in expected.items():
+        known = cache.get(name)
+        if known is not None and known.sha256 == sha256:
+            try:
+                st = (src / name).stat()
+            except OSError:
+                continue
+            if st.st_size == known.size:
+                out[name] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
 # --- workers ---------------------------------------------------------------------------------------
 _counter = None
 
@@ -163,18 +185,20 @@ def _worker(job: ShardJob) -> ShardResult:
     return run_shard(job, progress, finish=False)  # the parent fsyncs and renames, off the workers' path
 
 
-def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> None:
+def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> list[ShardResult]:
     """Run shard jobs (in worker processes when workers > 1), recording each finished shard at once.
 
     Raises:
         MxforgeError: a worker's error (the first one), or a worker that died (e.g. killed for memory).
     """
+    results: list[ShardResult] = []
     if not jobs:
-        return
+        return results
     if workers == 1:
         for job in jobs:
-            state.record(run_shard(job, bar.update))
-        return
+            results.append(run_shard(job, bar.update))
+            state.record(results[-1])
+        return results
     ctx = mp.get_context("spawn")
     if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
         # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
@@ -202,6 +226,7 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> No
                 else:
                     finishing.discard(future)
                     state.record(result)
+                    results.append(result)
         failed = False
     except BrokenProcessPool:
         raise MxforgeError("a quantize worker process died (killed for memory?); rerun the same command to "
@@ -217,6 +242,7 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> No
             for job in jobs:
                 partial_path(Path(job.out_dir) / job.plan.name).unlink(missing_ok=True)
     _tick(bar, counter, seen)
+    return results
 
 
 def _tick(bar, counter, seen: int) -> int:
@@ -298,7 +324,7 @@ def _drop_quantization_config(config: dict) -> None:
 
 def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: str, workers: int,
             versions: dict, done: int, skipped: int, bytes_read: int, elapsed: float, accounted: dict,
-            command: str | None) -> dict:
+            command: str | None, sha256_from_download: int) -> dict:
     bytes_out = sum(s.output_size for s in plan.shards)
     return {
         "stage": "quantize",
@@ -308,6 +334,7 @@ def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: st
         "device": device,
         "workers": workers,
         "shards": {"total": len(plan.shards), "quantized_now": done, "skipped_complete": skipped},
+        "shards_sha256_from_download": sha256_from_download,  # download's verified hash reused, not recomputed
         "counts": {k: accounted[k] for k in ("quantized", "kept", "copied")},
         "mtp_layers": list(plan.layout.mtp_layers),
         "mtp_tensors": accounted["mtp_tensors"],

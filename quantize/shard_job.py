@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from .plan import ShardPlan, TensorPlan
 
 CHUNK_BYTES = 16 << 20
 NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else None)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class ShardJob:
     device: str = "cpu"
     refuse_nonfinite: bool = True
     expected_sha256: str | None = None  # from mxforge_source.json, when download recorded it
+    # (size, mtime_ns) at which download verified the source against expected_sha256 (its hash cache):
+    # while the source still has them, its sha256 is taken as verified instead of computed again
+    verified_stat: tuple[int, int] | None = None
 
 
 @dataclass
@@ -46,6 +51,7 @@ class ShardResult:
     output_size: int
     output_mtime_ns: int
     header_sha256: str
+    sha256_from_download: bool = False  # the source's sha256 was download's verified one, not recomputed
 
 
 def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, finish: bool = True) -> ShardResult:
@@ -68,6 +74,7 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
             stat = os.fstat(fin.fileno())
             if stat.st_size != plan.source_size:
                 raise CheckpointError(f"{src}: changed size since it was planned ({plan.source_size} -> {stat.st_size})")
+            reuse = job.expected_sha256 is not None and job.verified_stat == (stat.st_size, stat.st_mtime_ns)
             try:
                 out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             except OSError as e:
@@ -75,10 +82,12 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
             try:
                 _reserve(out_fd, plan.output_size, final)
                 _pwrite_all(out_fd, plan.header, 0, final)
-                digest = _stream_tensors(fin, out_fd, job, progress)
+                digest = _stream_tensors(fin, out_fd, job, progress, hashing=not reuse)
             finally:
                 os.close(out_fd)
-        if job.expected_sha256 and digest != job.expected_sha256:
+        if reuse:
+            digest = job.expected_sha256
+        elif job.expected_sha256 and digest != job.expected_sha256:
             raise CheckpointError(f"{src}: sha256 {digest} differs from {job.expected_sha256} recorded in "
                                   "mxforge_source.json: the shard is corrupt; re-download it")
     except BaseException as e:
@@ -86,7 +95,7 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
         if isinstance(e, OSError) and not isinstance(e, MxforgeError):
             raise CheckpointError(f"{src}: cannot read shard: {e.strerror or e}") from None
         raise
-    result = ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256)
+    result = ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256, reuse)
     return finish_shard(result, Path(job.out_dir)) if finish else result
 
 
@@ -113,18 +122,35 @@ def finish_shard(result: ShardResult, out_dir: Path) -> ShardResult:
 
 
 class _HashingReader:
-    """Reads the source in order into a small ring of reused buffers (no fresh pages per chunk) while a
-    helper thread computes the sha256 of everything read (hashlib and the kernels release the GIL, so
-    hashing overlaps quantizing). A view returned by `read` stays valid for the next RING - 1 reads."""
+    """Hands out the source's bytes in file order, straight from the page cache (a read-only mmap: no copy
+    into a buffer, which cost as much CPU as a plain copy of the file), while a helper thread computes the
+    sha256 of everything handed out (hashlib and the kernels release the GIL, so hashing overlaps
+    quantizing). A view returned by `read` stays valid for the next RING - 1 reads; older chunks are
+    unmapped again (the page cache keeps them), so the resident set stays at a few chunks per worker.
+
+    Each chunk's pages are mapped with MADV_POPULATE_READ before use, so a source truncated under us is an
+    error here rather than a SIGBUS on access. Where the kernel lacks it (Linux < 5.14), chunks are read
+    with `pread` into a ring of reused buffers instead."""
 
     RING = 3
 
-    def __init__(self, fin):
-        self._fin, self._hash = fin, hashlib.sha256()
+    def __init__(self, fin, size: int, hashing: bool = True):
+        self._fin, self._hash, self._hashing = fin, hashlib.sha256(), hashing
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        self._buffers: list[bytearray] = [bytearray(0) for _ in range(self.RING)]
         self._hashed: list = [None] * self.RING
+        self._chunks: list = [None] * self.RING  # (offset, length) of the mapped chunk in each ring slot
+        self._buffers: list[bytearray] = [bytearray(0) for _ in range(self.RING)]
         self._turn = 0
+        self._map = mmap.mmap(fin.fileno(), 0, prot=mmap.PROT_READ) if size and _POPULATE_READ else None
+        if self._map is not None:
+            self._view = memoryview(self._map)
+            try:
+                self._map.madvise(mmap.MADV_SEQUENTIAL)
+                self._map.madvise(_POPULATE_READ, 0, min(size, mmap.PAGESIZE))
+            except OSError:  # no MADV_POPULATE_READ here: read with pread instead
+                self._view.release()
+                self._map.close()
+                self._map = None
 
     def read(self, offset: int, n: int) -> memoryview:
         """Bytes [offset, offset + n) of the source, which must be read in file order.
@@ -136,15 +162,45 @@ class _HashingReader:
         self._turn += 1
         if self._hashed[i] is not None:
             self._hashed[i].result()
-        if len(self._buffers[i]) < n:
-            self._buffers[i] = bytearray(max(n, CHUNK_BYTES))
-        view = memoryview(self._buffers[i])[:n]
-        got = os.preadv(self._fin.fileno(), [view], offset)
-        if got != n:
-            raise CheckpointError(f"{self._fin.name}: truncated while reading at byte {offset + got} "
-                                  f"(wanted {n} bytes at {offset}); re-download the shard")
-        self._hashed[i] = self._pool.submit(self._hash.update, view)
+            self._hashed[i] = None
+        if self._map is not None:
+            self._unmap(i)
+            view = self._view[offset:offset + n]
+            if len(view) != n or not self._populate(offset, n):
+                got = max(0, min(n, len(view)))
+                raise CheckpointError(f"{self._fin.name}: truncated while reading at byte {offset + got} "
+                                      f"(wanted {n} bytes at {offset}); re-download the shard")
+            self._chunks[i] = (offset, n)
+        else:
+            if len(self._buffers[i]) < n:
+                self._buffers[i] = bytearray(max(n, CHUNK_BYTES))
+            view = memoryview(self._buffers[i])[:n]
+            got = os.preadv(self._fin.fileno(), [view], offset)
+            if got != n:
+                raise CheckpointError(f"{self._fin.name}: truncated while reading at byte {offset + got} "
+                                      f"(wanted {n} bytes at {offset}); re-download the shard")
+        if self._hashing:
+            self._hashed[i] = self._pool.submit(self._hash.update, view)
         return view
+
+    def _populate(self, offset: int, n: int) -> bool:
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            self._map.madvise(_POPULATE_READ, start, offset + n - start)
+        except OSError:  # EFAULT: part of the range is past the end of the file now
+            return False
+        return True
+
+    def _unmap(self, i: int) -> None:
+        """Drop ring slot i's pages from our mapping (not from the page cache), to keep RSS small."""
+        if self._chunks[i] is None:
+            return
+        offset, n = self._chunks[i]
+        self._chunks[i] = None
+        start = offset - offset % mmap.PAGESIZE
+        end = offset + n - (offset + n) % mmap.PAGESIZE  # whole pages only: the next chunk may share the last
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def reread(self, offset: int, n: int) -> bytes:
         """Bytes already read once, again, outside the hashed sequence (the rare non-finite path)."""
@@ -158,12 +214,19 @@ class _HashingReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._map is not None:
+            self._view.release()
+            try:
+                self._map.close()
+            except BufferError:  # a view still held by an error in flight; the mapping goes with it
+                pass
 
 
-def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None]) -> str:
-    """Read the source sequentially (header, then tensors by offset), transform and place each tensor."""
+def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None], hashing: bool = True) -> str:
+    """Read the source sequentially (header, then tensors by offset), transform and place each tensor;
+    returns the source's sha256 (when `hashing`)."""
     plan = job.plan
-    reader = _HashingReader(fin)
+    reader = _HashingReader(fin, job.plan.source_size, hashing)
     try:
         tensors = sorted(plan.tensors, key=lambda t: t.source.start)
         data_start = tensors[0].source.start if tensors else plan.source_size

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import run_cli
 from mxforge.checkpoint import INDEX_NAME
-from mxforge.quantize.state import file_sha256
+from mxforge.file_hashes import hash_files
+from mxforge.quantize.state import STATE_NAME, file_sha256
 
 
 @pytest.fixture
@@ -86,6 +87,30 @@ def test_corrupt_data_caught_by_download_provenance(src, tmp_path):
     raw[-5] ^= 0xFF  # a flipped bit deep in the data: the header still parses
     shards[1].write_bytes(bytes(raw))
     msg = _fails(src, tmp_path / "out", match=shards[1].name)
+    assert "sha256" in msg and "corrupt" in msg
+
+
+def test_download_verified_sha256_reused_until_the_shard_changes(src, tiny_ckpt, tmp_path):
+    """What download leaves (mxforge_source.json + its hash cache) spares quantize the sha256 pass while the
+    shards keep their size and mtime; a shard rewritten since is hashed again, and corruption is caught."""
+    shards = sorted(src.glob("*.safetensors"))
+    files = [{"name": p.name, "size": p.stat().st_size, "sha256": file_sha256(p)} for p in shards]
+    (src / "mxforge_source.json").write_text(json.dumps({"repo_id": "t/tiny", "files": files}))
+    hash_files(src, [p.name for p in shards], quiet=True)  # download's verified hashes, by size and mtime
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    run_cli("quantize", str(src), str(out), "--quiet", "--json", str(report), check=True)
+    assert json.loads(report.read_text())["shards_sha256_from_download"] == len(shards)
+    state = json.loads((out / STATE_NAME).read_text())["shards"]
+    assert {n: e["source_sha256"] for n, e in state.items()} == {f["name"]: f["sha256"] for f in files}
+    plain = tmp_path / "plain"
+    run_cli("quantize", str(tiny_ckpt), str(plain), "--quiet", check=True)
+    for p in shards:
+        assert (out / p.name).read_bytes() == (plain / p.name).read_bytes(), p.name
+
+    raw = bytearray(shards[1].read_bytes())
+    raw[-5] ^= 0xFF  # rewritten: same size, new mtime, so the cached hash no longer stands for it
+    shards[1].write_bytes(bytes(raw))
+    msg = _fails(src, tmp_path / "out2", match=shards[1].name)
     assert "sha256" in msg and "corrupt" in msg
 
 
