@@ -21,10 +21,11 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from .checkpoint import Checkpoint
-from .errors import MxforgeError
+from .errors import CheckpointError, MxforgeError
 from .file_hashes import LOCAL_ONLY_FILES, FileHash, checkpoint_files, hash_file, hash_files
 from .hub_errors import HubError, HubVerificationError, as_hub_error, hub_endpoint, raise_as_hub_error, redact
 from .model_card import CARD_MARKER, CARD_NAME, render_model_card
+from .safetensors_io import write_text_atomic
 
 IGNORE_PATTERNS = [".cache/*", "*.partial", ".git/*", *LOCAL_ONLY_FILES]
 
@@ -81,16 +82,15 @@ def write_model_card(ckpt: Path, repo_id: str, validation: dict, forced: bool, c
     """
     card = ckpt / CARD_NAME
     if card.exists() and CARD_MARKER not in card.read_text(errors="replace"):
-        card.replace(ckpt / "README.source.md")
+        try:
+            card.replace(ckpt / "README.source.md")
+        except OSError as e:
+            raise CheckpointError(f"{card}: cannot keep the existing README as README.source.md: {e.strerror or e}") from None
     names = [n for n in checkpoint_files(ckpt) if n != CARD_NAME]
     hashes = hash_files(ckpt, names, workers=workers, quiet=quiet, desc="sha256")
     text = render_model_card(Checkpoint.open(ckpt), repo_id=repo_id, files=list(hashes.values()),
                              validation=validation, forced=forced, push_command=command)
-    from .safetensors_io import partial_path
-
-    tmp = partial_path(card)
-    tmp.write_text(redact(text))
-    tmp.replace(card)
+    write_text_atomic(card, redact(text))
     sha256, git_sha1 = hash_file(card)
     return [*hashes.values(), FileHash(CARD_NAME, card.stat().st_size, sha256, git_sha1)]
 

@@ -249,15 +249,12 @@ def _as_bytes(data) -> memoryview:
     return memoryview(data).cast("B")
 
 
-def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2) -> None:
-    """Write JSON to a temporary file and rename it into place."""
-    path = Path(path)
+def _atomic(path: Path, fill) -> None:
+    """Run `fill(tmp)` on PATH.partial, fsync it, rename it to PATH; on failure remove it and raise one line."""
     tmp = partial_path(path)
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=indent)
-            f.write("\n")
-            f.flush()
+        fill(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
@@ -266,3 +263,34 @@ def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2) -> None:
         except FileNotFoundError:
             pass
         raise CheckpointError(f"{path}: cannot write: {e.strerror or e}") from None
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text (UTF-8) under a temporary name, fsync, rename into place.
+
+    Raises:
+        CheckpointError: the file cannot be written (disk full, permissions); nothing is left behind.
+    """
+    _atomic(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2, ensure_ascii: bool = True,
+                      trailing_newline: bool = True) -> None:
+    """Write JSON under a temporary name, fsync, rename into place.
+
+    Raises:
+        CheckpointError: the file cannot be written; nothing is left behind.
+    """
+    text = json.dumps(obj, indent=indent, ensure_ascii=ensure_ascii) + ("\n" if trailing_newline else "")
+    write_text_atomic(path, text)
+
+
+def copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy a file (with its metadata) under a temporary name, fsync, rename into place.
+
+    Raises:
+        CheckpointError: the copy failed (source unreadable, disk full); nothing is left behind.
+    """
+    import shutil
+
+    _atomic(Path(dst), lambda tmp: shutil.copy2(src, tmp))

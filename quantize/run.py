@@ -9,7 +9,6 @@ side files, config.json with Quark's quantization_config, and mxforge_quantize.j
 from __future__ import annotations
 
 import copy
-import json
 import multiprocessing as mp
 import os
 import shlex
@@ -23,7 +22,7 @@ from pathlib import Path
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
 from mxforge.progress import byte_progress
-from mxforge.safetensors_io import partial_path, read_header, write_json_atomic
+from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
 
 from .plan import QuantizePlan, ShardPlan, plan_checkpoint
 from .recipe import Recipe, load_recipe
@@ -289,13 +288,7 @@ def _copy_side_files(src: Path, out: Path) -> None:
         if (not p.is_file() or p.name.startswith(".") or p.suffix == ".safetensors" or p.name in NOT_COPIED
                 or p.name.endswith(".partial")):
             continue
-        tmp = partial_path(out / p.name)
-        try:
-            shutil.copyfile(p, tmp)
-            os.replace(tmp, out / p.name)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise CheckpointError(f"{out / p.name}: cannot copy from {p}: {e.strerror or e}") from None
+        copy_atomic(p, out / p.name)
 
 
 def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -> None:
@@ -303,16 +296,8 @@ def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -
     config = copy.deepcopy(config)
     _drop_quantization_config(config)
     config["quantization_config"] = recipe.quantization_config(plan.excluded_modules())
-    tmp = partial_path(out / "config.json")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(config, f, ensure_ascii=False, indent=4)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out / "config.json")
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"{out / 'config.json'}: cannot write: {e.strerror or e}") from None
+    # Quark's layout exactly: indent 4, UTF-8 as is, no trailing newline.
+    write_json_atomic(out / "config.json", config, indent=4, ensure_ascii=False, trailing_newline=False)
 
 
 def _drop_quantization_config(config: dict) -> None:
