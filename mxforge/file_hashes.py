@@ -53,9 +53,12 @@ class HashCache:
         self.path = self.root / CACHE_NAME
         self._lock = threading.Lock()
         try:
-            self._entries: dict[str, dict] = json.loads(self.path.read_text())
+            entries = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            self._entries = {}
+            entries = {}
+        # A cache that is not what we wrote is only a cache: start empty, everything is hashed again.
+        self._entries: dict[str, dict] = {k: v for k, v in entries.items() if isinstance(v, dict)} \
+            if isinstance(entries, dict) else {}
 
     def _stamp(self, name: str) -> tuple[int, int]:
         st = (self.root / name).stat()

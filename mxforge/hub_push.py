@@ -156,8 +156,12 @@ def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash]) 
 
 
 def push(ckpt: str | Path, repo_id: str, *, private: bool = False, branch: str | None = None, force: bool = False,
-         engines: list[str] | None = None, workers: int = 8, quiet: bool = False, command: str | None = None) -> PushResult:
+         engines: list[str] | None = None, workers: int = 8, quiet: bool = False, command: str | None = None,
+         validation: dict | None = None) -> PushResult:
     """Validate, card, upload and verify a checkpoint (see the module docstring).
+
+    `validation`: a ValidationReport.as_dict() the caller has just made of this very checkpoint (mxforge run
+    validates as its own stage); it must be clean, and is then not computed again.
 
     Raises:
         PushRefused: validation failed without --force (before any network call).
@@ -167,7 +171,8 @@ def push(ckpt: str | Path, repo_id: str, *, private: bool = False, branch: str |
     ckpt = Path(ckpt)
     branch = branch or "main"
     command = redact(command if command is not None else shlex.join(["mxforge", *sys.argv[1:]]))
-    validation = run_validation(ckpt, engines, force)
+    if validation is None or not validation.get("ok"):
+        validation = run_validation(ckpt, engines, force)
     files = write_model_card(ckpt, repo_id, validation, not validation["ok"], command, workers, quiet)
     api = HfApi()
     upload(api, ckpt, repo_id, branch, private, quiet)

@@ -121,6 +121,8 @@ def fetch_file(repo_id: str, name: str, commit: str, size: int, dest: Path, *, e
     target.parent.mkdir(parents=True, exist_ok=True)
     if partial.stat().st_size != size:
         raise OSError(f"{partial}: has {partial.stat().st_size} bytes, the Hub announced {size}")
+    with open(partial, "rb+") as f:  # durable before its streamed hash is trusted by reruns and by quantize
+        os.fsync(f.fileno())
     os.replace(partial, target)
     return FileHash(name, size, digest.sha256.hexdigest(), digest.sha1.hexdigest())
 

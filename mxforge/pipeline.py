@@ -97,6 +97,8 @@ class Pipeline:
         try:
             state = json.loads(self.state_path.read_text())
             old = state["inputs"]
+            if not isinstance(old, dict) or not isinstance(state.get("stages"), dict):
+                raise TypeError("inputs and stages must be objects")
         except (ValueError, KeyError, TypeError):
             raise MxforgeError(f"{self.state_path}: state file is corrupt; remove it to start the run over") from None
         for key in ("source", "revision"):
@@ -119,8 +121,11 @@ class Pipeline:
         return bool(rec and rec.get("status") == "done" and (marker is None or marker.exists()))
 
     def _stage(self, stage: str, work: Callable[[], dict], *, marker: Path | None = None, out_dir: Path | None = None,
-               bytes_in: int = 0, always: bool = False) -> dict:
-        """Run one stage unless recorded done (and its marker file still exists); record it in the state file."""
+               bytes_in: Callable[[dict], int] | int = 0, always: bool = False) -> dict:
+        """Run one stage unless recorded done (and its marker file still exists); record it in the state file.
+
+        `bytes_in`: the bytes the stage processed, or a function of its report giving them (a resumed
+        download or quantize processes only what was left)."""
         if not always and self._done(stage, marker):
             self.reused.add(stage)
             return self.state["stages"][stage]
@@ -134,6 +139,8 @@ class Pipeline:
             self._save()
             raise
         seconds = time.monotonic() - start
+        if callable(bytes_in):
+            bytes_in = bytes_in(report)
         rec = {"status": "done", "seconds": round(seconds, 3), "bytes_in": bytes_in,
                "bytes_out": _dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,
                "gb_per_s": round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
@@ -160,13 +167,10 @@ class Pipeline:
             self.state["stages"]["download"] = {"status": "done", "skipped": f"local source {self.bf16_dir}",
                                                 "seconds": 0.0, "bytes_in": 0, "bytes_out": 0, "report": None}
         else:
-            rec = self._stage("download", self._download, marker=self.bf16_dir / "config.json", out_dir=self.bf16_dir)
-            if rec["report"] and rec.get("seconds"):  # bytes in = bytes fetched this time (a resume fetches less)
-                rec["bytes_in"] = rec["report"]["downloaded_bytes"]
-                rec["gb_per_s"] = round(rec["bytes_in"] / rec["seconds"] / 1e9, 4) if rec["bytes_in"] else None
-                self._save()
+            self._stage("download", self._download, marker=self.bf16_dir / "config.json", out_dir=self.bf16_dir,
+                        bytes_in=lambda report: report["downloaded_bytes"])
         self._stage("quantize", self._quantize, marker=self.mxfp4_dir / "config.json", out_dir=self.mxfp4_dir,
-                    bytes_in=_dir_bytes(self.bf16_dir))
+                    bytes_in=lambda report: report["bytes_processed_now"])
         self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json")
         # Header-only and cheap: always checked again, never taken from the state file.
         validate = self._stage("validate", self._validate, always=True)
@@ -209,7 +213,8 @@ class Pipeline:
         from .hub_push import push
 
         return push(self.mxfp4_dir, self.opts.push_repo, private=self.opts.private, engines=self.opts.engines,
-                    quiet=self.opts.quiet, command=self.opts.command).as_dict()
+                    quiet=self.opts.quiet, command=self.opts.command,
+                    validation=self.state["stages"]["validate"]["report"]).as_dict()
 
     def report(self) -> dict:
         return {"stage": "run", "source": self.opts.source, "out": str(self.out), "product": str(self.mxfp4_dir),

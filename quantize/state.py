@@ -13,10 +13,12 @@ import json
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mxforge.safetensors_io import write_json_atomic
 
-from .shard_job import ShardResult
+if TYPE_CHECKING:  # the state file's name is imported by hub I/O, which must not pull in the shard workers
+    from .shard_job import ShardResult
 
 STATE_NAME = "mxforge_quantize.state.json"
 PROVENANCE_NAME = "mxforge_quantize.json"
@@ -53,7 +55,7 @@ class ResumeState:
         if self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
-                if data.get("format") == STATE_FORMAT:
+                if isinstance(data, dict) and data.get("format") == STATE_FORMAT:
                     self.shards = dict(data.get("shards") or {})
             except (OSError, ValueError):
                 self.shards = {}  # unreadable state: everything is redone
@@ -82,8 +84,8 @@ class ResumeState:
         self.save()
 
     def forget(self, name: str) -> None:
-        if self.shards.pop(name, None) is not None:
-            self.save()
+        """Drop a shard's entry in memory; the caller saves once after forgetting all it must."""
+        self.shards.pop(name, None)
 
     def save(self) -> None:
         write_json_atomic(self.path, {"format": STATE_FORMAT, "shards": dict(sorted(self.shards.items()))})

@@ -96,3 +96,12 @@ def test_kill_during_the_first_state_write_still_resumes(tiny_ckpt, tmp_path):
     run_cli("quantize", str(tiny_ckpt), str(reference), "--quiet", check=True)
     assert _outputs(out) == _outputs(reference)
     assert not list(out.glob("*.partial"))
+
+
+def test_state_file_of_the_wrong_shape_means_redo_everything(tiny_ckpt, tmp_path):
+    out = tmp_path / "out"
+    run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", check=True)
+    reference = _outputs(out)
+    (out / STATE_NAME).write_text("[1, 2, 3]")
+    rerun = json.loads(run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", "--json", "-", check=True).stdout)
+    assert rerun["shards"]["skipped_complete"] == 0 and _outputs(out) == reference

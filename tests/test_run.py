@@ -149,3 +149,11 @@ def test_run_unreachable_hub_is_one_line_and_recorded(tmp_path):
     assert proc.stderr.count("mxforge run: error:") == 1 and "cannot reach the Hub" in proc.stderr
     state = json.loads((out / STATE_NAME).read_text())
     assert state["stages"]["download"]["status"] == "failed" and "cannot reach" in state["stages"]["download"]["error"]
+
+
+def test_run_state_file_of_the_wrong_shape_is_one_line(tiny_ckpt, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / STATE_NAME).write_text('{"inputs": [1, 2], "stages": 3}')
+    proc = run_cli("run", str(tiny_ckpt), str(out), "--quiet")
+    assert proc.returncode == 2 and "state file is corrupt" in proc.stderr and "Traceback" not in proc.stderr
