@@ -15,13 +15,13 @@ import difflib
 import fnmatch
 import json
 import shlex
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mxforge.errors import ConfigError
-from mxforge.safetensors_io import write_json_atomic
+from mxforge.checkpoint import load_json
+from mxforge.errors import CheckpointError, ConfigError
+from mxforge.safetensors_io import copy_atomic, write_json_atomic
 
 from .config_checks import exclude_entries
 from .matching import ExcludeList, ShardsDisagree, engine_excludes, is_glob, with_mtp_remap
@@ -142,6 +142,7 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     profiles = resolve_profiles(engines)
     command = command or shlex.join(["mxforge", *sys.argv[1:]])
     _check_exclude_form(Path(root))
+    record = None if dry_run else load_fixups_record(Path(root))
     injected, note = _maybe_inject(Path(root), mtp_from, recipe, dry_run, quiet)
     loaded, _, _ = load_checkpoint(root)
     result = FixupResult(str(loaded.ckpt.root), [p.name for p in profiles], dry_run=dry_run)
@@ -150,7 +151,7 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     if injected:
         result.applied.append(injected)
         if not dry_run:
-            record_fixups(loaded.ckpt.root, [injected], result.engines, command)
+            record_fixups(loaded.ckpt.root, record, [injected], result.engines, command)
     config = loaded.ckpt.config
     qc = loaded.ckpt.quantization_config
     if qc is None:
@@ -175,7 +176,7 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
         return result
     backup_config(loaded.ckpt.root)
     write_json_atomic(loaded.ckpt.root / "config.json", new_config)
-    record_fixups(loaded.ckpt.root, applied + aliases, result.engines, command)
+    record_fixups(loaded.ckpt.root, record, applied + aliases, result.engines, command)
     return result
 
 
@@ -223,19 +224,42 @@ def loaded_mtp_layers(ckpt) -> list[int]:
 
 
 def backup_config(root: Path) -> None:
-    """Keep the original config.json as config.json.orig (first change only; copied, then renamed)."""
+    """Keep the original config.json as config.json.orig (first change only; copied atomically).
+
+    Raises:
+        CheckpointError: the copy cannot be written; nothing is left behind.
+    """
     backup = root / BACKUP_NAME
     if not backup.exists():
-        tmp = backup.with_name(BACKUP_NAME + ".partial")
-        shutil.copy2(root / "config.json", tmp)
-        tmp.replace(backup)
+        copy_atomic(root / "config.json", backup)
 
 
-def record_fixups(root: Path, applied: list[dict], engines: list[str], command: str) -> None:
-    """Append what was applied to mxforge_fixups.json (beside config.json, never inside quantization_config)."""
+def load_fixups_record(root: Path) -> dict:
+    """The existing mxforge_fixups.json, or a fresh record when there is none.
+
+    Read before anything is written, so that a damaged record stops the run before config.json changes.
+
+    Raises:
+        CheckpointError: the record exists but is not valid JSON or not a fixup record.
+    """
     record_path = root / FIXUPS_NAME
-    record = json.loads(record_path.read_text()) if record_path.exists() else {"stage": "fixup", "fixups": [], "runs": []}
+    if not record_path.exists():
+        return {"stage": "fixup", "fixups": [], "runs": []}
+    record = load_json(record_path, "fixup record")
+    if not (isinstance(record, dict) and isinstance(record.get("fixups"), list) and isinstance(record.get("runs"), list)):
+        raise CheckpointError(f"{record_path}: not a fixup record (an object with 'fixups' and 'runs' lists); "
+                              "move it aside and re-run mxforge fixup")
+    return record
+
+
+def record_fixups(root: Path, record: dict, applied: list[dict], engines: list[str], command: str) -> None:
+    """Append what was applied to `record` (from load_fixups_record) and write it as mxforge_fixups.json
+    (beside config.json, never inside quantization_config).
+
+    Raises:
+        CheckpointError: the record cannot be written.
+    """
     record["fixups"] += applied
     record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
     record.update({"engines": engines, "config_backup": BACKUP_NAME, "command": command})
-    write_json_atomic(record_path, record)
+    write_json_atomic(root / FIXUPS_NAME, record)

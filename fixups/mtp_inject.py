@@ -7,7 +7,6 @@ updated (exclude gains the MTP modules kept bf16) and the usual fixup runs on th
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.progress import byte_progress
-from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
+from mxforge.safetensors_io import PlannedTensor, ShardWriter, copy_atomic, write_json_atomic
 
 MTP_SHARD = "model-mtp.safetensors"
 INDEX_BACKUP = INDEX_NAME + ".orig"
@@ -127,8 +126,7 @@ def inject_mtp(root: str | Path, src_root: str | Path, recipe_name: str, quiet: 
 def _update_index(ckpt: Checkpoint, plan: MtpPlan) -> None:
     index_path = ckpt.root / INDEX_NAME
     if not (ckpt.root / INDEX_BACKUP).exists():
-        shutil.copy2(index_path, ckpt.root / (INDEX_BACKUP + ".partial"))
-        (ckpt.root / (INDEX_BACKUP + ".partial")).replace(ckpt.root / INDEX_BACKUP)
+        copy_atomic(index_path, ckpt.root / INDEX_BACKUP)
     weight_map = dict(ckpt.weight_map)
     weight_map.update({t.name: MTP_SHARD for t in plan.tensors})
     total = int(ckpt.index_metadata.get("total_size", 0)) + sum(t.nbytes for t in plan.tensors)

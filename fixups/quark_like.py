@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import shutil
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
-from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, write_json_atomic
+from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
 PLACEHOLDER_SCALE = 127  # E8M0 byte for 2^0
 
@@ -104,7 +103,7 @@ def write_quark_like(src: str | Path, out: str | Path, patterns: list[str], *, g
     config["quantization_config"] = quark_quantization_config(exclude)
     for path in src_ckpt.root.iterdir():
         if path.is_file() and not path.name.endswith(".safetensors") and path.name not in ("config.json", INDEX_NAME):
-            shutil.copy2(path, out / path.name)
+            copy_atomic(path, out / path.name)
     write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     write_json_atomic(out / "config.json", config)
     return exclude
