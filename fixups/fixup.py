@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mxforge.checkpoint import load_json
 from mxforge.errors import CheckpointError, ConfigError
+from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import copy_atomic, write_json_atomic
 
 from .config_checks import exclude_entries
@@ -202,10 +203,10 @@ def _maybe_inject(root: Path, mtp_from, recipe: str | None, dry_run: bool, quiet
     from mxforge.checkpoint import Checkpoint
     from mxforge.quantize.recipe import load_recipe
 
-    from .mtp_inject import inject_mtp, plan_mtp_injection
+    from .mtp_inject import held_mtp_layers, inject_mtp, plan_mtp_injection
 
     ckpt = Checkpoint.open(root)
-    layers = loaded_mtp_layers(ckpt)
+    layers = held_mtp_layers(ckpt.weight_map, GlmLayout(ckpt.config))
     if layers:
         return None, f"--mtp-from: the checkpoint already holds MTP layer(s) {layers}; nothing injected"
     if dry_run:
@@ -213,14 +214,6 @@ def _maybe_inject(root: Path, mtp_from, recipe: str | None, dry_run: bool, quiet
         return {"fixup": "mtp_inject", "layers": plan.layers, "source": str(mtp_from), "quantized": len(plan.quantize),
                 "why": "the export shipped without its MTP layer (dry run: not written)"}, None
     return inject_mtp(root, mtp_from, recipe, quiet=quiet), None
-
-
-def loaded_mtp_layers(ckpt) -> list[int]:
-    """MTP layers (per config.json) of which the index holds any tensor."""
-    n_layers = int(ckpt.config.get("num_hidden_layers", 0))
-    nextn = int(ckpt.config.get("num_nextn_predict_layers", 0) or 0)
-    return [n for n in range(n_layers, n_layers + nextn)
-            if any(name.startswith(f"model.layers.{n}.") for name in ckpt.weight_map)]
 
 
 def backup_config(root: Path) -> None:

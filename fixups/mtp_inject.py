@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.progress import byte_progress
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, copy_atomic, write_json_atomic
+from mxforge.tensor_kinds import layer_of
 
 MTP_SHARD = "model-mtp.safetensors"
 INDEX_BACKUP = INDEX_NAME + ".orig"
@@ -40,8 +42,7 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
         ConfigError: the source's config does not match the export's, or neither declares MTP layers.
         CheckpointError: the export already holds MTP tensors, or the source lacks them.
     """
-    from mxforge.quantize.mxfp4 import packed_shapes
-    from mxforge.quantize.recipe import is_linear_weight_name
+    from mxforge.quantize.plan import TensorPlan, tensor_fate
 
     mismatched = [f for f in SHAPE_FIELDS if ckpt.config.get(f) != src.config.get(f)]
     if mismatched:
@@ -50,28 +51,29 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
     layout = GlmLayout({**ckpt.config, "num_nextn_predict_layers": _nextn(ckpt.config) or _nextn(src.config)})
     if not layout.mtp_layers:
         raise ConfigError(f"{src.root}: num_nextn_predict_layers is 0 in both configs: there is no MTP layer to inject")
-    prefixes = tuple(f"model.layers.{n}." for n in layout.mtp_layers)
-    present = [n for n in ckpt.weight_map if n.startswith(prefixes)]
+    present = mtp_tensors(ckpt.weight_map, layout)
     if present:
         raise CheckpointError(f"{ckpt.root}: already holds MTP tensors (e.g. {present[0]}); --mtp-from only re-injects "
                               "a missing MTP layer")
-    infos = {n: i for n, i in src.tensor_infos().items() if n.startswith(prefixes)}
+    infos = {n: i for n, i in src.tensor_infos().items() if layer_of(n) in layout.mtp_layers}
     if not infos:
-        raise CheckpointError(f"{src.root}: holds no {prefixes[0]}* tensors either; use the original bf16 checkpoint")
-    tensors, quantize, kept = [], set(), []
-    for name in sorted(infos):
-        info = infos[name]
-        linear = len(info.shape) == 2 and is_linear_weight_name(name) and info.dtype in ("BF16", "F16", "F32")
-        if linear and recipe.decide(name, layout) == "quantize":
-            codes, scales = packed_shapes(info.shape)
-            module = name.removesuffix(".weight")
-            tensors += [PlannedTensor(name, "U8", codes), PlannedTensor(module + ".weight_scale", "U8", scales)]
-            quantize.add(name)
-        else:
-            if linear:
-                kept.append(name.removesuffix(".weight"))
-            tensors.append(PlannedTensor(name, info.dtype, info.shape))
-    return MtpPlan(list(layout.mtp_layers), tensors, quantize, kept, sum(i.nbytes for i in infos.values()))
+        raise CheckpointError(f"{src.root}: holds no model.layers.{layout.mtp_layers[0]}.* tensors either; "
+                              "use the original bf16 checkpoint")
+    plans = [TensorPlan(infos[n], tensor_fate(infos[n], recipe, layout)) for n in sorted(infos)]
+    return MtpPlan(list(layout.mtp_layers), [o for p in plans for o in p.outputs()],
+                   {p.source.name for p in plans if p.fate == "quantized"},
+                   [p.source.name.removesuffix(".weight") for p in plans if p.fate == "kept"],
+                   sum(i.nbytes for i in infos.values()))
+
+
+def mtp_tensors(names: Iterable[str], layout: GlmLayout) -> list[str]:
+    """Those of `names` that belong to an MTP layer (per config.json), in order."""
+    return [n for n in names if layer_of(n) in layout.mtp_layers]
+
+
+def held_mtp_layers(names: Iterable[str], layout: GlmLayout) -> list[int]:
+    """MTP layers (per config.json) of which `names` hold any tensor."""
+    return sorted({layer_of(n) for n in mtp_tensors(names, layout)})
 
 
 def inject_mtp(root: str | Path, src_root: str | Path, recipe_name: str, quiet: bool = False) -> dict:
@@ -149,4 +151,5 @@ def _update_config(ckpt: Checkpoint, src: Checkpoint, plan: MtpPlan) -> None:
 
 
 def _nextn(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers", 0) or 0)
+    """How many MTP layers config.json declares."""
+    return len(GlmLayout(config).mtp_layers)
