@@ -8,7 +8,7 @@ from typing import Mapping
 from mxforge.errors import ConfigError
 
 from .loaded import LoadedCheckpoint
-from .matching import ExcludeList, ShardsDisagree, engine_excludes, with_mtp_remap
+from .matching import ExcludeList, ShardsDisagree, draft_excludes, engine_excludes
 from .modules import EngineModule, engine_modules
 from .profiles import EngineProfile
 from .report import Problem
@@ -127,9 +127,7 @@ def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exc
     main = ExcludeList(tuple(exclude))
     problems, checked = [], {}
     for profile in profiles:
-        draft = main
-        for layer in loaded.layout.mtp_layers:
-            draft = with_mtp_remap(draft, profile, layer)
+        draft = draft_excludes(main, profile, loaded.layout.mtp_layers)
         modules = engine_modules(profile, loaded.layout, loaded.linears)
         found = check_engine(profile, modules, loaded.stored, main, draft, quantized, loaded.unreadable)
         problems += found

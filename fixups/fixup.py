@@ -25,7 +25,7 @@ from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import copy_atomic, write_json_atomic
 
 from .config_checks import exclude_entries
-from .matching import ExcludeList, ShardsDisagree, engine_excludes, is_glob, with_mtp_remap
+from .matching import ExcludeList, ShardsDisagree, draft_excludes, engine_excludes, is_glob
 from .modules import engine_modules
 from .profiles import EngineProfile, resolve_profiles
 from .report import MAX_LISTED, Problem
@@ -100,9 +100,7 @@ def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[
     added: dict[str, dict] = {}
     for profile in profiles:
         main = ExcludeList(tuple(entries) + tuple(added))
-        draft = main
-        for layer in loaded.layout.mtp_layers:
-            draft = with_mtp_remap(draft, profile, layer)
+        draft = draft_excludes(main, profile, loaded.layout.mtp_layers)
         for module in engine_modules(profile, loaded.layout, loaded.linears):
             forms = {loaded.stored[lin.name].form for lin in module.shards}
             if forms != {BF16} or not module.quantizable:
