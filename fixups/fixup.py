@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mxforge.checkpoint import load_json
+from mxforge.checkpoint import Checkpoint, load_json
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import copy_atomic, write_json_atomic
@@ -140,10 +140,13 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     """
     profiles = resolve_profiles(engines)
     command = command or shlex.join(["mxforge", *sys.argv[1:]])
-    _check_exclude_form(Path(root))
-    record = None if dry_run else load_fixups_record(Path(root))
-    injected, note = _maybe_inject(Path(root), mtp_from, recipe, dry_run, quiet)
-    loaded, _, _ = load_checkpoint(root)
+    ckpt = Checkpoint.open(root)
+    _check_exclude_form(ckpt)
+    record = None if dry_run else load_fixups_record(ckpt.root)
+    injected, note = _maybe_inject(ckpt, mtp_from, recipe, dry_run, quiet)
+    if injected and not dry_run:
+        ckpt = Checkpoint.open(ckpt.root)  # the injection rewrote the index and config.json
+    loaded, _, _ = load_checkpoint(ckpt)
     result = FixupResult(str(loaded.ckpt.root), [p.name for p in profiles], dry_run=dry_run)
     if note:
         result.warnings.append(note)
@@ -179,31 +182,26 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     return result
 
 
-def _check_exclude_form(root: Path) -> None:
+def _check_exclude_form(ckpt: Checkpoint) -> None:
     """Refuse to edit an `exclude` that is not a list of strings (before anything is written).
 
     Raises:
-        CheckpointError: not a checkpoint directory. ConfigError: a malformed `exclude`.
+        ConfigError: a malformed `exclude`.
     """
-    from mxforge.checkpoint import Checkpoint
-
-    qc = Checkpoint.open(root).quantization_config
-    raw = (qc or {}).get("exclude", [])
+    raw = (ckpt.quantization_config or {}).get("exclude", [])
     if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
-        raise ConfigError(f"{root / 'config.json'}: quantization_config.exclude is not a list of module names; "
+        raise ConfigError(f"{ckpt.root / 'config.json'}: quantization_config.exclude is not a list of module names; "
                           "fix it by hand (see mxforge validate) before running fixup")
 
 
-def _maybe_inject(root: Path, mtp_from, recipe: str | None, dry_run: bool, quiet: bool) -> tuple[dict | None, str | None]:
+def _maybe_inject(ckpt: Checkpoint, mtp_from, recipe: str | None, dry_run: bool, quiet: bool) -> tuple[dict | None, str | None]:
     """Re-inject the MTP layer from `mtp_from` when the checkpoint lacks it: (record, note)."""
     if mtp_from is None:
         return None, None
-    from mxforge.checkpoint import Checkpoint
     from mxforge.quantize.recipe import load_recipe
 
     from .mtp_inject import held_mtp_layers, inject_mtp, plan_mtp_injection
 
-    ckpt = Checkpoint.open(root)
     layers = held_mtp_layers(ckpt.weight_map, GlmLayout(ckpt.config))
     if layers:
         return None, f"--mtp-from: the checkpoint already holds MTP layer(s) {layers}; nothing injected"
@@ -211,7 +209,7 @@ def _maybe_inject(root: Path, mtp_from, recipe: str | None, dry_run: bool, quiet
         plan = plan_mtp_injection(ckpt, Checkpoint.open(mtp_from), load_recipe(recipe))
         return {"fixup": "mtp_inject", "layers": plan.layers, "source": str(mtp_from), "quantized": len(plan.quantize),
                 "why": "the export shipped without its MTP layer (dry run: not written)"}, None
-    return inject_mtp(root, mtp_from, recipe, quiet=quiet), None
+    return inject_mtp(ckpt, mtp_from, recipe, quiet=quiet), None
 
 
 def backup_config(root: Path) -> None:

@@ -76,8 +76,9 @@ def held_mtp_layers(names: Iterable[str], layout: GlmLayout) -> list[int]:
     return sorted({layer_of(n) for n in mtp_tensors(names, layout)})
 
 
-def inject_mtp(root: str | Path, src_root: str | Path, recipe_name: str, quiet: bool = False) -> dict:
-    """Write the MTP layer(s) from `src_root` into checkpoint `root`; returns the record of what was done.
+def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name: str, quiet: bool = False) -> dict:
+    """Write the MTP layer(s) from `src_root` into checkpoint `root` (a path, or one already open); returns
+    the record of what was done.
 
     The new shard is written under a temporary name and renamed; then the index, then config.json
     (originals kept as *.orig on the first change).
@@ -91,7 +92,8 @@ def inject_mtp(root: str | Path, src_root: str | Path, recipe_name: str, quiet: 
     from mxforge.quantize.recipe import load_recipe
 
     recipe = load_recipe(recipe_name)
-    ckpt, src = Checkpoint.open(root), Checkpoint.open(src_root)
+    ckpt = root if isinstance(root, Checkpoint) else Checkpoint.open(root)
+    src = Checkpoint.open(src_root)
     plan = plan_mtp_injection(ckpt, src, recipe)
     if (ckpt.root / MTP_SHARD).exists() and MTP_SHARD in ckpt.shard_names:
         raise CheckpointError(f"{ckpt.root / MTP_SHARD}: already in the index; nothing to inject")
