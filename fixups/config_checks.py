@@ -7,6 +7,7 @@ from typing import Mapping
 
 from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
+from mxforge.tensor_kinds import layer_of
 
 from .matching import is_glob
 from .report import Problem
@@ -84,7 +85,7 @@ def check_layout(layout: GlmLayout, planned: list[PlannedTensor], stored: Mappin
     for t in planned:
         if t.name in infos or t.name in skip:
             continue
-        layer = int(t.name.split(".")[2]) if t.name.startswith("model.layers.") else None
+        layer = layer_of(t.name)
         missing_by_layer.setdefault(layer, []).append(t.name)
     for layer, names in missing_by_layer.items():
         if layer is not None and layout.is_mtp(layer) and not mtp_present[layer]:

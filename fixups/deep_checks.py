@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Mapping
 
+from mxforge.checkpoint import load_json
+from mxforge.errors import CheckpointError
+from mxforge.file_hashes import hash_files
+from mxforge.hub_download import SOURCE_NAME
 from mxforge.progress import byte_progress
+from mxforge.quantize.state import PROVENANCE_NAME
 from mxforge.safetensors_io import TensorInfo
 
 from .report import Problem
 
 NAN_SCALE = 255           # E8M0 0xFF encodes NaN: every weight of that 32-block dequantizes to NaN
 CHUNK = 16 << 20
-SOURCE_MANIFEST = "mxforge_source.json"
-QUANTIZE_RECORD = "mxforge_quantize.json"
 
 
 def scan_scales(root: Path, weight_map: Mapping[str, str], infos: Mapping[str, TensorInfo], quiet: bool = False) -> tuple[list[Problem], int]:
@@ -46,34 +48,51 @@ def scan_scales(root: Path, weight_map: Mapping[str, str], infos: Mapping[str, T
     return problems, total
 
 
+def _manifest_files(manifest: Path) -> list[dict]:
+    """The `files` entries of a download manifest, each a dict with a string `name`.
+
+    Raises:
+        CheckpointError: the manifest is unreadable, not JSON, or an entry is malformed (named).
+    """
+    data = load_json(manifest, "download manifest")
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, list):
+        raise CheckpointError(f"{manifest}: download manifest has no 'files' list; re-run mxforge download")
+    for i, entry in enumerate(files):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise CheckpointError(f"{manifest}: files[{i}] ({json.dumps(entry)[:80]}) is not an object with a "
+                                  "'name'; re-run mxforge download")
+    return files
+
+
 def check_sha256(root: Path, quiet: bool = False) -> tuple[list[Problem], dict]:
     """Compare files with the sha256 sums `mxforge download` recorded, where they describe this directory.
 
     A quantized directory carries its source's manifest along (it describes the source's files, not
-    these), so the check is skipped there.
+    these), so the check is skipped there. Every byte is re-read (the hash cache is not trusted).
+
+    Raises:
+        CheckpointError: the manifest is malformed (the entry is named), or a listed file cannot be read.
     """
-    manifest = root / SOURCE_MANIFEST
+    manifest = root / SOURCE_NAME
     if not manifest.exists():
-        return [], {"skipped": f"no {SOURCE_MANIFEST}"}
-    if (root / QUANTIZE_RECORD).exists():
-        return [], {"skipped": f"{SOURCE_MANIFEST} describes the quantizer's source, not this directory"}
+        return [], {"skipped": f"no {SOURCE_NAME}"}
+    if (root / PROVENANCE_NAME).exists():
+        return [], {"skipped": f"{SOURCE_NAME} describes the quantizer's source, not this directory"}
+    files = _manifest_files(manifest)
+    problems, present = [], []
+    for entry in files:
+        if (root / entry["name"]).is_file():
+            present.append(entry)
+        else:
+            problems.append(Problem("hash", entry["name"], "listed in the download manifest but missing", "re-run mxforge download"))
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError):
-        return [Problem("hash", SOURCE_MANIFEST, "is not valid JSON with a 'files' list", "re-run mxforge download")], {}
-    problems, total = [], sum(int(f.get("size", 0)) for f in files)
-    with byte_progress(total, "validate: sha256", disable=quiet) as bar:
-        for entry in files:
-            path = root / entry["name"]
-            if not path.exists():
-                problems.append(Problem("hash", entry["name"], "listed in the download manifest but missing", "re-run mxforge download"))
-                continue
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-            if entry.get("sha256") and digest.hexdigest() != entry["sha256"]:
-                problems.append(Problem("hash", entry["name"], f"sha256 {digest.hexdigest()[:16]}... differs from the "
-                                        f"download manifest's {entry['sha256'][:16]}...", "re-download the file"))
-    return problems, {"files": len(files), "bytes": total}
+        hashes = hash_files(root, [e["name"] for e in present], quiet=quiet, desc="validate: sha256", use_cache=False)
+    except OSError as e:
+        raise CheckpointError(f"{e.filename or root}: cannot read for the sha256 check: {e.strerror or e}") from None
+    for entry in present:
+        got, want = hashes[entry["name"]].sha256, entry.get("sha256")
+        if want and got != want:
+            problems.append(Problem("hash", entry["name"], f"sha256 {got[:16]}... differs from the "
+                                    f"download manifest's {str(want)[:16]}...", "re-download the file"))
+    return problems, {"files": len(files), "bytes": sum(h.size for h in hashes.values())}

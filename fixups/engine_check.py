@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from mxforge.errors import ConfigError
+
 from .loaded import LoadedCheckpoint
-from .matching import ExcludeList, ShardsDisagree, engine_excludes, with_mtp_remap
+from .matching import ExcludeList, ShardsDisagree, draft_excludes, engine_excludes
 from .modules import EngineModule, engine_modules
 from .profiles import EngineProfile
 from .report import Problem
@@ -76,7 +78,10 @@ def expected_text(module: EngineModule, form: str) -> str:
         return f"bf16 (w13_weight [{n}, {2 * inter}, {hidden}], w2_weight [{n}, {down.out_features}, {inter}])"
     out = sum(s.out_features for s in shards)
     if form == MXFP4:
-        return f"MXFP4 (uint8 {list(mxfp4_shapes(out, shards[0].in_features)[0])})"
+        try:
+            return f"MXFP4 (uint8 {list(mxfp4_shapes(out, shards[0].in_features)[0])})"
+        except ConfigError:
+            return f"MXFP4 (in-dimension {shards[0].in_features} is odd: it cannot be packed)"
     return f"bf16 [{out}, {shards[0].in_features}]"
 
 
@@ -122,9 +127,7 @@ def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exc
     main = ExcludeList(tuple(exclude))
     problems, checked = [], {}
     for profile in profiles:
-        draft = main
-        for layer in loaded.layout.mtp_layers:
-            draft = with_mtp_remap(draft, profile, layer)
+        draft = draft_excludes(main, profile, loaded.layout.mtp_layers)
         modules = engine_modules(profile, loaded.layout, loaded.linears)
         found = check_engine(profile, modules, loaded.stored, main, draft, quantized, loaded.unreadable)
         problems += found

@@ -15,16 +15,17 @@ import difflib
 import fnmatch
 import json
 import shlex
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mxforge.errors import ConfigError
-from mxforge.safetensors_io import write_json_atomic
+from mxforge.checkpoint import Checkpoint, load_json
+from mxforge.errors import CheckpointError, ConfigError
+from mxforge.glm_layout import GlmLayout
+from mxforge.safetensors_io import copy_atomic, write_json_atomic
 
 from .config_checks import exclude_entries
-from .matching import ExcludeList, ShardsDisagree, engine_excludes, is_glob, with_mtp_remap
+from .matching import ExcludeList, ShardsDisagree, draft_excludes, engine_excludes, is_glob
 from .modules import engine_modules
 from .profiles import EngineProfile, resolve_profiles
 from .report import MAX_LISTED, Problem
@@ -99,9 +100,7 @@ def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[
     added: dict[str, dict] = {}
     for profile in profiles:
         main = ExcludeList(tuple(entries) + tuple(added))
-        draft = main
-        for layer in loaded.layout.mtp_layers:
-            draft = with_mtp_remap(draft, profile, layer)
+        draft = draft_excludes(main, profile, loaded.layout.mtp_layers)
         for module in engine_modules(profile, loaded.layout, loaded.linears):
             forms = {loaded.stored[lin.name].form for lin in module.shards}
             if forms != {BF16} or not module.quantizable:
@@ -141,16 +140,20 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     """
     profiles = resolve_profiles(engines)
     command = command or shlex.join(["mxforge", *sys.argv[1:]])
-    _check_exclude_form(Path(root))
-    injected, note = _maybe_inject(Path(root), mtp_from, recipe, dry_run, quiet)
-    loaded, _, _ = load_checkpoint(root)
+    ckpt = Checkpoint.open(root)
+    _check_exclude_form(ckpt)
+    record = None if dry_run else load_fixups_record(ckpt.root)
+    injected, note = _maybe_inject(ckpt, mtp_from, recipe, dry_run, quiet)
+    if injected and not dry_run:
+        ckpt = Checkpoint.open(ckpt.root)  # the injection rewrote the index and config.json
+    loaded, _, _ = load_checkpoint(ckpt)
     result = FixupResult(str(loaded.ckpt.root), [p.name for p in profiles], dry_run=dry_run)
     if note:
         result.warnings.append(note)
     if injected:
         result.applied.append(injected)
         if not dry_run:
-            record_fixups(loaded.ckpt.root, [injected], result.engines, command)
+            record_fixups(loaded.ckpt.root, record, [injected], result.engines, command)
     config = loaded.ckpt.config
     qc = loaded.ckpt.quantization_config
     if qc is None:
@@ -175,67 +178,77 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
         return result
     backup_config(loaded.ckpt.root)
     write_json_atomic(loaded.ckpt.root / "config.json", new_config)
-    record_fixups(loaded.ckpt.root, applied + aliases, result.engines, command)
+    record_fixups(loaded.ckpt.root, record, applied + aliases, result.engines, command)
     return result
 
 
-def _check_exclude_form(root: Path) -> None:
+def _check_exclude_form(ckpt: Checkpoint) -> None:
     """Refuse to edit an `exclude` that is not a list of strings (before anything is written).
 
     Raises:
-        CheckpointError: not a checkpoint directory. ConfigError: a malformed `exclude`.
+        ConfigError: a malformed `exclude`.
     """
-    from mxforge.checkpoint import Checkpoint
-
-    qc = Checkpoint.open(root).quantization_config
-    raw = (qc or {}).get("exclude", [])
+    raw = (ckpt.quantization_config or {}).get("exclude", [])
     if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
-        raise ConfigError(f"{root / 'config.json'}: quantization_config.exclude is not a list of module names; "
+        raise ConfigError(f"{ckpt.root / 'config.json'}: quantization_config.exclude is not a list of module names; "
                           "fix it by hand (see mxforge validate) before running fixup")
 
 
-def _maybe_inject(root: Path, mtp_from, recipe: str | None, dry_run: bool, quiet: bool) -> tuple[dict | None, str | None]:
+def _maybe_inject(ckpt: Checkpoint, mtp_from, recipe: str | None, dry_run: bool, quiet: bool) -> tuple[dict | None, str | None]:
     """Re-inject the MTP layer from `mtp_from` when the checkpoint lacks it: (record, note)."""
     if mtp_from is None:
         return None, None
-    from mxforge.checkpoint import Checkpoint
     from mxforge.quantize.recipe import load_recipe
 
-    from .mtp_inject import inject_mtp, plan_mtp_injection
+    from .mtp_inject import held_mtp_layers, inject_mtp, plan_mtp_injection
 
-    ckpt = Checkpoint.open(root)
-    layers = loaded_mtp_layers(ckpt)
+    layers = held_mtp_layers(ckpt.weight_map, GlmLayout(ckpt.config))
     if layers:
         return None, f"--mtp-from: the checkpoint already holds MTP layer(s) {layers}; nothing injected"
     if dry_run:
         plan = plan_mtp_injection(ckpt, Checkpoint.open(mtp_from), load_recipe(recipe))
         return {"fixup": "mtp_inject", "layers": plan.layers, "source": str(mtp_from), "quantized": len(plan.quantize),
                 "why": "the export shipped without its MTP layer (dry run: not written)"}, None
-    return inject_mtp(root, mtp_from, recipe, quiet=quiet), None
-
-
-def loaded_mtp_layers(ckpt) -> list[int]:
-    """MTP layers (per config.json) of which the index holds any tensor."""
-    n_layers = int(ckpt.config.get("num_hidden_layers", 0))
-    nextn = int(ckpt.config.get("num_nextn_predict_layers", 0) or 0)
-    return [n for n in range(n_layers, n_layers + nextn)
-            if any(name.startswith(f"model.layers.{n}.") for name in ckpt.weight_map)]
+    return inject_mtp(ckpt, mtp_from, recipe, quiet=quiet), None
 
 
 def backup_config(root: Path) -> None:
-    """Keep the original config.json as config.json.orig (first change only; copied, then renamed)."""
+    """Keep the original config.json as config.json.orig (first change only; copied atomically).
+
+    Raises:
+        CheckpointError: the copy cannot be written; nothing is left behind.
+    """
     backup = root / BACKUP_NAME
     if not backup.exists():
-        tmp = backup.with_name(BACKUP_NAME + ".partial")
-        shutil.copy2(root / "config.json", tmp)
-        tmp.replace(backup)
+        copy_atomic(root / "config.json", backup)
 
 
-def record_fixups(root: Path, applied: list[dict], engines: list[str], command: str) -> None:
-    """Append what was applied to mxforge_fixups.json (beside config.json, never inside quantization_config)."""
+def load_fixups_record(root: Path) -> dict:
+    """The existing mxforge_fixups.json, or a fresh record when there is none.
+
+    Read before anything is written, so that a damaged record stops the run before config.json changes.
+
+    Raises:
+        CheckpointError: the record exists but is not valid JSON or not a fixup record.
+    """
     record_path = root / FIXUPS_NAME
-    record = json.loads(record_path.read_text()) if record_path.exists() else {"stage": "fixup", "fixups": [], "runs": []}
+    if not record_path.exists():
+        return {"stage": "fixup", "fixups": [], "runs": []}
+    record = load_json(record_path, "fixup record")
+    if not (isinstance(record, dict) and isinstance(record.get("fixups"), list) and isinstance(record.get("runs"), list)):
+        raise CheckpointError(f"{record_path}: not a fixup record (an object with 'fixups' and 'runs' lists); "
+                              "move it aside and re-run mxforge fixup")
+    return record
+
+
+def record_fixups(root: Path, record: dict, applied: list[dict], engines: list[str], command: str) -> None:
+    """Append what was applied to `record` (from load_fixups_record) and write it as mxforge_fixups.json
+    (beside config.json, never inside quantization_config).
+
+    Raises:
+        CheckpointError: the record cannot be written.
+    """
     record["fixups"] += applied
     record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
     record.update({"engines": engines, "config_backup": BACKUP_NAME, "command": command})
-    write_json_atomic(record_path, record)
+    write_json_atomic(root / FIXUPS_NAME, record)

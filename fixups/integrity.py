@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError
 from mxforge.safetensors_io import ShardHeader, read_header
@@ -13,17 +11,6 @@ from .report import Problem
 REDOWNLOAD = "re-download or re-create the shard"
 
 
-def _duplicate_keys(pairs):
-    seen, dups = {}, []
-    for k, v in pairs:
-        if k in seen:
-            dups.append(k)
-        seen[k] = v
-    if dups:
-        seen["__duplicate_keys__"] = dups
-    return seen
-
-
 def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], dict, dict[str, ShardHeader]]:
     """Every index key once, every shard present and parseable, no orphans, total_size right.
 
@@ -31,11 +18,9 @@ def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], dict, dict[
     """
     problems: list[Problem] = []
     root = ckpt.root
-    if ckpt.has_index:
-        raw = json.loads((root / INDEX_NAME).read_text(), object_pairs_hook=_duplicate_keys)
-        for key in raw.get("weight_map", {}).get("__duplicate_keys__", []):
-            problems.append(Problem("integrity", f"{INDEX_NAME}:{key}", "tensor listed more than once in weight_map",
-                                    "keep one entry per tensor (the shard that really holds it)"))
+    for key in ckpt.duplicate_index_keys:
+        problems.append(Problem("integrity", f"{INDEX_NAME}:{key}", "tensor listed more than once in weight_map",
+                                "keep one entry per tensor (the shard that really holds it)"))
     headers = {}
     for shard in ckpt.shard_names:
         path = root / shard

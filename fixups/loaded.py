@@ -27,14 +27,15 @@ class LoadedCheckpoint:
     unreadable: frozenset[str]     # tensors whose shard is missing or corrupt
 
 
-def load_checkpoint(root: str | Path) -> tuple[LoadedCheckpoint, list, dict]:
-    """Open a checkpoint and parse every header once. Returns it, integrity problems, integrity counts.
+def load_checkpoint(root: str | Path | Checkpoint) -> tuple[LoadedCheckpoint, list, dict]:
+    """Open a checkpoint (or take one already open) and parse every header once. Returns it, integrity
+    problems, integrity counts.
 
     Raises:
         CheckpointError: not a checkpoint directory (no config.json, no index).
         ConfigError: config.json is not a GlmMoeDsaForCausalLM config.
     """
-    ckpt = Checkpoint.open(root)
+    ckpt = root if isinstance(root, Checkpoint) else Checkpoint.open(root)
     layout = GlmLayout(ckpt.config)
     problems, counts, headers = check_index_and_shards(ckpt)
     infos, unreadable = {}, set()

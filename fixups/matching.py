@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Iterable
 
 from .profiles import EngineProfile
 
@@ -84,6 +85,14 @@ def with_mtp_remap(entries: ExcludeList, profile: EngineProfile, mtp_layer: int)
     if not mapped:
         return entries
     return ExcludeList(entries.entries + tuple(m for m in mapped if m not in entries.exact))
+
+
+def draft_excludes(main: ExcludeList, profile: EngineProfile, mtp_layers: Iterable[int]) -> ExcludeList:
+    """The exclude list `profile`'s engine applies to the draft (MTP) model: `main` with every MTP layer remapped."""
+    draft = main
+    for layer in mtp_layers:
+        draft = with_mtp_remap(draft, profile, layer)
+    return draft
 
 
 def engine_excludes(profile: EngineProfile, prefix: str, is_experts: bool, entries: ExcludeList) -> bool:

@@ -7,15 +7,16 @@ updated (exclude gains the MTP modules kept bf16) and the usual fixup runs on th
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.progress import byte_progress
-from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
+from mxforge.safetensors_io import PlannedTensor, ShardWriter, copy_atomic, write_json_atomic
+from mxforge.tensor_kinds import layer_of
 
 MTP_SHARD = "model-mtp.safetensors"
 INDEX_BACKUP = INDEX_NAME + ".orig"
@@ -41,8 +42,7 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
         ConfigError: the source's config does not match the export's, or neither declares MTP layers.
         CheckpointError: the export already holds MTP tensors, or the source lacks them.
     """
-    from mxforge.quantize.mxfp4 import packed_shapes
-    from mxforge.quantize.recipe import is_linear_weight_name
+    from mxforge.quantize.plan import TensorPlan, tensor_fate
 
     mismatched = [f for f in SHAPE_FIELDS if ckpt.config.get(f) != src.config.get(f)]
     if mismatched:
@@ -51,32 +51,34 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
     layout = GlmLayout({**ckpt.config, "num_nextn_predict_layers": _nextn(ckpt.config) or _nextn(src.config)})
     if not layout.mtp_layers:
         raise ConfigError(f"{src.root}: num_nextn_predict_layers is 0 in both configs: there is no MTP layer to inject")
-    prefixes = tuple(f"model.layers.{n}." for n in layout.mtp_layers)
-    present = [n for n in ckpt.weight_map if n.startswith(prefixes)]
+    present = mtp_tensors(ckpt.weight_map, layout)
     if present:
         raise CheckpointError(f"{ckpt.root}: already holds MTP tensors (e.g. {present[0]}); --mtp-from only re-injects "
                               "a missing MTP layer")
-    infos = {n: i for n, i in src.tensor_infos().items() if n.startswith(prefixes)}
+    infos = {n: i for n, i in src.tensor_infos().items() if layer_of(n) in layout.mtp_layers}
     if not infos:
-        raise CheckpointError(f"{src.root}: holds no {prefixes[0]}* tensors either; use the original bf16 checkpoint")
-    tensors, quantize, kept = [], set(), []
-    for name in sorted(infos):
-        info = infos[name]
-        linear = len(info.shape) == 2 and is_linear_weight_name(name) and info.dtype in ("BF16", "F16", "F32")
-        if linear and recipe.decide(name, layout) == "quantize":
-            codes, scales = packed_shapes(info.shape)
-            module = name.removesuffix(".weight")
-            tensors += [PlannedTensor(name, "U8", codes), PlannedTensor(module + ".weight_scale", "U8", scales)]
-            quantize.add(name)
-        else:
-            if linear:
-                kept.append(name.removesuffix(".weight"))
-            tensors.append(PlannedTensor(name, info.dtype, info.shape))
-    return MtpPlan(list(layout.mtp_layers), tensors, quantize, kept, sum(i.nbytes for i in infos.values()))
+        raise CheckpointError(f"{src.root}: holds no model.layers.{layout.mtp_layers[0]}.* tensors either; "
+                              "use the original bf16 checkpoint")
+    plans = [TensorPlan(infos[n], tensor_fate(infos[n], recipe, layout)) for n in sorted(infos)]
+    return MtpPlan(list(layout.mtp_layers), [o for p in plans for o in p.outputs()],
+                   {p.source.name for p in plans if p.fate == "quantized"},
+                   [p.source.name.removesuffix(".weight") for p in plans if p.fate == "kept"],
+                   sum(i.nbytes for i in infos.values()))
 
 
-def inject_mtp(root: str | Path, src_root: str | Path, recipe_name: str, quiet: bool = False) -> dict:
-    """Write the MTP layer(s) from `src_root` into checkpoint `root`; returns the record of what was done.
+def mtp_tensors(names: Iterable[str], layout: GlmLayout) -> list[str]:
+    """Those of `names` that belong to an MTP layer (per config.json), in order."""
+    return [n for n in names if layer_of(n) in layout.mtp_layers]
+
+
+def held_mtp_layers(names: Iterable[str], layout: GlmLayout) -> list[int]:
+    """MTP layers (per config.json) of which `names` hold any tensor."""
+    return sorted({layer_of(n) for n in mtp_tensors(names, layout)})
+
+
+def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name: str, quiet: bool = False) -> dict:
+    """Write the MTP layer(s) from `src_root` into checkpoint `root` (a path, or one already open); returns
+    the record of what was done.
 
     The new shard is written under a temporary name and renamed; then the index, then config.json
     (originals kept as *.orig on the first change).
@@ -90,7 +92,8 @@ def inject_mtp(root: str | Path, src_root: str | Path, recipe_name: str, quiet: 
     from mxforge.quantize.recipe import load_recipe
 
     recipe = load_recipe(recipe_name)
-    ckpt, src = Checkpoint.open(root), Checkpoint.open(src_root)
+    ckpt = root if isinstance(root, Checkpoint) else Checkpoint.open(root)
+    src = Checkpoint.open(src_root)
     plan = plan_mtp_injection(ckpt, src, recipe)
     if (ckpt.root / MTP_SHARD).exists() and MTP_SHARD in ckpt.shard_names:
         raise CheckpointError(f"{ckpt.root / MTP_SHARD}: already in the index; nothing to inject")
@@ -127,8 +130,7 @@ def inject_mtp(root: str | Path, src_root: str | Path, recipe_name: str, quiet: 
 def _update_index(ckpt: Checkpoint, plan: MtpPlan) -> None:
     index_path = ckpt.root / INDEX_NAME
     if not (ckpt.root / INDEX_BACKUP).exists():
-        shutil.copy2(index_path, ckpt.root / (INDEX_BACKUP + ".partial"))
-        (ckpt.root / (INDEX_BACKUP + ".partial")).replace(ckpt.root / INDEX_BACKUP)
+        copy_atomic(index_path, ckpt.root / INDEX_BACKUP)
     weight_map = dict(ckpt.weight_map)
     weight_map.update({t.name: MTP_SHARD for t in plan.tensors})
     total = int(ckpt.index_metadata.get("total_size", 0)) + sum(t.nbytes for t in plan.tensors)
@@ -151,4 +153,5 @@ def _update_config(ckpt: Checkpoint, src: Checkpoint, plan: MtpPlan) -> None:
 
 
 def _nextn(config: dict) -> int:
-    return int(config.get("num_nextn_predict_layers", 0) or 0)
+    """How many MTP layers config.json declares."""
+    return len(GlmLayout(config).mtp_layers)

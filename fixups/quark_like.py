@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import shutil
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
-from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, write_json_atomic
+from mxforge.quantize.mxfp4 import packed_shapes
+from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
 PLACEHOLDER_SCALE = 127  # E8M0 byte for 2^0
 
@@ -73,11 +73,10 @@ def write_quark_like(src: str | Path, out: str | Path, patterns: list[str], *, g
             module = name.removesuffix(".weight")
             decision = quark_quantizes(module, info.shape, patterns) if name.endswith(".weight") else None
             if decision:
-                rows, cols = info.shape[0], math.prod(info.shape[1:])
-                planned += [PlannedTensor(name, "U8", (rows, cols // 2)),
-                            PlannedTensor(module + ".weight_scale", "U8", (rows, math.ceil(cols / 32)))]
-                sources[name] = (0, rows * (cols // 2))
-                sources[module + ".weight_scale"] = (PLACEHOLDER_SCALE, rows * math.ceil(cols / 32))
+                codes, scales = packed_shapes((info.shape[0], math.prod(info.shape[1:])))
+                planned += [PlannedTensor(name, "U8", codes), PlannedTensor(module + ".weight_scale", "U8", scales)]
+                sources[name] = (0, math.prod(codes))
+                sources[module + ".weight_scale"] = (PLACEHOLDER_SCALE, math.prod(scales))
             else:
                 if decision is False:
                     excluded.append(module)
@@ -104,7 +103,7 @@ def write_quark_like(src: str | Path, out: str | Path, patterns: list[str], *, g
     config["quantization_config"] = quark_quantization_config(exclude)
     for path in src_ckpt.root.iterdir():
         if path.is_file() and not path.name.endswith(".safetensors") and path.name not in ("config.json", INDEX_NAME):
-            shutil.copy2(path, out / path.name)
+            copy_atomic(path, out / path.name)
     write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     write_json_atomic(out / "config.json", config)
     return exclude

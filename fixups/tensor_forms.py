@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from mxforge.errors import ConfigError
+from mxforge.quantize.mxfp4 import packed_shapes
 from mxforge.safetensors_io import TensorInfo
 
 from .modules import Linear
 
 MXFP4, BF16 = "mxfp4", "bf16"
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
-GROUP = 32  # MXFP4 block size: one E8M0 scale byte per 32 weights
 
 
 def mxfp4_shapes(out_features: int, in_features: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Shapes of `weight` (two 4-bit codes per byte) and `weight_scale` (one byte per 32) for a quantized linear."""
-    return (out_features, in_features // 2), (out_features, math.ceil(in_features / GROUP))
+    """Shapes of `weight` (two 4-bit codes per byte) and `weight_scale` (one byte per 32) for a quantized linear
+    (the quantizer's own `packed_shapes`).
+
+    Raises:
+        ConfigError: an odd in-dimension, which MXFP4 cannot pack.
+    """
+    return packed_shapes((out_features, in_features))
 
 
 @dataclass(slots=True)
@@ -38,8 +43,10 @@ def stored_form(lin: Linear, infos: Mapping[str, TensorInfo]) -> Stored:
         return Stored(lin, None)
     scale = infos.get(lin.name + ".weight_scale")
     if weight.dtype == "U8":
-        w_shape = (lin.out_features, lin.in_features // 2)
-        s_shape = (lin.out_features, -(-lin.in_features // GROUP))
+        try:
+            w_shape, s_shape = mxfp4_shapes(lin.out_features, lin.in_features)
+        except ConfigError as e:
+            return Stored(lin, MXFP4, "U8", weight.shape, f"{weight.name} is uint8, but {e}")
         defect = None
         if weight.shape != w_shape:
             defect = f"{weight.name} is uint8 {list(weight.shape)}, expected {list(w_shape)}"

@@ -15,7 +15,21 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
-def load_json(path: Path, what: str) -> Any:
+class _KeyedObject(dict):
+    """A JSON object that remembers the keys it held more than once (json keeps only the last value)."""
+
+    duplicates: tuple[str, ...] = ()
+
+
+def _keep_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    obj = _KeyedObject(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        obj.duplicates = tuple(k for k, _ in pairs if k in seen or seen.add(k))
+    return obj
+
+
+def load_json(path: Path, what: str, object_pairs_hook=None) -> Any:
     """Read a JSON file, naming it in the error if it is missing or malformed.
 
     Raises:
@@ -23,7 +37,7 @@ def load_json(path: Path, what: str) -> Any:
     """
     try:
         with open(path) as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=object_pairs_hook)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -43,6 +57,7 @@ class Checkpoint:
     weight_map: dict[str, str]
     index_metadata: dict = field(default_factory=dict)
     has_index: bool = True
+    duplicate_index_keys: tuple[str, ...] = ()  # weight_map keys the index lists more than once (last one wins)
 
     @classmethod
     def open(cls, root: str | Path) -> "Checkpoint":
@@ -58,11 +73,12 @@ class Checkpoint:
             raise CheckpointError(f"{root}: no config.json, so this is not a Hugging Face checkpoint directory")
         config = load_json(root / "config.json", "config.json")
         if (root / INDEX_NAME).exists():
-            index = load_json(root / INDEX_NAME, "safetensors index")
+            index = load_json(root / INDEX_NAME, "safetensors index", object_pairs_hook=_keep_duplicates)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{root / INDEX_NAME}: has no weight_map; the index is corrupt")
-            return cls(root, config, dict(weight_map), dict(index.get("metadata") or {}), True)
+            return cls(root, config, dict(weight_map), dict(index.get("metadata") or {}), True,
+                       getattr(weight_map, "duplicates", ()))
         if (root / SINGLE_NAME).exists():
             header = read_header(root / SINGLE_NAME)
             return cls(root, config, {name: SINGLE_NAME for name in header.tensors}, {}, False)

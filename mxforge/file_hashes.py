@@ -88,28 +88,33 @@ class HashCache:
             write_json_atomic(self.path, self._entries)
 
 
-def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = False, desc: str = "sha256") -> dict[str, FileHash]:
+def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = False, desc: str = "sha256",
+                use_cache: bool = True) -> dict[str, FileHash]:
     """Hash `names` (relative to root) in parallel, reusing cached hashes of unchanged files.
+
+    `use_cache=False` re-reads every byte and neither consults nor writes the cache (a check that must
+    not trust (size, mtime), e.g. `validate --deep`, in a directory it should not modify).
 
     Raises:
         OSError: a file cannot be read.
     """
     root = Path(root)
-    cache = HashCache(root)
-    out = {n: h for n in names if (h := cache.get(n)) is not None}
+    cache = HashCache(root) if use_cache else None
+    out = {n: h for n in names if cache is not None and (h := cache.get(n)) is not None}
     todo = [n for n in names if n not in out]
     total = sum((root / n).stat().st_size for n in todo)
     with byte_progress(total, desc, disable=quiet or not todo) as bar:
         def one(name: str) -> FileHash:
             sha256, sha1 = hash_file(root / name, bar)
             fh = FileHash(name, (root / name).stat().st_size, sha256, sha1)
-            cache.put(fh)
+            if cache is not None:
+                cache.put(fh)
             return fh
 
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo) or 1))) as pool:
             for fh in pool.map(one, todo):
                 out[fh.name] = fh
-    if todo:
+    if todo and cache is not None:
         cache.save()
     return {n: out[n] for n in names}
 

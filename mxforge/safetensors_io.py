@@ -260,7 +260,7 @@ def _atomic(path: Path, fill) -> None:
     except OSError as e:
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:  # nothing of ours there (or not a file we made): the original error is the one to report
             pass
         raise CheckpointError(f"{path}: cannot write: {e.strerror or e}") from None
 

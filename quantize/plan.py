@@ -95,21 +95,27 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
         if orphans:
             raise CheckpointError(f"{ckpt.root / shard}: holds tensor {orphans[0]!r} that the index does not map to it "
                                   f"({len(orphans)} such); the index is stale: rebuild or re-download it")
-    recipe.check_matches([n for n, i in infos.items() if _is_quantizable(i)], layout, str(ckpt.root))
+    recipe.check_matches([n for n, i in infos.items() if is_quantizable(i)], layout, str(ckpt.root))
     shards = []
     for shard in ckpt.shard_names:
         header = ckpt.headers[shard]
-        plans = [TensorPlan(info, _fate(info, recipe, layout)) for info in header.tensors.values()]
+        plans = [TensorPlan(info, tensor_fate(info, recipe, layout)) for info in header.tensors.values()]
         shards.append(ShardPlan(shard, plans, header.file_size))
     return QuantizePlan(layout, shards)
 
 
-def _is_quantizable(info: TensorInfo) -> bool:
+def is_quantizable(info: TensorInfo) -> bool:
+    """A 2-D float linear weight: the only tensors a recipe decides on."""
     return len(info.shape) == 2 and info.dtype in QUANTIZABLE_DTYPES and is_linear_weight_name(info.name)
 
 
-def _fate(info: TensorInfo, recipe: Recipe, layout: GlmLayout) -> Fate:
-    if not _is_quantizable(info):
+def tensor_fate(info: TensorInfo, recipe: Recipe, layout: GlmLayout) -> Fate:
+    """What the recipe does with one source tensor.
+
+    Raises:
+        ConfigError: the recipe selects a weight whose odd in-dimension cannot be packed (says how to keep it).
+    """
+    if not is_quantizable(info):
         return "copied"
     if recipe.decide(info.name, layout) == "keep":
         return "kept"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
+from mxforge.hub_download import SOURCE_NAME
 from mxforge.progress import byte_progress
 from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
 
@@ -29,7 +30,6 @@ from .recipe import Recipe, load_recipe
 from .shard_job import ShardJob, ShardResult, finish_shard, run_shard
 from .state import PROVENANCE_NAME, STATE_NAME, ResumeState, tool_versions
 
-SOURCE_PROVENANCE = "mxforge_source.json"
 NOT_COPIED = {INDEX_NAME, STATE_NAME, PROVENANCE_NAME, "config.json"}  # config.json is rewritten
 
 
@@ -138,10 +138,10 @@ def _check_free_space(out: Path, todo: list[ShardPlan]) -> None:
 
 def _expected_sha256(src: Path) -> dict[str, str]:
     """Shard sha256 recorded by `mxforge download`, if the source has that provenance."""
-    path = src / SOURCE_PROVENANCE
+    path = src / SOURCE_NAME
     if not path.exists():
         return {}
-    data = load_json(path, SOURCE_PROVENANCE)
+    data = load_json(path, SOURCE_NAME)
     files = data.get("files", []) if isinstance(data, dict) else []
     return {f["name"]: f["sha256"] for f in files if isinstance(f, dict) and f.get("sha256") and f.get("name")}
 

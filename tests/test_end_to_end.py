@@ -81,3 +81,24 @@ def test_mtp_from_refuses_a_mismatched_source(tiny_ckpt, tmp_path):
     proc = run_cli("fixup", str(ckpt), "--mtp-from", str(other))
     assert proc.returncode == 2 and "n_routed_experts" in proc.stderr and "Traceback" not in proc.stderr
     assert not (ckpt / "model-mtp.safetensors").exists() and not (ckpt / "config.json.orig").exists()
+
+
+def test_mtp_from_names_the_remedy_for_an_odd_in_dimension(tiny_ckpt, tmp_path):
+    """The MTP plan is the quantizer's plan: a selected weight that cannot be packed gets the [[keep]] remedy."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "no-mtp"
+    write_quark_like(tiny_ckpt, ckpt, BASE, drop_layers=(MTP,))
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    name = f"model.layers.{MTP}.mlp.experts.0.down_proj.weight"  # the recipe quantizes MTP routed experts
+    shard = src / index[name]
+    tensors = load_file(str(shard))
+    rows, cols = tensors[name].shape
+    tensors[name] = torch.zeros(rows, cols - 1, dtype=tensors[name].dtype)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    proc = run_cli("fixup", str(ckpt), "--mtp-from", str(src), "--recipe", "glm-5.2-mxfp4")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert name in proc.stderr and "[[keep]]" in proc.stderr
+    assert not (ckpt / "model-mtp.safetensors").exists() and not (ckpt / "config.json.orig").exists()

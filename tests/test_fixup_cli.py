@@ -63,3 +63,30 @@ def test_fixup_exit_codes(tiny_ckpt, tmp_path):
     proc = run_cli("fixup", str(ckpt), "--mtp-from", str(tiny_ckpt))
     assert proc.returncode == 2 and "exclude is not a list" in proc.stderr
     assert not (ckpt / "model-mtp.safetensors").exists() and not (ckpt / "config.json.orig").exists()
+
+
+def test_damaged_fixup_record_stops_before_config_changes(tiny_ckpt, tmp_path):
+    """A corrupt mxforge_fixups.json is one error, and config.json is not edited without a record."""
+    ckpt = tmp_path / "q"
+    write_quark_like(tiny_ckpt, ckpt, AMD)
+    original = (ckpt / "config.json").read_text()
+    for damaged in ("{truncated", '["not", "a", "record"]'):
+        (ckpt / "mxforge_fixups.json").write_text(damaged)
+        proc = run_cli("fixup", str(ckpt))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "mxforge_fixups.json" in proc.stderr
+        assert (ckpt / "config.json").read_text() == original and not (ckpt / "config.json.orig").exists()
+    (ckpt / "mxforge_fixups.json").unlink()
+    assert run_cli("fixup", str(ckpt)).returncode == 0
+    assert len(json.loads((ckpt / "mxforge_fixups.json").read_text())["runs"]) == 1
+
+
+def test_backup_that_cannot_be_written_is_one_error_and_config_unchanged(tiny_ckpt, tmp_path):
+    ckpt = tmp_path / "q"
+    write_quark_like(tiny_ckpt, ckpt, AMD)
+    original = (ckpt / "config.json").read_text()
+    (ckpt / "config.json.orig.partial").mkdir()  # the copy's temporary name is taken by a directory
+    (ckpt / "config.json.orig.partial" / "x").write_text("")
+    proc = run_cli("fixup", str(ckpt))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "config.json.orig" in proc.stderr, proc.stderr
+    assert (ckpt / "config.json").read_text() == original and not (ckpt / "mxforge_fixups.json").exists()

@@ -70,3 +70,17 @@ def test_missing_mtp_tensor_and_wrong_scale_shape(tiny_ckpt, tmp_path):
     assert by_subject[gone].check == "mtp" and "no shard holds it" in by_subject[gone].message
     experts = by_subject["model.layers.4.mlp.experts"]
     assert "malformed" in experts.message and bad in experts.message and "expected U8 [64, 8]" in experts.message
+
+
+def test_stored_form_uses_the_quantizers_packed_shapes():
+    """Expected MXFP4 shapes come from quantize's packed_shapes; an odd in-dimension is a defect, not a crash."""
+    from mxforge.fixups.modules import Linear
+    from mxforge.fixups.tensor_forms import MXFP4, stored_form
+    from mxforge.quantize.mxfp4 import packed_shapes
+    from mxforge.safetensors_io import TensorInfo
+
+    codes, scales = packed_shapes((8, 96))
+    infos = {"m.weight": TensorInfo("m.weight", "U8", codes, 0, 0), "m.weight_scale": TensorInfo("m.weight_scale", "U8", scales, 0, 0)}
+    assert stored_form(Linear("m", 8, 96), infos).defect is None
+    odd = stored_form(Linear("m", 8, 95), infos)
+    assert odd.form == MXFP4 and "odd" in odd.defect and "m.weight" in odd.defect

@@ -60,3 +60,16 @@ def test_missing_shard_orphans_and_truncation(ckpt):
 def test_cannot_run_exits_2(tmp_path):
     proc = run_cli("validate", str(tmp_path))
     assert proc.returncode == 2 and "no config.json" in proc.stderr
+
+
+def test_tensor_listed_twice_in_the_index(ckpt):
+    """Found from the one parse Checkpoint.open does (json keeps the last value; the repeat is reported)."""
+    index = _index(ckpt)
+    name, shard = next(iter(index["weight_map"].items()))
+    text = json.dumps(index)
+    entry = f"{json.dumps(name)}: {json.dumps(shard)}"
+    assert entry in text
+    (ckpt / "model.safetensors.index.json").write_text(text.replace(entry, f"{entry}, {entry}", 1))
+    report = validate_checkpoint(ckpt)
+    assert [p.subject for p in report.problems] == [f"model.safetensors.index.json:{name}"]
+    assert "more than once" in report.problems[0].message
