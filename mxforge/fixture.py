@@ -8,7 +8,6 @@ a small Gaussian with rare large outliers, so quantization error measured on the
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path

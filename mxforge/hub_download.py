@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import shlex
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from huggingface_hub.utils import filter_repo_objects
 from .errors import MxforgeError
 from .file_hashes import HashCache, hash_files
 from .hub_transfer import PARTIAL_DIR, fetch_file, kept_partial_bytes
+from .cli_support import invocation
 from .hub_errors import HubVerificationError, hub_endpoint, raise_as_hub_error, redact
 from .progress import byte_progress
 from .safetensors_io import write_json_atomic
@@ -105,7 +105,7 @@ def check_disk_space(dest: Path, files: list[RemoteFile]) -> int:
     Raises:
         DiskSpaceError: not enough free space, naming the need, the free space and the largest file.
     """
-    missing = [f for f in files if not ((dest / f.name).is_file() and (dest / f.name).stat().st_size == f.size)]
+    missing = [f for f in files if not _is_full_size(dest, f)]
     needed = sum(f.size for f in missing)
     where = _existing_ancestor(dest)
     free = shutil.disk_usage(where).free
@@ -256,6 +256,6 @@ def download(repo_id: str, dest: str | Path, *, revision: str = "main", include:
     write_json_atomic(dest / SOURCE_NAME, {
         "repo_id": repo_id, "revision": revision, "commit": commit, "endpoint": result.endpoint,
         "include": include or [], "exclude": exclude or [], "files": result.files,
-        "command": redact(command if command is not None else shlex.join(["mxforge", *sys.argv[1:]])),
+        "command": redact(command) if command is not None else invocation(),
     })
     return result

@@ -84,6 +84,6 @@ def quark_quantize_weight(weight):
     from quark.torch.quantization import file2file_quantization as f2f
 
     spec, _ = mxfp4_specs()
-    out: dict[str, torch.Tensor] = {}
+    out: dict = {}
     f2f._single_stage_quantize_weight(weight, "w.weight", "w", spec, out, "ref.safetensors")
     return out["w.weight"], out["w.weight_scale"]

@@ -96,7 +96,7 @@ class Recipe:
         names = list(candidate_names)
         for rule in self.rules:
             if not any(rule.matches(n, layout) for n in names if is_linear_weight_name(n)):
-                scope = f" (this checkpoint has no MTP layer: num_nextn_predict_layers is 0)" \
+                scope = " (this checkpoint has no MTP layer: num_nextn_predict_layers is 0)" \
                     if rule.layers == "mtp" and not layout.mtp_layers else ""
                 raise ConfigError(f"recipe {self.source}: {rule.describe()} matches no 2-D weight in {where}{scope}; "
                                   "fix the rule or choose a recipe for this checkpoint")
