@@ -14,11 +14,10 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import json
-import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mxforge.cli_support import invocation
 from mxforge.checkpoint import Checkpoint, load_json
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
@@ -139,7 +138,7 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
         NonFiniteWeightError: a source MTP weight to quantize holds NaN/Inf.
     """
     profiles = resolve_profiles(engines)
-    command = command or shlex.join(["mxforge", *sys.argv[1:]])
+    command = command or invocation()
     ckpt = Checkpoint.open(root)
     _check_exclude_form(ckpt)
     record = None if dry_run else load_fixups_record(ckpt.root)

@@ -13,7 +13,7 @@ import sys
 from typing import Callable
 
 from . import __version__, hub_cli
-from .cli_support import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, add_json_option, emit  # noqa: F401 (re-exported)
+from .cli_support import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, add_json_option, emit, invocation  # noqa: F401 (re-exported)
 from .errors import MxforgeError
 from .fixups import cli as fixups_cli
 from .quantize import cli as quantize_cli
@@ -86,16 +86,13 @@ def register_run(sub) -> argparse.ArgumentParser:
 
 
 def run_run(args) -> int:
-    import shlex
-
     from .fixups.profiles import parse_engines_arg
     from .pipeline import Pipeline, RunOptions, ValidationFailed, format_run_summary
-    from .hub_errors import redact
 
     opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe,
                       engines=parse_engines_arg(args.engines) if args.engines else None, push_repo=args.push,
                       revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
-                      command=redact(shlex.join(["mxforge", *sys.argv[1:]])))
+                      command=invocation())
     pipeline = Pipeline(opts)
     try:
         report = pipeline.run()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
 
@@ -23,3 +25,11 @@ def emit(report: dict, json_target: str | None, human: str) -> None:
         from .safetensors_io import write_json_atomic
 
         write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
+
+
+def invocation() -> str:
+    """This process's command line as `mxforge ...`, with the Hub token masked: stages record it in their
+    reports, provenance files and the model card."""
+    from .hub_errors import redact  # imports huggingface_hub: only when a command line is recorded
+
+    return redact(shlex.join(["mxforge", *sys.argv[1:]]))

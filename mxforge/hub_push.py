@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from huggingface_hub import HfApi
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, MxforgeError
 from .file_hashes import LOCAL_ONLY_FILES, FileHash, checkpoint_files, hash_file, hash_files
+from .cli_support import invocation
 from .hub_errors import HubError, HubVerificationError, as_hub_error, hub_endpoint, raise_as_hub_error, redact
 from .model_card import CARD_MARKER, CARD_NAME, render_model_card
 from .safetensors_io import write_text_atomic
@@ -170,7 +170,7 @@ def push(ckpt: str | Path, repo_id: str, *, private: bool = False, branch: str |
     """
     ckpt = Path(ckpt)
     branch = branch or "main"
-    command = redact(command if command is not None else shlex.join(["mxforge", *sys.argv[1:]]))
+    command = redact(command) if command is not None else invocation()
     if validation is None or not validation.get("ok"):
         validation = run_validation(ckpt, engines, force)
     files = write_model_card(ckpt, repo_id, validation, not validation["ok"], command, workers, quiet)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 
-from mxforge.cli_support import EXIT_OK, add_json_option, emit
+from mxforge.cli_support import EXIT_OK, add_json_option, emit, invocation
 
 
 def register_quantize(sub) -> argparse.ArgumentParser:
@@ -32,7 +30,7 @@ def run_quantize(args) -> int:
 
     report = quantize_checkpoint(args.src, args.out, args.recipe, workers=args.workers, device=args.device,
                                  quiet=args.quiet, refuse_nonfinite=not args.allow_nonfinite,
-                                 command=shlex.join(["mxforge", *sys.argv[1:]]))
+                                 command=invocation())
     c, s = report["counts"], report["shards"]
     emit(report, args.json,
          f"quantized {report['source']} -> {report['out']} with recipe {report['recipe']['name']}: "

@@ -11,14 +11,13 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
-import shlex
 import shutil
-import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from mxforge.cli_support import invocation
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
 from mxforge.hub_download import SOURCE_NAME
@@ -329,6 +328,6 @@ def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: st
         "seconds": round(elapsed, 3),
         "gb_per_s": round(bytes_read / elapsed / 1e9, 4) if elapsed > 0 else None,
         "tool_versions": versions,
-        "command": command or shlex.join(["mxforge", *sys.argv[1:]]),
+        "command": command or invocation(),
         "tensors": {fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
     }
