@@ -1,0 +1,57 @@
+"""What a probe subprocess is asked and answers, and how it is run.
+
+Request (JSON on stdin): {"version": V, "cases": [{"name", "config": config.json as a dict,
+"target": [[runtime prefix, kind], ...], "draft": [[runtime prefix, kind], ...]}]}, kind "linear" or
+"experts". Answer (JSON written to the path given as argv[2]): {"version", "cases": {name: answer or
+{"error": traceback}}}. A decision is "mxfp4", "bf16", "other:<scheme class>" or "error:<message>".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+MXFP4, BF16, OTHER, ERROR = "mxfp4", "bf16", "other:", "error:"
+LINEAR, EXPERTS = "linear", "experts"
+
+
+def error(exc: BaseException) -> str:
+    return f"{ERROR}{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def serve(load, probe_case) -> None:
+    """Entry point of a probe: `python PROBE.py VERSION ANSWER_PATH < request.json`."""
+    version, answer_path = sys.argv[1], sys.argv[2]
+    request = json.load(sys.stdin)  # {"cases": [...]}
+    mods = load(version)
+    answers = {}
+    for case in request["cases"]:
+        try:
+            answers[case["name"]] = probe_case(mods, case)
+        except Exception:
+            answers[case["name"]] = {"error": traceback.format_exc(limit=-6)}
+    with open(answer_path, "w") as f:
+        json.dump({"version": version, "cases": answers}, f, indent=1, sort_keys=True)
+
+
+def run_probe(engine: str, version: str, cases: list[dict], timeout: float = 600) -> dict:
+    """Run `<engine>_probe.py VERSION` in a fresh interpreter on `cases`; the answers by case name.
+
+    Raises:
+        RuntimeError: the probe process failed (its stderr's tail is in the message).
+    """
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    probe = Path(__file__).with_name(f"{engine}_probe.py")
+    with tempfile.TemporaryDirectory(prefix="mxforge-probe-") as tmp:
+        answer = Path(tmp) / "answer.json"
+        proc = subprocess.run([sys.executable, str(probe), version, str(answer)], input=json.dumps({"cases": cases}),
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"})
+        if proc.returncode != 0 or not answer.exists():
+            raise RuntimeError(f"{engine} {version} probe exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        return json.loads(answer.read_text())["cases"]

@@ -1,0 +1,193 @@
+"""Ask one sglang release, by executing its own code, how it would load a Quark checkpoint.
+
+Run as a subprocess: `python sglang_probe.py VERSION < request.json > answer.json` (see probe_io.py for
+the request and answer shapes). The release's modules that decide quantization are executed from its
+wheel: the loader's `_get_quantization_config` (packed-module mapping, name mapper), the Quark config's
+`get_quant_method` (exclusion test, fused shards, per-layer schemes), `ModelConfig._config_draft_model`
+(which class builds the MTP draft), the draft class's constructor (whole-draft switch, exclusion remap,
+`eh_proj`'s type, the decoder block's prefix) and the shared-expert fusion gate. Everything else is an
+inert stand-in (stubs.py). The platform is an AMD MI355X (gfx950, capability 9.5): where MXFP4 serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import types
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine_truth import probe_io, stubs  # noqa: E402
+from engine_truth.wheels import Release  # noqa: E402
+
+PKG = "sglang.srt."
+MODULES = [PKG + m for m in (
+    "layers.quantization.base_config", "layers.quantization.quark.utils", "layers.quantization.quark.quark", "models.utils",
+    "models.deepseek_v2", "models.deepseek_nextn", "models.glm4_moe", "models.deepseek_common.utils",
+    "configs.model_config", "model_loader.loader", "model_loader.weight_utils", "layers.moe.utils", "configs.shared_experts",
+)]
+UTILS = PKG + "utils.common"
+MODEL_MODULES = ("models.glm4_moe", "models.deepseek_nextn", "models.deepseek_v2")
+AMD_MI355X = (9, 5)
+PLATFORM = {name: (lambda value: (lambda *a, **k: value))(value) for name, value in {
+    "is_hip": True, "is_cuda": False, "is_npu": False, "is_cpu": False, "is_xpu": False, "is_musa": False,
+    "is_cuda_alike": True, "is_hpu": False, "is_blackwell_supported": False, "is_sm90_supported": False,
+    "is_sm100_supported": False, "get_device_capability": AMD_MI355X, "is_gfx95_supported": True,
+}.items()}
+
+
+class Recorder:
+    """Stand-in for the draft's decoder block: remembers what it was built with."""
+
+    def __init__(self, config, layer_id, quant_config=None, prefix="", **kwargs):
+        self.prefix, self.quant_config = prefix, quant_config
+
+
+def load(version: str) -> dict[str, types.ModuleType]:
+    import importlib
+
+    import torch  # noqa: F401  (real torch and transformers first, so stubs never shadow them)
+    import transformers  # noqa: F401
+
+    release = Release("sglang", version)
+    sources = release.fetch(MODULES + release.package_modules(PKG + "layers.quantization.quark.schemes"))
+    utils = {**PLATFORM, **stubs.functions_from_source(release.fetch([UTILS])[UTILS], ("add_prefix",))}
+    stubs.install("sglang", sources, overrides={PKG + "utils": utils, UTILS: utils})  # aiter (ROCm kernels) is present, as on an AMD host: a stub
+    return {m[len(PKG):]: importlib.import_module(m) for m in MODULES if m in sources}
+
+
+def hf_config(config: dict):
+    import transformers
+
+    cls = transformers.CONFIG_MAPPING.get(config.get("model_type"), transformers.PretrainedConfig)
+    return cls.from_dict(copy.deepcopy(config))  # what AutoConfig.from_pretrained does with config.json
+
+
+def model_class(mods: dict, arch: str) -> type:
+    for name in MODEL_MODULES:
+        for cls in getattr(mods.get(name), "EntryClass", []) or []:
+            if cls.__name__ == arch:
+                return cls
+    raise LookupError(f"no model class {arch} in {', '.join(MODEL_MODULES)}")
+
+
+def draft_architecture(mods: dict, hf) -> str:
+    """ModelConfig._config_draft_model rewrites a draft's architecture to the class that builds it."""
+    fake = stubs.Namespace(is_draft_model=True, hf_config=hf, hf_text_config=hf, quantization="quark")
+    mods["configs.model_config"].ModelConfig._config_draft_model(fake)
+    return hf.architectures[0]
+
+
+def quant_config(mods: dict, cls: type, hf, is_draft: bool):
+    """The loader's `_get_quantization_config` for a model of class `cls`, as executed by the release
+    (its packed-module mapping is the class attribute itself, which the model's constructor may extend)."""
+    loader = mods["model_loader.loader"]
+    qc_cls = mods["layers.quantization.quark.quark"].QuarkConfig
+
+    def get_quant_config(model_config, load_config, packed_modules_mapping, *rest):
+        raw = copy.deepcopy(hf.quantization_config)
+        raw["packed_modules_mapping"] = packed_modules_mapping
+        raw["hf_config"] = hf
+        return qc_cls.from_config(raw)
+
+    model_config = stubs.Namespace(quantization="quark", hf_config=hf, hf_text_config=hf, is_draft_model=is_draft,
+                                   dtype=__import__("torch").bfloat16, model_path="/nonexistent")
+    with mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)), \
+            mock.patch.object(loader, "get_quant_config", get_quant_config), \
+            mock.patch.object(loader, "get_device_capability", lambda *a: AMD_MI355X, create=True):
+        return loader._get_quantization_config(model_config, stubs.Namespace())
+
+
+@contextlib.contextmanager
+def amd_device():
+    import torch
+
+    with mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: AMD_MI355X):
+        yield
+
+
+def build(mods: dict, cls: type, hf, qc, recorded: tuple[str, str]):
+    """The loader's `_initialize_model` (shared-expert fusion gate, then the constructor), with the model's
+    layer stack (`recorded`: module and class name) recorded instead of built."""
+    loader = mods["model_loader.loader"]
+    module, name = recorded
+    model_config = stubs.Namespace(quantization="quark", hf_config=hf, hf_text_config=hf, model_path="/nonexistent")
+    with amd_device(), mock.patch.object(mods[module], name, Recorder), \
+            mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)):
+        return loader._initialize_model(model_config, stubs.Namespace(), qc)
+
+
+def fused_shared_experts(model) -> int:
+    """How many shared experts the model fuses into its routed-expert bank (the loader's decision where the
+    release makes it there, else the constructor's)."""
+    decided = model.__dict__.get("shared_experts_config")
+    if decided is not None:
+        return int(decided.num_fused_shared_experts)
+    return int(model.__dict__.get("num_fused_shared_experts") or 0)
+
+
+def pristine_class_state(mods: dict) -> dict:
+    """Class attributes the loader and constructors mutate (packed_modules_mapping), to restore per case."""
+    return {cls: copy.deepcopy(cls.__dict__["packed_modules_mapping"])
+            for name in MODEL_MODULES for cls in vars(mods[name]).values()
+            if isinstance(cls, type) and isinstance(cls.__dict__.get("packed_modules_mapping"), dict)}
+
+
+def decide(mods: dict, qc, prefix: str, kind: str) -> str:
+    """MXFP4 / bf16 / another scheme, or the error the release raises, for one module."""
+    if qc is None:
+        return probe_io.BF16
+    quark = mods["layers.quantization.quark.quark"]
+    layer_cls = quark.LinearBase if kind == probe_io.LINEAR else stubs.stub_class(
+        "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE")
+    layer = layer_cls()
+    try:
+        with amd_device():
+            method = qc.get_quant_method(layer, prefix)
+    except Exception as e:  # the release raises while deciding: a load failure
+        return probe_io.error(e)
+    if method is None or type(method).__name__.startswith("Unquantized"):
+        return probe_io.BF16
+    scheme = type(getattr(layer, "scheme", None)).__name__
+    return probe_io.MXFP4 if "mxfp4" in scheme.lower() else f"{probe_io.OTHER}{scheme}"
+
+
+def probe_case(mods: dict, case: dict) -> dict:
+    """One checkpoint config, as one server process sees it: target first, then the draft (server state is
+    shared between them, as in the release, and starts fresh for every case)."""
+    stubs.SERVER_STATE.__dict__.clear()
+    for cls, mapping in mods["_pristine"].items():
+        cls.packed_modules_mapping = copy.deepcopy(mapping)
+    hf = hf_config(case["config"])
+    target_cls = model_class(mods, hf.architectures[0])
+    target_qc = quant_config(mods, target_cls, hf, is_draft=False)
+    target_model = build(mods, target_cls, hf, target_qc, ("models.deepseek_v2", "DeepseekV2Model"))
+    target = {"class": target_cls.__name__, "packed_modules_mapping": dict(target_qc.packed_modules_mapping),
+              "fused_shared_experts": fused_shared_experts(target_model),
+              "decisions": {p: decide(mods, target_qc, p, k) for p, k in case["target"]}}
+    draft_hf = hf_config(case["config"])
+    draft_cls = model_class(mods, draft_architecture(mods, draft_hf))
+    draft_qc = quant_config(mods, draft_cls, draft_hf, is_draft=True)
+    draft_model = build(mods, draft_cls, draft_hf, draft_qc, ("models.deepseek_nextn", "DeepseekV2DecoderLayer"))
+    block, eh = draft_model.model.decoder, draft_model.model.eh_proj
+    eh_kwargs = getattr(eh, "_stub_kwargs", {})
+    draft = {"class": draft_cls.__name__, "packed_modules_mapping": dict(draft_qc.packed_modules_mapping),
+             "block_prefix": block.prefix, "block_quantized": block.quant_config is not None,
+             "eh_proj": {"type": type(eh).__name__, "prefix": eh_kwargs.get("prefix"),
+                         "decision": decide(mods, eh_kwargs.get("quant_config"), "model.eh_proj", probe_io.LINEAR)},
+             "fused_shared_experts": fused_shared_experts(draft_model),
+             "decisions": {p: decide(mods, block.quant_config, p, k) for p, k in case["draft"]}}
+    return {"target": target, "draft": draft}
+
+
+def load_release(version: str) -> dict:
+    mods = load(version)
+    mods["_pristine"] = pristine_class_state(mods)
+    return mods
+
+
+if __name__ == "__main__":
+    probe_io.serve(load_release, probe_case)

@@ -1,0 +1,300 @@
+"""Import an engine's real modules with inert stand-ins for everything else (GPU kernels, distributed state).
+
+Used only inside a probe subprocess (one per release), so nothing here leaks into the test process:
+- modules named in `real` are executed from the release's fetched sources;
+- packages above them are empty namespaces (their `__init__` is not executed);
+- every other module of the engine, and every third-party module that is not installed, is a stub: any
+  attribute is a stub class; calling a stub gives a falsy stub; a stub called with just a function or a
+  class returns it unchanged, so stubbed decorators leave the real code they decorate intact;
+- `overrides` pin chosen attributes of stub modules (the platform: "is_hip" -> True, ...).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import sys
+import types
+from abc import ABCMeta
+from pathlib import Path
+
+
+def _passthrough(args: tuple, kwargs: dict):
+    """A stub used as a bare decorator returns what it decorates."""
+    if len(args) == 1 and not kwargs and (inspect.isfunction(args[0]) or inspect.isclass(args[0])
+                                          or inspect.ismethod(args[0]) or isinstance(args[0], (staticmethod, classmethod))):
+        return args[0]
+    return None
+
+
+class StubMeta(ABCMeta):
+    """Metaclass of stub classes: class-level attributes are stubs too, and `Stub[...]` is the class itself."""
+
+    def __getattr__(cls, name: str):
+        if (name.startswith("__") and name.endswith("__")) or "_stub" not in cls.__dict__:
+            raise AttributeError(name)  # a real class deriving from a stub has only what it defines
+        return stub_class(f"{cls.__name__}.{name}")
+
+    def __getitem__(cls, item):
+        return cls
+
+    def __call__(cls, *args, **kwargs):
+        decorated = _passthrough(args, kwargs)
+        if decorated is not None:
+            return decorated
+        return super().__call__(*args, **kwargs)
+
+    def __or__(cls, other):
+        return cls
+
+    __ror__ = __or__
+
+    def __bool__(cls):
+        return False
+
+
+class StubBase(metaclass=StubMeta):
+    """An inert instance: it takes any arguments, and any use of it gives another inert value."""
+
+    _stub = True
+
+    def __init__(self, *args, **kwargs):
+        # Keyword arguments become attributes, as for the record types stubbed bases stand for
+        # (msgspec.Struct, dataclass-like configs): `Stubbed(num=1).num == 1`.
+        self.__dict__.update(kwargs)
+        self._stub_args, self._stub_kwargs = args, kwargs
+
+    def __init_subclass__(cls, **kwargs):
+        pass
+
+    def __getattr__(self, name: str):
+        if (name.startswith("__") and name.endswith("__")) or "_stub" not in type(self).__dict__:
+            raise AttributeError(name)
+        return StubBase()
+
+    def __call__(self, *args, **kwargs):
+        decorated = _passthrough(args, kwargs)
+        return decorated if decorated is not None else StubBase()
+
+    def __bool__(self):
+        return False
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self):
+        return 0
+
+    def __int__(self):
+        return 0
+
+    __index__ = __int__
+
+    def __float__(self):
+        return 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __getitem__(self, key):
+        return StubBase()
+
+    def __setitem__(self, key, value):
+        pass
+
+    def __contains__(self, item):
+        return False
+
+    def __repr__(self):
+        return f"<stub {type(self).__name__}>"
+
+    def __mro_entries__(self, bases):
+        return (stub_class("Base"),)
+
+    def _arith(self, *other):
+        return StubBase()
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __floordiv__ = _arith
+    __mod__ = __neg__ = __or__ = __ror__ = __and__ = __rand__ = _arith
+
+    def __lt__(self, other):
+        return False
+
+    __le__ = __gt__ = __ge__ = __lt__
+    __hash__ = object.__hash__
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def stub_class(name: str) -> type:
+    """The stub class for a dotted name (one class per name, so `from m import A` twice gives the same A)."""
+    cls = _CLASSES.get(name)
+    if cls is None:
+        cls = _CLASSES[name] = StubMeta(name.rsplit(".", 1)[-1], (StubBase,),
+                                        {"__module__": "stub", "__qualname__": name, "_stub": True})
+    return cls
+
+
+class StubModule(types.ModuleType):
+    """A stubbed module, or an empty namespace above real modules: a missing attribute is the real
+    submodule of that name where one is fetched, else a stub class."""
+
+    def __init__(self, name: str, real_children: frozenset[str], pinned: dict | None = None):
+        super().__init__(name)
+        self.__path__ = []  # a package: submodules resolve through the finder
+        self.__file__ = f"<stub {name}>"
+        self._real_children = real_children
+        self.__dict__.update(pinned or {})
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        full = f"{self.__name__}.{name}"
+        if full in self._real_children:
+            value = importlib.import_module(full)
+        elif name in STATE_ACCESSORS:
+            value = _server_state
+        else:
+            value = stub_class(full)
+        setattr(self, name, value)
+        return value
+
+
+class _StubLoader(importlib.abc.Loader):
+    def __init__(self, real_children: frozenset[str], pinned: dict | None):
+        self.real_children, self.pinned = real_children, pinned
+
+    def create_module(self, spec):
+        return StubModule(spec.name, self.real_children, self.pinned)
+
+    def exec_module(self, module):
+        pass
+
+
+class EngineFinder(importlib.abc.MetaPathFinder):
+    """Resolves the engine's package from fetched sources and stubs; stubs missing third-party modules."""
+
+    def __init__(self, package: str, sources: dict[str, Path], overrides: dict[str, dict] | None = None,
+                 absent: tuple[str, ...] = ()):
+        self.package = package
+        self.sources = sources                        # module -> fetched file (the real modules)
+        self.overrides = overrides or {}
+        self.absent = absent                          # third-party top-level names that must raise ImportError
+        self.parents = {m.rsplit(".", i)[0] for m in sources for i in range(1, m.count(".") + 1)}
+        self.stubbed: set[str] = set()
+
+    def _is_engine(self, name: str) -> bool:
+        return name == self.package or name.startswith(self.package + ".")
+
+    def find_spec(self, name, path=None, target=None):
+        if self._is_engine(name):
+            src = self.sources.get(name)
+            if src is not None:
+                is_pkg = src.name == "__init__.py"
+                return importlib.util.spec_from_file_location(
+                    name, src, submodule_search_locations=[str(src.parent)] if is_pkg else None)
+            return self._stub(name)
+        return None
+
+    def _stub(self, name: str):
+        if name not in self.parents:
+            self.stubbed.add(name)
+        real = frozenset(self.sources) | self.parents
+        return importlib.machinery.ModuleSpec(name, _StubLoader(real, self.overrides.get(name)), is_package=True)
+
+
+def _importer() -> str:
+    """The module whose code runs the import statement being resolved."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
+        frame = frame.f_back
+    return frame.f_globals.get("__name__", "") if frame is not None else ""
+
+
+class MissingFinder(importlib.abc.MetaPathFinder):
+    """Last on sys.meta_path: a third-party module that is not installed, imported by the engine's own code,
+    becomes a stub (unless listed absent). Installed libraries probing for optional packages still see
+    them missing."""
+
+    def __init__(self, engine: EngineFinder):
+        self.engine = engine
+
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if isinstance(sys.modules.get(top), StubModule):
+            return self.engine._stub(name)  # below a stubbed package, for every importer
+        if not self.engine._is_engine(_importer()):
+            return None
+        if top in self.engine.absent or top in sys.stdlib_module_names or top.startswith("_"):
+            return None  # optional stdlib/platform modules stay missing, as on a real Linux host
+        if top != name:
+            return None  # a missing submodule of an installed package is a real ImportError
+        return self.engine._stub(name)
+
+
+def install(package: str, sources: dict[str, Path], overrides: dict[str, dict] | None = None,
+            absent: tuple[str, ...] = ()) -> EngineFinder:
+    """Route imports of `package` (and of missing third-party modules) through stubs; for a probe process only."""
+    finder = EngineFinder(package, sources, overrides, absent)
+    sys.meta_path.insert(0, finder)
+    sys.meta_path.append(MissingFinder(finder))
+    return finder
+
+
+def functions_from_source(path: Path, names: tuple[str, ...]) -> dict:
+    """The release's own definitions of `names` (plain functions) from `path`, without executing that module:
+    for small utilities (`add_prefix`) that live in modules too heavy to import."""
+    import ast
+
+    tree = ast.parse(path.read_text(), str(path))
+    found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    missing = set(names) - {node.name for node in found}
+    if missing:
+        raise LookupError(f"{path}: no top-level function {sorted(missing)}")
+    for node in found:
+        node.decorator_list = []
+        node.returns = None
+        for arg in (*node.args.args, *node.args.kwonlyargs):
+            arg.annotation = None
+    namespace: dict = {"__name__": f"source:{path.name}"}
+    exec(compile(ast.Module(body=found, type_ignores=[]), str(path), "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+class State(StubBase):
+    """Server-wide settings and flags left at their defaults: every attribute is unset (falsy, compares
+    False) until the engine's code writes one, which then reads back."""
+
+    _stub = True
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        value = self.__dict__[name] = State()
+        return value
+
+    def __setattr__(self, name, value):
+        self.__dict__[name] = value
+
+
+SERVER_STATE = State()
+STATE_ACCESSORS = ("get_flags", "get_exec", "get_global_server_args", "get_parallel", "get_spec", "get_model")
+
+
+def _server_state(*args, **kwargs) -> State:
+    return SERVER_STATE
+
+
+class Namespace(types.SimpleNamespace):
+    """A stand-in object with the given attributes; any other attribute is None."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return None

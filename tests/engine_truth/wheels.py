@@ -1,0 +1,157 @@
+"""The few source files of an engine release, fetched from its wheel on PyPI by HTTP range requests.
+
+A wheel is a zip: one request reads its central directory, then one per member read. Files land in
+`<cache>/engine-wheels/<dist>-<version>/` (the user cache dir: $MXFORGE_CACHE or ~/.cache/mxforge),
+beside `wheel.json` (which wheel, its sha256 on PyPI, and every member name), so a release is fetched
+once and later runs need no network.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+SIMPLE = "https://pypi.org/simple"  # PEP 691 JSON; what pip reads, so reachable wherever pip is
+TIMEOUT_S = 60
+ATTEMPTS = 4
+MAX_MEMBER_BYTES = 16 << 20
+
+
+class FetchError(RuntimeError):
+    """A release's wheel could not be read (offline, unknown release, or a broken transfer)."""
+
+
+def cache_root() -> Path:
+    base = os.environ.get("MXFORGE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mxforge")
+    return Path(base) / "engine-wheels"
+
+
+def _get(url: str, headers: dict | None = None) -> bytes:
+    last = None
+    for attempt in range(ATTEMPTS):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=TIMEOUT_S) as r:
+                return r.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise FetchError(f"{url}: not found") from None
+            last = e
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            last = e
+        time.sleep(1 + 2 * attempt)
+    raise FetchError(f"{url}: {last} (after {ATTEMPTS} attempts; offline? deselect with -m 'not engines')")
+
+
+def _choose_wheel(dist: str, version: str) -> dict:
+    """The release's wheel whose Python sources we read: pure-Python first, else CPython 3.11 / abi3 x86_64."""
+    index = json.loads(_get(f"{SIMPLE}/{dist}/", {"Accept": "application/vnd.pypi.simple.v1+json"}))
+    prefix = f"{dist.replace('-', '_')}-{version}-"
+    wheels = [f for f in index["files"] if f["filename"].endswith(".whl") and f["filename"].startswith(prefix)]
+    if not wheels:
+        raise FetchError(f"{dist}=={version} has no wheel on PyPI")
+
+    def rank(f: dict) -> tuple:
+        n = f["filename"]
+        return ("none-any" in n, "x86_64" in n, "cp311" in n or "abi3" in n)
+
+    return max(wheels, key=rank)
+
+
+class _RangeFile(io.RawIOBase):
+    """A read-only, seekable view of a remote file; each read is one HTTP range request."""
+
+    def __init__(self, url: str, size: int):
+        self.url, self.size, self.pos = url, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self.size - self.pos)
+        if n <= 0:
+            return 0
+        data = _get(self.url, {"Range": f"bytes={self.pos}-{self.pos + n - 1}"})
+        if len(data) != n:
+            raise FetchError(f"{self.url}: asked for {n} bytes at {self.pos}, got {len(data)} (no Range support?)")
+        buf[:n] = data
+        self.pos += n
+        return n
+
+
+class Release:
+    """One engine release's sources: `path(module)` gives the local file of a module, fetching it if needed."""
+
+    def __init__(self, dist: str, version: str):
+        self.dist, self.version = dist, version
+        self.root = cache_root() / f"{dist}-{version}"
+        meta = self.root / "wheel.json"
+        if meta.exists():
+            self.meta = json.loads(meta.read_text())
+        else:
+            wheel = _choose_wheel(dist, version)
+            with self._zip(wheel["url"], wheel["size"]) as z:
+                names = z.namelist()
+            self.meta = {"dist": dist, "version": version, "wheel": wheel["filename"], "url": wheel["url"],
+                         "size": wheel["size"], "sha256": wheel["hashes"]["sha256"],
+                         "members": [n for n in names if n.endswith(".py")]}
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = meta.with_suffix(".partial")
+            tmp.write_text(json.dumps(self.meta, indent=1))
+            tmp.replace(meta)
+        self.members = set(self.meta["members"])
+
+    @staticmethod
+    def _zip(url: str, size: int) -> zipfile.ZipFile:
+        return zipfile.ZipFile(io.BufferedReader(_RangeFile(url, size), buffer_size=256 << 10))
+
+    def member_of(self, module: str) -> str | None:
+        """The wheel member holding `module` (a dotted name), or None when this release has no such module."""
+        base = module.replace(".", "/")
+        for cand in (base + ".py", base + "/__init__.py"):
+            if cand in self.members:
+                return cand
+        return None
+
+    def package_modules(self, package: str) -> list[str]:
+        """Every module of `package` (dotted) in this release, the package itself included."""
+        base = package.replace(".", "/") + "/"
+        return sorted(m[:-3].removesuffix("/__init__").replace("/", ".")
+                      for m in self.members if m.startswith(base) and m.count("/") == base.count("/"))
+
+    def fetch(self, modules: list[str]) -> dict[str, Path]:
+        """Local paths of the modules this release has (fetched once); absent modules are left out."""
+        wanted = {m: self.member_of(m) for m in modules}
+        missing = [mem for mem in wanted.values() if mem and not (self.root / mem).exists()]
+        if missing:
+            with self._zip(self.meta["url"], self.meta["size"]) as z:
+                for mem in missing:
+                    info = z.getinfo(mem)
+                    if info.file_size > MAX_MEMBER_BYTES:
+                        raise FetchError(f"{self.meta['wheel']}: {mem} is {info.file_size} bytes; refusing")
+                    data = z.read(mem)  # zipfile checks the member's CRC-32
+                    out = self.root / mem
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = out.with_name(out.name + ".partial")
+                    tmp.write_bytes(data)
+                    tmp.replace(out)
+        return {m: self.root / mem for m, mem in wanted.items() if mem}
+
+    def source(self, module: str) -> str | None:
+        paths = self.fetch([module])
+        return paths[module].read_text() if module in paths else None
