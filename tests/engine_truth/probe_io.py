@@ -2,8 +2,10 @@
 
 Request (JSON on stdin): {"version": V, "cases": [{"name", "config": config.json as a dict,
 "target": [[runtime prefix, kind], ...], "draft": [[runtime prefix, kind], ...]}]}, kind "linear" or
-"experts". Answer (JSON written to the path given as argv[2]): {"version", "cases": {name: answer or
+"experts"; a case may add "env": {name: value}, the server's environment variables (probes that model
+none ignore it). Answer (JSON written to the path given as argv[2]): {"version", "cases": {name: answer or
 {"error": traceback}}}. A decision is "mxfp4", "bf16", "other:<scheme class>" or "error:<message>".
+A probe may add keys of its own to an answer (the vLLM probe: "unbuilt", "loader_fuses_shared_experts").
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ import traceback
 
 MXFP4, BF16, OTHER, ERROR = "mxfp4", "bf16", "other:", "error:"
 LINEAR, EXPERTS = "linear", "experts"
+
+
+def hf_config(config: dict):
+    """config.json as AutoConfig.from_pretrained loads it: the model type's own config class."""
+    import copy
+
+    import transformers
+
+    mapping, model_type = transformers.CONFIG_MAPPING, config.get("model_type")
+    cls = mapping[model_type] if model_type in mapping else transformers.PretrainedConfig  # a lazy mapping: no .get
+    return cls.from_dict(copy.deepcopy(config))
 
 
 def error(exc: BaseException) -> str:

@@ -59,13 +59,6 @@ def load(version: str) -> dict[str, types.ModuleType]:
     return {m[len(PKG):]: importlib.import_module(m) for m in MODULES if m in sources}
 
 
-def hf_config(config: dict):
-    import transformers
-
-    cls = transformers.CONFIG_MAPPING.get(config.get("model_type"), transformers.PretrainedConfig)
-    return cls.from_dict(copy.deepcopy(config))  # what AutoConfig.from_pretrained does with config.json
-
-
 def model_class(mods: dict, arch: str) -> type:
     for name in MODEL_MODULES:
         for cls in getattr(mods.get(name), "EntryClass", []) or []:
@@ -161,14 +154,14 @@ def probe_case(mods: dict, case: dict) -> dict:
     stubs.SERVER_STATE.__dict__.clear()
     for cls, mapping in mods["_pristine"].items():
         cls.packed_modules_mapping = copy.deepcopy(mapping)
-    hf = hf_config(case["config"])
+    hf = probe_io.hf_config(case["config"])
     target_cls = model_class(mods, hf.architectures[0])
     target_qc = quant_config(mods, target_cls, hf, is_draft=False)
     target_model = build(mods, target_cls, hf, target_qc, ("models.deepseek_v2", "DeepseekV2Model"))
     target = {"class": target_cls.__name__, "packed_modules_mapping": dict(target_qc.packed_modules_mapping),
               "fused_shared_experts": fused_shared_experts(target_model),
               "decisions": {p: decide(mods, target_qc, p, k) for p, k in case["target"]}}
-    draft_hf = hf_config(case["config"])
+    draft_hf = probe_io.hf_config(case["config"])
     draft_cls = model_class(mods, draft_architecture(mods, draft_hf))
     draft_qc = quant_config(mods, draft_cls, draft_hf, is_draft=True)
     draft_model = build(mods, draft_cls, draft_hf, draft_qc, ("models.deepseek_nextn", "DeepseekV2DecoderLayer"))

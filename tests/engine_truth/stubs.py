@@ -11,6 +11,7 @@ Used only inside a probe subprocess (one per release), so nothing here leaks int
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -40,6 +41,9 @@ class StubMeta(ABCMeta):
     def __getitem__(cls, item):
         return cls
 
+    def __iter__(cls):  # without it, iteration would go through __getitem__ and never end
+        return iter(())
+
     def __call__(cls, *args, **kwargs):
         decorated = _passthrough(args, kwargs)
         if decorated is not None:
@@ -65,6 +69,8 @@ class StubBase(metaclass=StubMeta):
         # (msgspec.Struct, dataclass-like configs): `Stubbed(num=1).num == 1`.
         self.__dict__.update(kwargs)
         self._stub_args, self._stub_kwargs = args, kwargs
+        if _ON_BUILD:
+            _ON_BUILD[-1](self)
 
     def __init_subclass__(cls, **kwargs):
         pass
@@ -130,6 +136,18 @@ class StubBase(metaclass=StubMeta):
 
 
 _CLASSES: dict[str, type] = {}
+_ON_BUILD: list = []  # the innermost `recording` callback
+
+
+@contextlib.contextmanager
+def recording(callback):
+    """Call `callback(instance)` for every stub instance constructed meanwhile (the engine's layers built as
+    stand-ins, with the arguments the engine's code gave them: `instance._stub_kwargs`)."""
+    _ON_BUILD.append(callback)
+    try:
+        yield
+    finally:
+        _ON_BUILD.pop()
 
 
 def stub_class(name: str) -> type:
@@ -247,24 +265,42 @@ def install(package: str, sources: dict[str, Path], overrides: dict[str, dict] |
     return finder
 
 
-def functions_from_source(path: Path, names: tuple[str, ...]) -> dict:
-    """The release's own definitions of `names` (plain functions) from `path`, without executing that module:
-    for small utilities (`add_prefix`) that live in modules too heavy to import."""
+def functions_from_source(path: Path, names: tuple[str, ...], module: str | None = None) -> dict:
+    """The release's own definitions of `names` (plain functions, or static methods named "Class.method")
+    from `path`, without executing that module: for small utilities (`add_prefix`) that live in modules
+    too heavy to import. With `module` (the dotted name of `path`), the module's top-level imports are
+    executed first (through the stubs), so the functions see the names they import.
+    """
     import ast
 
     tree = ast.parse(path.read_text(), str(path))
-    found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
-    missing = set(names) - {node.name for node in found}
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    found, missing = {}, []
+    for name in names:
+        owner, _, fn = name.rpartition(".")
+        body = classes[owner].body if owner in classes else [] if owner else tree.body
+        node = next((n for n in body if isinstance(n, ast.FunctionDef) and n.name == fn), None)
+        if node is None:
+            missing.append(name)
+        else:
+            found[name] = node
     if missing:
-        raise LookupError(f"{path}: no top-level function {sorted(missing)}")
-    for node in found:
+        raise LookupError(f"{path}: no top-level function or static method {sorted(missing)}")
+    for node in found.values():
         node.decorator_list = []
         node.returns = None
-        for arg in (*node.args.args, *node.args.kwonlyargs):
+        for arg in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs):
             arg.annotation = None
-    namespace: dict = {"__name__": f"source:{path.name}"}
-    exec(compile(ast.Module(body=found, type_ignores=[]), str(path), "exec"), namespace)
-    return {name: namespace[name] for name in names}
+    namespace: dict = {"__name__": module or f"source:{path.name}"}
+    if module:
+        namespace["__package__"] = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        exec(compile(ast.Module(body=imports, type_ignores=[]), str(path), "exec"), namespace)
+    out = {}
+    for name, node in found.items():
+        exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+        out[name] = namespace[node.name]
+    return out
 
 
 class State(StubBase):

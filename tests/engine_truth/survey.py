@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_truth.probe_io import run_probe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+# A layer config without quantization, as Quark exports a QLayerConfig() that quantizes nothing.
+NULL_SPEC = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
 
 
 def glm_config(experts: int = 256) -> dict:
@@ -37,13 +39,21 @@ def diagnostic_cases(engine: str) -> list[dict]:
     draft_block = "model.decoder" if engine == "sglang" else mtp
     fused_qkv = "fused_qkv_a_proj_with_mqa" if engine == "sglang" else "fused_qkv_a_proj"
 
-    def case(name, exclude, target=(), draft=(), experts=256):
+    def case(name, exclude, target=(), draft=(), experts=256, lqc=None, global_weight=True, inputs=True, env=None):
         c = glm_config(experts)
+        if not inputs:
+            c["quantization_config"]["global_quant_config"]["input_tensors"] = None
         c["quantization_config"]["exclude"] = list(exclude)
-        return {"name": name, "config": c, "target": [list(t) for t in target], "draft": [list(d) for d in draft]}
+        spec = c["quantization_config"]["global_quant_config"]
+        if lqc is not None:
+            c["quantization_config"]["layer_quant_config"] = {k: (spec if v else NULL_SPEC) for k, v in lqc.items()}
+        if not global_weight:
+            c["quantization_config"]["global_quant_config"] = NULL_SPEC
+        return {"name": name, "config": c, "target": [list(t) for t in target], "draft": [list(d) for d in draft],
+                **({"env": env} if env else {})}
 
     shared = ("gate_proj", "up_proj", "down_proj")
-    return [
+    cases = [
         case("plain", [], target=[("model.layers.0.mlp.gate_up_proj", "linear")],
              draft=[(f"{draft_block}.mlp.experts", "experts")]),
         case("fused_name", [f"model.layers.0.self_attn.{fused_qkv}", "model.layers.0.mlp.gate_up_proj"],
@@ -65,7 +75,36 @@ def diagnostic_cases(engine: str) -> list[dict]:
         case("fuse_veto_target", [f"model.layers.3.mlp.shared_experts.{p}" for p in shared]),
         case("fuse_veto_mtp", [f"{mtp}.mlp.shared_experts.{p}" for p in shared]),
         case("fuse_veto_alias", [f"model.decoder.mlp.shared_experts.{p}" for p in shared]),
+        case("lqc_null_mtp", [], lqc={f"{mtp}.*": False},
+             target=[("model.layers.0.self_attn.o_proj", "linear")], draft=[(f"{draft_block}.self_attn.o_proj", "linear")]),
+        case("lqc_null_glob", [], lqc={f"*layers.{n}.*": False}, draft=[(f"{draft_block}.self_attn.o_proj", "linear")]),
+        case("lqc_experts_only", [], lqc={"*mlp.experts*": True}, global_weight=False,
+             target=[("model.layers.3.mlp.experts", "experts"), ("model.layers.3.self_attn.o_proj", "linear")]),
+        case("lqc_expert_entry", [], lqc={"model.layers.3.mlp.experts.0.gate_proj": True}, global_weight=False,
+             target=[("model.layers.3.mlp.experts", "experts")]),
+        case("lqc_fused_shards", [], lqc={"*q_a_proj": False},
+             target=[(f"model.layers.0.self_attn.{fused_qkv}", "linear")]),
+        case("weights_only", [], inputs=False, target=[("model.layers.3.mlp.experts", "experts"),
+                                                       ("model.layers.3.self_attn.o_proj", "linear")]),
+        case("lqc_excluded", ["model.layers.0.self_attn.o_proj"], lqc={"*o_proj": False},
+             target=[("model.layers.0.self_attn.o_proj", "linear")]),
     ]
+    if engine == "vllm":
+        # vLLM only: the indexer's wk + weights_proj are one linear built without a quant config; shared-expert
+        # fusion is a ROCm aiter switch (server environment), with no expert-count allow-list, and must agree
+        # across all MoE layers of a model.
+        fse = {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}
+        indexer = [f"model.layers.0.self_attn.indexer.{m}" for m in ("wq_b", "wk_weights_proj")]
+        cases += [
+            case("indexer", [], target=[(m, "linear") for m in indexer],
+                 draft=[(f"{mtp}.self_attn.indexer.{m}", "linear") for m in ("wq_b", "wk_weights_proj")]),
+            case("fuse_env_only", [], env={"VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}),
+            case("fuse_aiter", [], env=fse),
+            case("fuse_aiter_6", [], experts=6, env=fse),
+            case("fuse_aiter_veto_target", [f"model.layers.3.mlp.shared_experts.{p}" for p in shared], env=fse),
+            case("fuse_aiter_veto_mtp", [f"{mtp}.mlp.shared_experts.{p}" for p in shared], env=fse),
+        ]
+    return cases
 
 
 def summarize(answers: dict) -> dict:
@@ -89,8 +128,12 @@ def summarize(answers: dict) -> dict:
             row[name] = "ERR " + a["error"].strip().splitlines()[-1][:60]
             continue
         vals = [short(v) for role in ("target", "draft") for v in a[role]["decisions"].values()]
-        if name.startswith("fuse_"):
+        if name.startswith("fuse_") and name != "fused_name":
             vals = [f"t{a['target']['fused_shared_experts']}d{a['draft']['fused_shared_experts']}"]
+            # vLLM: the model-level flag its weight loader reads, where it disagrees with what the MoE blocks built
+            vals += [f"{role[0]}loader:{a[role]['loader_fuses_shared_experts']}" for role in ("target", "draft")
+                     if "loader_fuses_shared_experts" in a[role]
+                     and bool(a[role]["loader_fuses_shared_experts"]) != bool(a[role]["fused_shared_experts"])]
         if name == "whole_mtp":
             vals.append("blockQ" if a["draft"]["block_quantized"] else "blockBF16")
         if name == "alias_names" or name == "mtp_names":

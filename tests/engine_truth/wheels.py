@@ -63,6 +63,24 @@ def _choose_wheel(dist: str, version: str) -> dict:
     return max(wheels, key=rank)
 
 
+def available_versions(dist: str, first: str, last: str) -> list[str]:
+    """The releases of `dist` on PyPI that have a wheel, from `first` to `last` inclusive, oldest first."""
+    from packaging.version import InvalidVersion, Version
+
+    index = json.loads(_get(f"{SIMPLE}/{dist}/", {"Accept": "application/vnd.pypi.simple.v1+json"}))
+    prefix = dist.replace("-", "_") + "-"
+    found = set()
+    for f in index["files"]:
+        name = f["filename"]
+        if name.endswith(".whl") and name.startswith(prefix) and not f.get("yanked"):
+            try:
+                found.add(Version(name[len(prefix):].split("-", 1)[0]))
+            except InvalidVersion:
+                continue
+    lo, hi = Version(first), Version(last)
+    return [str(v) for v in sorted(found) if lo <= v <= hi and not v.is_prerelease]
+
+
 class _RangeFile(io.RawIOBase):
     """A read-only, seekable view of a remote file; each read is one HTTP range request."""
 
@@ -133,6 +151,14 @@ class Release:
         base = package.replace(".", "/") + "/"
         return sorted(m[:-3].removesuffix("/__init__").replace("/", ".")
                       for m in self.members if m.startswith(base) and m.count("/") == base.count("/"))
+
+    def modules_under(self, paths: tuple[str, ...] | list[str]) -> list[str]:
+        """The modules of this release whose file is one of `paths` (wheel paths) or lies below one of them."""
+        out = []
+        for member in sorted(self.members):
+            if any(member == p or member.startswith(p.rstrip("/") + "/") for p in paths):
+                out.append(member[:-3].removesuffix("/__init__").replace("/", "."))
+        return out
 
     def fetch(self, modules: list[str]) -> dict[str, Path]:
         """Local paths of the modules this release has (fetched once); absent modules are left out."""

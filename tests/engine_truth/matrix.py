@@ -1,0 +1,232 @@
+"""The conformance matrix: checkpoints of every export style, and the comparison of mxforge's decisions with
+each engine release's own.
+
+A case is a checkpoint on disk (headers are all that matter). For every module the release builds, target
+and MTP draft, mxforge's decision (fixups/engine_check.py) must equal the one the release's own code takes
+(the probes), and so must the structure around it: the draft class, the draft's names, eh_proj, the whole-
+draft switch, the packed-module mapping and shared-expert fusion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from mxforge.fixture import write_fixture
+from mxforge.fixups.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
+from mxforge.fixups.fixup import fixup_checkpoint
+from mxforge.fixups.loaded import load_checkpoint
+from mxforge.fixups.matching import DRAFT, TARGET
+from mxforge.fixups.profiles import EngineProfile
+from mxforge.fixups.quark_like import write_quark_like
+from mxforge.fixups.tensor_forms import BF16, MXFP4
+
+from . import probe_io
+
+# AMD's published GLM-5.2 MXFP4 exclusions (glm-5.2.md), the MTP layer's added per case.
+BASE_GLOBS = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj"]
+# A layer config that quantizes nothing (Quark's QLayerConfig() as exported).
+NULL_LAYER_CONFIG = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
+SIZES = {"e6": ("tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}),  # a small replica
+         "e256": ("full-layout", {})}                                          # GLM-5.2's real layout
+
+
+@dataclass
+class Case:
+    name: str
+    path: Path
+
+    def load(self):
+        loaded, _, _, _ = load_checkpoint(self.path)
+        return loaded
+
+
+def sources(root: Path) -> dict[str, Path]:
+    """The bf16 checkpoints the exports are made from: a 6-expert replica and the full 256-expert layout."""
+    out = {}
+    for size, (preset, overrides) in SIZES.items():
+        out[size] = root / f"bf16-{size}"
+        write_fixture(out[size], preset, quiet=True, overrides=overrides)
+    return out
+
+
+def recipe_export(src: Path, out: Path, recipe: str) -> None:
+    """What `mxforge quantize --recipe R` writes, as headers: the same names, dtypes, shapes and exclude list."""
+    from mxforge.checkpoint import Checkpoint
+    from mxforge.quantize.plan import plan_checkpoint
+    from mxforge.quantize.recipe import load_recipe
+
+    kept = plan_checkpoint(Checkpoint.open(src), load_recipe(recipe)).excluded_modules()
+    write_quark_like(src, out, kept)
+
+
+def export_cases(root: Path, srcs: dict[str, Path]) -> list[Case]:
+    """Every export style of the issue, at both sizes, before and after `mxforge fixup`."""
+    cases = []
+    for size, src in srcs.items():
+        n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+        mtp = f"*layers.{n}."
+        styles = {
+            "recipe-default": lambda out: recipe_export(src, out, "glm-5.2-mxfp4"),
+            "recipe-mtp-bf16": lambda out: recipe_export(src, out, "glm-5.2-mxfp4-mtp-bf16"),
+            # Quark resolves its globs into exact names on export; here the whole MTP layer stays bf16.
+            "amd-whole-mtp": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "*"]),
+            # The same exclusions written as globs, as hand-edited exports carry them.
+            "amd-globs": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "*"], glob_exclude=True),
+            # The write-up's recipe: MTP shared expert and eh_proj kept, as globs.
+            "wafer-globs": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "mlp.shared_experts*", mtp + "eh_proj"],
+                                                        glob_exclude=True),
+            # Exact names, but the MTP layer's bf16 modules as one `re:` entry.
+            "re-mtp": lambda out: _regex_mtp(src, out, n),
+            # The MTP layer's bf16 modules given a layer config that quantizes nothing, not an exclude entry.
+            "lqc-mtp": lambda out: _layer_config_mtp(src, out, n),
+            # The recipe's output declaring MXFP4 weights without MXFP4 activations (scheme w_mxfp4).
+            "weights-only": lambda out: _weights_only(src, out),
+            # Hand-written exports: fused modules named by their fused names (each engine's), not their shards.
+            "fused-names": lambda out: _fused_names(src, out),
+            # One decoder layer's routed experts kept bf16, excluded expert by expert (Quark's exact names).
+            "experts-bf16": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "*", "*layers.3.mlp.experts.*"]),
+            # Layer 3's experts pinned to MXFP4 expert by expert in layer_quant_config; the global config weights-only.
+            "lqc-experts": lambda out: _pinned_experts(src, out),
+            # The MTP layer excluded by its bare layer name as well.
+            "layer-entry": lambda out: _layer_entry(src, out, n),
+        }
+        for style, make in styles.items():
+            before = root / f"{size}-{style}"
+            make(before)
+            after = root / f"{size}-{style}-fixed"
+            shutil.copytree(before, after, copy_function=os.link)  # fixup replaces files by rename, never in place
+            fixup_checkpoint(after, command="mxforge fixup (conformance)")
+            cases += [Case(f"{size}/{style}", before), Case(f"{size}/{style}/fixed", after)]
+    return cases
+
+
+def _regex_mtp(src: Path, out: Path, n: int) -> None:
+    write_quark_like(src, out, BASE_GLOBS + [f"*layers.{n}.mlp.shared_experts*", f"*layers.{n}.eh_proj"])
+    prefix = f"model.layers.{n}."
+    _edit_qc(out, lambda qc: qc.update(exclude=[e for e in qc["exclude"] if not e.startswith(prefix)] + [
+        "re:" + re.escape(prefix) + r"(self_attn\..*|mlp\.shared_experts\..*|eh_proj)$"]))
+
+
+def _edit_qc(out: Path, edit) -> None:
+    config = json.loads((out / "config.json").read_text())
+    edit(config["quantization_config"])
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _layer_config_mtp(src: Path, out: Path, n: int) -> None:
+    groups = [f"*layers.{n}.self_attn*", f"*layers.{n}.mlp.shared_experts*", f"*layers.{n}.eh_proj"]
+    write_quark_like(src, out, BASE_GLOBS + groups[1:])
+    prefix = f"model.layers.{n}."
+
+    def edit(qc: dict) -> None:
+        qc["exclude"] = [e for e in qc["exclude"] if not e.startswith(prefix)]
+        qc["layer_quant_config"] = {g: dict(NULL_LAYER_CONFIG) for g in groups}
+    _edit_qc(out, edit)
+
+
+def _fused_names(src: Path, out: Path) -> None:
+    """Every excluded shard pair replaced by the fused module's names (sglang's and vLLM's)."""
+    write_quark_like(src, out, BASE_GLOBS)
+    fused = {"q_a_proj": ["fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj"], "kv_a_proj_with_mqa": [],
+             "gate_proj": ["gate_up_proj"], "up_proj": []}
+
+    def edit(qc: dict) -> None:
+        entries = []
+        for e in qc["exclude"]:
+            head, _, proj = e.rpartition(".")
+            entries += [f"{head}.{f}" for f in fused[proj]] if proj in fused else [e]
+        qc["exclude"] = entries
+    _edit_qc(out, edit)
+
+
+def _layer_entry(src: Path, out: Path, n: int) -> None:
+    write_quark_like(src, out, BASE_GLOBS + [f"*layers.{n}.*"])
+    _edit_qc(out, lambda qc: qc["exclude"].append(f"model.layers.{n}"))
+
+
+def _pinned_experts(src: Path, out: Path) -> None:
+    recipe_export(src, out, "glm-5.2-mxfp4")
+    experts = int(json.loads((src / "config.json").read_text())["n_routed_experts"])
+
+    def edit(qc: dict) -> None:
+        spec = json.loads(json.dumps(qc["global_quant_config"]))
+        qc["layer_quant_config"] = {f"model.layers.3.mlp.experts.{k}.{p}": spec for k in range(experts)
+                                    for p in ("gate_proj", "up_proj", "down_proj")}
+        qc["global_quant_config"]["input_tensors"] = None
+    _edit_qc(out, edit)
+
+
+def _weights_only(src: Path, out: Path) -> None:
+    recipe_export(src, out, "glm-5.2-mxfp4")
+    _edit_qc(out, lambda qc: qc["global_quant_config"].update(input_tensors=None))
+
+
+def views(profile: EngineProfile, loaded) -> list[EngineView]:
+    """The release as served by default, and, where it fuses shared experts, with fusion switched off."""
+    qc = loaded.ckpt.quantization_config or {}
+    view = engine_view(profile, loaded.layout, loaded.linears, qc.get("exclude", []), qc)
+    return [view, without_fusion(view, loaded.layout, loaded.linears)] if view.fused else [view]
+
+
+def asked(profile: EngineProfile, loaded) -> dict[str, list[list[str]]]:
+    """The modules whose decision the probe is asked for, per role (eh_proj is answered on its own)."""
+    out: dict[str, dict[str, str]] = {TARGET: {}, DRAFT: {}}
+    for view in views(profile, loaded):
+        for m in view.modules:
+            if m.quantizable and not (m.is_mtp and m.local == "eh_proj"):
+                out[m.role][m.runtime] = probe_io.EXPERTS if m.is_experts else probe_io.LINEAR
+    return {role: [[p, k] for p, k in sorted(mods.items())] for role, mods in out.items()}
+
+
+def request(profile: EngineProfile, case: Case, loaded) -> dict:
+    return {"name": case.name, "config": loaded.ckpt.config, **asked(profile, loaded)}
+
+
+def _form(decision: str) -> str:
+    return decision if decision in (probe_io.MXFP4, probe_io.BF16) else decision.split(":", 1)[0]
+
+
+def _mine(view: EngineView, module) -> str:
+    form = decide(view, module).form
+    return {MXFP4: probe_io.MXFP4, BF16: probe_io.BF16, None: "error", OTHER: "other"}[form]
+
+
+def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:
+    """Every way mxforge's reading of `profile` differs from the release's own answer for one checkpoint."""
+    if "error" in answer:
+        return [f"the probe failed: {answer['error'].strip().splitlines()[-1]}"]
+    out = []
+    view = views(profile, loaded)[0]
+    t, d = answer[TARGET], answer[DRAFT]
+    layer = loaded.layout.mtp_layers[0] if loaded.layout.mtp_layers else None
+
+    def expect(what: str, ours, theirs) -> None:
+        if ours != theirs:
+            out.append(f"{what}: mxforge {ours!r}, engine {theirs!r}")
+
+    expect("draft class", profile.draft.class_name, d["class"])
+    for role, a in ((TARGET, t), (DRAFT, d)):
+        if a.get("unbuilt"):  # probes that build the model say which asked-for modules it never builds
+            out.append(f"{role} modules the release never builds: {', '.join(a['unbuilt'][:4])}")
+    for role, a in ((TARGET, t), (DRAFT, d)):
+        expect(f"{role} packed-module mapping", sorted(profile.packed), sorted(a["packed_modules_mapping"]))
+        expect(f"{role} shared-expert fusion", int(role in view.fused), a["fused_shared_experts"])
+    if layer is not None:
+        expect("draft block prefix", profile.draft.block_prefix.format(layer=layer), d["block_prefix"])
+        expect("whole draft quantized", not view.roles[DRAFT].unquantized, d["block_quantized"])
+        eh = next((m for m in view.modules if m.is_mtp and m.local == "eh_proj"), None)
+        if eh is not None:
+            expect("eh_proj prefix", eh.runtime, d["eh_proj"]["prefix"] or eh.runtime)
+            expect("eh_proj decision", _mine(view, eh), _form(d["eh_proj"]["decision"]))
+    for v in views(profile, loaded):
+        for m in v.modules:
+            if not m.quantizable or (m.is_mtp and m.local == "eh_proj"):
+                continue
+            theirs = (t if m.role == TARGET else d)["decisions"].get(m.runtime)
+            expect(f"{m.role} {m.runtime}", _mine(v, m), _form(theirs) if theirs else None)
+    return out

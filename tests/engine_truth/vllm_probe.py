@@ -1,0 +1,480 @@
+"""Ask one vLLM release, by executing its own code, how it would load a Quark checkpoint.
+
+Run as a subprocess: `python vllm_probe.py VERSION ANSWER_PATH < request.json` (see probe_io.py for the
+request and answer shapes). Executed from the release's wheel: `VllmConfig._get_quantization_config` and
+`get_quant_config` (Quark config from `quantization_config`), the model registry, `initialize_model`
+(`configure_quant_config`: packed-module mapping and `hf_to_vllm_mapper` of the model class), the target
+and draft classes' constructors down to their linears and routed experts (decoder layers, MLA attention,
+the DSA indexer, the MoE block with its shared-expert fusion gate), `SpeculativeConfig.hf_config_override`
+(which architecture builds the MTP draft) and, per module, `resolve_quant_method` ->
+`QuarkConfig.get_quant_method` (exclusion test, scheme selection) at the moment the engine builds it.
+
+Stand-ins (stubs.py): linear layers, the routed-expert layer, norms, embeddings and kernels are inert
+objects that record the arguments the engine's code gives them; the platform is an AMD MI355X (ROCm,
+gfx950, CDNA4, aiter installed); one GPU (no tensor/pipeline/expert parallelism); the MLA attention base
+class accepts anything; the MXFP4 MoE kernel oracle finds no native kernel (emulation); the model config's
+`quantization` is "quark" (what ModelConfig reads from `quant_method`). The draft shares the target's
+QuarkConfig object, as `replace(vllm_config, ...)` keeps `quant_config` in the release. A case's "env"
+(probe_io) sets the server's environment (e.g. the ROCm aiter switches that gate shared-expert fusion).
+Answers add "unbuilt" (requested modules the model never builds: decided as a layer of their kind) and
+"loader_fuses_shared_experts" (the model-level flag the weight loader reads; None: the model has none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple
+from unittest import mock
+
+import torch  # real torch and transformers before any stub is installed
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine_truth import probe_io, stubs  # noqa: E402
+from engine_truth.wheels import Release  # noqa: E402
+
+Q = "vllm.model_executor.layers.quantization."
+MODELS = "vllm.model_executor.models."
+MODULES = [
+    Q[:-1], Q + "base_config", Q + "quark.quark", Q + "quark.quark_moe", Q + "quark.utils",
+    Q + "utils.config_utils", Q + "utils.ocp_mx_utils", Q + "utils.quant_utils",
+    "vllm.envs", "vllm._aiter_ops", "vllm.model_executor.layers.fused_moe.utils",
+    "vllm.model_executor.layers.fused_moe.fused_moe_method_base", "vllm.transformers_utils.model_arch_config_convertor",
+    "vllm.model_executor.model_loader.utils", "vllm.model_executor.model_loader.weight_utils",
+    MODELS + "registry", MODELS + "utils", MODELS + "interfaces", MODELS + "deepseek_v2", MODELS + "deepseek_mtp",
+    "vllm.models.deepseek_v32", "vllm.models.deepseek_v32.attention", "vllm.models.deepseek_v32.amd",
+    "vllm.models.deepseek_v32.amd.model", "vllm.models.deepseek_v32.amd.mtp", "vllm.models.deepseek_v32.amd.rocm",
+]
+REQUIRED = MODULES[:18]  # the rest: whatever the release has (the platform entry point picks among them)
+OPTIONAL = [MODELS + "expert_substitution", "vllm.model_executor.layers.fused_moe.expert_substitution"]
+SOURCE_ONLY = (  # methods of pydantic config classes (their modules cannot be imported with stubs)
+    ("vllm.config.vllm", "VllmConfig._get_quantization_config"),
+    ("vllm.config.speculative", "SpeculativeConfig.hf_config_override"),
+    ("vllm.config.model", "ModelConfig.use_mla"),  # a property: called with the model config
+)
+LINEAR_CLASSES = ("LinearBase", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+                  "ReplicatedLinear", "RowParallelLinear", "DCPGroupColumnParallelLinear", "MergedReplicatedLinear")
+FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+MXFP4_ORACLE = FUSED_MOE + ".oracle.mxfp4"
+
+
+def _no_mxfp4_kernel(*args, **kwargs):
+    """The MXFP4 MoE kernel oracle's answer when no native kernel applies: emulation (kernels are out of scope)."""
+    return stubs.stub_class(MXFP4_ORACLE + ".Mxfp4MoeBackend").NONE, None
+
+
+class DeviceCapability(NamedTuple):
+    major: int
+    minor: int
+
+    def to_int(self) -> int:
+        return self.major * 10 + self.minor
+
+    def as_version_str(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+
+AMD_MI355X = DeviceCapability(9, 5)
+
+
+def _value(v):
+    return lambda *a, **k: v
+
+
+class RocmPlatform(stubs.StubBase):
+    """`current_platform` on an AMD MI355X: ROCm, gfx950, OCP fp8, native MX; anything else is inert."""
+
+    _stub = True
+    device_type = "meta"  # buffers the constructors allocate stay unallocated
+    dispatch_key = "CUDA"
+    supported_quantization = ["quark"]
+    is_rocm, is_cuda_alike, supports_mx = _value(True), _value(True), _value(True)
+    is_cuda, is_xpu, is_cpu, is_tpu, is_out_of_tree = (_value(False),) * 5
+    is_fp8_fnuz = _value(False)
+    fp8_dtype = _value(torch.float8_e4m3fn)
+    get_device_capability = _value(AMD_MI355X)
+    is_device_capability = staticmethod(lambda cap, *a: cap in (AMD_MI355X, AMD_MI355X.to_int()))
+    has_device_capability = staticmethod(lambda cap, *a: AMD_MI355X.to_int() >= (cap if isinstance(cap, int)
+                                                                                 else DeviceCapability(*cap).to_int()))
+    is_device_capability_family = _value(False)
+    get_device_name = _value("AMD Instinct MI355X")
+
+
+ROCM_ARCH = {"on_gfx9": True, "on_gfx950": True, "on_mi3xx": True, "on_cdna": True, "get_cdna_version": 4,
+             "on_gfx942": False, "on_gfx90a": False, "on_gfx1x": False, "on_rdna": False, "on_rdna4": False,
+             "on_gfx1250": False, "get_rdna_version": 0}
+
+
+class _Group(stubs.StubBase):
+    _stub = True
+    world_size, rank_in_group, rank, is_first_rank, is_last_rank = 1, 0, 0, True, True
+    device_group = stubs.Namespace(size=_value(1), rank=_value(0))
+
+
+ONE_GPU = {"get_tensor_model_parallel_world_size": _value(1), "get_tensor_model_parallel_rank": _value(0),
+           "get_pp_group": _value(_Group()), "get_tp_group": _value(_Group()), "get_ep_group": _value(_Group()),
+           "get_dp_group": _value(_Group()), "get_pcp_group": _value(_Group()), "get_dcp_group": _value(_Group())}
+
+
+class InertAttentionBase(torch.nn.Module):
+    """Stand-in for the MLA attention-layer base class (MLAAttention): accepts any arguments; a real
+    class deriving from it reads back what it sets, and anything the base would have provided is inert."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") and name.endswith("__"):
+                raise
+            return stubs.StubBase()
+
+
+def overrides() -> dict[str, dict]:
+    linear = {}
+    base = stubs.stub_class("vllm.model_executor.layers.linear.LinearBase")
+    for name in LINEAR_CLASSES[1:]:
+        linear[name] = stubs.StubMeta(name, (base,), {"__module__": "stub", "_stub": True,
+                                                      "__qualname__": f"vllm.model_executor.layers.linear.{name}"})
+    linear["LinearBase"] = base
+    routed = stubs.stub_class(f"{FUSED_MOE}.RoutedExperts")
+    gate = stubs.StubMeta("GateLinear", (linear["ReplicatedLinear"],), {"__module__": "stub", "_stub": True})
+    experts = {name: stubs.StubMeta(name, (routed,), {"__module__": "stub", "_stub": True})
+               for name in ("FusedMoE", "SharedFusedMoE", "FusedMoEFactory")}
+    return {
+        "vllm.platforms": {"current_platform": RocmPlatform()},
+        "vllm.platforms.rocm": {k: _value(v) for k, v in ROCM_ARCH.items()},
+        "vllm.distributed": ONE_GPU, "vllm.distributed.parallel_state": ONE_GPU,
+        "vllm.distributed.utils": {"get_pp_indices": lambda n, rank, size: (0, n)},
+        "vllm.model_executor.offloader": {"get_offloader": _value(stubs.Namespace(wrap_modules=list))},
+        "vllm.model_executor.layers.linear": linear,
+        FUSED_MOE: {"RoutedExperts": routed, "GateLinear": gate, **experts},
+        FUSED_MOE + ".layer": {"RoutedExperts": routed, **experts},
+        FUSED_MOE + ".routed_experts": {"RoutedExperts": routed},
+        FUSED_MOE + ".router.gate_linear": {"GateLinear": gate},
+        MXFP4_ORACLE: {"select_mxfp4_moe_backend": _no_mxfp4_kernel},
+        "vllm.model_executor.layers.attention": {"MLAAttention": InertAttentionBase},
+    }
+
+
+def load(version: str) -> dict:
+    release = Release("vllm", version)
+    wanted = MODULES + OPTIONAL + release.package_modules(Q + "quark.schemes")
+    sources = release.fetch(wanted)
+    missing = [m for m in REQUIRED if m not in sources]
+    if missing:
+        raise LookupError(f"vllm {version} has no {missing}")
+    source_only = release.fetch([m for m, _ in SOURCE_ONLY])
+    stubs.install("vllm", sources, overrides=overrides())  # aiter (ROCm kernels) is present, as on an AMD host: a stub
+    # the package re-exports the real base of the MoE quant methods (its __init__ is not executed)
+    base = importlib.import_module(FUSED_MOE + ".fused_moe_method_base").FusedMoEMethodBase
+    setattr(importlib.import_module(FUSED_MOE), "FusedMoEMethodBase", base)
+    mods = {m: importlib.import_module(m) for m in wanted if m in sources and not m.startswith("vllm.models.")}
+    oracle = getattr(mods[Q + "quark.quark_moe"], "select_mxfp4_moe_backend", _no_mxfp4_kernel)
+    if oracle is not _no_mxfp4_kernel:
+        raise LookupError(f"vllm {version}: quark_moe takes its MXFP4 kernel oracle from elsewhere than {MXFP4_ORACLE}")
+    if "vllm.models.deepseek_v32" in sources:
+        importlib.import_module("vllm.models.deepseek_v32")  # the platform entry point imports what ROCm uses
+    for module, name in SOURCE_ONLY:
+        if module not in source_only:
+            raise LookupError(f"vllm {version} has no {module}")
+        mods[name] = stubs.functions_from_source(source_only[module], (name,), module=module)[name]
+    mods["_pristine"] = pristine_class_state(mods)
+    return mods
+
+
+def pristine_class_state(mods: dict) -> dict:
+    """Class attributes the loader and constructors mutate (packed_modules_mapping), to restore per case."""
+    out = {}
+    for mod in list(sys.modules.values()):
+        if not isinstance(getattr(mod, "__file__", None), str) or not mod.__name__.startswith("vllm.") \
+                or isinstance(mod, stubs.StubModule):
+            continue
+        for cls in vars(mod).values():
+            if isinstance(cls, type) and isinstance(cls.__dict__.get("packed_modules_mapping"), dict):
+                out[cls] = copy.deepcopy(cls.__dict__["packed_modules_mapping"])
+    return out
+
+
+def model_class(mods: dict, arch: str) -> type:
+    """The registry's entry for `arch`, imported as `_LazyRegisteredModel.load_model_cls` does."""
+    entry = mods[MODELS + "registry"]._VLLM_MODELS.get(arch)
+    if entry is None:
+        raise LookupError(f"the model registry has no {arch}")
+    module, name = entry
+    if not module.startswith("vllm."):
+        module = MODELS + module
+    mod = importlib.import_module(module)
+    if isinstance(mod, stubs.StubModule):
+        raise LookupError(f"the registry maps {arch} to {module}, which this probe does not fetch")
+    return getattr(mod, name)
+
+
+def model_config(mods: dict, hf, max_model_len: int = 4096):
+    """The server's ModelConfig for `hf` (config.json as loaded): a record of the fields the code reads, with
+    `use_mla` computed by the release (`ModelConfig.use_mla`, the arch convertor's `is_deepseek_mla`)."""
+    mc = stubs.stub_class("vllm.config.ModelConfig")(
+        model="/nonexistent", hf_config=hf, hf_text_config=hf, quantization="quark", quantization_config=None,
+        dtype=torch.bfloat16, revision=None, hf_overrides={}, max_model_len=max_model_len, convert_type="none",
+        runner_type="generate", model_impl="auto", trust_remote_code=False, enforce_eager=False,
+        architectures=list(hf.architectures),
+        using_transformers_backend=_value(False))  # the registry resolved a vLLM class, not the Transformers backend
+    convertor = mods["vllm.transformers_utils.model_arch_config_convertor"].ModelArchConfigConvertorBase(hf, hf)
+    mc.is_deepseek_mla = convertor.is_deepseek_mla()
+    mc.use_mla = mods["ModelConfig.use_mla"](mc)
+    return mc
+
+
+def vllm_config(target_mc, qc, draft_mc=None):
+    """The server's VllmConfig with default settings on one GPU (a record of the fields the code reads)."""
+    cfg = stubs.stub_class("vllm.config.VllmConfig")
+    parallel = stubs.stub_class("vllm.config.ParallelConfig")(
+        tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False,
+        enable_eplb=False, use_sequence_parallel_moe=False, eplb_config=stubs.Namespace(num_redundant_experts=0),
+        prefill_context_parallel_size=1, decode_context_parallel_size=1, dcp_q_replicate=False)
+    spec = None if draft_mc is None else stubs.stub_class("vllm.config.SpeculativeConfig")(
+        method="mtp", num_speculative_tokens=1, draft_model_config=draft_mc, draft_tensor_parallel_size=1,
+        moe_backend=None, attention_backend=None, kv_cache_dtype=None)
+    return cfg(model_config=target_mc, quant_config=qc, parallel_config=parallel, speculative_config=spec,
+               scheduler_config=stubs.Namespace(max_num_batched_tokens=8, max_num_seqs=1),
+               cache_config=stubs.stub_class("vllm.config.CacheConfig")(cache_dtype="auto", block_size=64),
+               load_config=stubs.Namespace(load_format="auto", device=None, model_loader_extra_config={}),
+               device_config=stubs.Namespace(device=torch.device("meta")),
+               lora_config=None, kv_transfer_config=None)
+
+
+def quant_config(mods: dict, mc):
+    """`VllmConfig._get_quantization_config`: `get_quant_config` (QuarkConfig.from_config), the capability and
+    dtype checks, `maybe_update_config`."""
+    return mods["VllmConfig._get_quantization_config"](mc, stubs.Namespace(load_format="auto"))
+
+
+def draft_hf_config(mods: dict, config: dict):
+    """The MTP draft's hf_config: the target's config.json through `SpeculativeConfig.hf_config_override`."""
+    return mods["SpeculativeConfig.hf_config_override"](probe_io.hf_config(config))
+
+
+class Build:
+    """One model construction: every stand-in layer the engine's code builds, and the decision the release
+    makes for each requested module at the moment it is built (as LinearBase / RoutedExperts do)."""
+
+    def __init__(self, mods: dict, wanted: dict[str, str]):
+        self.mods, self.wanted = mods, wanted
+        self.built: dict[str, stubs.StubBase] = {}
+        self.decisions: dict[str, str] = {}
+
+    def __call__(self, obj) -> None:
+        prefix = obj._stub_kwargs.get("prefix")
+        if not isinstance(prefix, str):
+            return
+        self.built[prefix] = obj
+        if prefix in self.wanted:
+            self.decisions[prefix] = decide(self.mods, quant_config_of(self.mods, obj), prefix, obj)
+
+
+def quant_config_of(mods: dict, layer):
+    """The quant config the engine's code built a stand-in layer with (keyword or positional), or None."""
+    kwargs = layer._stub_kwargs
+    if "quant_config" in kwargs:
+        return kwargs["quant_config"]
+    base = mods[Q + "base_config"].QuantizationConfig
+    return next((a for a in layer._stub_args if isinstance(a, base)), None)
+
+
+def layer_base(mods: dict, kind: str) -> type:
+    quark = mods[Q + "quark.quark"]
+    return quark.LinearBase if kind == probe_io.LINEAR else quark.RoutedExperts
+
+
+def decide(mods: dict, qc, prefix: str, layer) -> str:
+    """MXFP4 / bf16 / another scheme, or the error the release raises, for one module built with `qc`.
+
+    A layer built without a quant config is unquantized; with one, the release's `resolve_quant_method`
+    picks the method (a linear whose config answers None is a load error, an expert bank falls back to
+    the unquantized method), as in LinearBase.__init__ and RoutedExperts._get_quant_method.
+    """
+    if qc is None:
+        return probe_io.BF16
+    quark = mods[Q + "quark.quark"]
+    is_linear = isinstance(layer, quark.LinearBase)
+    resolve = mods[Q + "base_config"].resolve_quant_method  # outside the try: a missing entry point is no decision
+    try:
+        method = resolve(qc, layer, prefix)
+    except Exception as e:  # the release raises while building the layer: a load failure
+        return probe_io.error(e)
+    if method is None:
+        return probe_io.error(ValueError("All linear layers should support quant method.")) if is_linear \
+            else probe_io.BF16
+    if isinstance(method, (quark.UnquantizedLinearMethod, quark.UnquantizedFusedMoEMethod)):
+        return probe_io.BF16
+    scheme = layer.__dict__.get("scheme") if is_linear else method
+    dtype = getattr(scheme, "weight_dtype", None)
+    name = type(scheme).__name__
+    if name in ("QuarkOCP_MX", "QuarkOCP_MX_MoEMethod") and dtype == "mxfp4":
+        return probe_io.MXFP4
+    return f"{probe_io.OTHER}{name}" + (f":{dtype}" if isinstance(dtype, str) else "")
+
+
+def walk(obj, path: str = "", seen=None):
+    """(runtime name, object) for every module and stand-in layer reachable from a built model."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    yield path, obj
+    if isinstance(obj, torch.nn.Module):
+        children = {**{k: v for k, v in vars(obj).items() if isinstance(v, stubs.StubBase)}, **obj._modules}
+    else:
+        return
+    for name, child in children.items():
+        if child is not None:
+            yield from walk(child, f"{path}.{name}" if path else name, seen)
+
+
+def fused_shared_experts(mods: dict, model) -> int | str:
+    """Shared experts the built MoE blocks append to their routed-expert bank (DeepseekV2MoE's per-layer
+    decision, the fusion gate); "mixed:k/n" when only k of n MoE blocks fuse."""
+    moe_cls = mods[MODELS + "deepseek_v2"].DeepseekV2MoE
+    blocks = [m for _, m in walk(model) if isinstance(m, moe_cls)]
+    if not blocks and getattr(model.config, "n_routed_experts", None):
+        raise LookupError(f"{type(model).__name__} built no DeepseekV2MoE: this release decides fusion elsewhere")
+    fused = [int(m.n_shared_experts or 0) if m.is_fused_shared_expert_enabled else 0 for m in blocks]
+    if len(set(fused)) > 1:
+        return f"mixed:{sum(1 for f in fused if f)}/{len(fused)}"
+    return fused[0] if fused else 0
+
+
+def loader_fuses(mods: dict, model) -> bool | None:
+    """The model-level flag the release's weight loader reads to route shared experts into the bank (None: the
+    model has no such flag, its loader never does)."""
+    moe_cls = mods[MODELS + "deepseek_v2"].DeepseekV2MoE
+    flags = [m.__dict__["is_fused_shared_expert_enabled"] for _, m in walk(model)
+             if "is_fused_shared_expert_enabled" in getattr(m, "__dict__", {}) and not isinstance(m, moe_cls)]
+    return bool(flags[0]) if flags else None
+
+
+@contextlib.contextmanager
+def server_env(env: dict[str, str], mods: dict):
+    """Environment variables of the server process: vLLM's defaults plus `env`; the ROCm aiter switches are
+    re-read (`rocm_aiter_ops.refresh_env_variables`, the release's own hook)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update(env)
+    ops = mods["vllm._aiter_ops"].rocm_aiter_ops
+    ops.refresh_env_variables()
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k.startswith("VLLM_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+        ops.refresh_env_variables()
+
+
+def build(mods: dict, cls: type, vcfg, model_cfg, wanted: dict[str, str]):
+    """`initialize_model(vllm_config, model_class=cls, model_config=...)` with the decisions recorded;
+    the decoder-layer classes of the model's module record the prefixes they are built with."""
+    loader = mods["vllm.model_executor.model_loader.utils"]
+    rec = Build(mods, wanted)
+    blocks: list[str] = []
+    patches = []
+    module = sys.modules[cls.__module__]
+    for name, value in vars(module).items():
+        if isinstance(value, type) and name.endswith("DecoderLayer") and issubclass(value, torch.nn.Module):
+            patches.append(mock.patch.object(module, name, _recording_block(value, blocks)))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(stubs.recording(rec))
+        stack.enter_context(mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)))
+        model = loader.initialize_model(vcfg, model_class=cls, model_config=model_cfg)
+    return model, rec, blocks
+
+
+def _recording_block(cls: type, blocks: list[str]) -> type:
+    def __init__(self, *args, **kwargs):
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 and isinstance(args[1], str) else None)
+        blocks.append(prefix)
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+
+
+def decisions(mods: dict, rec: Build, model, qc, wanted: dict[str, str]) -> tuple[dict, list]:
+    """Per requested module: the decision made when the engine built it under that prefix; else, for a module
+    found at that path in the built model, the decision for the prefix it was built with (a plain torch
+    layer never consults the quant config); a module the model never builds is decided by the model's
+    quant config for a layer of its kind, and listed as unbuilt."""
+    out, unbuilt = {}, []
+    paths = dict(walk(model))
+    for prefix, kind in wanted.items():
+        obj = paths.get(prefix)
+        if prefix in rec.decisions:
+            out[prefix] = rec.decisions[prefix]
+        elif isinstance(obj, stubs.StubBase) and isinstance(obj._stub_kwargs.get("prefix"), str):
+            out[prefix] = decide(mods, quant_config_of(mods, obj), obj._stub_kwargs["prefix"], obj)
+        elif obj is not None and type(obj).__module__.startswith("torch.nn"):
+            out[prefix] = probe_io.BF16
+        else:
+            unbuilt.append(prefix)
+            out[prefix] = decide(mods, qc, prefix, layer_base(mods, kind)())
+    return out, unbuilt
+
+
+def probe_case(mods: dict, case: dict) -> dict:
+    """One checkpoint config, as one server process sees it: target first, then the MTP draft, sharing the
+    target's quant config object; class state and environment start fresh for every case."""
+    for cls, mapping in mods["_pristine"].items():
+        cls.packed_modules_mapping = copy.deepcopy(mapping)
+    with server_env(case.get("env", {}), mods):
+        hf = probe_io.hf_config(case["config"])
+        target_mc = model_config(mods, hf)
+        target_cls = model_class(mods, hf.architectures[0])
+        qc = quant_config(mods, target_mc)
+        wanted = {p: k for p, k in case["target"]}
+        target_model, rec, _ = build(mods, target_cls, vllm_config(target_mc, qc), target_mc, wanted)
+        target_dec, target_unbuilt = decisions(mods, rec, target_model, qc, wanted)
+        target = {"class": target_cls.__name__, "packed_modules_mapping": dict(qc.packed_modules_mapping),
+                  "fused_shared_experts": fused_shared_experts(mods, target_model),
+                  "loader_fuses_shared_experts": loader_fuses(mods, target_model),
+                  "decisions": target_dec, "unbuilt": target_unbuilt}
+
+        draft_hf = draft_hf_config(mods, case["config"])
+        draft_mc = model_config(mods, draft_hf)
+        draft_cls = model_class(mods, draft_hf.architectures[0])
+        wanted = {p: k for p, k in case["draft"]}
+        draft_model, rec, blocks = build(mods, draft_cls, vllm_config(target_mc, qc, draft_mc), draft_mc, wanted)
+        draft_dec, draft_unbuilt = decisions(mods, rec, draft_model, qc, wanted)
+        if len(blocks) != 1:
+            raise RuntimeError(f"{draft_cls.__name__} built {len(blocks)} decoder blocks: {blocks}")
+        block = blocks[0]
+        under = [o for p, o in rec.built.items() if p.startswith(block + ".")]
+        eh_path, eh = next(((p, o) for p, o in walk(draft_model) if p.rpartition(".")[2] == "eh_proj"), (None, None))
+        if eh is None:
+            raise LookupError(f"{draft_cls.__name__} has no eh_proj")
+        stand_in = isinstance(eh, stubs.StubBase)  # else a torch layer, which never consults the quant config
+        draft = {"class": draft_cls.__name__, "architecture": draft_hf.architectures[0],
+                 "packed_modules_mapping": dict(qc.packed_modules_mapping), "block_prefix": block,
+                 "block_quantized": any(quant_config_of(mods, o) is not None for o in under),
+                 "eh_proj": {"type": type(eh).__name__,
+                             "prefix": eh._stub_kwargs.get("prefix") if stand_in else eh_path,
+                             "decision": decide(mods, quant_config_of(mods, eh), eh._stub_kwargs.get("prefix"), eh)
+                             if stand_in else probe_io.BF16},
+                 "fused_shared_experts": fused_shared_experts(mods, draft_model),
+                 "loader_fuses_shared_experts": loader_fuses(mods, draft_model),
+                 "decisions": draft_dec, "unbuilt": draft_unbuilt}
+    return {"target": target, "draft": draft}
+
+
+if __name__ == "__main__":
+    probe_io.serve(load, probe_case)
