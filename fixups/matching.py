@@ -1,20 +1,24 @@
-"""How an engine decides that a module is excluded from quantization, given the `exclude` entries.
+"""How an engine release decides, from `exclude`, what it builds unquantized (the rules of fixups/profiles.py).
 
-Mirrors `should_ignore_layer` of sglang and vLLM (see manifests/engines/*.toml for the source files):
-an entry matches a module prefix when it equals it, or when it starts with "re:" and the rest
-`re.match`es it. Globs are not understood by any engine.
+Entry matching is the engines' own: an entry matches a module prefix when equal to it, or when it starts
+with "re:" and the rest `re.match`es the prefix. Globs are understood by no engine. What differs per
+release (fused names, expert entries, which entries reach the MTP draft, shared-expert fusion) is data in
+the profile; conformance with each release's own code is tested in tests/test_engine_conformance.py.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable
+
+from mxforge.glm_layout import GlmLayout
 
 from .profiles import EngineProfile
 
 GLOB_CHARS = re.compile(r"[*?\[]")
+TARGET, DRAFT = "target", "draft"
 
 
 def is_glob(entry: str) -> bool:
@@ -70,47 +74,165 @@ class ExcludeList:
         return None
 
 
-def with_mtp_remap(entries: ExcludeList, profile: EngineProfile, mtp_layer: int) -> ExcludeList:
-    """The list an engine that remaps MTP exclusions at load time uses for the draft model.
-
-    sglang 0.5.23 (models/glm4_moe.py::_resolve_nextn_quant_config) adds the runtime name of every entry
-    starting with `model.layers.N.`, and `model.decoder.mlp.experts` when one of them names an expert.
-    """
-    if not profile.remap_mtp_exclusions:
-        return entries
-    layer_prefix = f"model.layers.{mtp_layer}."
-    mapped = [profile.mtp_runtime_name(mtp_layer, e[len(layer_prefix):]) for e in entries.entries if e.startswith(layer_prefix)]
-    if any(".mlp.experts." in e for e in entries.entries if e.startswith(layer_prefix)):
-        mapped.append(profile.mtp_runtime_name(mtp_layer, "mlp.experts"))
-    if not mapped:
-        return entries
-    return ExcludeList(entries.entries + tuple(m for m in mapped if m not in entries.exact))
-
-
-def draft_excludes(main: ExcludeList, profile: EngineProfile, mtp_layers: Iterable[int]) -> ExcludeList:
-    """The exclude list `profile`'s engine applies to the draft (MTP) model: `main` with every MTP layer remapped."""
-    draft = main
-    for layer in mtp_layers:
-        draft = with_mtp_remap(draft, profile, layer)
-    return draft
-
-
 def engine_excludes(profile: EngineProfile, prefix: str, is_experts: bool, entries: ExcludeList) -> bool:
-    """Whether `profile`'s engine builds module `prefix` unquantized because of `entries`.
+    """Whether `profile`'s engine builds module `prefix` unquantized because of `entries` (should_ignore_layer).
 
     Raises:
-        ShardsDisagree: `prefix` is a fused module, no entry names it, and its shards disagree.
+        ShardsDisagree: `prefix` is a packed fused module decided by its shards, and they disagree.
     """
-    if entries.matching_entry(prefix):
-        return True
-    if is_experts and profile.experts_excluded_by_child_entry and prefix in entries.parents:
-        return True
     head, _, proj = prefix.rpartition(".")
-    shards = profile.fused.get(proj)
-    if not shards:
+    packed = proj in profile.packed
+    if (profile.fused_name_first or not packed) and entries.matching_entry(prefix):
+        return True
+    if is_experts and profile.expert_child_entries and prefix in entries.parents:
+        return True
+    if not packed:
         return False
-    names = [f"{head}.{s}" for s in shards]
+    names = [f"{head}.{s}" if head else s for s in profile.fused[proj]]
     hits = [bool(entries.matching_entry(n)) for n in names]
     if any(hits) and not all(hits):
         raise ShardsDisagree([n for n, h in zip(names, hits) if h], [n for n, h in zip(names, hits) if not h])
     return all(hits)
+
+
+def map_name(profile: EngineProfile, name: str) -> str:
+    """The draft's name mapper on one name: the longest matching substring replaced once (WeightsMapper)."""
+    for old, new in sorted(profile.draft.name_mapper, key=lambda pair: len(pair[0]), reverse=True):
+        if old in name:
+            return name.replace(old, new, 1)
+    return name
+
+
+class SchemeError(Exception):
+    """The engine raises while choosing the module's quantization scheme (no compatible scheme, or fused
+    shards / experts with different per-layer configs)."""
+
+
+@dataclass(frozen=True)
+class RoleView:
+    """What one model (the target, or the MTP draft) of one engine release sees of `quantization_config`."""
+
+    entries: ExcludeList        # the exclude list its modules are tested against
+    gate_entries: ExcludeList   # the list its shared-expert fusion gate reads (before any draft remap)
+    unquantized: bool = False   # the whole model is built without a quantization config
+    layer_configs: dict = field(default_factory=dict)  # layer_quant_config: fnmatch pattern -> layer config
+    global_config: dict | None = None
+
+
+def role_views(profile: EngineProfile, exclude: list[str], layout: GlmLayout,
+               qc: dict | None = None) -> dict[str, RoleView]:
+    """The target's and the draft's view of `exclude` (and of the per-layer configs of `qc`) in `profile`'s release."""
+    qc = qc or {}
+    layer_configs = qc.get("layer_quant_config") if isinstance(qc.get("layer_quant_config"), dict) else {}
+    global_config = qc.get("global_quant_config") if isinstance(qc.get("global_quant_config"), dict) else None
+    main = ExcludeList(tuple(exclude))
+    views = {TARGET: RoleView(main, main, False, layer_configs, global_config)}
+    mapped = main
+    if profile.exclude_source == "mapped" and profile.draft.name_mapper:
+        mapped = ExcludeList(tuple(dict.fromkeys(map_name(profile, e) for e in main.entries)))
+    mtp = layout.mtp_layers
+    if not mtp:
+        views[DRAFT] = RoleView(mapped, mapped, False, layer_configs, global_config)
+        return views
+    layer_prefix = f"model.layers.{mtp[0]}"
+    whole = profile.draft.whole_draft_switch and bool(mapped.matching_entry(map_name(profile, layer_prefix)))
+    entries, configs = mapped, layer_configs
+    if profile.draft.remap_mtp_entries:
+        entries = _with_mtp_remap(profile, mapped, layer_prefix)
+        configs = {(_draft_name(profile, k, layer_prefix) if k.startswith(layer_prefix + ".") else k): v
+                   for k, v in layer_configs.items()}
+    views[DRAFT] = RoleView(entries, mapped, whole, configs, global_config)
+    return views
+
+
+def module_config(profile: EngineProfile, view: RoleView, prefix: str, is_experts: bool) -> dict | None:
+    """The layer config the release applies to module `prefix` (Quark's `_find_matched_config`): a fused
+    module's shards must agree; the first `layer_quant_config` pattern that fnmatches, else the global one.
+
+    Raises:
+        SchemeError: shards (or pinned experts) with different configs.
+    """
+    head, _, proj = prefix.rpartition(".")
+    if proj in profile.packed:
+        configs = [module_config(profile, view, f"{head}.{s}" if head else s, False) for s in profile.fused[proj]]
+        if any(c != configs[0] for c in configs):
+            raise SchemeError(f"different layer configs for the shards of {prefix}")
+        return configs[0]
+    substring = profile.layer_config_match == "substring-or-fnmatch"
+    for pattern, config in view.layer_configs.items():
+        if (prefix in pattern) if (substring and "*" not in pattern) else fnmatch.fnmatch(prefix, pattern):
+            return config
+    if is_experts and profile.expert_layer_configs:
+        pinned = {k[len(prefix) + 1:]: v for k, v in view.layer_configs.items() if k.startswith(prefix + ".")}
+        if pinned:
+            return _pinned_experts_config(prefix, pinned)
+    return view.global_config
+
+
+def _pinned_experts_config(prefix: str, pinned: dict) -> dict:
+    by_expert: dict[int, set[str]] = {}
+    for suffix in pinned:
+        index, _, proj = suffix.partition(".")
+        if not index.isdigit() or not proj:
+            raise SchemeError(f"per-expert entry {suffix!r} in {prefix} is not <expert>.<projection>")
+        by_expert.setdefault(int(index), set()).add(proj)
+    configs = list(pinned.values())
+    if (set(by_expert) != set(range(max(by_expert) + 1)) or any(p != next(iter(by_expert.values())) for p in by_expert.values())
+            or any(c != configs[0] for c in configs)):
+        raise SchemeError(f"per-expert entries of {prefix} skip experts or differ")
+    return configs[0]
+
+
+def is_mxfp4_config(profile: EngineProfile, config: dict | None) -> bool:
+    """Whether the release's MXFP4 scheme takes this layer config (static fp4 weights, per group of 32, e8m0;
+    dynamic fp4 activations where the release requires them)."""
+    weight = (config or {}).get("weight")
+    inputs = (config or {}).get("input_tensors")
+    if not isinstance(weight, dict) or weight.get("is_dynamic") is True:
+        return False
+    spec = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}
+    if any(weight.get(k) != v for k, v in spec.items()):
+        return False
+    if inputs is None:
+        return not profile.mxfp4_needs_fp4_inputs
+    return isinstance(inputs, dict) and inputs.get("is_dynamic") is not False and all(
+        inputs.get(k) == v for k, v in spec.items())
+
+
+def _with_mtp_remap(profile: EngineProfile, entries: ExcludeList, layer_prefix: str) -> ExcludeList:
+    """GLM NextN `_resolve_nextn_quant_config`: each `model.layers.N.X` entry is also added under the draft's
+    runtime name (model.X for eh_proj/enorm/hnorm/shared_head.norm, model.decoder.X otherwise), and
+    `model.decoder.mlp.experts` when one of them names an expert. `re:` entries are left alone."""
+    mtp = [e for e in entries.entries if e.startswith(layer_prefix + ".")]
+    if not mtp:
+        return entries
+    added = [_draft_name(profile, e, layer_prefix) for e in mtp]
+    if any(".mlp.experts." in e for e in mtp):
+        added.append(f"{profile.draft.block_prefix}.mlp.experts")
+    return ExcludeList(tuple(dict.fromkeys(entries.entries + tuple(added))))
+
+
+def _draft_name(profile: EngineProfile, name: str, layer_prefix: str) -> str:
+    outer = any(part in name for part in profile.draft.outer_modules)
+    return name.replace(layer_prefix, profile.draft.outer_prefix if outer else profile.draft.block_prefix, 1)
+
+
+def fuses_shared_experts(profile: EngineProfile, role: str, layout: GlmLayout, gate_entries: ExcludeList) -> bool:
+    """Whether `profile`'s release appends the shared expert to the routed-expert bank in `role`'s model
+    (AMD gfx950, default server flags)."""
+    rule = profile.fusion
+    if not (rule.target if role == TARGET else rule.draft):
+        return False
+    experts = int(layout["n_routed_experts"])
+    if (rule.n_routed_experts and experts not in rule.n_routed_experts) or int(layout.config.get("n_shared_experts", 1) or 0) != 1:
+        return False
+    if rule.veto == "none":
+        return True
+    draft_layers = tuple(f"model.layers.{n}." for n in layout.mtp_layers)
+
+    def vetoes(entry: str) -> bool:
+        if "shared_expert" not in entry or "shared_expert_gate" in entry or entry.startswith("mtp."):
+            return False
+        return not (rule.veto == "shared-expert-entry-outside-draft" and entry.startswith(draft_layers))
+
+    return not any(vetoes(e) for e in gate_entries.entries)

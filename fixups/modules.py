@@ -13,6 +13,7 @@ from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import PlannedTensor
 from mxforge.tensor_kinds import LAYER_RE
 
+from .matching import DRAFT, TARGET
 from .profiles import EngineProfile
 
 EXPERT_RE = re.compile(r"^mlp\.experts\.\d+\.")
@@ -38,6 +39,12 @@ class EngineModule:
     is_experts: bool
     is_mtp: bool
     quantizable: bool            # False: the engine builds it unquantized whatever `exclude` says
+    fused_shared: bool = False   # routed experts with the shared expert appended to the bank
+
+    @property
+    def role(self) -> str:
+        """The model that builds it: the target, or the MTP draft."""
+        return DRAFT if self.is_mtp else TARGET
 
 
 @dataclass
@@ -74,38 +81,45 @@ def all_linears(linears: dict[int | None, LayerLinears]) -> list[Linear]:
     return [lin for group in linears.values() for lin in (*group.experts, *group.others.values())]
 
 
-def engine_modules(profile: EngineProfile, layout: GlmLayout,
-                   linears: dict[int | None, LayerLinears] | None = None) -> list[EngineModule]:
-    """Every module `profile`'s engine builds, with the checkpoint linears each one loads."""
+def engine_modules(profile: EngineProfile, layout: GlmLayout, linears: dict[int | None, LayerLinears] | None = None,
+                   fused_roles: frozenset[str] = frozenset()) -> list[EngineModule]:
+    """Every module `profile`'s engine builds, with the checkpoint linears each one loads; in the roles
+    (target / draft) listed in `fused_roles` the shared expert is loaded into the routed-expert bank."""
     linears = linears if linears is not None else checkpoint_linears(layout)
     modules = [EngineModule(name, name, name, (lin,), False, False, profile.quantizable(name, False))
                for name, lin in linears[None].others.items()]
     for layer in layout.all_layers:
-        modules += _layer_modules(profile, layer, layout.is_mtp(layer), linears[layer])
+        role = DRAFT if layout.is_mtp(layer) else TARGET
+        modules += _layer_modules(profile, layer, layout.is_mtp(layer), linears[layer], role in fused_roles)
     return modules
 
 
-def _layer_modules(profile: EngineProfile, layer: int, is_mtp: bool, linears: LayerLinears) -> list[EngineModule]:
+def _layer_modules(profile: EngineProfile, layer: int, is_mtp: bool, linears: LayerLinears,
+                   fuse_shared: bool) -> list[EngineModule]:
     prefix = f"model.layers.{layer}."
     groups: dict[str, list[Linear]] = {}
+    shared = [lin for local, lin in linears.others.items() if local.startswith("mlp.shared_experts.")]
+    fuse_shared = fuse_shared and bool(linears.experts) and bool(shared)
     if linears.experts:
-        groups["mlp.experts"] = linears.experts
+        groups["mlp.experts"] = linears.experts + (shared if fuse_shared else [])
+    others = {k: v for k, v in linears.others.items() if not (fuse_shared and v in shared)}
     taken: set[str] = set()
-    for local in linears.others:
+    for local in others:
         parent, _, proj = local.rpartition(".")
         for fused, shard_names in profile.fused.items():
             if proj != shard_names[0]:
                 continue
             locals_ = [f"{parent}.{s}" if parent else s for s in shard_names]
-            if all(n in linears.others and n not in taken for n in locals_):
-                groups[f"{parent}.{fused}" if parent else fused] = [linears.others[n] for n in locals_]
+            if all(n in others and n not in taken for n in locals_):
+                groups[f"{parent}.{fused}" if parent else fused] = [others[n] for n in locals_]
                 taken.update(locals_)
-    for local, lin in linears.others.items():
+    for local, lin in others.items():
         if local not in taken:
             groups[local] = [lin]
     out = []
     for local, members in groups.items():
         runtime = profile.mtp_runtime_name(layer, local) if is_mtp else prefix + local
-        out.append(EngineModule(runtime, prefix + local, local, tuple(members), local == "mlp.experts", is_mtp,
-                                profile.quantizable(local, is_mtp)))
+        experts = local == "mlp.experts"
+        out.append(EngineModule(runtime, prefix + local, local, tuple(members), experts, is_mtp,
+                                profile.quantizable(local, is_mtp), fused_shared=experts and fuse_shared))
     return out

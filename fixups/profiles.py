@@ -1,8 +1,9 @@
-"""Engine profiles: how each serving engine names, fuses and excludes modules (data in manifests/engines/).
+"""Engine profiles: how each range of engine releases names, fuses, excludes and fuses shared experts.
 
-The profiles are read from `manifests/engines/<name>.toml`; this module only gives them types and
-answers the questions the data encodes. Which engine source file each rule comes from is cited in the
-TOML files themselves.
+One TOML file per release range in `manifests/engines/` (a profile may `extend` an older one and state
+only what changed). Every value was measured by executing that range's releases' own code from their
+wheels (tests/engine_truth/); this module only gives the data types and answers which releases a
+`--engines` selection means.
 """
 
 from __future__ import annotations
@@ -10,86 +11,265 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib import resources
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from mxforge.errors import ConfigError
 from mxforge.manifest_io import load_manifest
 
-PROFILE_NAMES = ("sglang-legacy", "sglang", "vllm")
+ENGINES = ("sglang", "vllm")
+VETOES = ("none", "shared-expert-entry", "shared-expert-entry-outside-draft")
+SOURCES = ("raw", "mapped")
+LAYER_CONFIG_MATCHES = ("fnmatch", "substring-or-fnmatch")
+
+
+@dataclass(frozen=True)
+class DraftRule:
+    """How the engine builds the MTP draft and which exclude entries reach it."""
+
+    class_name: str
+    block_prefix: str                           # runtime prefix of the draft's decoder block ("{layer}" filled in)
+    outer_prefix: str                           # runtime prefix of eh_proj / enorm / hnorm / shared_head
+    outer_modules: tuple[str, ...]
+    eh_proj_quantizable: bool
+    name_mapper: tuple[tuple[str, str], ...]    # substring replacements applied to every entry (replacing it)
+    remap_mtp_entries: bool                     # model.layers.N.X entries also added under the draft's names
+    whole_draft_switch: bool                    # `model.layers.N` excluded -> the whole draft unquantized
+
+
+@dataclass(frozen=True)
+class FusionRule:
+    """When the engine appends the shared expert to the routed-expert bank (loaded with the bank's method)."""
+
+    target: bool
+    draft: bool
+    n_routed_experts: tuple[int, ...]
+    veto: str
+    server_flag: str
+
+
+@dataclass(frozen=True)
+class Anchor:
+    rule: str
+    file: str
+    contains: str
 
 
 @dataclass(frozen=True)
 class EngineProfile:
-    name: str
-    description: str
-    experts_excluded_by_child_entry: bool
-    remap_mtp_exclusions: bool
-    fused: dict[str, tuple[str, ...]]          # fused module name -> the checkpoint shard names it is built from
-    never_quantized: frozenset[str]            # module names (layer-relative, or global) built without quantization
-    mtp_block_prefix: str                      # runtime prefix of the MTP layer's decoder block ("{layer}" filled in)
-    mtp_outer_prefix: str                      # runtime prefix of eh_proj / enorm / hnorm / shared_head
-    mtp_outer_modules: tuple[str, ...]
-    eh_proj_quantizable: bool
+    name: str                                   # e.g. "sglang-0.5.16": engine and first release of the range
+    engine: str
+    releases: SpecifierSet
+    read: tuple[str, ...]                       # the releases whose wheels were read and are tested
+    summary: str
+    exclude_source: str                         # "raw" quantization_config exclude, or "mapped" by the draft's mapper
+    fused_name_first: bool                      # an entry naming a fused module excludes it
+    expert_child_entries: bool                  # any `<layer>.mlp.experts.*` entry excludes the experts
+    packed: frozenset[str]                      # fused modules decided by their shards' entries
+    mxfp4_needs_fp4_inputs: bool                # MXFP4 weights load only with dynamic fp4 activations declared
+    expert_layer_configs: bool                  # per-expert layer_quant_config entries configure the experts
+    layer_config_match: str                     # how layer_quant_config keys match: "fnmatch", "substring-or-fnmatch"
+    fused: dict[str, tuple[str, ...]]           # fused module -> the checkpoint linears it is built from
+    never_quantized: frozenset[str]             # layer-relative or global module names built unquantized
+    draft: DraftRule
+    fusion: FusionRule
+    serve_command: str
+    serve_source: tuple[str, ...]
+    anchors: tuple[Anchor, ...]
 
     def mtp_runtime_name(self, layer: int, local: str) -> str:
         """Where this engine builds module `local` of MTP layer `layer` (checkpoint `model.layers.{layer}.{local}`)."""
-        outer = any(local == m or local.startswith(m + ".") for m in self.mtp_outer_modules)
-        prefix = self.mtp_outer_prefix if outer else self.mtp_block_prefix
+        outer = any(m in local for m in self.draft.outer_modules)  # the engines' own substring test
+        prefix = self.draft.outer_prefix if outer else self.draft.block_prefix
         return f"{prefix.format(layer=layer)}.{local}"
 
     def quantizable(self, local: str, is_mtp: bool) -> bool:
         """Whether this engine builds module `local` with the checkpoint's quantization method at all."""
         if local in self.never_quantized:
             return False
-        return self.eh_proj_quantizable if (is_mtp and local == "eh_proj") else True
+        return self.draft.eh_proj_quantizable if (is_mtp and local == "eh_proj") else True
+
+    @property
+    def label(self) -> str:
+        """The releases covered, for people: "sglang 0.5.16-0.5.17"."""
+        first, last = self.read[0], self.read[-1]
+        return f"{self.engine} {first}" + (f"-{last}" if last != first else "")
+
+
+def profile_names() -> tuple[str, ...]:
+    """Every profile, oldest release first within each engine."""
+    files = resources.files("mxforge.manifests").joinpath("engines")
+    names = [p.name[:-5] for p in files.iterdir() if p.name.endswith(".toml")]
+    return tuple(sorted(names, key=lambda n: (ENGINES.index(n.split("-", 1)[0]) if n.split("-", 1)[0] in ENGINES
+                                              else len(ENGINES), Version(n.split("-", 1)[1]))))
 
 
 def load_profile(name: str) -> EngineProfile:
     """The profile manifests/engines/<name>.toml.
 
     Raises:
-        ConfigError: unknown profile name, or the manifest lacks a field.
+        ConfigError: unknown profile, or a manifest with a missing or bad field.
     """
-    if name not in PROFILE_NAMES:
-        raise ConfigError(f"unknown engine profile {name!r}; choose from {', '.join(PROFILE_NAMES)}")
+    if name not in profile_names():
+        raise ConfigError(f"unknown engine profile {name!r}; choose from {', '.join(profile_names())}")
     return _load(name)
+
+
+def all_profiles() -> list[EngineProfile]:
+    return [load_profile(n) for n in profile_names()]
+
+
+@lru_cache(maxsize=None)
+def _raw(name: str, seen: tuple[str, ...] = ()) -> dict:
+    data = load_manifest(f"engines/{name}.toml")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if parent in seen or parent not in profile_names():
+        raise ConfigError(f"manifests/engines/{name}.toml: extends {parent!r}, which is unknown or circular")
+    base = _raw(parent, seen + (name,))
+    merged = _merge(base, data)
+    merged["anchor"] = base.get("anchor", []) + data.get("anchor", [])  # anchors accumulate
+    return merged
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
 
 
 @lru_cache(maxsize=None)
 def _load(name: str) -> EngineProfile:
-    data = load_manifest(f"engines/{name}.toml")
+    where = f"manifests/engines/{name}.toml"
+    data = _raw(name)
     try:
-        matching, mtp = data["matching"], data["mtp"]
-        if matching["entries"] != "exact-or-re":
-            raise ConfigError(f"manifests/engines/{name}.toml: matching.entries {matching['entries']!r} is not supported")
-        return EngineProfile(
-            name=data["name"], description=data["description"],
-            experts_excluded_by_child_entry=bool(matching["experts_excluded_by_child_entry"]),
-            remap_mtp_exclusions=bool(matching["remap_mtp_exclusions"]),
-            fused={k: tuple(v) for k, v in data["fused"].items()},
-            never_quantized=frozenset(data["never_quantized"]["modules"]),
-            mtp_block_prefix=mtp["block_prefix"], mtp_outer_prefix=mtp["outer_prefix"],
-            mtp_outer_modules=tuple(mtp["outer_modules"]), eh_proj_quantizable=bool(mtp["eh_proj_quantizable"]),
-        )
+        ex, mod, dr, fu, sv = data["exclude"], data["modules"], data["draft"], data["fusion"], data["serve"]
+        sc = data["schemes"]
+        profile = EngineProfile(
+            name=name, engine=data["engine"], releases=SpecifierSet(data["releases"]), read=tuple(data["read"]),
+            summary=data["summary"], exclude_source=ex["source"], fused_name_first=bool(ex["fused_name_first"]),
+            expert_child_entries=bool(ex["expert_child_entries"]), packed=frozenset(ex["packed"]),
+            mxfp4_needs_fp4_inputs=bool(sc["mxfp4_needs_fp4_inputs"]), expert_layer_configs=bool(sc["expert_layer_configs"]),
+            layer_config_match=sc.get("layer_config_match", "fnmatch"),
+            fused={k: tuple(v) for k, v in mod["fused"].items()}, never_quantized=frozenset(mod["never_quantized"]),
+            draft=DraftRule(dr["class"], dr["block_prefix"], dr["outer_prefix"], tuple(dr["outer_modules"]),
+                            bool(dr["eh_proj_quantizable"]), tuple(tuple(p) for p in dr["name_mapper"]),
+                            bool(dr["remap_mtp_entries"]), bool(dr["whole_draft_switch"])),
+            fusion=FusionRule(bool(fu["target"]), bool(fu["draft"]), tuple(fu["n_routed_experts"]), fu["veto"],
+                              fu["server_flag"]),
+            serve_command=sv["command"], serve_source=tuple(sv["source"]),
+            anchors=tuple(Anchor(a["rule"], a["file"], a["contains"]) for a in data.get("anchor", [])))
     except KeyError as e:
-        raise ConfigError(f"manifests/engines/{name}.toml: missing field {e}") from None
+        raise ConfigError(f"{where}: missing field {e}") from None
+    except (InvalidSpecifier, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    _check(profile, where)
+    return profile
 
 
-def resolve_profiles(names: list[str] | None) -> list[EngineProfile]:
-    """Profiles by name, in the order given; None or empty means every profile.
+def _check(p: EngineProfile, where: str) -> None:
+    if p.engine not in ENGINES or not p.name.startswith(p.engine + "-"):
+        raise ConfigError(f"{where}: engine {p.engine!r} must be one of {ENGINES} and prefix the file name")
+    if p.exclude_source not in SOURCES or p.fusion.veto not in VETOES or p.layer_config_match not in LAYER_CONFIG_MATCHES:
+        raise ConfigError(f"{where}: exclude.source must be one of {SOURCES}, fusion.veto one of {VETOES}, "
+                          f"schemes.layer_config_match one of {LAYER_CONFIG_MATCHES}")
+    outside = [v for v in p.read if Version(v) not in p.releases]
+    if not p.read or outside or p.read[0] != p.name.split("-", 1)[1]:
+        raise ConfigError(f"{where}: `read` must list the releases read, all inside {p.releases}, starting with the "
+                          f"release the file is named after (outside the range: {outside})")
+    unknown = p.packed - set(p.fused)
+    if unknown:
+        raise ConfigError(f"{where}: exclude.packed names {sorted(unknown)}, which modules.fused does not define")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The releases a `--engines` value asked for, grouped by the profile that covers them."""
+
+    profile: EngineProfile
+    releases: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        first, last = self.releases[0], self.releases[-1]
+        return f"{self.profile.engine} {first}" + (f"-{last}" if last != first else "")
+
+
+def select(text: str | list[str] | None) -> list[Selection]:
+    """Profiles and releases for `--engines`: None / "all" (every supported release), engine names ("vllm"),
+    profile names ("sglang-0.5.16"), or an engine with version specifiers ("sglang==0.5.15.post1",
+    "vllm>=0.32", "sglang>=0.5.16,<0.5.21"); several, separated by spaces or ";" or commas between items.
 
     Raises:
-        ConfigError: an unknown name.
+        ConfigError: an item names no known engine, profile or supported release.
     """
-    return [load_profile(n) for n in (names or PROFILE_NAMES)]
+    items = _split(text) if isinstance(text, str) else list(text or [])
+    profiles = all_profiles()
+    chosen: dict[str, set[str]] = {}
+    for item in items or ["all"]:
+        hits = _releases_for(item, profiles)
+        for profile, release in hits:
+            chosen.setdefault(profile.name, set()).add(release)
+    return [Selection(p, tuple(r for r in p.read if r in chosen[p.name])) for p in profiles if p.name in chosen]
 
 
-def parse_engines_arg(text: str) -> list[str]:
-    """`--engines a,b` (commas or spaces) to a list of known profile names.
+ENGINES_HELP = ("engine releases to fix up and validate for: engine names (sglang, vllm), profiles (sglang-0.5.16) or "
+                "versions (sglang==0.5.15.post1, 'vllm>=0.32', 'sglang>=0.5.16,<0.5.21'), separated by spaces or ';' "
+                "(default: every supported release; profiles in manifests/engines/)")
+
+
+def parse_engines_arg(text: str | None) -> list[str] | None:
+    """`--engines` as a list of items (None: every supported release), each checked now.
 
     Raises:
-        ConfigError: an unknown name.
+        ConfigError: an item names no known engine, profile or supported release.
     """
-    names = [n for n in re.split(r"[,\s]+", text.strip()) if n]
-    for n in names:
-        load_profile(n)
-    return names
+    if not text or not text.strip():
+        return None
+    items = _split(text)
+    select(items)
+    return items
+
+
+def _split(text: str) -> list[str]:
+    """Items separated by whitespace, ';', or a comma before a name (not one between version specifiers)."""
+    parts = re.split(r"[\s;]+|,(?=\s*[A-Za-z])", text.strip())
+    return [p.strip().rstrip(",") for p in parts if p and p.strip().rstrip(",")]
+
+
+def _releases_for(item: str, profiles: list[EngineProfile]) -> list[tuple[EngineProfile, str]]:
+    everything = [(p, r) for p in profiles for r in p.read]
+    if item == "all":
+        return everything
+    if item in ENGINES:
+        return [(p, r) for p, r in everything if p.engine == item]
+    named = [(p, r) for p, r in everything if p.name == item]
+    if named:
+        return named
+    m = re.fullmatch(r"(sglang|vllm)\s*([=<>!~].*)", item)
+    if m is None:
+        raise ConfigError(f"--engines: {item!r} is not an engine ({', '.join(ENGINES)}), a profile "
+                          f"({', '.join(p.name for p in profiles)}) or an engine with versions (e.g. 'sglang==0.5.15.post1', "
+                          "'vllm>=0.32')")
+    engine, spec_text = m.groups()
+    try:
+        spec = SpecifierSet(spec_text.replace(" ", ""))
+    except InvalidSpecifier:
+        raise ConfigError(f"--engines: {item!r}: {spec_text!r} is not a version specifier") from None
+    hits = [(p, r) for p, r in everything if p.engine == engine and _contains(spec, r)]
+    if not hits:
+        known = [r for p, r in everything if p.engine == engine]
+        raise ConfigError(f"--engines: {item!r} matches no supported {engine} release (supported: {', '.join(known)}); "
+                          "a release mxforge has not read cannot be vouched for")
+    return hits
+
+
+def _contains(spec: SpecifierSet, release: str) -> bool:
+    try:
+        return spec.contains(Version(release), prereleases=True)
+    except InvalidVersion:
+        return False
