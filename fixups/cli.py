@@ -6,21 +6,19 @@ import argparse
 
 # mxforge.cli imports this module to build its COMMANDS table, so its helpers are imported inside the
 # functions below (at call time), never at import time.
-from .profiles import PROFILE_NAMES, parse_engines_arg
+from .profiles import ENGINES_HELP, parse_engines_arg
 
 
 def _add_common_options(p: argparse.ArgumentParser) -> None:
     from mxforge.cli_support import add_json_option
 
-    p.add_argument("--engines", default=None, metavar="LIST",
-                   help=f"comma-separated engine profiles (default: all of {', '.join(PROFILE_NAMES)}; "
-                   "rules in manifests/engines/*.toml)")
+    p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
     add_json_option(p)
 
 
 def _engines(args) -> list[str] | None:
-    """The --engines list (None: all profiles). Raises ConfigError for an unknown name."""
-    return parse_engines_arg(args.engines) if args.engines else None
+    """The --engines items (None: every supported release). Raises ConfigError for an unknown one."""
+    return parse_engines_arg(args.engines)
 
 
 def register_validate(sub) -> argparse.ArgumentParser:

@@ -1,20 +1,23 @@
-"""Per engine: would every module it builds find tensors of the dtype and shape it allocates?"""
+"""Per engine release range: would every module it builds find tensors of the dtype and shape it allocates?"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from mxforge.errors import ConfigError
+from mxforge.glm_layout import GlmLayout
 
 from .loaded import LoadedCheckpoint
-from .matching import ExcludeList, ShardsDisagree, draft_excludes, engine_excludes
-from .modules import EngineModule, engine_modules
+from .matching import (DRAFT, TARGET, RoleView, SchemeError, ShardsDisagree, engine_excludes, fuses_shared_experts,
+                       is_mxfp4_config, module_config, role_views)
+from .modules import EngineModule, LayerLinears, engine_modules
 from .profiles import EngineProfile
 from .report import Problem
 from .tensor_forms import BF16, MXFP4, Stored, braced, describe_stored, mxfp4_shapes
 
 RUN_FIXUP = "run mxforge fixup"
+OTHER = "another scheme"
 
 
 @dataclass(frozen=True)
@@ -22,44 +25,81 @@ class Verdict:
     """The engine's decision for one module: MXFP4 or bf16, or an error it raises while deciding."""
 
     module: EngineModule
-    form: str | None                 # MXFP4 / BF16; None when the engine raises
-    reason: str                      # why: the matching entry, "never quantized", "not excluded", ...
+    form: str | None                 # MXFP4 / BF16 / OTHER (a scheme mxforge never writes); None when the engine raises
+    reason: str                      # why: the matching entry, "never quantized", "not excluded", the error ...
     disagree: ShardsDisagree | None = None
 
 
-def decide(profile: EngineProfile, module: EngineModule, main: ExcludeList, draft: ExcludeList,
-           quantized_checkpoint: bool) -> Verdict:
-    """What `profile`'s engine allocates for `module` (draft modules use the `draft` exclude list)."""
+@dataclass
+class EngineView:
+    """One profile's reading of one `exclude` list: what each model sees, whether it fuses shared experts,
+    and every module it builds."""
+
+    profile: EngineProfile
+    roles: dict[str, RoleView]
+    fused: frozenset[str]            # roles that append the shared expert to the routed-expert bank
+    modules: list[EngineModule] = field(default_factory=list)
+
+
+def engine_view(profile: EngineProfile, layout: GlmLayout, linears: dict[int | None, LayerLinears],
+                exclude: list[str], qc: dict | None = None) -> EngineView:
+    """`profile`'s release reading `exclude` (and the per-layer configs of `qc`, the quantization_config)."""
+    roles = role_views(profile, exclude, layout, qc)
+    fused = frozenset(r for r in (TARGET, DRAFT) if fuses_shared_experts(profile, r, layout, roles[r].gate_entries))
+    return EngineView(profile, roles, fused, engine_modules(profile, layout, linears, fused))
+
+
+def without_fusion(view: EngineView, layout: GlmLayout, linears: dict[int | None, LayerLinears]) -> EngineView:
+    """The same release served with its shared-expert fusion switched off (the server flag)."""
+    return EngineView(view.profile, view.roles, frozenset(), engine_modules(view.profile, layout, linears))
+
+
+def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = True) -> Verdict:
+    """What the release allocates for `module`."""
+    profile = view.profile
     if not quantized_checkpoint:
         return Verdict(module, BF16, "the checkpoint has no quantization_config")
     if not module.quantizable:
         return Verdict(module, BF16, f"{profile.name} never quantizes {module.local}")
-    entries = draft if module.is_mtp else main
+    role = view.roles[module.role]
+    if role.unquantized:
+        return Verdict(module, BF16, f"the whole draft is built unquantized ({profile.draft.class_name} finds "
+                                     f"its layer excluded)")
     try:
-        excluded = engine_excludes(profile, module.runtime, module.is_experts, entries)
+        excluded = engine_excludes(profile, module.runtime, module.is_experts, role.entries)
     except ShardsDisagree as e:
         return Verdict(module, None, "shards disagree", e)
     if excluded:
-        entry = entries.matching_entry(module.runtime)
+        entry = role.entries.matching_entry(module.runtime)
         return Verdict(module, BF16, f"exclude entry {entry!r} matches it" if entry else "its exclude entries match it")
-    return Verdict(module, MXFP4, "no exclude entry matches it")
+    try:
+        config = module_config(profile, role, module.runtime, module.is_experts)
+    except SchemeError as e:
+        return Verdict(module, None, f"the engine raises: {e}")
+    if is_mxfp4_config(profile, config):
+        return Verdict(module, MXFP4, "no exclude entry matches it")
+    if not isinstance((config or {}).get("weight"), dict):
+        return Verdict(module, None, "no exclude entry matches it and its layer config quantizes nothing: the engine raises "
+                                     "\"No quark compatible scheme\"")
+    if (config or {}).get("weight", {}).get("dtype") == "fp4":
+        return Verdict(module, None, "its layer config is not an MXFP4 scheme the engine takes (MXFP4 weights need dynamic "
+                                     "MXFP4 activations declared): the engine raises \"No quark compatible scheme\"")
+    return Verdict(module, OTHER, f"its layer config asks for {config['weight'].get('dtype')!r} weights")
 
 
-def check_engine(profile: EngineProfile, modules: list[EngineModule], stored: Mapping[str, Stored],
-                 main: ExcludeList, draft: ExcludeList, quantized_checkpoint: bool,
+def check_engine(view: EngineView, stored: Mapping[str, Stored], quantized_checkpoint: bool,
                  skip: frozenset[str] = frozenset()) -> list[Problem]:
-    """Every disagreement between what `profile`'s engine allocates and what the checkpoint stores.
+    """Every disagreement between what the profile's engine allocates and what the checkpoint stores.
 
     Modules with a missing tensor are left to the layout check; names in `skip` (tensors in unreadable
     shards) are left to the integrity check.
     """
     problems = []
-    for module in modules:
+    for module in view.modules:
         items = [stored[lin.name] for lin in module.shards]
         if any(s.form is None for s in items) or any(s.linear.name + ".weight" in skip for s in items):
             continue
-        verdict = decide(profile, module, main, draft, quantized_checkpoint)
-        problem = _compare(profile, verdict, items)
+        problem = _compare(view, decide(view, module, quantized_checkpoint), items)
         if problem:
             problems.append(problem)
     return problems
@@ -85,21 +125,37 @@ def expected_text(module: EngineModule, form: str) -> str:
     return f"bf16 [{out}, {shards[0].in_features}]"
 
 
-def _compare(profile: EngineProfile, verdict: Verdict, stored: list[Stored]) -> Problem | None:
-    module = verdict.module
+def fusion_remedy(profile: EngineProfile) -> str:
+    """How to stop the release fusing a shared expert stored unlike the routed experts."""
+    flag = f"serve with {profile.fusion.server_flag}"
+    if profile.fusion.veto == "none":
+        return f"{flag} (no exclude entry can stop this release fusing it)"
+    return f"{RUN_FIXUP} (a model.decoder shared-expert entry vetoes the fusion), or {flag}"
+
+
+def _compare(view: EngineView, verdict: Verdict, stored: list[Stored]) -> Problem | None:
+    profile, module = view.profile, verdict.module
     forms = {s.form for s in stored}
     defects = [s.defect for s in stored if s.defect]
     if verdict.disagree is None and not defects and forms == {verdict.form}:
         return None
-    where = braced([s.linear.name for s in stored])
+    names = [s.linear.name for s in stored]
+    shared_names = [n for n in names if ".shared_experts." in n] if module.fused_shared else []
+    where = braced([n for n in names if n not in shared_names]) + (f" and {braced(shared_names)}" if shared_names else "")
     found = describe_stored(stored)
 
-    def problem(message: str, remedy: str) -> Problem:
-        return Problem("engine", module.runtime, message, remedy, profile.name)
+    def problem(message: str, remedy: str, flag: str | None = None) -> Problem:
+        return Problem("engine", module.runtime, message, remedy, profile.name, flag)
 
+    if verdict.form is None and verdict.disagree is None:
+        return problem(f"{verdict.reason} (the checkpoint holds {found} under {where})",
+                       RUN_FIXUP if forms == {BF16} else "write an MXFP4 quantization_config (the quantizer's), or exclude it")
+    if verdict.form == OTHER:
+        return problem(f"{verdict.reason}; the checkpoint holds {found} under {where}",
+                       "exclude it or give it an MXFP4 layer config (mxforge writes and checks MXFP4 and bf16 only)")
     if verdict.disagree is not None:
         d = verdict.disagree
-        remedy = (f"{RUN_FIXUP} (adds {module.runtime!r}, which takes precedence over the shard entries)" if forms == {BF16}
+        remedy = (f"{RUN_FIXUP} (writes the shard entries this release needs)" if forms == {BF16}
                   else "re-quantize so that every shard is stored alike, and exclude all of them or none")
         return problem(f"exclude entries match {', '.join(d.matched)} but not {', '.join(d.unmatched)}: the engine raises "
                        f"\"Found different quantization schemes\" and stops loading (the checkpoint holds {found} under {where})",
@@ -108,6 +164,12 @@ def _compare(profile: EngineProfile, verdict: Verdict, stored: list[Stored]) -> 
         more = f" (and {len(defects) - 1} more)" if len(defects) > 1 else ""
         return problem(f"malformed tensors: {defects[0]}{more}", "re-quantize or re-download these tensors")
     message = f"would be {expected_text(module, verdict.form)} but the checkpoint holds {found} under {where}"
+    if module.fused_shared and len(forms) > 1:
+        shared = [s for s in stored if ".shared_experts." in s.linear.name]
+        return problem(f"{profile.draft.class_name if module.is_mtp else 'the target model'} appends the shared expert "
+                       f"({describe_stored(shared)} under {braced([s.linear.name for s in shared])}) to the routed-expert "
+                       f"bank, which it builds {expected_text(module, verdict.form)} (its routed-expert count opens "
+                       "the shared-expert fusion gate)", fusion_remedy(profile), profile.fusion.server_flag)
     if len(forms) > 1:
         return problem(message + "; its shards are stored in different formats and the engine loads them into one parameter",
                        "re-quantize so that every shard of this module is stored alike")
@@ -121,15 +183,19 @@ def _compare(profile: EngineProfile, verdict: Verdict, stored: list[Stored]) -> 
 
 
 def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exclude: list[str],
-                    quantized: bool = True) -> tuple[list, dict]:
-    """Per-engine disagreements between what each engine allocates under `exclude` and what is stored
-    (`quantized` False: the checkpoint has no quantization_config, so engines build everything bf16)."""
-    main = ExcludeList(tuple(exclude))
+                    qc: dict | None) -> tuple[list, dict]:
+    """Per-profile disagreements between what each release allocates under `exclude` (and the rest of `qc`,
+    the quantization_config) and what is stored (no `qc`: engines build everything bf16)."""
+    quantized = qc is not None
     problems, checked = [], {}
     for profile in profiles:
-        draft = draft_excludes(main, profile, loaded.layout.mtp_layers)
-        modules = engine_modules(profile, loaded.layout, loaded.linears)
-        found = check_engine(profile, modules, loaded.stored, main, draft, quantized, loaded.unreadable)
+        view = engine_view(profile, loaded.layout, loaded.linears, exclude, qc)
+        found = check_engine(view, loaded.stored, quantized, loaded.unreadable)
+        if any(p.server_flag for p in found):
+            # Served with the flag, the shared expert is a module of its own: that setup must load too.
+            unfused = without_fusion(view, loaded.layout, loaded.linears)
+            found = [p for p in found if p.server_flag] + check_engine(unfused, loaded.stored, quantized, loaded.unreadable)
         problems += found
-        checked[profile.name] = {"modules": len(modules), "problems": len(found)}
+        checked[profile.name] = {"modules": len(view.modules), "problems": len(found),
+                                 "fused_shared_experts": sorted(view.fused)}
     return problems, checked

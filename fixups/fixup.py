@@ -18,17 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mxforge.cli_support import invocation
-from mxforge.checkpoint import Checkpoint, load_json
+from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import copy_atomic, write_json_atomic
 
 from .config_checks import exclude_entries
-from .matching import ExcludeList, ShardsDisagree, draft_excludes, engine_excludes, is_glob
-from .modules import engine_modules
-from .profiles import EngineProfile, resolve_profiles
+from .engine_check import EngineView, check_engine, decide, engine_view, without_fusion
+from .matching import DRAFT, is_glob
+from .modules import EngineModule
+from .integrity import TOTAL_SIZE
+from .mtp_inject import INDEX_BACKUP
+from .profiles import EngineProfile, select
 from .report import MAX_LISTED, Problem
-from .tensor_forms import BF16
+from .tensor_forms import BF16, MXFP4
 from .loaded import LoadedCheckpoint, load_checkpoint
 from .validate import loadability_problems
 
@@ -94,38 +97,71 @@ def rewrite_globs(entries: list[str], loaded: LoadedCheckpoint) -> tuple[list[st
     return list(dict.fromkeys(out)), applied, warnings
 
 
-def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[EngineProfile]) -> list[dict]:
-    """The exact runtime names each engine needs so that every module stored bf16 is built bf16."""
+def alias_entries(profile: EngineProfile, module: EngineModule) -> list[str]:
+    """Entries that make `profile`'s release build `module` unquantized: its runtime name, and for a fused
+    module also its shards' runtime names (releases that decide fused modules by their shards ignore the
+    fused name)."""
+    head, _, proj = module.runtime.rpartition(".")
+    shards = profile.fused.get(proj, ()) if not module.is_experts else ()
+    return [module.runtime] + [f"{head}.{s}" for s in shards]
+
+
+def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[EngineProfile],
+                   qc: dict | None = None) -> list[dict]:
+    """The entries each release needs so that every module stored bf16 is built bf16, also when it is served
+    with shared-expert fusion switched off; every bf16 module of the MTP layer gets its runtime names."""
     added: dict[str, dict] = {}
+    layout, linears = loaded.layout, loaded.linears
     for profile in profiles:
-        main = ExcludeList(tuple(entries) + tuple(added))
-        draft = draft_excludes(main, profile, loaded.layout.mtp_layers)
-        for module in engine_modules(profile, loaded.layout, loaded.linears):
-            forms = {loaded.stored[lin.name].form for lin in module.shards}
-            if forms != {BF16} or not module.quantizable:
-                continue
-            current = draft if module.is_mtp else main
-            if current.matching_entry(module.runtime):
-                continue
-            try:
-                would_quantize = not engine_excludes(profile, module.runtime, module.is_experts, current)
-                why = "stored bf16; " + ("the engine would build it MXFP4" if would_quantize else f"MTP module as {profile.name} names it")
-            except ShardsDisagree:
-                would_quantize, why = True, "stored bf16; its shard entries disagree and the engine would raise"
-            if not (would_quantize or module.is_mtp):
-                continue
-            if module.runtime in added:
-                added[module.runtime]["engines"].append(profile.name)
-            else:
-                added[module.runtime] = {"fixup": "alias", "entry": module.runtime, "module": module.checkpoint,
-                                         "engines": [profile.name], "why": why}
+        for _ in range(3):  # an entry that vetoes shared-expert fusion changes the modules built: look again
+            view = engine_view(profile, layout, linears, entries + list(added), qc)
+            views = [view, without_fusion(view, layout, linears)] if view.fused else [view]
+            new = 0
+            for v in views:
+                for module in v.modules:
+                    if {loaded.stored[lin.name].form for lin in module.shards} != {BF16} or not module.quantizable:
+                        continue
+                    verdict = decide(v, module)
+                    if verdict.form == BF16 and (not module.is_mtp or v.roles[DRAFT].entries.matching_entry(module.runtime)):
+                        continue
+                    why = ("stored bf16; " + ("the engine would raise while deciding" if verdict.form is None
+                           else f"the MTP module's name in {profile.name}" if verdict.form == BF16
+                           else "the engine would build it MXFP4" if verdict.form == MXFP4
+                           else f"the engine would build it with {verdict.form}"))
+                    for entry in alias_entries(profile, module):
+                        if entry in entries:
+                            continue
+                        record = added.setdefault(entry, {"fixup": "alias", "entry": entry, "module": module.checkpoint,
+                                                          "engines": [], "why": why})
+                        if profile.name not in record["engines"]:
+                            record["engines"].append(profile.name)
+                            new += 1
+            if not new:
+                break
     return list(added.values())
 
 
-def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run: bool = False,
+def harmed_modules(loaded: LoadedCheckpoint, profiles: list[EngineProfile], before: list[str],
+                   after: list[str], qc: dict | None = None) -> list[tuple[str, str]]:
+    """(profile, module) pairs that load under `before` but not under `after`: an added entry must never
+    change a decision that was right."""
+    harmed = []
+    for profile in profiles:
+        ok = {}
+        for label, entries in (("before", before), ("after", after)):
+            view = engine_view(profile, loaded.layout, loaded.linears, entries, qc)
+            ok[label] = {m.runtime for m in view.modules if not check_engine(
+                EngineView(profile, view.roles, view.fused, [m]), loaded.stored, True)}
+        harmed += [(profile.name, m) for m in sorted(ok["before"] - ok["after"])]
+    return harmed
+
+
+def fixup_checkpoint(root: str | Path, engines: str | list[str] | None = None, dry_run: bool = False,
                      command: str | None = None, mtp_from: str | Path | None = None, recipe: str | None = None,
                      quiet: bool = True) -> FixupResult:
-    """Rewrite config.json's `quantization_config.exclude` so that every engine profile loads the checkpoint.
+    """Rewrite config.json's `quantization_config.exclude` so that every selected engine release (`engines`
+    as `--engines`; None: every supported release) loads the checkpoint, and repair what no engine reads
+    (the index's total_size).
 
     Keeps the original as config.json.orig (first run only), writes atomically, records what it applied
     in mxforge_fixups.json beside config.json. `dry_run` computes the same and writes nothing.
@@ -134,10 +170,10 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
 
     Raises:
         CheckpointError: not a checkpoint directory, or a file cannot be written.
-        ConfigError: unknown engine profile or recipe, or config.json is not a GlmMoeDsaForCausalLM config.
+        ConfigError: unknown engine selection or recipe, or config.json is not a GlmMoeDsaForCausalLM config.
         NonFiniteWeightError: a source MTP weight to quantize holds NaN/Inf.
     """
-    profiles = resolve_profiles(engines)
+    profiles = [sel.profile for sel in select(engines)]
     command = command or invocation()
     ckpt = Checkpoint.open(root)
     _check_exclude_form(ckpt)
@@ -145,7 +181,7 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     injected, note = _maybe_inject(ckpt, mtp_from, recipe, dry_run, quiet)
     if injected and not dry_run:
         ckpt = Checkpoint.open(ckpt.root)  # the injection rewrote the index and config.json
-    loaded, _, _ = load_checkpoint(ckpt)
+    loaded, _, index_warnings, _ = load_checkpoint(ckpt)
     result = FixupResult(str(loaded.ckpt.root), [p.name for p in profiles], dry_run=dry_run)
     if note:
         result.warnings.append(note)
@@ -155,30 +191,68 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
             record_fixups(loaded.ckpt.root, record, [injected], result.engines, command)
     config = loaded.ckpt.config
     qc = loaded.ckpt.quantization_config
+    index_fix = _total_size_fix(loaded, index_warnings)
+    new_config = None
     if qc is None:
         result.warnings.append("no quantization_config: every engine loads this checkpoint as bf16; nothing to fix")
+    else:
+        entries, applied, warnings = rewrite_globs(exclude_entries(qc), loaded)
+        aliases = needed_aliases(entries, loaded, profiles, qc)
+        harmed = harmed_modules(loaded, profiles, entries, entries + [a["entry"] for a in aliases], qc)
+        if harmed:  # never expected: every alias names a bf16 module in one release's terms; refuse rather than harm
+            raise ConfigError(f"{loaded.ckpt.root / 'config.json'}: the aliases fixup computed would change how "
+                              f"{harmed[0][0]} builds {harmed[0][1]} (and {len(harmed) - 1} more); nothing was written. "
+                              "Please report this checkpoint's config.json to the mxforge maintainers")
+        entries += [a["entry"] for a in aliases]
+        result.applied += applied + aliases
+        result.warnings += warnings
+        found, _ = loadability_problems(loaded, profiles, {**qc, "exclude": entries})
+        result.remaining = [p for p in found if not p.server_flag]
+        needs = {}
+        for p in found:
+            if p.server_flag:
+                needs.setdefault((p.server_flag, p.subject), []).append(p.engine)
+        result.warnings += [f"{', '.join(who)}: serve with {flag} ({subject}: no exclude entry avoids it there)"
+                            for (flag, subject), who in needs.items()]
+        if dry_run and injected:
+            result.remaining = [p for p in result.remaining if p.check != "mtp"]
+        if applied or aliases:
+            new_config = {**config, "quantization_config": {**qc, "exclude": entries}}
+            old_text, new_text = (json.dumps(c, indent=2) + "\n" for c in (config, new_config))
+            result.diff = "".join(difflib.unified_diff(old_text.splitlines(True), new_text.splitlines(True),
+                                                       "a/config.json", "b/config.json"))
+    if index_fix:
+        result.applied.append(index_fix)
+    if dry_run or not (new_config or index_fix):
         return result
-    before = exclude_entries(qc)
-    entries, applied, warnings = rewrite_globs(before, loaded)
-    aliases = needed_aliases(entries, loaded, profiles)
-    entries += [a["entry"] for a in aliases]
-    result.applied += applied + aliases
-    result.warnings += warnings
-    result.remaining, _ = loadability_problems(loaded, profiles, {**qc, "exclude": entries})
-    if dry_run and injected:
-        result.remaining = [p for p in result.remaining if p.check != "mtp"]
-    if not (applied or aliases):
-        return result
-    new_config = {**config, "quantization_config": {**qc, "exclude": entries}}
-    old_text, new_text = (json.dumps(c, indent=2) + "\n" for c in (config, new_config))
-    result.diff = "".join(difflib.unified_diff(old_text.splitlines(True), new_text.splitlines(True),
-                                               "a/config.json", "b/config.json"))
-    if dry_run:
-        return result
-    backup_config(loaded.ckpt.root)
-    write_json_atomic(loaded.ckpt.root / "config.json", new_config)
-    record_fixups(loaded.ckpt.root, record, applied + aliases, result.engines, command)
+    if new_config:
+        backup_config(loaded.ckpt.root)
+        write_json_atomic(loaded.ckpt.root / "config.json", new_config)
+    if index_fix:
+        _write_total_size(loaded.ckpt.root, index_fix["now"])
+    record_fixups(loaded.ckpt.root, record, [a for a in result.applied if a["fixup"] != "mtp_inject"],
+                  result.engines, command)
     return result
+
+
+def _total_size_fix(loaded: LoadedCheckpoint, index_warnings: list) -> dict | None:
+    """The index's total_size repair, when it disagrees with the tensors (no engine reads it)."""
+    if not any(w.subject == TOTAL_SIZE for w in index_warnings):
+        return None
+    total = sum(i.nbytes for i in loaded.infos.values())
+    return {"fixup": "index_total_size", "entry": TOTAL_SIZE, "was": loaded.ckpt.index_metadata.get("total_size"),
+            "now": total, "engines": [], "why": "total_size counts tensor bytes (Hugging Face's rule); no engine reads it"}
+
+
+def _write_total_size(root: Path, total: int) -> None:
+    """Set the index's metadata.total_size (the original kept as model.safetensors.index.json.orig)."""
+    index_path = root / INDEX_NAME
+    index = load_json(index_path, "index")
+    index.setdefault("metadata", {})["total_size"] = total
+    backup = root / INDEX_BACKUP
+    if not backup.exists():
+        copy_atomic(index_path, backup)
+    write_json_atomic(index_path, index)
 
 
 def _check_exclude_form(ckpt: Checkpoint) -> None:

@@ -11,10 +11,14 @@ from .report import Problem
 REDOWNLOAD = "re-download or re-create the shard"
 
 
-def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], dict, dict[str, ShardHeader]]:
-    """Every index key once, every shard present and parseable, no orphans, total_size right.
+TOTAL_SIZE = f"{INDEX_NAME}:metadata.total_size"
 
-    Returns the problems, counts of what was checked, and the headers that parsed (by shard name).
+
+def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], list[Problem], dict, dict[str, ShardHeader]]:
+    """Every index key once, every shard present and parseable, no orphans; total_size right.
+
+    Returns the problems, the warnings (what no engine reads: total_size, which Quark's file-to-file export
+    counts in whole file bytes), counts of what was checked, and the headers that parsed (by shard name).
     """
     problems: list[Problem] = []
     root = ckpt.root
@@ -52,8 +56,10 @@ def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], dict, dict[
     for name in unreferenced:
         problems.append(Problem("integrity", name, "safetensors file not referenced by the index",
                                 "remove it, or add its tensors to the index"))
+    warnings = []
     declared = ckpt.index_metadata.get("total_size")
     if ckpt.has_index and not problems and declared != total:
-        problems.append(Problem("integrity", f"{INDEX_NAME}:metadata.total_size",
-                                f"says {declared} but the tensors hold {total} bytes", f"set total_size to {total}"))
-    return problems, {"shards": len(ckpt.shard_names), "tensors": len(ckpt.weight_map), "bytes": total}, headers
+        warnings.append(Problem("index", TOTAL_SIZE, f"says {declared} but the tensors hold {total} bytes (no engine "
+                                "reads it; Quark's file-to-file export counts whole files)", "run mxforge fixup (sets it)"))
+    counts = {"shards": len(ckpt.shard_names), "tensors": len(ckpt.weight_map), "bytes": total}
+    return problems, warnings, counts, headers

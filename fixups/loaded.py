@@ -27,9 +27,9 @@ class LoadedCheckpoint:
     unreadable: frozenset[str]     # tensors whose shard is missing or corrupt
 
 
-def load_checkpoint(root: str | Path | Checkpoint) -> tuple[LoadedCheckpoint, list, dict]:
+def load_checkpoint(root: str | Path | Checkpoint) -> tuple[LoadedCheckpoint, list, list, dict]:
     """Open a checkpoint (or take one already open) and parse every header once. Returns it, integrity
-    problems, integrity counts.
+    problems, integrity warnings (what no engine reads) and integrity counts.
 
     Raises:
         CheckpointError: not a checkpoint directory (no config.json, no index).
@@ -37,7 +37,7 @@ def load_checkpoint(root: str | Path | Checkpoint) -> tuple[LoadedCheckpoint, li
     """
     ckpt = root if isinstance(root, Checkpoint) else Checkpoint.open(root)
     layout = GlmLayout(ckpt.config)
-    problems, counts, headers = check_index_and_shards(ckpt)
+    problems, warnings, counts, headers = check_index_and_shards(ckpt)
     infos, unreadable = {}, set()
     for name, shard in ckpt.weight_map.items():
         header = headers.get(shard)
@@ -49,4 +49,5 @@ def load_checkpoint(root: str | Path | Checkpoint) -> tuple[LoadedCheckpoint, li
     planned = layout.tensors()
     linears = checkpoint_linears(layout, planned)
     stored = {lin.name: stored_form(lin, infos) for lin in all_linears(linears)}
-    return LoadedCheckpoint(ckpt, layout, planned, linears, infos, stored, frozenset(unreadable)), problems, counts
+    loaded = LoadedCheckpoint(ckpt, layout, planned, linears, infos, stored, frozenset(unreadable))
+    return loaded, problems, warnings, counts

@@ -1,22 +1,24 @@
-"""Validation findings and the report that carries them."""
+"""Validation findings and the report that carries them: a verdict per engine release."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .profiles import Selection
 
 MAX_LISTED = 60  # problems listed in the human summary; the JSON report has every one
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One disagreement: which check found it, for which engine (None: engine-independent), about what."""
+    """One disagreement: which check found it, for which engine profile (None: every engine), about what."""
 
-    check: str      # "integrity" | "quant_config" | "mtp" | "engine" | "hash"
+    check: str      # "integrity" | "quant_config" | "mtp" | "layout" | "engine" | "hash"
     subject: str    # the file, tensor, module or config entry at fault
     message: str    # what is wrong, expected vs found
     remedy: str     # what to do about it
     engine: str | None = None
+    server_flag: str | None = None  # a serving flag that avoids it: the release loads with that flag set
 
     def format(self) -> str:
         who = f"{self.engine}: " if self.engine else ""
@@ -26,29 +28,105 @@ class Problem:
 @dataclass
 class ValidationReport:
     path: str
-    engines: list[str]
+    selections: list[Selection]
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)  # found, but no engine fails on them
+    requirements: list[Problem] = field(default_factory=list)  # avoided by a serving flag (Problem.server_flag)
     checked: dict = field(default_factory=dict)  # counts of what was checked, per check / engine
     notes: list[str] = field(default_factory=list)  # plain-words diagnosis (what kind of export this is)
+    serve: list[dict] = field(default_factory=list)  # per release range: the serving command and its flags
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
-    def engine_ok(self, engine: str) -> bool:
-        return not any(p.engine in (None, engine) for p in self.problems)
+    @property
+    def engines(self) -> list[str]:
+        return [s.profile.name for s in self.selections]
+
+    def engine_ok(self, profile: str) -> bool:
+        return not any(p.engine in (None, profile) for p in self.problems)
+
+    def flags(self, profile: str) -> list[str]:
+        """The serving flags `profile`'s releases need to load the checkpoint."""
+        return sorted({p.server_flag for p in self.requirements if p.engine == profile})
+
+    def add(self, found: list[Problem]) -> None:
+        """File each finding as a problem, or as a requirement when a serving flag avoids it."""
+        self.problems += [p for p in found if not p.server_flag]
+        self.requirements += [p for p in found if p.server_flag]
+
+    def releases(self) -> list[dict]:
+        """One entry per engine release: its profile, whether it loads the checkpoint, and with which flags."""
+        out = []
+        for s in self.selections:
+            found = [p for p in self.problems if p.engine in (None, s.profile.name)]
+            out += [{"engine": s.profile.engine, "version": v, "profile": s.profile.name, "ok": not found,
+                     "problems": len(found), "flags": self.flags(s.profile.name)} for v in s.releases]
+        return out
 
     def as_dict(self) -> dict:
-        return {"stage": "validate", "path": self.path, "ok": self.ok, "engines": {e: self.engine_ok(e) for e in self.engines},
-                "problems": [asdict(p) for p in self.problems], "checked": self.checked, "notes": self.notes}
+        releases = self.releases()
+        return {"stage": "validate", "path": self.path, "ok": self.ok,
+                "engines": {f"{r['engine']}=={r['version']}": r["ok"] for r in releases}, "releases": releases,
+                "verdict": self.verdict(), "problems": [asdict(p) for p in self.problems],
+                "warnings": [asdict(p) for p in self.warnings], "requirements": [asdict(p) for p in self.requirements],
+                "checked": self.checked, "notes": self.notes,
+                "serve": self.serve}
+
+    def verdict(self) -> str:
+        """`loads: sglang 0.5.16-0.5.23, vllm 0.30.0-0.33.0; FAILS: sglang 0.5.9-0.5.15.post1 (2 modules: ...)`."""
+        loads = _runs([(s, self.engine_ok(s.profile.name), self.flags(s.profile.name)) for s in self.selections])
+        fails = []
+        for s in self.selections:
+            if self.engine_ok(s.profile.name):
+                continue
+            own = [p for p in self.problems if p.engine == s.profile.name]
+            shared = [p for p in self.problems if p.engine is None]
+            subjects = list(dict.fromkeys(p.subject for p in own + shared))
+            shown = ", ".join(subjects[:3]) + (", ..." if len(subjects) > 3 else "")
+            remedies = list(dict.fromkeys(p.remedy for p in own + shared))
+            fails.append(f"{s.label} ({len(subjects)} problem(s): {shown}; {remedies[0]})")
+        parts = []
+        if loads:
+            parts.append("loads: " + ", ".join(loads))
+        if fails:
+            parts.append("FAILS: " + "; ".join(fails))
+        return "; ".join(parts) or "no engine release selected"
+
+    def _requirement_lines(self) -> list[str]:
+        """Each requirement once, with the release ranges that have it."""
+        grouped: dict[tuple, list[str]] = {}
+        labels = {s.profile.name: s.label for s in self.selections}
+        for p in self.requirements:
+            grouped.setdefault((p.server_flag, p.subject, p.message), []).append(labels.get(p.engine, str(p.engine)))
+        return [f"  needs {flag} in {', '.join(who)}: {subject}: {message}"
+                for (flag, subject, message), who in list(grouped.items())[:MAX_LISTED]]
 
     def format(self) -> str:
-        if self.ok:
-            engines = ", ".join(self.engines) or "integrity only"
-            return "\n".join([f"{self.path}: OK ({engines})"] + [f"  note: {n}" for n in self.notes])
-        verdicts = ", ".join(f"{e} {'ok' if self.engine_ok(e) else 'FAILS'}" for e in self.engines)
-        lines = [f"{self.path}: {len(self.problems)} problem(s) ({verdicts})"] + [f"  note: {n}" for n in self.notes]
+        head = f"{self.path}: OK" if self.ok else f"{self.path}: {len(self.problems)} problem(s)"
+        lines = [head, f"  {self.verdict()}"] + [f"  note: {n}" for n in self.notes]
+        lines += [f"  warning: {w.subject}: {w.message}: {w.remedy}" for w in self.warnings]
+        lines += self._requirement_lines()
         lines += [f"  - {p.format()}" for p in self.problems[:MAX_LISTED]]
         if len(self.problems) > MAX_LISTED:
             lines.append(f"  ... and {len(self.problems) - MAX_LISTED} more (all of them in --json)")
+        loadable = [s for s in self.serve if s["ok"]]
+        if loadable:
+            lines.append("  serve with MTP speculative decoding:")
+            lines += [f"    {s['releases']}: {s['command']}" for s in loadable]
         return "\n".join(lines)
+
+
+def _runs(verdicts: list[tuple[Selection, bool, list[str]]]) -> list[str]:
+    """Labels of consecutive selections of one engine that load with the same flags, merged:
+    "sglang 0.5.16-0.5.23", "sglang 0.5.9-0.5.15.post1 (with --disable-shared-experts-fusion)"."""
+    runs: list[list] = []
+    prev = None
+    for s, ok, flags in verdicts:
+        if ok and prev is not None and prev[1] and prev[0].profile.engine == s.profile.engine and prev[2] == flags:
+            runs[-1][2] = s.releases[-1]
+        elif ok:
+            runs.append([s.profile.engine, s.releases[0], s.releases[-1], flags])
+        prev = (s, ok, flags)
+    return [f"{e} {a}" + (f"-{b}" if b != a else "") + (f" (with {' '.join(f)})" if f else "") for e, a, b, f in runs]

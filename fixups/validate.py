@@ -1,4 +1,4 @@
-"""`mxforge validate`: would every engine load this checkpoint? Reads headers only."""
+"""`mxforge validate`: would every engine release load this checkpoint? Reads headers only."""
 
 from __future__ import annotations
 
@@ -9,42 +9,43 @@ from .deep_checks import check_sha256, scan_scales
 from .doctor import diagnose
 from .engine_check import engine_problems
 from .loaded import LoadedCheckpoint, load_checkpoint
-from .profiles import EngineProfile, resolve_profiles
-from .tensor_forms import MXFP4
+from .profiles import EngineProfile, select
 from .report import ValidationReport
+from .serve import serving_commands
+from .tensor_forms import MXFP4
 
 
 def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict | None) -> tuple[list, dict]:
     """Problems with `qc` as the checkpoint's quantization_config: its form, missing tensors (MTP layer
-    included), and per engine every module whose allocation disagrees with the stored tensors."""
+    included), and per engine profile every module whose allocation disagrees with the stored tensors."""
     has_uint8 = any(s.form == MXFP4 for s in loaded.stored.values())
     problems = check_quant_config(qc, has_uint8)
     layout_problems, forms = check_layout(loaded.layout, loaded.planned, loaded.stored, loaded.infos, loaded.unreadable)
     problems += layout_problems
-    found, engines = engine_problems(loaded, profiles, exclude_entries(qc), quantized=qc is not None)
+    found, engines = engine_problems(loaded, profiles, exclude_entries(qc), qc)
     return problems + found, {"linears": forms, "engines": engines}
 
 
-def validate_checkpoint(root: str | Path, engines: list[str] | None = None, *, deep: bool = False,
+def validate_checkpoint(root: str | Path, engines: str | list[str] | None = None, *, deep: bool = False,
                         quiet: bool = True) -> ValidationReport:
-    """Check integrity, quantization_config, layout/MTP completeness and, per engine profile, loadability.
+    """Check integrity, quantization_config, layout/MTP completeness and, per engine release, loadability.
 
-    `engines=None` (or empty) checks every profile. Headers only, unless `deep`: then every MXFP4 scale is
-    read (a 255 byte is NaN) and files are checked against the download's sha256 manifest (progress
-    shown unless `quiet`). Returns a report; `report.ok` is False when problems were found.
+    `engines` selects releases as `--engines` does (None: every supported release). Headers only, unless
+    `deep`: then every MXFP4 scale is read (a 255 byte is NaN) and files are checked against the download's
+    sha256 manifest (progress shown unless `quiet`). Returns a report; `report.ok` is False when problems
+    were found (warnings, which no engine fails on, do not count).
 
     Raises:
         CheckpointError: the checkpoint cannot be checked at all (not a directory, no config.json, no index).
-        ConfigError: unknown engine profile, or config.json is not a GlmMoeDsaForCausalLM config.
+        ConfigError: an unknown engine selection, or config.json is not a GlmMoeDsaForCausalLM config.
     """
-    profiles = resolve_profiles(engines)
-    loaded, problems, counts = load_checkpoint(root)
-    report = ValidationReport(str(loaded.ckpt.root), [p.name for p in profiles])
-    report.problems += problems
+    selections = select(engines)
+    loaded, problems, warnings, counts = load_checkpoint(root)
+    report = ValidationReport(str(loaded.ckpt.root), selections, problems, warnings)
     report.checked["integrity"] = counts
     qc = loaded.ckpt.quantization_config
-    found, checked = loadability_problems(loaded, profiles, qc)
-    report.problems += found
+    found, checked = loadability_problems(loaded, [s.profile for s in selections], qc)
+    report.add(found)
     report.checked.update(checked)
     if deep:
         scale_problems, scale_bytes = scan_scales(loaded.ckpt.root, loaded.ckpt.weight_map, loaded.infos, quiet)
@@ -52,4 +53,6 @@ def validate_checkpoint(root: str | Path, engines: list[str] | None = None, *, d
         report.problems += scale_problems + hash_problems
         report.checked["deep"] = {"scale_bytes": scale_bytes, "sha256": hashed}
     report.notes = diagnose(loaded.layout, loaded.linears, loaded.stored, loaded.infos, qc)
+    report.serve = serving_commands(report, str(loaded.ckpt.root), selections)
     return report
+

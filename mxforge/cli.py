@@ -16,6 +16,7 @@ from . import __version__, hub_cli
 from .cli_support import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, add_json_option, emit, invocation  # noqa: F401 (re-exported)
 from .errors import MxforgeError
 from .fixups import cli as fixups_cli
+from .fixups.profiles import ENGINES_HELP
 from .quantize import cli as quantize_cli
 
 
@@ -74,8 +75,7 @@ def register_run(sub) -> argparse.ArgumentParser:
     p.add_argument("source", help="Hub repo id (owner/name) or a local bf16 checkpoint directory")
     p.add_argument("out", help="working directory (created; rerun with the same one to resume)")
     p.add_argument("--recipe", default=None, help="recipe TOML path or shipped name (default glm-5.2-mxfp4)")
-    p.add_argument("--engines", default=None, metavar="LIST", help="engine profiles to fix up and validate for "
-                   "(comma-separated; default: all of manifests/engines/)")
+    p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
     p.add_argument("--push", metavar="REPO_ID", default=None, help="push the validated checkpoint to this Hub repo")
     p.add_argument("--private", action="store_true", help="with --push: create the repo private")
     p.add_argument("--revision", default="main", help="revision of SOURCE when it is a Hub repo (default main)")
@@ -90,7 +90,7 @@ def run_run(args) -> int:
     from .pipeline import Pipeline, RunOptions, ValidationFailed, format_run_summary
 
     opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe,
-                      engines=parse_engines_arg(args.engines) if args.engines else None, push_repo=args.push,
+                      engines=parse_engines_arg(args.engines), push_repo=args.push,
                       revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
                       command=invocation())
     pipeline = Pipeline(opts)

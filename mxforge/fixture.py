@@ -134,8 +134,9 @@ SIDE_FILES = {
 
 
 def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float | None = None,
-                  quiet: bool = False) -> FixtureResult:
-    """Write a GLM-5.2-shaped bf16 checkpoint to `out` (created; must be empty or absent).
+                  quiet: bool = False, overrides: dict | None = None) -> FixtureResult:
+    """Write a GLM-5.2-shaped bf16 checkpoint to `out` (created; must be empty or absent); `overrides` change
+    config fields after the preset's (e.g. `n_routed_experts`).
 
     Raises:
         ConfigError: unknown preset or bad size.
@@ -146,6 +147,7 @@ def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MxforgeError(f"{out}: exists and is not an empty directory; choose a new output directory")
     config, settings = preset_config(preset, gib)
+    config.update(overrides or {})
     layout = GlmLayout(config)
     tensors = layout.tensors()
     shards = plan_shards(tensors, settings.get("shards"), settings.get("shard_bytes"))

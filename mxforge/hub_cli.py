@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .fixups.profiles import ENGINES_HELP
+
 # Helpers come from cli_support; heavy modules are imported inside the functions, at call time.
 
 
@@ -68,7 +70,7 @@ def register_push(sub) -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--branch", default=None, help="push to this branch (created from main if missing; default main)")
     p.add_argument("--force", action="store_true", help="push even though validate fails (the card says so)")
-    p.add_argument("--engines", default=None, metavar="E[,E...]", help="engine profiles to validate against (default: validate's own)")
+    p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
     _add_common_options(p, "hash threads")
     return p
 
@@ -79,7 +81,9 @@ def run_push(args) -> int:
 
     _check_workers(args.workers)
     _quiet_hub(args.quiet)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()] if args.engines else None
+    from .fixups.profiles import parse_engines_arg
+
+    engines = parse_engines_arg(args.engines)
     r = push(args.ckpt, args.repo_id, private=args.private, branch=args.branch, force=args.force, engines=engines,
              workers=args.workers, quiet=args.quiet)
     forced = " (FORCED past failed validation)" if r.forced else ""

@@ -118,6 +118,22 @@ def _fixup_lines(fixups: dict | None) -> list[str]:
     return lines
 
 
+def _serving_lines(validation: dict, repo_id: str) -> list[str]:
+    """Per engine release range: loads or not, and the command that serves it with MTP speculative decoding."""
+    serve = validation.get("serve") or []
+    if not serve:
+        return ["No engine release was checked."]
+    lines = [validation.get("verdict", ""), "", "| releases | loads | serve with MTP speculative decoding |", "|---|---|---|"]
+    for s in serve:
+        command = s["command"].replace(validation.get("path", "\0"), repo_id)
+        lines.append(f"| {s['releases']} | {'yes' if s['ok'] else '**no**'} | `{command}` |")
+    lines.append("")
+    lines.append(f"Checkpoint integrity: {'OK' if validation.get('ok') else 'FAILED'} "
+                 f"({len(validation.get('problems') or [])} problem(s)). Each release's behaviour was measured by "
+                 "executing its own code (mxforge's engine conformance suite).")
+    return lines
+
+
 def render_model_card(ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], validation: dict,
                       forced: bool, push_command: str) -> str:
     """The README.md text for `ckpt`. `validation` is ValidationReport.as_dict()."""
@@ -147,11 +163,7 @@ def render_model_card(ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], 
     out += ["", f"{MXFP4}: uint8 E2M1 codes, two per byte, with one E8M0 `weight_scale` byte per 32 weights.", ""]
     out += ["## Exclusions", ""] + exclusions_summary(ckpt.config)
     out += ["", "## Fixups applied", ""] + _fixup_lines(fixups)
-    out += ["", "## Engine compatibility (mxforge validate)", ""]
-    engines = validation.get("engines") or {}
-    out += [f"- {e}: {'loads' if ok else 'FAILS'}" for e, ok in engines.items()] or ["- no engine profiles were checked"]
-    out.append(f"- checkpoint integrity: {'OK' if validation.get('ok') else 'FAILED'} "
-               f"({len(validation.get('problems') or [])} problem(s))")
+    out += ["", "## Engine compatibility (mxforge validate)", ""] + _serving_lines(validation, repo_id)
     if forced:
         out += ["", "> **Warning**: pushed with `--force` although validation failed; problems found:", ""]
         out += [f"> - {p.get('subject')}: {p.get('message')}" for p in validation.get("problems") or []]

@@ -244,8 +244,8 @@ def format_run_summary(report: dict) -> str:
     if fix:
         lines.append(f"  fixups: {len(fix.get('applied') or [])} applied" + (f", {len(fix['warnings'])} warning(s)" if fix.get("warnings") else ""))
     val = (stages.get("validate") or {}).get("report") or {}
-    if val.get("engines"):
-        lines.append("  engines: " + ", ".join(f"{e} {'OK' if ok else 'FAIL'}" for e, ok in val["engines"].items()))
+    if val.get("verdict"):
+        lines.append(f"  engines: {val['verdict']}")
     push = (stages.get("push") or {}).get("report") or {}
     if push.get("url"):
         lines.append(f"  pushed: {push['url']} @ {str(push.get('commit'))[:12]} (remote hashes checked)")
