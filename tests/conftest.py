@@ -13,6 +13,11 @@ from mxforge.fixture import write_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 
+MTP = 7  # the tiny fixture's num_hidden_layers: its MTP layer
+# AMD's published GLM-5.2 MXFP4 exclusions (glm-5.2.md): attention, routers, lm_head, dense MLPs ...
+BASE = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj"]
+AMD = BASE + [f"*layers.{MTP}.*"]  # ... and the whole MTP layer
+
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:

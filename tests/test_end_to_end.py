@@ -8,13 +8,12 @@ import torch
 from safetensors import safe_open
 
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.fixups.profiles import PROFILE_NAMES
+from mxforge.fixups.profiles import all_profiles
 from mxforge.fixups.quark_like import write_quark_like
 from mxforge.fixups.validate import validate_checkpoint
 from mxforge.quantize.run import quantize_checkpoint
 
-from conftest import run_cli
-from test_engine_failures import BASE, MTP
+from conftest import BASE, MTP, run_cli
 
 
 @pytest.fixture(scope="session")
@@ -24,23 +23,26 @@ def quantized_tiny(tiny_ckpt, tmp_path_factory):
     return out
 
 
-def test_quantize_then_validate_fails_legacy_sglang_then_fixup_passes_everywhere(quantized_tiny, tmp_path):
+def test_quantize_then_validate_fails_old_sglang_then_fixup_passes_everywhere(quantized_tiny, tmp_path):
     ckpt = tmp_path / "q"
     shutil.copytree(quantized_tiny, ckpt)
     proc = run_cli("validate", str(ckpt), "--json")
     report = json.loads(proc.stdout)
     assert proc.returncode == 1
-    assert report["engines"] == {"sglang-legacy": False, "sglang": True, "vllm": True}
+    failing = {r["profile"] for r in report["releases"] if not r["ok"]}
+    assert failing == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11"}  # before GLM's own draft class
+    assert report["engines"]["sglang==0.5.15.post1"] is False and report["engines"]["sglang==0.5.16"] is True
+    assert report["engines"]["vllm==0.33.0"] is True
     subjects = {p["subject"] for p in report["problems"]}
     assert {"model.eh_proj", "model.decoder.mlp.shared_experts.gate_up_proj"} <= subjects
-    assert all(p["engine"] == "sglang-legacy" and p["remedy"] == "run mxforge fixup" for p in report["problems"])
+    assert all(p["engine"] in failing and p["remedy"] == "run mxforge fixup" for p in report["problems"])
 
     proc = run_cli("fixup", str(ckpt))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for engine in PROFILE_NAMES:
-        assert run_cli("validate", str(ckpt), "--engines", engine).returncode == 0, engine
+    for profile in all_profiles():
+        assert run_cli("validate", str(ckpt), "--engines", profile.name).returncode == 0, profile.name
     assert validate_checkpoint(ckpt).ok
-    assert run_cli("fixup", str(ckpt)).stdout.strip().endswith("nothing to fix (sglang-legacy, sglang, vllm)")
+    assert "nothing to fix" in run_cli("fixup", str(ckpt)).stdout
 
 
 def test_mtp_from_reinjects_the_layer_as_the_quantizer_writes_it(tiny_ckpt, quantized_tiny, tmp_path):

@@ -209,13 +209,15 @@ def downloaded(hub, tmp_path):
 
 
 def test_push_refused_when_validate_fails_before_any_network_call(hub, tmp_path, downloaded):
-    index_path = downloaded / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    index["metadata"]["total_size"] += 2
-    index_path.write_text(json.dumps(index))
+    from mxforge.fixups.quark_like import quark_quantization_config
+
+    config_path = downloaded / "config.json"  # a quantization_config on bf16 weights: every engine would quantize
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = quark_quantization_config([])
+    config_path.write_text(json.dumps(config))
     hub.requests.clear()
     line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--quiet"))
-    assert "nothing was pushed" in line and "total_size" in line and "--force" in line
+    assert "nothing was pushed" in line and "would be MXFP4" in line and "--force" in line
     assert hub.requests == [] and "alice/glm-tiny-mxfp4" not in hub.repos
     assert not (downloaded / "README.md").exists()
 
@@ -247,7 +249,7 @@ def test_push_hub_normal_with_model_card_and_remote_hashes(hub, tmp_path, downlo
     assert "| experts |" in card and "| mtp |" in card and "BF16" in card
     assert "## Quantization recipe\n\nnot recorded" in card and "## Fixups applied\n\nnot recorded" in card
     assert "No `quantization_config` in config.json" in card and "not quantized" in card and "- mxfp4" not in card
-    assert "checkpoint integrity: OK" in card
+    assert "Checkpoint integrity: OK" in card and "loads: sglang 0.5.9-0.5.23, vllm 0.30.0-0.33.0" in card
     for name in local - {"README.md"}:
         assert f"| {name} | {(downloaded / name).stat().st_size:,} | `{_sha256(downloaded / name)}` |" in card, name
     assert source["command"] in card and "mxforge push " in card
@@ -336,19 +338,26 @@ def test_push_model_card_precision_and_exclusions_on_a_quantized_checkpoint(tmp_
         "command": "mxforge quantize src q"}))
     (ckpt / "mxforge_fixups.json").write_text(json.dumps({
         "fixups": [{"fixup": "alias", "entry": "model.eh_proj", "module": f"model.layers.{mtp}.eh_proj",
-                    "engines": ["sglang-legacy"], "why": "stored bf16; the engine would build it MXFP4"}],
-        "engines": ["sglang", "vllm"], "config_backup": "config.json.orig", "command": "mxforge fixup q"}))
+                    "engines": ["sglang-0.5.11"], "why": "stored bf16; the engine would build it MXFP4"}],
+        "engines": ["sglang-0.5.11", "vllm-0.31.0"], "config_backup": "config.json.orig", "command": "mxforge fixup q"}))
     files = list(hash_files(ckpt, ["config.json", "model.safetensors"], quiet=True).values())
     card = render_model_card(Checkpoint.open(ckpt), repo_id="me/q", files=files, forced=False, push_command="mxforge push q me/q",
-                             validation={"ok": True, "engines": {"sglang": True, "vllm": False}, "problems": []})
+                             validation={"ok": True, "path": str(ckpt), "problems": [],
+                                         "verdict": "loads: sglang 0.5.11-0.5.15.post1; FAILS: vllm 0.31.0-0.33.0 (...)",
+                                         "serve": [{"releases": "sglang 0.5.11-0.5.15.post1", "ok": True,
+                                                    "command": f"python -m sglang.launch_server --model-path {ckpt}"},
+                                                   {"releases": "vllm 0.31.0-0.33.0", "ok": False,
+                                                    "command": f"vllm serve {ckpt}"}]})
     assert "base_model_relation" not in card and "- mxfp4" in card and "MXFP4 weights in AMD Quark's format" in card
     assert "| experts | 1 | MXFP4 ×1 |" in card
     assert "| router | 1 | F32 ×1 |" in card and "| mtp | 1 | BF16 ×1 |" in card and "| embeddings | 1 | BF16 ×1 |" in card
     assert "keeps 4 entries" in card and "| mtp | 1 |" in card and "| regex | 1 | `re:.*mlp\\.gate$` |" in card
     assert "| aliases and globals | 2 |" in card
     assert "- recipe: `mxfp4-moe` (r.toml)" in card and "1 quantized to MXFP4, 3 2-D weights kept" in card
-    assert f"| `model.eh_proj` | alias | sglang-legacy | `model.layers.{mtp}.eh_proj` |" in card
-    assert "- sglang: loads" in card and "- vllm: FAILS" in card
+    assert f"| `model.eh_proj` | alias | sglang-0.5.11 | `model.layers.{mtp}.eh_proj` |" in card
+    assert "loads: sglang 0.5.11-0.5.15.post1; FAILS: vllm 0.31.0-0.33.0" in card
+    assert "| sglang 0.5.11-0.5.15.post1 | yes | `python -m sglang.launch_server --model-path me/q` |" in card
+    assert "| vllm 0.31.0-0.33.0 | **no** | `vllm serve me/q` |" in card
     assert "## Source\n\nnot recorded" in card and "# download: not recorded" in card
     assert "mxforge quantize src q" in card and "mxforge fixup q" in card and "mxforge push q me/q" in card
 

@@ -88,10 +88,11 @@ def test_every_source_tensor_accounted_for(tiny_ckpt, quantized_tiny):
     assert infos[f"{mtp}mlp.shared_experts.down_proj.weight"].dtype == "BF16"
     assert infos[f"{mtp}eh_proj.weight"].dtype == "BF16"
     assert infos["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == "F32"
-    # Engine-independent checks pass; per-engine, only sglang before 0.5.23 needs `mxforge fixup`'s MTP aliases.
+    # Engine-independent checks pass; per release, only sglang before GLM's own draft class (0.5.16) needs
+    # `mxforge fixup`'s MTP aliases.
     validation = validate_checkpoint(out)
     assert not [p for p in validation.problems if p.engine is None]
-    assert validation.as_dict()["engines"] == {"sglang-legacy": False, "sglang": True, "vllm": True}
+    assert {r["profile"] for r in validation.releases() if not r["ok"]} == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11"}
     config = json.loads((out / "config.json").read_text())
     exclude = config["quantization_config"]["exclude"]
     assert exclude == sorted(n.removesuffix(".weight") for n in report["tensors"]["kept"])

@@ -8,7 +8,8 @@ from mxforge.fixups.quark_like import write_quark_like
 from mxforge.fixups.validate import validate_checkpoint
 from mxforge.safetensors_io import PlannedTensor, ShardWriter
 
-from test_engine_failures import AMD, MTP
+from conftest import AMD, MTP
+
 
 
 def _fixed_export(tiny_ckpt, path):
@@ -45,7 +46,7 @@ def test_uint8_weights_without_quantization_config(tiny_ckpt, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     report = validate_checkpoint(ckpt)
     assert any(p.check == "quant_config" and "uint8" in p.message for p in report.problems)
-    assert any(p.engine == "vllm" and "would be bf16" in p.message for p in report.problems)
+    assert any(p.engine == "vllm-0.31.0" and "would be bf16" in p.message for p in report.problems)
 
 
 def test_missing_mtp_tensor_and_wrong_scale_shape(tiny_ckpt, tmp_path):

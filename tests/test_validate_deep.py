@@ -14,8 +14,7 @@ from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.fixups.quark_like import write_quark_like
 from mxforge.fixups.validate import validate_checkpoint
 
-from conftest import run_cli
-from test_engine_failures import AMD
+from conftest import AMD, run_cli
 
 
 def test_nan_scale_byte_is_found_only_by_deep(tiny_ckpt, tmp_path):

@@ -1,0 +1,168 @@
+"""Engine truth: every claim validate makes about an engine release, checked against that release's own code.
+
+Each supported release's wheel is fetched from PyPI (only the few .py files needed, cached under the user
+cache dir) and executed in a subprocess with inert stand-ins for GPU-only imports (tests/engine_truth/).
+For every checkpoint of the matrix (mxforge's recipes, Quark-style exports with exact names, globs, `re:`
+entries and the whole MTP layer in bf16, each before and after `mxforge fixup`, at 6 and at GLM-5.2's 256
+routed experts), mxforge's decision for every module of the target model and the MTP draft must equal the
+release's. Needs the package registry (as pip does); deselect offline with `-m "not engines"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from engine_truth import matrix, probe_io
+from engine_truth.wheels import Release, available_versions
+from mxforge.fixups.matching import DRAFT, TARGET
+from mxforge.fixups.profiles import all_profiles, load_profile
+from mxforge.fixups.validate import validate_checkpoint
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.engines
+
+RELEASES = [(p.name, r) for p in all_profiles() for r in p.read]
+
+
+@pytest.fixture(scope="session")
+def cases(tmp_path_factory) -> dict[str, matrix.Case]:
+    root = tmp_path_factory.mktemp("conformance")
+    srcs = matrix.sources(root)
+    out = {c.name: c for c in matrix.export_cases(root, srcs)}
+    for recipe in ("glm-5.2-mxfp4", "glm-5.2-mxfp4-mtp-bf16"):  # the real pipeline, quantize included
+        run_cli("run", str(srcs["e6"]), str(root / f"run-{recipe}"), "--recipe", recipe, "--quiet", check=True)
+        out[f"e6/run-{recipe}"] = matrix.Case(f"e6/run-{recipe}", root / f"run-{recipe}" / "mxfp4")
+    return out
+
+
+@pytest.fixture(scope="session")
+def loaded(cases):
+    return {name: c.load() for name, c in cases.items()}
+
+
+@pytest.fixture(scope="session")
+def reports(cases):
+    """validate's report on the pipeline outputs, every release range at once."""
+    return {name: validate_checkpoint(c.path) for name, c in cases.items() if "/run-" in name or
+            name.endswith("recipe-default/fixed")}
+
+
+@pytest.fixture(scope="session")
+def answers(cases, loaded):
+    """The release's own answers for every case (one probe process per release, run on first use)."""
+    cache: dict[str, dict] = {}
+
+    def get(profile_name: str, release: str) -> dict:
+        if release not in cache:
+            profile = load_profile(profile_name)
+            requests = [matrix.request(profile, c, loaded[name]) for name, c in cases.items()]
+            cache[release] = probe_io.run_probe(profile.engine, release, requests)
+        return cache[release]
+    return get
+
+
+@pytest.mark.parametrize("profile_name,release", RELEASES, ids=[f"{e}=={r}" for e, r in RELEASES])
+def test_profile_decides_every_module_as_the_release_does(profile_name, release, cases, loaded, answers):
+    profile, found = load_profile(profile_name), answers(profile_name, release)
+    wrong = {name: matrix.mismatches(profile, loaded[name], found[name]) for name in cases}
+    wrong = {name: m for name, m in wrong.items() if m}
+    assert not wrong, "\n".join(f"{name}: {len(m)} mismatch(es): " + "; ".join(m[:4]) for name, m in wrong.items())
+
+
+@pytest.mark.parametrize("profile_name,release", RELEASES, ids=[f"{e}=={r}" for e, r in RELEASES])
+def test_pipeline_output_loads_in_the_release(profile_name, release, loaded, answers, reports):
+    """`mxforge run` output (and its 256-expert counterpart) loads per the release's own decisions: every module
+    it builds, served with the flags validate names, finds its tensors stored as it allocates them."""
+    profile = load_profile(profile_name)
+    for name, report in reports.items():
+        ckpt, found = loaded[name], answers(profile_name, release)[name]
+        assert report.engine_ok(profile_name), report.format()
+        flag = profile.fusion.server_flag in report.flags(profile_name)  # served with fusion off
+        view = matrix.views(profile, ckpt)[-1 if flag else 0]
+        for role in (TARGET, DRAFT):
+            fused = found[role]["fused_shared_experts"] and not flag
+            for m in view.modules:
+                if m.role != role or not m.quantizable or (m.is_mtp and m.local == "eh_proj"):
+                    continue
+                if fused and ".shared_experts." in m.runtime:
+                    continue  # loaded into the bank: checked with the experts below
+                engine_form = found[role]["decisions"][m.runtime]
+                stored = {ckpt.stored[lin.name].form for lin in m.shards}
+                if m.is_experts and fused:
+                    shared = [lin for local, lin in ckpt.linears[int(m.checkpoint.split(".")[2])].others.items()
+                              if local.startswith("mlp.shared_experts.")]
+                    stored |= {ckpt.stored[lin.name].form for lin in shared}
+                assert stored == {engine_form}, f"{name}: {release} builds {m.runtime} {engine_form}, stored {stored}"
+        eh = found[DRAFT]["eh_proj"]["decision"]
+        eh_stored = {s.form for lin_name, s in ckpt.stored.items() if lin_name.endswith(".eh_proj")}
+        assert eh_stored == {eh}, f"{name}: {release} builds eh_proj {eh}, stored {eh_stored}"
+
+
+PERTURBATIONS = {
+    "fused names honoured": lambda p: dataclasses.replace(p, fused_name_first=not p.fused_name_first),
+    "expert child entries": lambda p: dataclasses.replace(p, expert_child_entries=not p.expert_child_entries),
+    "packed modules": lambda p: dataclasses.replace(p, packed=frozenset(p.fused) - p.packed or frozenset()),
+    "draft remap": lambda p: dataclasses.replace(p, draft=dataclasses.replace(
+        p.draft, remap_mtp_entries=not p.draft.remap_mtp_entries)),
+    "whole-draft switch": lambda p: dataclasses.replace(p, draft=dataclasses.replace(
+        p.draft, whole_draft_switch=not p.draft.whole_draft_switch)),
+    "eh_proj quantizable": lambda p: dataclasses.replace(p, draft=dataclasses.replace(
+        p.draft, eh_proj_quantizable=not p.draft.eh_proj_quantizable)),
+    "draft fusion": lambda p: dataclasses.replace(p, fusion=dataclasses.replace(p.fusion, draft=not p.fusion.draft)),
+    "fusion veto": lambda p: dataclasses.replace(p, fusion=dataclasses.replace(
+        p.fusion, veto="none" if p.fusion.veto != "none" else "shared-expert-entry")),
+    "expert allow-list": lambda p: dataclasses.replace(p, fusion=dataclasses.replace(p.fusion, n_routed_experts=(6, 256))),
+    "exclude source": lambda p: dataclasses.replace(p, exclude_source="raw" if p.exclude_source == "mapped" else "mapped",
+                                                    draft=dataclasses.replace(p.draft, name_mapper=(("model.layers.61", "model.decoder"),))),
+    "name mapper": lambda p: dataclasses.replace(p, draft=dataclasses.replace(
+        p.draft, name_mapper=() if p.draft.name_mapper else (("model.layers.61", "model.decoder"),))),
+    "weights-only MXFP4": lambda p: dataclasses.replace(p, mxfp4_needs_fp4_inputs=not p.mxfp4_needs_fp4_inputs),
+    "per-expert layer configs": lambda p: dataclasses.replace(p, expert_layer_configs=not p.expert_layer_configs),
+}
+
+
+# One release of each behaviour a perturbation flips.
+PINNING_RELEASES = [("sglang-0.5.9", "0.5.9"), ("sglang-0.5.10", "0.5.10"), ("sglang-0.5.11", "0.5.15.post1"),
+                    ("sglang-0.5.16", "0.5.16"), ("sglang-0.5.18", "0.5.18"), ("sglang-0.5.21", "0.5.21"),
+                    ("sglang-0.5.22", "0.5.23"), ("vllm-0.30.0", "0.30.0"), ("vllm-0.31.0", "0.33.0")]
+
+
+@pytest.mark.parametrize("what", PERTURBATIONS)
+def test_a_profile_edited_wrong_fails_conformance(what, cases, loaded, answers):
+    """Each field of a profile is pinned by the matrix: flipping it makes some release disagree."""
+    caught = []
+    for profile_name, release in PINNING_RELEASES:
+        wrong = PERTURBATIONS[what](load_profile(profile_name))
+        found = answers(profile_name, release)
+        caught += [(release, name) for name in cases if matrix.mismatches(wrong, loaded[name], found[name])]
+    assert caught, f"editing '{what}' went unnoticed by every case"
+
+
+@pytest.mark.parametrize("profile_name,release", RELEASES, ids=[f"{e}=={r}" for e, r in RELEASES])
+def test_anchors_and_serving_flags_exist_in_the_release(profile_name, release):
+    """What is read, not executed, must still be in the release's source: a vanished anchor fails loudly."""
+    profile = load_profile(profile_name)
+    rel = Release(profile.engine, release)
+    for anchor in profile.anchors:
+        module = anchor.file[:-3].replace("/", ".")
+        text = rel.source(module)
+        assert text is not None, f"{release}: {anchor.file} is gone ({anchor.rule})"
+        assert anchor.contains in text, f"{release}: {anchor.file} no longer contains {anchor.contains!r} ({anchor.rule})"
+    sources = "\n".join(rel.source(m) or "" for m in rel.modules_under(profile.serve_source))
+    flags = [w for w in profile.serve_command.split() if w.startswith("--")] + [profile.fusion.server_flag]
+    for flag in flags:  # a command-line flag, or an environment variable NAME=VALUE
+        name = flag.split("=", 1)[0]
+        assert name in sources or name.lstrip("-").replace("-", "_") in sources, f"{release}: no server argument {flag}"
+
+
+@pytest.mark.parametrize("engine", sorted({p.engine for p in all_profiles()}))
+def test_every_release_in_the_supported_span_is_read(engine):
+    """No gap: every release on PyPI from the first to the newest read is covered by a profile that read it."""
+    read = [r for p in all_profiles() if p.engine == engine for r in p.read]
+    span = available_versions(engine, read[0], read[-1])
+    assert span == read, f"{engine}: releases on PyPI not read by any profile: {sorted(set(span) - set(read))}"
