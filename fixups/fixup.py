@@ -176,8 +176,10 @@ def fixup_checkpoint(root: str | Path, engines: list[str] | None = None, dry_run
     if dry_run:
         return result
     backup_config(loaded.ckpt.root)
-    write_json_atomic(loaded.ckpt.root / "config.json", new_config)
+    # The record first: a kill between the two writes leaves fixups recorded but not yet in config.json,
+    # which the rerun applies (and records once); never fixups in config.json that no record mentions.
     record_fixups(loaded.ckpt.root, record, applied + aliases, result.engines, command)
+    write_json_atomic(loaded.ckpt.root / "config.json", new_config)
     return result
 
 
@@ -247,7 +249,7 @@ def record_fixups(root: Path, record: dict, applied: list[dict], engines: list[s
     Raises:
         CheckpointError: the record cannot be written.
     """
-    record["fixups"] += applied
+    record["fixups"] += [a for a in applied if a not in record["fixups"]]  # a rerun after a kill: recorded once
     record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
     record.update({"engines": engines, "config_backup": BACKUP_NAME, "command": command})
     write_json_atomic(root / FIXUPS_NAME, record)
