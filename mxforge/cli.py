@@ -98,12 +98,10 @@ def run_run(args) -> int:
     from .fixups.profiles import parse_engines_arg
     from .pipeline import Pipeline, RunOptions, ValidationFailed, format_run_summary
 
-    hub_limits(args)  # a bad --timeout / --retries stops the run before anything starts
     opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe,
                       engines=parse_engines_arg(args.engines) if args.engines else None, push_repo=args.push,
                       revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
-                      command=invocation(), follow_symlinks=args.follow_symlinks, timeout=args.timeout,
-                      retries=args.retries)
+                      command=invocation(), follow_symlinks=args.follow_symlinks, hub_limits=hub_limits(args))
     pipeline = Pipeline(opts)
     try:
         report = pipeline.run()

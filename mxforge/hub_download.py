@@ -167,6 +167,7 @@ def _fetch_all(api: HfApi, repo_id: str, commit: str, dest: Path, files: list[Re
         KeyboardInterrupt: Ctrl-C; every transfer stops at its next chunk, partial files are kept.
     """
     cache = HashCache(dest)  # hashes taken while streaming: the verify pass then reads nothing again
+    CANCEL.clear()
     with byte_progress(needed, "download", disable=quiet) as bar:
         file_bar = _bar_proxy(bar)
 

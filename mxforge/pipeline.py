@@ -14,10 +14,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .errors import MxforgeError
 from .safetensors_io import write_json_atomic
+
+if TYPE_CHECKING:  # hub_session imports huggingface_hub: only when a stage talks to the Hub
+    from .hub_session import HubLimits
 
 STATE_NAME = "mxforge_run.json"
 STAGES = ("download", "quantize", "fixup", "validate", "push")
@@ -40,8 +43,7 @@ class RunOptions:
     quiet: bool = False
     command: str | None = None
     follow_symlinks: bool = False   # read a local SOURCE through symlinks that leave it
-    timeout: float | None = None    # Hub requests (None: HubLimits.resolve's default)
-    retries: int | None = None
+    hub_limits: "HubLimits | None" = None  # timeouts and retries of Hub requests (None: HubLimits.resolve())
 
     def inputs(self) -> dict:
         """What each stage's output depends on; a change reruns the stages that depend on it."""
@@ -201,16 +203,11 @@ class Pipeline:
         return self.report()
 
     # --- the stages, each a thin call into its engine --------------------------------------------
-    def _limits(self):
-        from .hub_session import HubLimits
-
-        return HubLimits.resolve(self.opts.timeout, self.opts.retries)
-
     def _download(self) -> dict:
         from .hub_download import download
 
         return download(self.opts.source, self.bf16_dir, revision=self.opts.revision, quiet=self.opts.quiet,
-                        command=self.opts.command, limits=self._limits()).as_dict()
+                        command=self.opts.command, limits=self.opts.hub_limits).as_dict()
 
     def _quantize(self) -> dict:
         from .quantize.run import quantize_checkpoint
@@ -238,7 +235,7 @@ class Pipeline:
         from .hub_push import push
 
         return push(self.mxfp4_dir, self.opts.push_repo, private=self.opts.private, engines=self.opts.engines,
-                    quiet=self.opts.quiet, command=self.opts.command, limits=self._limits(),
+                    quiet=self.opts.quiet, command=self.opts.command, limits=self.opts.hub_limits,
                     validation=self.state["stages"]["validate"]["report"], validated_files=self.validated_files).as_dict()
 
     def report(self) -> dict:
