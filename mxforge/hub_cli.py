@@ -60,8 +60,9 @@ def run_download(args) -> int:
 def register_push(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("push", help="validate, write the model card, upload resumably and verify the remote hashes",
                        description="Validate CKPT (refusing, before any network call, when it fails), write its model card "
-                       "README.md, upload with huggingface_hub's resumable large-folder upload (rerun to resume), then compare "
-                       "the Hub's sha256 of every file with the local one. Needs HF_TOKEN (or `hf auth login`) with write access.")
+                       "README.md, upload the large files (the Hub keeps what it received: rerun to resume), commit in one commit "
+                       "only if no file changed since validation, then compare the Hub's sha256 of every file with the "
+                       "local one. Needs HF_TOKEN (or `hf auth login`) with write access.")
     p.add_argument("ckpt", help="checkpoint directory")
     p.add_argument("repo_id", help="target Hub repo, e.g. me/GLM-5.2-MXFP4 (created if missing)")
     p.add_argument("--private", action="store_true", help="create the repo private")

@@ -268,7 +268,7 @@ def test_push_hub_normal_with_model_card_and_remote_hashes(hub, tmp_path, downlo
 
 
 def test_push_resumes_an_interrupted_upload(hub, tmp_path, downloaded):
-    hub.fail_commits = 1000  # every commit is refused: the large-folder upload gives up after its retries
+    hub.fail_commits = 1000  # every commit is refused, after the large files reached the Hub
     line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/resume", "--quiet"))
     assert "aborted" in line and "injected commit failure" in line and "rerun the same command to resume" in line
     uploaded = {r[1] for r in hub.requests if r[0] == "PUT"}
