@@ -28,7 +28,7 @@ from .engine_check import EngineView, check_engine, decide, engine_view, without
 from .matching import DRAFT, is_glob
 from .modules import EngineModule
 from .integrity import TOTAL_SIZE
-from .mtp_inject import INDEX_BACKUP
+from .mtp_inject import backup_index
 from .profiles import EngineProfile, select
 from .report import MAX_LISTED, Problem
 from .tensor_forms import BF16, MXFP4
@@ -225,13 +225,20 @@ def fixup_checkpoint(root: str | Path, engines: str | list[str] | None = None, d
         result.applied.append(index_fix)
     if dry_run or not (new_config or index_fix):
         return result
+    root = loaded.ckpt.root
     if new_config:
-        backup_config(loaded.ckpt.root)
-        write_json_atomic(loaded.ckpt.root / "config.json", new_config)
+        backup_config(root)
     if index_fix:
-        _write_total_size(loaded.ckpt.root, index_fix["now"])
-    record_fixups(loaded.ckpt.root, record, [a for a in result.applied if a["fixup"] != "mtp_inject"],
-                  result.engines, command)
+        backup_index(root)
+    # The record next: a kill between the writes leaves fixups recorded but not yet applied, which the
+    # rerun applies (and records once); never changes on disk that no record mentions.
+    record_fixups(root, record, [a for a in result.applied if a["fixup"] != "mtp_inject"], result.engines, command)
+    if new_config:
+        write_json_atomic(root / "config.json", new_config)
+    if index_fix:
+        index = load_json(root / INDEX_NAME, "index")
+        index.setdefault("metadata", {})["total_size"] = index_fix["now"]
+        write_json_atomic(root / INDEX_NAME, index)
     return result
 
 
@@ -242,17 +249,6 @@ def _total_size_fix(loaded: LoadedCheckpoint, index_warnings: list) -> dict | No
     total = sum(i.nbytes for i in loaded.infos.values())
     return {"fixup": "index_total_size", "entry": TOTAL_SIZE, "was": loaded.ckpt.index_metadata.get("total_size"),
             "now": total, "engines": [], "why": "total_size counts tensor bytes (Hugging Face's rule); no engine reads it"}
-
-
-def _write_total_size(root: Path, total: int) -> None:
-    """Set the index's metadata.total_size (the original kept as model.safetensors.index.json.orig)."""
-    index_path = root / INDEX_NAME
-    index = load_json(index_path, "index")
-    index.setdefault("metadata", {})["total_size"] = total
-    backup = root / INDEX_BACKUP
-    if not backup.exists():
-        copy_atomic(index_path, backup)
-    write_json_atomic(index_path, index)
 
 
 def _check_exclude_form(ckpt: Checkpoint) -> None:
@@ -321,7 +317,7 @@ def record_fixups(root: Path, record: dict, applied: list[dict], engines: list[s
     Raises:
         CheckpointError: the record cannot be written.
     """
-    record["fixups"] += applied
+    record["fixups"] += [a for a in applied if a not in record["fixups"]]  # a rerun after a kill: recorded once
     record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
     record.update({"engines": engines, "config_backup": BACKUP_NAME, "command": command})
     write_json_atomic(root / FIXUPS_NAME, record)

@@ -20,6 +20,12 @@ from mxforge.tensor_kinds import layer_of
 
 MTP_SHARD = "model-mtp.safetensors"
 INDEX_BACKUP = INDEX_NAME + ".orig"
+
+
+def backup_index(root: Path) -> None:
+    """Keep the original index as model.safetensors.index.json.orig (first change only; copied atomically)."""
+    if not (root / INDEX_BACKUP).exists():
+        copy_atomic(root / INDEX_NAME, root / INDEX_BACKUP)
 # config.json fields that must agree between the export and the bf16 source for its MTP layer to fit.
 SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_routed_experts", "q_lora_rank",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_attention_heads",
@@ -129,8 +135,7 @@ def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name:
 
 def _update_index(ckpt: Checkpoint, plan: MtpPlan) -> None:
     index_path = ckpt.root / INDEX_NAME
-    if not (ckpt.root / INDEX_BACKUP).exists():
-        copy_atomic(index_path, ckpt.root / INDEX_BACKUP)
+    backup_index(ckpt.root)
     weight_map = dict(ckpt.weight_map)
     weight_map.update({t.name: MTP_SHARD for t in plan.tensors})
     total = int(ckpt.index_metadata.get("total_size", 0)) + sum(t.nbytes for t in plan.tensors)

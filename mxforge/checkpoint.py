@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+from .safe_paths import name_problem, refuse_links_leaving
 from .safetensors_io import ShardHeader, TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -44,6 +45,22 @@ def load_json(path: Path, what: str, object_pairs_hook=None) -> Any:
         raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
 
 
+def _check_shard_names(root: Path, weight_map: dict, follow_symlinks: bool) -> None:
+    """Every shard the index names is a plain relative path inside ROOT (an index is input too), not a link out.
+
+    Raises:
+        CheckpointError: a shard name that is absolute, has '..', is not a string..., or a symlink leaving ROOT.
+    """
+    shards = set()
+    for tensor, shard in weight_map.items():
+        why = name_problem(shard)
+        if why is not None:
+            raise CheckpointError(f"{root / INDEX_NAME}: tensor {tensor!r} maps to shard {shard!r}, refused because "
+                                  f"{why}; the index is corrupt or hostile: fix or re-download it")
+        shards.add(shard)
+    refuse_links_leaving(root, sorted(shards), follow=follow_symlinks, action="read")
+
+
 @dataclass
 class Checkpoint:
     """A Hugging Face safetensors checkpoint on disk.
@@ -60,23 +77,29 @@ class Checkpoint:
     duplicate_index_keys: tuple[str, ...] = ()  # weight_map keys the index lists more than once (last one wins)
 
     @classmethod
-    def open(cls, root: str | Path) -> "Checkpoint":
+    def open(cls, root: str | Path, follow_symlinks: bool = False) -> "Checkpoint":
         """Open a checkpoint directory.
 
+        config.json, the index and the shards it names must not be symlinks that leave the directory,
+        unless `follow_symlinks` (the user's explicit --follow-symlinks).
+
         Raises:
-            CheckpointError: not a directory, no config.json, or neither an index nor model.safetensors.
+            CheckpointError: not a directory, no config.json, neither an index nor model.safetensors, an
+                index that names a shard outside the directory, or a symlink leaving it.
         """
         root = Path(root)
         if not root.is_dir():
             raise CheckpointError(f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors")
         if not (root / "config.json").exists():
             raise CheckpointError(f"{root}: no config.json, so this is not a Hugging Face checkpoint directory")
+        refuse_links_leaving(root, ["config.json", INDEX_NAME, SINGLE_NAME], follow=follow_symlinks, action="read")
         config = load_json(root / "config.json", "config.json")
         if (root / INDEX_NAME).exists():
             index = load_json(root / INDEX_NAME, "safetensors index", object_pairs_hook=_keep_duplicates)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{root / INDEX_NAME}: has no weight_map; the index is corrupt")
+            _check_shard_names(root, weight_map, follow_symlinks)
             return cls(root, config, dict(weight_map), dict(index.get("metadata") or {}), True,
                        getattr(weight_map, "duplicates", ()))
         if (root / SINGLE_NAME).exists():

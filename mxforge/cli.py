@@ -3,17 +3,24 @@
 Each subcommand is a (register, run) pair: `register` adds its arguments, `run` does the work and returns
 the exit code. Stage subcommands live beside their engines (hub_cli, quantize/cli, fixups/cli) and share
 the helpers in cli_support.
-Expected failures (MxforgeError) print one line to stderr and exit 2, with no traceback.
+Exit codes: 0 done, 1 validation found problems, 2 could not run: expected failures (MxforgeError) and
+every operating-system failure (read-only or full disk, permissions, names too long) print one line to
+stderr, with no traceback; 130 after Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from typing import Callable
 
 from . import __version__, hub_cli
-from .cli_support import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, add_json_option, emit, invocation  # noqa: F401 (re-exported)
+from .cli_support import (  # noqa: F401 (EXIT_* re-exported)
+    EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEMS, add_follow_symlinks_option, add_hub_options, add_json_option,
+    emit, hub_limits, invocation,
+)
 from .errors import MxforgeError
 from .fixups import cli as fixups_cli
 from .fixups.profiles import ENGINES_HELP
@@ -81,6 +88,8 @@ def register_run(sub) -> argparse.ArgumentParser:
     p.add_argument("--revision", default="main", help="revision of SOURCE when it is a Hub repo (default main)")
     p.add_argument("--workers", type=int, default=None, help="quantize worker processes (default: one per core)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_follow_symlinks_option(p, "a local SOURCE")
+    add_hub_options(p)
     add_json_option(p)
     return p
 
@@ -92,7 +101,7 @@ def run_run(args) -> int:
     opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe,
                       engines=parse_engines_arg(args.engines), push_repo=args.push,
                       revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
-                      command=invocation())
+                      command=invocation(), follow_symlinks=args.follow_symlinks, hub_limits=hub_limits(args))
     pipeline = Pipeline(opts)
     try:
         report = pipeline.run()
@@ -125,6 +134,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What to do about an operating-system failure, by errno.
+OS_ADVICE = {
+    errno.ENOSPC: "free space or choose another directory", errno.EDQUOT: "free space or choose another directory",
+    errno.EROFS: "the filesystem is read-only: choose another directory",
+    errno.EACCES: "check the permissions, or choose another directory",
+    errno.EPERM: "check the permissions, or choose another directory",
+    errno.ENAMETOOLONG: "use a shorter path", errno.EMFILE: "raise the open-file limit (ulimit -n)",
+}
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError: the file, the system's words, and what to do."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    advice = OS_ADVICE.get(e.errno, "fix the cause and rerun the same command")
+    return f"{where + ': ' if where else ''}{e.strerror or e}: {advice}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -135,9 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into head & co.
         sys.stderr.close()
         return EXIT_OK
+    except OSError as e:
+        print(f"mxforge {args.command}: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
-        print(f"mxforge {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"mxforge {args.command}: interrupted; partial files are kept: rerun the same command to resume",
+              file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Download threads may sit in a socket read until their timeout: do not wait for them. What they
+        # wrote is a prefix of the file, which the rerun continues.
+        os._exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

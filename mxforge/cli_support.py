@@ -1,4 +1,4 @@
-"""Helpers shared by every subcommand: exit codes, the --json option and report output."""
+"""Helpers shared by every subcommand: exit codes, shared options and report output."""
 
 from __future__ import annotations
 
@@ -8,11 +8,33 @@ import shlex
 import sys
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 def add_json_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="REPORT", nargs="?", const="-", default=None,
                    help="write a JSON report to REPORT ('-' or no value: stdout, replacing the human summary)")
+
+
+def add_hub_options(p: argparse.ArgumentParser) -> None:
+    """--timeout and --retries for commands that talk to the Hub (see hub_session.HubLimits)."""
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="longest wait for any Hub answer (default: MXFORGE_HUB_TIMEOUT, else HF_HUB_ETAG_TIMEOUT / "
+                   "HF_HUB_DOWNLOAD_TIMEOUT for files, 10 s each by default, and 60 s for API calls)")
+    p.add_argument("--retries", type=int, default=None, metavar="N",
+                   help="attempts at a file that bring no new byte before giving up (default: MXFORGE_HUB_RETRIES, else 5)")
+
+
+def add_follow_symlinks_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--follow-symlinks", action="store_true",
+                   help=f"read {what} through symlinks that lead outside it (default: refuse them)")
+
+
+def hub_limits(args):
+    """The HubLimits for --timeout / --retries (env and defaults where not given)."""
+    from .hub_session import HubLimits
+
+    return HubLimits.resolve(args.timeout, args.retries)
 
 
 def emit(report: dict, json_target: str | None, human: str) -> None:

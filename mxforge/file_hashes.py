@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .quantize.state import STATE_NAME as QUANTIZE_STATE_NAME
 from .progress import byte_progress
+from .safe_paths import refuse_links_leaving
 from .safetensors_io import write_json_atomic
 
 CHUNK = 8 << 20  # hashlib releases the GIL on large updates, so threads hash in parallel
@@ -123,16 +124,45 @@ def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = 
 LOCAL_ONLY_FILES = (QUANTIZE_STATE_NAME,)
 
 
-def checkpoint_files(root: Path) -> list[str]:
+def checkpoint_files(root: Path, follow_symlinks: bool = False) -> list[str]:
     """Every file under root that belongs to the checkpoint: not .cache/, .git/, unfinished *.partial or
-    local-only bookkeeping (LOCAL_ONLY_FILES)."""
+    local-only bookkeeping (LOCAL_ONLY_FILES).
+
+    A symlink (to a file or a directory) that leads outside root is refused unless `follow_symlinks`; links
+    that stay inside are read through (directories included).
+
+    Raises:
+        CheckpointError: a symlink leading outside root, naming it and its target.
+    """
     root = Path(root)
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    seen = {os.path.realpath(root)}  # a link to a directory already walked (a loop, an alias) is not walked again
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         rel_dir = Path(dirpath).relative_to(root)
         if rel_dir == Path("."):
             dirnames[:] = [d for d in dirnames if d not in (".cache", ".git")]
+        refuse_links_leaving(root, [(rel_dir / d).as_posix() for d in dirnames], follow=follow_symlinks, action="upload")
+        real = {d: os.path.realpath(os.path.join(dirpath, d)) for d in dirnames}
+        dirnames[:] = [d for d in dirnames if real[d] not in seen]
+        seen.update(real.values())
         for f in filenames:
             if not f.endswith(".partial") and not (rel_dir == Path(".") and f in LOCAL_ONLY_FILES):
                 out.append((rel_dir / f).as_posix())
+    refuse_links_leaving(root, out, follow=follow_symlinks, action="upload")
     return sorted(out)
+
+
+FileStamp = tuple[int, int, int]  # (size, mtime_ns, inode): changes whenever a file is rewritten or replaced
+
+
+def snapshot(root: Path, names: list[str]) -> dict[str, FileStamp]:
+    """The stamp of each named file (following symlinks), to tell later whether any of them changed.
+
+    Raises:
+        OSError: a file cannot be stat'ed.
+    """
+    out = {}
+    for name in names:
+        st = (Path(root) / name).stat()
+        out[name] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return out

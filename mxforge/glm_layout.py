@@ -17,6 +17,7 @@ REQUIRED_FIELDS = (
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "num_attention_heads", "index_n_heads", "index_head_dim", "vocab_size", "first_k_dense_replace",
 )
+OPTIONAL_INT_FIELDS = ("num_nextn_predict_layers", "n_shared_experts", "index_topk_freq", "index_skip_topk_offset")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,12 @@ class GlmLayout:
         missing = [k for k in REQUIRED_FIELDS if k not in self.config]
         if missing:
             raise ConfigError(f"config.json lacks GLM-MoE-DSA fields {missing}; is this a GlmMoeDsaForCausalLM checkpoint?")
+        for key in REQUIRED_FIELDS + OPTIONAL_INT_FIELDS:
+            value = self.config.get(key)
+            if (key in REQUIRED_FIELDS or value is not None) and (isinstance(value, bool) or not isinstance(value, int)):
+                digits = value.strip() if isinstance(value, str) and value.strip().isdigit() else "<integer>"
+                raise ConfigError(f"config.json: {key} is {value!r} ({type(value).__name__}), not a whole number; "
+                                  f"write it as a JSON integer (\"{key}\": {digits}, no quotes)")
 
     def __getitem__(self, key: str) -> Any:
         return self.config[key]

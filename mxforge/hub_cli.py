@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+# cli_support is light; heavy modules (huggingface_hub, hub I/O) are imported inside the functions, at call time.
+from .cli_support import EXIT_OK, add_follow_symlinks_option, add_hub_options, add_json_option, emit, hub_limits
 from .fixups.profiles import ENGINES_HELP
-
-# Helpers come from cli_support; heavy modules are imported inside the functions, at call time.
 
 
 def _check_workers(workers: int) -> None:
@@ -24,10 +24,9 @@ def _quiet_hub(quiet: bool) -> None:
 
 
 def _add_common_options(p: argparse.ArgumentParser, workers_help: str) -> None:
-    from .cli_support import add_json_option
-
     p.add_argument("--workers", type=int, default=8, help=f"{workers_help} (default 8)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_hub_options(p)
     add_json_option(p)
 
 
@@ -47,13 +46,12 @@ def register_download(sub) -> argparse.ArgumentParser:
 
 
 def run_download(args) -> int:
-    from .cli_support import EXIT_OK, emit
     from .hub_download import download
 
     _check_workers(args.workers)
     _quiet_hub(args.quiet)
     r = download(args.repo_id, args.dest, revision=args.revision, include=args.include, exclude=args.exclude,
-                 workers=args.workers, quiet=args.quiet)
+                 workers=args.workers, quiet=args.quiet, limits=hub_limits(args))
     report = r.as_dict()
     emit(report, args.json, f"downloaded {r.repo_id}@{r.revision} (commit {r.commit}) to {r.dest}: {report['files']} files, "
          f"{report['bytes']:,} bytes, every hash verified against the Hub")
@@ -63,20 +61,21 @@ def run_download(args) -> int:
 def register_push(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("push", help="validate, write the model card, upload resumably and verify the remote hashes",
                        description="Validate CKPT (refusing, before any network call, when it fails), write its model card "
-                       "README.md, upload with huggingface_hub's resumable large-folder upload (rerun to resume), then compare "
-                       "the Hub's sha256 of every file with the local one. Needs HF_TOKEN (or `hf auth login`) with write access.")
+                       "README.md, upload the large files (the Hub keeps what it received: rerun to resume), commit in one commit "
+                       "only if no file changed since validation, then compare the Hub's sha256 of every file with the "
+                       "local one. Needs HF_TOKEN (or `hf auth login`) with write access.")
     p.add_argument("ckpt", help="checkpoint directory")
     p.add_argument("repo_id", help="target Hub repo, e.g. me/GLM-5.2-MXFP4 (created if missing)")
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--branch", default=None, help="push to this branch (created from main if missing; default main)")
     p.add_argument("--force", action="store_true", help="push even though validate fails (the card says so)")
     p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
+    add_follow_symlinks_option(p, "and upload files of CKPT")
     _add_common_options(p, "hash threads")
     return p
 
 
 def run_push(args) -> int:
-    from .cli_support import EXIT_OK, emit
     from .hub_push import push
 
     _check_workers(args.workers)
@@ -85,7 +84,7 @@ def run_push(args) -> int:
 
     engines = parse_engines_arg(args.engines)
     r = push(args.ckpt, args.repo_id, private=args.private, branch=args.branch, force=args.force, engines=engines,
-             workers=args.workers, quiet=args.quiet)
+             workers=args.workers, quiet=args.quiet, follow_symlinks=args.follow_symlinks, limits=hub_limits(args))
     forced = " (FORCED past failed validation)" if r.forced else ""
     emit(r.as_dict(), args.json, f"pushed {args.ckpt} to {r.endpoint}/{r.repo_id} branch {r.branch} (commit {r.commit}){forced}: "
          f"{len(r.files)} files, every remote sha256 matches the local one")

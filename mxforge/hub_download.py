@@ -22,12 +22,15 @@ import httpx
 from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 
+from .dir_lock import directory_lock
 from .errors import MxforgeError
 from .file_hashes import HashCache, hash_files
-from .hub_transfer import PARTIAL_DIR, fetch_file, kept_partial_bytes
+from .hub_transfer import CANCEL, PARTIAL_DIR, fetch_file, kept_partial_bytes
 from .cli_support import invocation
-from .hub_errors import HubVerificationError, hub_endpoint, raise_as_hub_error, redact
-from .progress import byte_progress
+from .hub_errors import HubVerificationError, check_repo_id, hub_endpoint, raise_as_hub_error, redact
+from .hub_session import HubLimits, use_hub_limits
+from .progress import byte_progress, format_bytes
+from .safe_paths import check_remote_name, remote_path
 from .safetensors_io import write_json_atomic
 
 SOURCE_NAME = "mxforge_source.json"
@@ -71,7 +74,8 @@ def remote_files(api: HfApi, repo_id: str, revision: str) -> tuple[str, list[Rem
     """(commit sha, files with size and hashes) of a repo at a revision.
 
     Raises:
-        HubError: missing/gated repo, unknown revision, unreachable Hub.
+        HubError: missing/gated repo, unknown revision, unreachable Hub, no answer in time (hub_session).
+        MxforgeError: the metadata lists a file twice or with a negative size.
     """
     try:
         info = api.model_info(repo_id, revision=revision, files_metadata=True)
@@ -80,6 +84,13 @@ def remote_files(api: HfApi, repo_id: str, revision: str) -> tuple[str, list[Rem
         raise
     files = [RemoteFile(s.rfilename, int(s.size or 0), s.lfs.sha256 if s.lfs else None, s.blob_id)
              for s in info.siblings or []]
+    seen: set[str] = set()
+    for f in files:
+        if f.name in seen or f.size < 0:
+            raise MxforgeError(f"{repo_id}@{revision}: the Hub lists file {f.name!r} "
+                               f"{'twice' if f.name in seen else f'with size {f.size}'}; nothing was downloaded. "
+                               "Check HF_ENDPOINT and the repo")
+        seen.add(f.name)
     return info.sha, files
 
 
@@ -112,8 +123,8 @@ def check_disk_space(dest: Path, files: list[RemoteFile]) -> int:
     if needed > free:
         largest = max(missing, key=lambda f: f.size)
         raise DiskSpaceError(
-            f"{dest}: {len(missing)} file(s) need {needed / 1e9:,.2f} GB but the filesystem of {where} has only "
-            f"{free / 1e9:,.2f} GB free (largest: {largest.name}, {largest.size / 1e9:,.2f} GB): free space or "
+            f"{dest}: {len(missing)} file(s) need {format_bytes(needed)} but the filesystem of {where} has only "
+            f"{format_bytes(free)} free (largest: {largest.name}, {format_bytes(largest.size)}): free space or "
             "choose another DEST; nothing was downloaded")
     return needed
 
@@ -147,42 +158,52 @@ def _bar_proxy(bar):
 
 
 def _fetch_all(api: HfApi, repo_id: str, commit: str, dest: Path, files: list[RemoteFile], needed: int,
-               workers: int, quiet: bool) -> None:
+               limits: HubLimits, workers: int, quiet: bool) -> None:
     """Download every file (skipping finished ones); raise the first failure after all others finished.
 
     Raises:
         HubError: a file could not be downloaded (its partial bytes are kept for a rerun).
+        OversizeBody: the Hub sent more bytes than a file's declared size.
+        KeyboardInterrupt: Ctrl-C; every transfer stops at its next chunk, partial files are kept.
     """
     cache = HashCache(dest)  # hashes taken while streaming: the verify pass then reads nothing again
+    CANCEL.clear()
     with byte_progress(needed, "download", disable=quiet) as bar:
         file_bar = _bar_proxy(bar)
 
-        def one(f: RemoteFile) -> BaseException | None:
+        def one(f: RemoteFile) -> Exception | None:
             try:
                 streamed = fetch_file(repo_id, f.name, commit, f.size, dest, endpoint=api.endpoint, token=api.token,
-                                      bar=bar, hf_tqdm_class=file_bar)
+                                      limits=limits, bar=bar, hf_tqdm_class=file_bar)
                 if streamed is not None:
                     cache.put(streamed)
                 return None
             except Exception as e:  # collected, mapped below
                 return e
 
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(files)))) as pool:
+        pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(files))))
+        try:
             failures = [(f, e) for f, e in zip(files, pool.map(one, files)) if e is not None]
+        except KeyboardInterrupt:
+            CANCEL.set()  # transfers stop at their next chunk; the process exits without waiting for them
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     cache.save()
     if failures:
         f, e = failures[0]
         others = f" ({len(failures) - 1} other file(s) failed too)" if len(failures) > 1 else ""
-        kept = kept_partial_bytes(dest)
-        if isinstance(e, OSError) and "Consistency check failed" in str(e):
+        kept = f"; {format_bytes(kept_partial_bytes(dest))} of unfinished downloads are kept in {dest / PARTIAL_DIR}"
+        if isinstance(e, MxforgeError):
+            raise type(e)(redact(f"{repo_id}@{commit[:12]}: {e}{others}")) from None
+        if isinstance(e, OSError) and "Consistency check failed" in str(e):  # hf_hub_download's (Xet files)
             e = httpx.RemoteProtocolError("the server sent fewer bytes than the file's size")
         try:
             raise_as_hub_error(e, repo_id=repo_id, revision=commit, filename=f.name, action="download")
         except MxforgeError as mapped:
-            raise type(mapped)(f"{mapped}{others}; {kept:,} bytes of unfinished downloads are kept in "
-                               f"{dest / PARTIAL_DIR}") from None
-        raise MxforgeError(redact(f"{repo_id} file {f.name!r}: download failed ({type(e).__name__}: {e}){others}; "
-                                  "rerun the same command to resume")) from None
+            raise type(mapped)(f"{mapped}{others}{kept}") from None
+        raise MxforgeError(redact(f"{repo_id} file {f.name!r}: download failed ({type(e).__name__}: {e}){others}"
+                                  f"{kept}; rerun the same command to resume")) from None
 
 
 def _mismatches(dest: Path, files: list[RemoteFile], workers: int, quiet: bool, desc: str) -> tuple[dict, list[str]]:
@@ -202,40 +223,57 @@ def _mismatches(dest: Path, files: list[RemoteFile], workers: int, quiet: bool, 
     if bad:
         cache = HashCache(dest)
         for name in bad:
-            (dest / name).unlink(missing_ok=True)
-            (dest / HF_DOWNLOAD_DIR / f"{name}.metadata").unlink(missing_ok=True)
+            remote_path(dest, name).unlink(missing_ok=True)
+            remote_path(dest / HF_DOWNLOAD_DIR, f"{name}.metadata").unlink(missing_ok=True)
             cache.forget(name)
         cache.save()
     return hashes, list(bad.values())
 
 
 def _is_full_size(dest: Path, f: RemoteFile) -> bool:
-    path = dest / f.name
+    path = remote_path(dest, f.name)
     return path.is_file() and path.stat().st_size == f.size
 
 
 def download(repo_id: str, dest: str | Path, *, revision: str = "main", include: list[str] | None = None,
              exclude: list[str] | None = None, workers: int = 8, quiet: bool = False,
-             command: str | None = None) -> DownloadResult:
+             command: str | None = None, limits: HubLimits | None = None) -> DownloadResult:
     """Download, verify and record a Hub repo at a revision into DEST (see the module docstring).
 
+    Holds DEST's lock (dir_lock) throughout. `limits`: timeouts and retries (default: HubLimits.resolve()).
+
     Raises:
-        HubError: missing/gated repo, unknown revision, unreachable Hub, dropped connection (rerun resumes).
+        HubError: missing/gated repo, unknown revision, unreachable or silent Hub, dropped connection or a
+            file that stopped progressing (rerun resumes).
+        UnsafeNameError: the Hub lists a file name that is not a plain relative path inside DEST (checked
+            for every selected file before anything is written or deleted).
         DiskSpaceError: DEST cannot hold the files (checked before any download).
         HubVerificationError: a downloaded file does not hash to the Hub's metadata.
+        DirectoryInUse: another mxforge process works in DEST.
         MxforgeError: no file matches the filters, or DEST is not a directory.
     """
     dest = Path(dest)
+    check_repo_id(repo_id)
     if dest.exists() and not dest.is_dir():
         raise MxforgeError(f"{dest}: exists and is not a directory; pass a directory for DEST")
+    limits = limits or HubLimits.resolve()
+    use_hub_limits(limits)
     api = HfApi()
     commit, files = remote_files(api, repo_id, revision)
     chosen = select(files, include, exclude)
     if not chosen:
         raise MxforgeError(f"{repo_id}@{revision}: none of its {len(files)} files match --include {include or '*'} "
                            f"--exclude {exclude or '(none)'}; widen the filters")
+    for f in chosen:  # before any filesystem call that uses a name
+        check_remote_name(f.name, f"{repo_id}@{revision}")
     check_disk_space(dest, chosen)
-    dest.mkdir(parents=True, exist_ok=True)
+    with directory_lock(dest):
+        return _download_into(api, repo_id, revision, commit, dest, chosen, include, exclude, limits, workers, quiet,
+                              command)
+
+
+def _download_into(api: HfApi, repo_id: str, revision: str, commit: str, dest: Path, chosen: list[RemoteFile],
+                   include, exclude, limits: HubLimits, workers: int, quiet: bool, command: str | None) -> DownloadResult:
     # Files already there at full size (an earlier run, another revision) are checked first and replaced if stale.
     _, stale = _mismatches(dest, [f for f in chosen if _is_full_size(dest, f)], workers, quiet, "check existing")
     if stale and not quiet:
@@ -243,7 +281,7 @@ def download(repo_id: str, dest: str | Path, *, revision: str = "main", include:
               file=sys.stderr)
     todo = [f for f in chosen if not _is_full_size(dest, f)]
     if todo:
-        _fetch_all(api, repo_id, commit, dest, todo, sum(f.size for f in todo), workers, quiet)
+        _fetch_all(api, repo_id, commit, dest, todo, sum(f.size for f in todo), limits, workers, quiet)
     hashes, bad = _mismatches(dest, todo, workers, quiet, "verify")
     if bad:
         raise HubVerificationError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -24,6 +25,31 @@ class HubError(MxforgeError):
 
 class HubVerificationError(MxforgeError):
     """Bytes on one side do not hash to what the Hub's metadata says."""
+
+
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+MAX_REPO_ID = 96  # the Hub's limit (huggingface_hub.utils.validate_repo_id)
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why `repo_id` is not a Hub model repo id (owner/name), or None."""
+    if len(repo_id) > MAX_REPO_ID:
+        return f"it has {len(repo_id)} characters, the Hub allows {MAX_REPO_ID}"
+    if not REPO_ID_RE.match(repo_id) or "--" in repo_id or ".." in repo_id or repo_id.endswith(".git"):
+        return "a repo id is owner/name of letters, digits, '-', '_' and '.' (no '--', '..' or trailing .git)"
+    return None
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Refuse a malformed repo id before any request, in one short line (a 300-character id is cut short).
+
+    Raises:
+        HubError: not owner/name, or longer than the Hub allows.
+    """
+    why = repo_id_problem(repo_id)
+    if why is not None:
+        shown = repo_id if len(repo_id) <= 60 else f"{repo_id[:60]}..."
+        raise HubError(f"{shown!r}: not a valid Hub repo id: {why}; pass an existing owner/name")
 
 
 def hub_endpoint() -> str:
@@ -74,7 +100,10 @@ def as_hub_error(e: BaseException, *, repo_id: str, revision: str | None = None,
     if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
         return HubError(f"cannot reach the Hub at {endpoint} to {action} {where} ({type(e).__name__}): "
                         "check the network, proxy settings and HF_ENDPOINT, then rerun")
-    if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError, httpx.TimeoutException, httpx.WriteError)):
+    if isinstance(e, httpx.TimeoutException):
+        return HubError(f"the Hub at {endpoint} stopped answering during {action} of {where} ({type(e).__name__}): "
+                        "rerun the same command to resume; on a slow link raise --timeout (MXFORGE_HUB_TIMEOUT)")
+    if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
         return HubError(f"the connection to {endpoint} dropped during {action} of {where} ({type(e).__name__}): "
                         "rerun the same command to resume where it stopped")
     if isinstance(e, HfHubHTTPError):

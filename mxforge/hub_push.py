@@ -1,33 +1,39 @@
-"""`mxforge push`: validate, write the model card, upload resumably, then prove the Hub holds our bytes.
+"""`mxforge push`: validate, write the model card, upload, then prove the Hub holds our bytes.
 
-1. Validate with the configured engines; refuse before any network call when it fails (`--force` overrides,
+1. Refuse symlinks that leave CKPT (unless --follow-symlinks); stamp every file (size, mtime, inode).
+2. Validate with the configured engines; refuse before any network call when it fails (`--force` overrides,
    loudly, and the card says so).
-2. Hash every file (cached by size and mtime under CKPT/.cache/mxforge) and write README.md, the model card.
-   A README.md that mxforge did not write is kept as README.source.md.
-3. Create the repo (and branch) and upload with huggingface_hub's resumable large-folder upload: its
-   progress lives in CKPT/.cache/huggingface/upload, so rerunning the same command resumes.
-4. Read the Hub's metadata for the branch and compare every file: LFS sha256 (or the git blob id for
+3. Hash every file (cached by size and mtime under CKPT/.cache/mxforge) and write README.md, the model card.
+   A README.md that mxforge did not write is kept as README.source.md (before the stamps are taken).
+4. Create the repo (and branch), upload the LFS files (the Hub skips objects it already holds, so a rerun
+   resumes), then, right before the one commit, check that every file still has the stamp it had when
+   validation read it and the hash it had when the card was written: anything changed, added or removed
+   stops the push before the commit. Small files are committed from the bytes that were hashed.
+5. Read the Hub's metadata for the branch and compare every file: LFS sha256 (or the git blob id for
    regular files) and size against the local ones.
 """
 
 from __future__ import annotations
 
 import sys
-import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from huggingface_hub import HfApi
+from huggingface_hub import CommitOperationAdd, HfApi
 
 from .checkpoint import Checkpoint
+from .dir_lock import directory_lock
 from .errors import CheckpointError, MxforgeError
-from .file_hashes import LOCAL_ONLY_FILES, FileHash, checkpoint_files, hash_file, hash_files
+from .file_hashes import FileHash, FileStamp, checkpoint_files, hash_file, hash_files, snapshot
 from .cli_support import invocation
-from .hub_errors import HubError, HubVerificationError, as_hub_error, hub_endpoint, raise_as_hub_error, redact
+from .hub_errors import HubError, HubVerificationError, as_hub_error, check_repo_id, hub_endpoint, raise_as_hub_error, redact
+from .hub_session import HubLimits, use_hub_limits
 from .model_card import CARD_MARKER, CARD_NAME, render_model_card
 from .safetensors_io import write_text_atomic
 
-IGNORE_PATTERNS = [".cache/*", "*.partial", ".git/*", *LOCAL_ONLY_FILES]
+SOURCE_CARD_NAME = "README.source.md"
+INLINE_MAX_BYTES = 10 << 20  # the Hub stores files above 10 MB in LFS; smaller ones are committed from memory
 
 
 class PushRefused(MxforgeError):
@@ -52,7 +58,7 @@ class PushResult:
                 "remote_hashes_match": True}
 
 
-def run_validation(ckpt: Path, engines: list[str] | None, force: bool) -> dict:
+def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> dict:
     """Validate; refuse (no network call made yet) or, with force, warn loudly on stderr.
 
     Raises:
@@ -62,67 +68,119 @@ def run_validation(ckpt: Path, engines: list[str] | None, force: bool) -> dict:
     from .fixups.validate import validate_checkpoint
 
     report = validate_checkpoint(ckpt, engines)
+    root = ckpt.root
     if report.ok:
         return report.as_dict()
     first = report.problems[0].format()
     if not force:
-        raise PushRefused(f"{ckpt}: validate found {len(report.problems)} problem(s), so nothing was pushed; first: "
-                          f"{first}. Fix them (`mxforge validate {ckpt}` lists all) or pass --force to push anyway")
-    print(f"mxforge push: WARNING: --force: pushing {ckpt} although validate found {len(report.problems)} problem(s); "
+        raise PushRefused(f"{root}: validate found {len(report.problems)} problem(s), so nothing was pushed; first: "
+                          f"{first}. Fix them (`mxforge validate {root}` lists all) or pass --force to push anyway")
+    print(f"mxforge push: WARNING: --force: pushing {root} although validate found {len(report.problems)} problem(s); "
           "the model card says so:\n" + "\n".join(f"  - {p.format()}" for p in report.problems), file=sys.stderr)
     return report.as_dict()
 
 
-def write_model_card(ckpt: Path, repo_id: str, validation: dict, forced: bool, command: str,
-                     workers: int, quiet: bool) -> list[FileHash]:
-    """Hash the checkpoint's files and write README.md; returns the hashes of every file, card included.
+def keep_source_card(ckpt: Path) -> bool:
+    """Move a README.md that mxforge did not write to README.source.md (the card takes its place); True if moved.
+
+    Raises:
+        CheckpointError: it cannot be moved.
+    """
+    card = ckpt / CARD_NAME
+    if not card.exists() or CARD_MARKER in card.read_text(errors="replace"):
+        return False
+    try:
+        card.replace(ckpt / SOURCE_CARD_NAME)
+    except OSError as e:
+        raise CheckpointError(f"{card}: cannot keep the existing README as {SOURCE_CARD_NAME}: {e.strerror or e}") from None
+    return True
+
+
+def write_model_card(ckpt: Path, names: list[str], repo_id: str, validation: dict, forced: bool, command: str,
+                     workers: int, quiet: bool, follow_symlinks: bool = False) -> list[FileHash]:
+    """Hash `names` (the checkpoint's files but the card) and write README.md; returns every file's hashes, card included.
 
     Raises:
         CheckpointError: a shard header or the index cannot be read.
     """
     card = ckpt / CARD_NAME
-    if card.exists() and CARD_MARKER not in card.read_text(errors="replace"):
-        try:
-            card.replace(ckpt / "README.source.md")
-        except OSError as e:
-            raise CheckpointError(f"{card}: cannot keep the existing README as README.source.md: {e.strerror or e}") from None
-    names = [n for n in checkpoint_files(ckpt) if n != CARD_NAME]
     hashes = hash_files(ckpt, names, workers=workers, quiet=quiet, desc="sha256")
-    text = render_model_card(Checkpoint.open(ckpt), repo_id=repo_id, files=list(hashes.values()),
+    text = render_model_card(Checkpoint.open(ckpt, follow_symlinks), repo_id=repo_id, files=list(hashes.values()),
                              validation=validation, forced=forced, push_command=command)
     write_text_atomic(card, redact(text))
     sha256, git_sha1 = hash_file(card)
     return [*hashes.values(), FileHash(CARD_NAME, card.stat().st_size, sha256, git_sha1)]
 
 
-def upload(api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, quiet: bool) -> None:
-    """Create the repo/branch if needed and upload the folder resumably.
+class CheckpointChanged(MxforgeError):
+    """A file changed between validation and the commit; nothing was committed."""
+
+
+def refuse_changes(ckpt: Path, expected: dict[str, FileStamp], follow_symlinks: bool, when: str, push_command: str) -> None:
+    """Refuse when CKPT's files are not exactly `expected` (same names, sizes, mtimes, inodes).
 
     Raises:
-        HubError: no/invalid token, no write access, Hub unreachable, upload aborted (rerun resumes).
+        CheckpointChanged: naming what changed, and how to push what is there now.
+    """
+    now = snapshot(ckpt, checkpoint_files(ckpt, follow_symlinks))
+    changed = sorted([f"{n} (modified)" for n in expected.keys() & now.keys() if expected[n] != now[n]]
+                     + [f"{n} (new)" for n in now.keys() - expected.keys()]
+                     + [f"{n} (removed)" for n in expected.keys() - now.keys()])
+    if changed:
+        listed = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise CheckpointChanged(f"{ckpt}: changed after validation ({listed}) {when}; nothing was committed. Let "
+                                f"whatever writes to {ckpt} finish, then rerun `{push_command}` to validate and push "
+                                "the files as they are then")
+
+
+def _operation(ckpt: Path, f: FileHash) -> CommitOperationAdd:
+    """What to commit for one file: small files as the very bytes hashed, large ones by path (LFS) once
+    huggingface_hub's own sha256 of them agrees with ours.
+
+    Raises:
+        CheckpointChanged: the file's bytes no longer hash to `f`.
+    """
+    path = ckpt / f.name
+    if f.size <= INLINE_MAX_BYTES:
+        data = path.read_bytes()
+        op = CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=data)
+    else:
+        op = CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(path))
+    if op.upload_info.sha256.hex() != f.sha256 or op.upload_info.size != f.size:
+        raise CheckpointChanged(f"{path}: its bytes changed after validation hashed them; nothing was committed. "
+                                "Rerun the push to validate and push the file as it is now")
+    return op
+
+
+def upload(api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, files: list[FileHash],
+           before_commit, workers: int) -> None:
+    """Create the repo/branch if needed, upload the LFS objects, call `before_commit()`, then commit every file.
+
+    Raises:
+        CheckpointChanged: from `before_commit` or a file that no longer hashes as it did (nothing committed).
+        HubError: no/invalid token, no write access, Hub unreachable or silent, upload aborted (rerun resumes:
+            the Hub keeps the LFS objects it received).
     """
     context = {"repo_id": repo_id, "revision": branch, "action": "push to"}
     try:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            ops = list(pool.map(lambda f: _operation(ckpt, f), files))
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         if branch != "main":
             api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # upload_large_folder's deprecation notice
-            if hasattr(api, "upload_large_folder"):
-                api.upload_large_folder(repo_id=repo_id, folder_path=ckpt, repo_type="model", revision=branch,
-                                        private=private, ignore_patterns=list(IGNORE_PATTERNS), print_report=False)
-            else:  # newer huggingface_hub: upload_folder is the resumable pipeline
-                api.upload_folder(repo_id=repo_id, folder_path=ckpt, repo_type="model", revision=branch,
-                                  ignore_patterns=list(IGNORE_PATTERNS))
-    except RuntimeError as e:  # upload_large_folder gives up after repeated errors; its cause says why
-        cause = e.__cause__ or e
-        mapped = as_hub_error(cause, **context)
-        why = str(mapped).split(": rerun")[0] if mapped else f"{type(cause).__name__}: {cause}"
-        raise HubError(redact(f"upload of {ckpt} to {repo_id}@{branch} aborted after repeated errors ({why}); "
-                              f"progress is saved in {ckpt}/.cache/huggingface/upload: rerun the same command to resume")) from None
-    except Exception as e:
-        raise_as_hub_error(e, **context)
+        api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=branch)
+        before_commit()
+        api.create_commit(repo_id, operations=ops, commit_message=f"Upload {len(ops)} files with mxforge",
+                          repo_type="model", revision=branch)
+    except MxforgeError:
         raise
+    except Exception as e:
+        mapped = as_hub_error(e, **context)
+        if mapped is None:
+            raise
+        why = str(mapped).split(": rerun")[0]
+        raise HubError(redact(f"upload of {ckpt} to {repo_id}@{branch} aborted ({why}); the Hub keeps the large files "
+                              "it already received: rerun the same command to resume")) from None
 
 
 def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash]) -> str:
@@ -157,24 +215,43 @@ def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash]) 
 
 def push(ckpt: str | Path, repo_id: str, *, private: bool = False, branch: str | None = None, force: bool = False,
          engines: list[str] | None = None, workers: int = 8, quiet: bool = False, command: str | None = None,
-         validation: dict | None = None) -> PushResult:
-    """Validate, card, upload and verify a checkpoint (see the module docstring).
+         validation: dict | None = None, validated_files: dict[str, FileStamp] | None = None,
+         follow_symlinks: bool = False, limits: HubLimits | None = None) -> PushResult:
+    """Validate, card, upload and verify a checkpoint (see the module docstring). Holds CKPT's lock.
 
-    `validation`: a ValidationReport.as_dict() the caller has just made of this very checkpoint (mxforge run
-    validates as its own stage); it must be clean, and is then not computed again.
+    `validation` with `validated_files`: a clean ValidationReport.as_dict() the caller has just made of this
+    very checkpoint (mxforge run validates as its own stage) and the file stamps taken when it did; it is then
+    not computed again, and the commit is refused unless the files still have those stamps.
 
     Raises:
         PushRefused: validation failed without --force (before any network call).
-        CheckpointError: CKPT is not a readable checkpoint.
+        CheckpointError: CKPT is not a readable checkpoint, or holds a symlink leaving it.
+        CheckpointChanged: a file changed between validation and the commit (nothing committed).
         HubError / HubVerificationError: see `upload` and `verify_remote`.
     """
     ckpt = Path(ckpt)
     branch = branch or "main"
+    check_repo_id(repo_id)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"{ckpt}: not a directory; pass the checkpoint directory to push")
     command = redact(command) if command is not None else invocation()
-    if validation is None or not validation.get("ok"):
-        validation = run_validation(ckpt, engines, force)
-    files = write_model_card(ckpt, repo_id, validation, not validation["ok"], command, workers, quiet)
-    api = HfApi()
-    upload(api, ckpt, repo_id, branch, private, quiet)
-    commit = verify_remote(api, repo_id, branch, files)
+    with directory_lock(ckpt):
+        moved = keep_source_card(ckpt)
+        if validation is None or not validation.get("ok") or validated_files is None:
+            validated_files = snapshot(ckpt, checkpoint_files(ckpt, follow_symlinks))
+            validation = run_validation(Checkpoint.open(ckpt, follow_symlinks), engines, force)
+        expected = {n: s for n, s in validated_files.items() if n != CARD_NAME}
+        if moved and CARD_NAME in validated_files:  # validated as README.md, moved aside since: the same file
+            expected[SOURCE_CARD_NAME] = validated_files[CARD_NAME]
+        files = write_model_card(ckpt, sorted(expected), repo_id, validation, not validation["ok"], command, workers,
+                                 quiet, follow_symlinks)
+        expected[CARD_NAME] = snapshot(ckpt, [CARD_NAME])[CARD_NAME]
+        push_command = f"mxforge push {ckpt} {repo_id}"
+        refuse_changes(ckpt, expected, follow_symlinks, "while it was hashed", push_command)
+        limits = limits or HubLimits.resolve()
+        use_hub_limits(limits)
+        api = HfApi()
+        upload(api, ckpt, repo_id, branch, private, files, workers=workers,
+               before_commit=lambda: refuse_changes(ckpt, expected, follow_symlinks, "during the upload", push_command))
+        commit = verify_remote(api, repo_id, branch, files)
     return PushResult(repo_id, branch, hub_endpoint(), commit, not validation["ok"], validation, files)

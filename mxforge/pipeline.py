@@ -11,18 +11,19 @@ what they find on disk when they run.
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .errors import MxforgeError
 from .safetensors_io import write_json_atomic
 
+if TYPE_CHECKING:  # hub_session imports huggingface_hub: only when a stage talks to the Hub
+    from .hub_session import HubLimits
+
 STATE_NAME = "mxforge_run.json"
 STAGES = ("download", "quantize", "fixup", "validate", "push")
-REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class ValidationFailed(MxforgeError):
@@ -41,6 +42,8 @@ class RunOptions:
     workers: int | None = None
     quiet: bool = False
     command: str | None = None
+    follow_symlinks: bool = False   # read a local SOURCE through symlinks that leave it
+    hub_limits: "HubLimits | None" = None  # timeouts and retries of Hub requests (None: HubLimits.resolve())
 
     def inputs(self) -> dict:
         """What each stage's output depends on; a change reruns the stages that depend on it."""
@@ -66,11 +69,19 @@ def is_local_source(source: str) -> bool:
     Raises:
         MxforgeError: SOURCE is neither an existing directory nor a valid repo id.
     """
-    if Path(source).is_dir():
-        return True
-    if REPO_ID_RE.match(source) and not Path(source).exists():
+    from .hub_errors import repo_id_problem
+
+    try:
+        if Path(source).is_dir():
+            return True
+        exists = Path(source).exists()
+    except OSError:  # e.g. a name too long to be a path: it can only be meant as a repo id
+        exists = False
+    why = repo_id_problem(source)
+    if why is None and not exists:
         return False
-    raise MxforgeError(f"{source}: neither a checkpoint directory nor a Hub repo id (owner/name)")
+    shown = source if len(source) <= 60 else f"{source[:60]}..."
+    raise MxforgeError(f"{shown}: neither a checkpoint directory nor a Hub repo id (owner/name: {why or 'a path'})")
 
 
 def _dir_bytes(path: Path) -> int:
@@ -89,6 +100,7 @@ class Pipeline:
         self.mxfp4_dir = self.out / "mxfp4"
         self.state = self._load_state()
         self.reused: set[str] = set()  # stages recorded done by an earlier run and not redone
+        self.validated_files: dict | None = None  # the product's file stamps when validate last read it
 
     def _load_state(self) -> dict:
         inputs = self.opts.inputs()
@@ -161,7 +173,13 @@ class Pipeline:
             from huggingface_hub.utils import disable_progress_bars
 
             disable_progress_bars()
-        self.out.mkdir(parents=True, exist_ok=True)
+        from .dir_lock import directory_lock
+
+        with directory_lock(self.out):
+            return self._run_stages()
+
+    def _run_stages(self) -> dict:
+        o = self.opts
         self._save()
         if self.local:
             self.state["stages"]["download"] = {"status": "done", "skipped": f"local source {self.bf16_dir}",
@@ -189,13 +207,14 @@ class Pipeline:
         from .hub_download import download
 
         return download(self.opts.source, self.bf16_dir, revision=self.opts.revision, quiet=self.opts.quiet,
-                        command=self.opts.command).as_dict()
+                        command=self.opts.command, limits=self.opts.hub_limits).as_dict()
 
     def _quantize(self) -> dict:
         from .quantize.run import quantize_checkpoint
 
         report = quantize_checkpoint(self.bf16_dir, self.mxfp4_dir, self.opts.recipe, workers=self.opts.workers,
-                                     quiet=self.opts.quiet, command=self.opts.command)
+                                     quiet=self.opts.quiet, command=self.opts.command,
+                                     follow_symlinks=self.opts.follow_symlinks)
         report.pop("tensors", None)  # per-tensor lists stay in mxfp4/mxforge_quantize.json
         return report
 
@@ -205,16 +224,19 @@ class Pipeline:
         return fixup_checkpoint(self.mxfp4_dir, engines=self.opts.engines, command=self.opts.command).as_dict()
 
     def _validate(self) -> dict:
+        from .file_hashes import checkpoint_files, snapshot
         from .fixups.validate import validate_checkpoint
 
+        files = checkpoint_files(self.mxfp4_dir)
+        self.validated_files = snapshot(self.mxfp4_dir, files)  # push commits only these, unchanged
         return validate_checkpoint(self.mxfp4_dir, engines=self.opts.engines).as_dict()
 
     def _push(self) -> dict:
         from .hub_push import push
 
         return push(self.mxfp4_dir, self.opts.push_repo, private=self.opts.private, engines=self.opts.engines,
-                    quiet=self.opts.quiet, command=self.opts.command,
-                    validation=self.state["stages"]["validate"]["report"]).as_dict()
+                    quiet=self.opts.quiet, command=self.opts.command, limits=self.opts.hub_limits,
+                    validation=self.state["stages"]["validate"]["report"], validated_files=self.validated_files).as_dict()
 
     def report(self) -> dict:
         return {"stage": "run", "source": self.opts.source, "out": str(self.out), "product": str(self.mxfp4_dir),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mxforge.cli_support import EXIT_OK, add_json_option, emit, invocation
+from mxforge.cli_support import EXIT_OK, add_follow_symlinks_option, add_json_option, emit, invocation
 
 
 def register_quantize(sub) -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def register_quantize(sub) -> argparse.ArgumentParser:
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="encode NaN/Inf weights as Quark does (+6.0 blocks) instead of refusing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_follow_symlinks_option(p, "SRC")
     add_json_option(p)
     return p
 
@@ -30,7 +31,7 @@ def run_quantize(args) -> int:
 
     report = quantize_checkpoint(args.src, args.out, args.recipe, workers=args.workers, device=args.device,
                                  quiet=args.quiet, refuse_nonfinite=not args.allow_nonfinite,
-                                 command=invocation())
+                                 command=invocation(), follow_symlinks=args.follow_symlinks)
     c, s = report["counts"], report["shards"]
     emit(report, args.json,
          f"quantized {report['source']} -> {report['out']} with recipe {report['recipe']['name']}: "

@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mxforge.checkpoint import Checkpoint
+from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, safetensors_order
@@ -84,10 +84,16 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
     """Decide every tensor's fate and lay out every output shard.
 
     Raises:
-        CheckpointError: a shard is missing/corrupt, the index and the shard headers disagree.
+        CheckpointError: a shard is missing/corrupt, the index lists a tensor twice, the index and the
+            shard headers disagree.
         ConfigError: not a GLM-MoE-DSA config, a recipe rule matches nothing, or a weight the recipe
             selects cannot be packed (odd in-dimension).
     """
+    if ckpt.duplicate_index_keys:
+        first = ckpt.duplicate_index_keys[0]
+        raise CheckpointError(f"{ckpt.root / INDEX_NAME}: weight_map lists tensor {first!r} more than once "
+                              f"({len(ckpt.duplicate_index_keys)} such key(s)); keep one entry per tensor (the shard "
+                              "that holds it) or re-download the index")
     layout = GlmLayout(ckpt.config)
     infos = ckpt.tensor_infos()
     for shard, header in ckpt.headers.items():

@@ -113,22 +113,28 @@ class Recipe:
 
 
 def load_recipe(name_or_path: str | Path | None = None) -> Recipe:
-    """Load and validate a recipe: a path to a TOML file, or the name of one shipped in manifests/.
+    """Load and validate a recipe: a path to a TOML file, or the bare name of one shipped in manifests/.
+
+    A value with a '/' or a .toml suffix is a path and must be an existing file; anything else is a
+    shipped recipe's name. So a mistyped path never falls back to a shipped recipe of the same file name.
 
     Raises:
-        ConfigError: not found, malformed TOML, unknown keys, bad scheme/kind/layer scope/regex.
+        ConfigError: not found (or a directory), malformed TOML, unknown keys, bad scheme/kind/layer scope/regex.
     """
-    name_or_path = str(name_or_path or DEFAULT_RECIPE)
-    path = Path(name_or_path)
-    if path.is_file():
-        raw, source = path.read_bytes(), str(path)
-    else:
-        shipped = path.name if path.suffix == ".toml" else f"{path.name}.toml"
+    value = str(name_or_path or DEFAULT_RECIPE)
+    if "/" not in value and not value.endswith(".toml"):
         try:
-            raw, source = manifest_text(shipped).encode(), f"manifests/{shipped}"
+            raw, source = manifest_text(f"{value}.toml").encode(), f"manifests/{value}.toml"
         except ConfigError:
-            raise ConfigError(f"recipe {name_or_path!r}: no such file, and no manifests/{shipped} shipped; "
-                              f"pass a path to a recipe TOML or a shipped name such as {DEFAULT_RECIPE!r}") from None
+            raise ConfigError(f"recipe {value!r}: no such file manifests/{value}.toml shipped; pass a shipped name such "
+                              f"as {DEFAULT_RECIPE!r}, or a recipe TOML by its path (e.g. ./{value}.toml)") from None
+    else:
+        path = Path(value)
+        if not path.is_file():
+            what = "is a directory, not a recipe file" if path.is_dir() else "no such file"
+            raise ConfigError(f"recipe {value}: {what}; pass an existing recipe TOML, or a shipped recipe by its bare "
+                              f"name (e.g. {DEFAULT_RECIPE!r})")
+        raw, source = path.read_bytes(), str(path)
     try:
         data = tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

@@ -19,9 +19,11 @@ from pathlib import Path
 
 from mxforge.cli_support import invocation
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
+from mxforge.dir_lock import LOCK_NAME, directory_lock
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
 from mxforge.hub_download import SOURCE_NAME
-from mxforge.progress import byte_progress
+from mxforge.progress import byte_progress, format_bytes
+from mxforge.safe_paths import refuse_links_leaving
 from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
 
 from .plan import QuantizePlan, ShardPlan, plan_checkpoint
@@ -42,26 +44,38 @@ def default_workers(shards: int) -> int:
 
 
 def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: int | None = None, device: str = "cpu",
-                        quiet: bool = False, refuse_nonfinite: bool = True, command: str | None = None) -> dict:
+                        quiet: bool = False, refuse_nonfinite: bool = True, command: str | None = None,
+                        follow_symlinks: bool = False) -> dict:
     """Quantize checkpoint `src` into `out` with `recipe`; returns the JSON report (also in OUT/mxforge_quantize.json).
 
-    Rerunning on the same OUT resumes: shards already complete and still valid are skipped.
+    Rerunning on the same OUT resumes: shards already complete and still valid are skipped. Holds OUT's
+    lock (dir_lock) throughout. SRC's files must not be symlinks leading out of SRC unless `follow_symlinks`.
 
     Raises:
         CheckpointError: bad source (missing/truncated/corrupt shard, index naming a missing tensor or
-            shard, lying header), OUT unusable or full, or a source tensor missing from the output.
+            shard or listing one twice, lying header, a symlink leaving SRC), OUT unusable or full, or a
+            source tensor missing from the output.
         ConfigError: bad recipe, a rule matching nothing, bad --workers/--device.
         NonFiniteWeightError: NaN/Inf in a weight to quantize (unless refuse_nonfinite=False).
+        DirectoryInUse: another mxforge process works in OUT.
     """
-    started = time.monotonic()
     src, out = Path(src), Path(out)
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     _check_device(device)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
-    ckpt = Checkpoint.open(src)
+    ckpt = Checkpoint.open(src, follow_symlinks)
+    side_files = _side_files(src)
+    refuse_links_leaving(src, side_files, follow=follow_symlinks, action="copy")
     plan = plan_checkpoint(ckpt, recipe)
     _prepare_out(src, out)
+    with directory_lock(out):
+        return _quantize_into(src, out, recipe, ckpt, plan, side_files, workers, device, quiet, refuse_nonfinite, command)
+
+
+def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str],
+                   workers: int | None, device: str, quiet: bool, refuse_nonfinite: bool, command: str | None) -> dict:
+    started = time.monotonic()
     versions = tool_versions()
     state = ResumeState(out, recipe.sha256, versions)
     todo = [s for s in plan.shards if not state.is_done(s.name, src, out, s.header_sha256)]
@@ -81,7 +95,8 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
         results = _run_jobs(jobs, workers, state, bar)
     accounted = verify_output(plan, out)
     _write_index(plan, out)
-    _copy_side_files(src, out)
+    for name in side_files:
+        copy_atomic(src / name, out / name)
     _write_config(ckpt.config, recipe, plan, out)
     elapsed = time.monotonic() - started
     report = _report(src, out, recipe, plan, device, workers, versions, len(todo), skipped, total, elapsed,
@@ -109,14 +124,12 @@ def _prepare_out(src: Path, out: Path) -> None:
     if out.exists():
         if not out.is_dir():
             raise MxforgeError(f"{out}: exists and is not a directory; choose another OUT")
-        # Unfinished *.partial files are never results (a kill during the first state write leaves only one).
-        if any(not p.name.endswith(".partial") for p in out.iterdir()) and not (out / STATE_NAME).exists():
+        # Unfinished *.partial files are never results (a kill during the first state write leaves only one);
+        # .cache holds the lock of a quantize that started here.
+        if (any(not p.name.endswith(".partial") and p.name != LOCK_NAME.parts[0] for p in out.iterdir())
+                and not (out / STATE_NAME).exists()):
             raise MxforgeError(f"{out}: not empty and not a previous `mxforge quantize` output (no {STATE_NAME}); "
                                "choose a new or empty OUT")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"{out}: cannot create OUT: {e.strerror or e}") from None
 
 
 def _remove_strays(out: Path, plan: QuantizePlan) -> None:
@@ -131,8 +144,8 @@ def _check_free_space(out: Path, todo: list[ShardPlan]) -> None:
     need = sum(s.output_size for s in todo)
     free = shutil.disk_usage(out).free
     if need > free:
-        raise CheckpointError(f"{out}: needs {need / 1e9:.2f} GB for the remaining output shards but only "
-                              f"{free / 1e9:.2f} GB is free; free space or choose another OUT")
+        raise CheckpointError(f"{out}: needs {format_bytes(need)} for the remaining output shards but only "
+                              f"{format_bytes(free)} is free; free space or choose another OUT")
 
 
 def _expected_sha256(src: Path) -> dict[str, str]:
@@ -281,13 +294,11 @@ def _write_index(plan: QuantizePlan, out: Path) -> None:
     write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
 
-def _copy_side_files(src: Path, out: Path) -> None:
-    """Top-level non-weight files (tokenizer, generation config, provenance...), not hidden ones or state."""
-    for p in sorted(src.iterdir()):
-        if (not p.is_file() or p.name.startswith(".") or p.suffix == ".safetensors" or p.name in NOT_COPIED
-                or p.name.endswith(".partial")):
-            continue
-        copy_atomic(p, out / p.name)
+def _side_files(src: Path) -> list[str]:
+    """Top-level non-weight files to copy (tokenizer, generation config, provenance...), not hidden ones or state."""
+    return [p.name for p in sorted(src.iterdir())
+            if p.is_file() and not (p.name.startswith(".") or p.suffix == ".safetensors" or p.name in NOT_COPIED
+                                    or p.name.endswith(".partial"))]
 
 
 def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -> None:

@@ -26,6 +26,16 @@ Fault injection (attributes of `LoopbackHub`, for tests): `drop_at` cuts a downl
 `corrupt` serves flipped bytes, `reported_size` makes metadata claim another size, `misreport_sha256`
 makes metadata claim another LFS sha256, `fail_commits` refuses that many commits. `requests` logs (method, path, Range) of every request.
 
+Tampering (a hostile Hub, for tests): `add_file` serves any file name (`../x`, `/abs`, a backslash, NUL...);
+`short_body` answers with at most N bytes and a Content-Length that says so; `long_body` sends N bytes more
+than the file (announced in Content-Length, or not: then the body runs until the connection closes);
+`ignore_range` answers a Range request with the whole file (200); `stall_body_at` sends N bytes of a file,
+then stops; `stall` holds any route named in it (`repo_info`, `HEAD resolve`, `GET resolve`, `preupload`,
+`lfs_batch`, `commit`, ...) without answering until the hub stops; `redirect_resolve` answers file requests
+with a 302 to the same path on a second server on another port of 127.0.0.1 (`mirror_requests` logs what
+reached it, with whether an Authorization header came along); `before[route]` runs a callback when a
+route is hit (e.g. to change a local file in the middle of a push).
+
 Standalone: `python scripts/loopback_hub.py --root DIR [--port N] [--token T]`: every DIR/<owner>/<name>/
 directory is served as a model repo on branch main; pushed objects are kept under DIR/.loopback-hub/.
 """
@@ -139,7 +149,18 @@ class LoopbackHub:
         self.misreport_sha256: set[str] = set()             # paths whose metadata claims another LFS sha256
         self.fail_commits = 0                               # refuse this many commits (409) before accepting
         self.requests: list[tuple[str, str, str | None]] = []
+        # Tampering.
+        self.short_body: dict[str, int] = {}               # path -> at most this many bytes per answer
+        self.long_body: dict[str, tuple[int, bool]] = {}   # path -> (extra bytes, announced in Content-Length)
+        self.ignore_range: set[str] = set()                 # paths answered 200 (whole file) to Range requests
+        self.stall_body_at: dict[str, int] = {}            # path -> byte offset after which the body stops
+        self.stall: set[str] = set()                        # route names held without an answer
+        self.redirect_resolve = False                       # file requests -> 302 to the mirror server
+        self.mirror_requests: list[tuple[str, str, bool]] = []  # (method, path, Authorization sent) at the mirror
+        self.before: dict[str, object] = {}                 # route name -> callable(handler) run first
+        self._stop = threading.Event()
         self._server: ThreadingHTTPServer | None = None
+        self._mirror: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     # --- state ------------------------------------------------------------------------------------
@@ -157,6 +178,17 @@ class LoopbackHub:
             repo = self.repos.setdefault(repo_id, HubRepo(repo_id, private=private, gated=gated, granted=set(granted or ())))
             return self._commit(repo, branch, files, f"Upload {src.name}")
 
+    def add_file(self, repo_id: str, name: str, data: bytes, branch: str = "main") -> str:
+        """Commit one more file under any name at all (a hostile Hub's listing); returns the commit sha."""
+        sha = hashlib.sha256(data).hexdigest()
+        blob = self.blob_dir / sha
+        blob.write_bytes(data)
+        with self.lock:
+            repo = self.repos[repo_id]
+            files = dict(repo.resolve(branch).files)
+            files[name] = HubFile(blob, len(data), sha, is_lfs_path(name, len(data)))
+            return self._commit(repo, branch, files, f"Add {name!r}")
+
     def _commit(self, repo: HubRepo, branch: str, files: dict[str, HubFile], title: str) -> str:
         parent = repo.branches.get(branch)
         digest = hashlib.sha1(json.dumps([parent, title, time.time_ns(),
@@ -173,11 +205,15 @@ class LoopbackHub:
         class Handler(_HubHandler):
             pass
 
-        Handler.hub = hub
+        class Mirror(_HubHandler):
+            mirror = True
+
+        Handler.hub = Mirror.hub = hub
         self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="loopback-hub", daemon=True)
-        self._thread.start()
+        self._mirror = ThreadingHTTPServer(("127.0.0.1", 0), Mirror)
+        for server in (self._server, self._mirror):
+            server.daemon_threads = True
+            threading.Thread(target=server.serve_forever, name="loopback-hub", daemon=True).start()
         return self.endpoint
 
     @property
@@ -185,11 +221,18 @@ class LoopbackHub:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def mirror_endpoint(self) -> str:
+        host, port = self._mirror.server_address[:2]
+        return f"http://{host}:{port}"
+
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        self._stop.set()  # releases stalled handlers
+        for server in (self._server, self._mirror):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+        self._server = self._mirror = None
 
     # --- auth -------------------------------------------------------------------------------------
     def user_for(self, headers) -> str | None:
@@ -255,9 +298,13 @@ ROUTES = [
 ]
 
 
+STALL_MAX_S = 600  # a stalled handler gives up by itself after this long (or when the hub stops)
+
+
 class _HubHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     hub: LoopbackHub
+    mirror = False  # the second server `redirect_resolve` points file requests to
 
     def log_message(self, format, *args) -> None:  # quiet: tests read `hub.requests` instead
         pass
@@ -277,12 +324,22 @@ class _HubHandler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         url = urlsplit(self.path)
         self.query = parse_qs(url.query)
-        self.hub.requests.append((method, unquote(url.path), self.headers.get("Range")))
+        hub = self.hub
+        if self.mirror:
+            hub.mirror_requests.append((method, unquote(url.path), "Authorization" in self.headers))
+        else:
+            hub.requests.append((method, unquote(url.path), self.headers.get("Range")))
         body = self._read_body()
         try:
             for route_method, pattern, name in ROUTES:
                 m = pattern.match(url.path)
-                if m and route_method == method:
+                if m and route_method == method and (name == "resolve" or not self.mirror):
+                    if name in hub.before:
+                        hub.before[name](self)
+                    if name in hub.stall or f"{method} {name}" in hub.stall:
+                        return self._hold()
+                    if name == "resolve" and hub.redirect_resolve and not self.mirror:
+                        return self._send_json({}, 302, {"Location": hub.mirror_endpoint + self.path})
                     params = {k: unquote(v) for k, v in m.groupdict().items() if v is not None}
                     return getattr(self, f"h_{name}")(body=body, **params)
             raise HubError(404, f"no route for {method} {url.path}")
@@ -292,6 +349,11 @@ class _HubHandler(BaseHTTPRequestHandler):
             pass
         except Exception as e:  # a bug here must answer 500, not hang the client
             self._send_json({"error": f"loopback hub: {type(e).__name__}: {e}"}, 500)
+
+    def _hold(self) -> None:
+        """Answer nothing until the hub stops (a stalled server), then drop the connection."""
+        self.hub._stop.wait(STALL_MAX_S)
+        self.close_connection = True
 
     def _read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
@@ -390,30 +452,37 @@ class _HubHandler(BaseHTTPRequestHandler):
         if f.lfs:
             headers.update({"X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.size)})
         start = 0
-        rng = self.headers.get("Range")
+        rng = self.headers.get("Range") if path not in hub.ignore_range else None
         if rng:
             m = re.fullmatch(r"bytes=(\d+)-", rng.strip())
             if not m or int(m.group(1)) > f.size:
                 raise HubError(416, f"unsatisfiable range {rng}")
             start = int(m.group(1))
+        stop = min(f.size, start + hub.short_body[path]) if path in hub.short_body else f.size
+        extra, announced = hub.long_body.get(path, (0, True))
         self.send_response(206 if rng else 200)
         for k, v in headers.items():
             self.send_header(k, v)
-        self.send_header("Content-Length", str(f.size - start))
+        if announced:
+            self.send_header("Content-Length", str(stop - start + extra))
+        else:
+            self.close_connection = True  # no length: the body ends when the connection closes
         if rng:
             self.send_header("Content-Range", f"bytes {start}-{f.size - 1}/{f.size}")
         self.end_headers()
         if self.command == "HEAD":
             return
-        stop = f.size
         with hub.lock:
             drop = hub.drop_at.get(path)
             if drop is not None:
                 offset, times = drop
-                stop = max(start, min(offset, f.size))
+                stop = max(start, min(offset, stop))
                 hub.drop_at[path] = (offset, times - 1)
                 if times <= 1:
                     del hub.drop_at[path]
+        stall_at = hub.stall_body_at.get(path)
+        if stall_at is not None:
+            stop = max(start, min(stall_at, stop))
         corrupt_at = f.size // 2 if path in hub.corrupt else -1
         with open(f.disk_path, "rb") as src:
             src.seek(start)
@@ -424,10 +493,18 @@ class _HubHandler(BaseHTTPRequestHandler):
                     chunk[corrupt_at - pos] ^= 0xFF
                 self.wfile.write(chunk)
                 pos += len(chunk)
-        if stop < f.size:  # the injected drop: cut the connection mid-body
+        if extra:
+            self.wfile.write(b"\xa5" * extra)
+        if stall_at is not None:
+            self.wfile.flush()
+            return self._hold()
+        if drop is not None and stop < f.size:  # the injected drop: cut the connection mid-body
             self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
+        elif not announced:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
 
     # --- write endpoints --------------------------------------------------------------------------
     def h_create_repo(self, body: bytes) -> None:

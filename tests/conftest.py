@@ -35,10 +35,41 @@ def full_layout_ckpt(tmp_path_factory) -> Path:
     return out
 
 
-def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the installed `mxforge` entry point (via this interpreter) as a user would."""
+def _without_root_overrides() -> None:
+    """As root, give up the capabilities that ignore file permissions, so that a read-only directory is
+    read-only to this process as it is to a user (a no-op for a normal user)."""
+    if os.geteuid() == 0:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP: gone for the program exec'd next
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: float = 600,
+            as_user: bool = False) -> subprocess.CompletedProcess:
+    """Run the installed `mxforge` entry point (via this interpreter) as a user would.
+
+    `as_user`: file permissions apply even when the tests run as root."""
     proc = subprocess.run([sys.executable, "-m", "mxforge.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+                          env={**os.environ, **(env or {})}, timeout=timeout,
+                          preexec_fn=_without_root_overrides if as_user else None)
     if check and proc.returncode != 0:
         raise AssertionError(f"mxforge {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """Start `mxforge` in the background (for signals and concurrent runs); read it with communicate()."""
+    return subprocess.Popen([sys.executable, "-m", "mxforge.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def one_error_line(proc, code: int = 2) -> str:
+    """The single `mxforge ...` line of a run that failed with `code` and no traceback."""
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("mxforge ")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]

@@ -20,7 +20,7 @@ from mxforge.quantize.state import PROVENANCE_NAME, STATE_NAME
 
 def _files(d: Path) -> dict[str, bytes]:
     skip = {PROVENANCE_NAME, STATE_NAME}  # timings, worker counts, mtimes
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name not in skip}
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file() and p.name not in skip}  # not .cache/
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,8 @@ def uninterrupted(multi_shard_ckpt, tmp_path_factory) -> Path:
 
 
 def _outputs(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name not in (PROVENANCE_NAME, STATE_NAME)}
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())  # files only: OUT/.cache holds the lock
+            if p.is_file() and p.name not in (PROVENANCE_NAME, STATE_NAME)}
 
 
 def _start(src: Path, out: Path) -> subprocess.Popen:

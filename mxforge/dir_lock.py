@@ -1,0 +1,47 @@
+"""An advisory lock on a working directory (OUT, DEST, CKPT), so that two mxforge processes never work in
+the same one: the second would delete the first one's partial files and interleave their outputs.
+
+`fcntl.flock` on DIR/.cache/mxforge/lock, which holds the owner's pid. The kernel releases the lock when
+the process ends, however it ends (kill -9 included), so a stale lock file never blocks a rerun.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from .errors import MxforgeError
+
+LOCK_NAME = Path(".cache") / "mxforge" / "lock"
+
+
+class DirectoryInUse(MxforgeError):
+    """Another process holds the directory's lock."""
+
+
+@contextmanager
+def directory_lock(directory: str | os.PathLike) -> Iterator[None]:
+    """Hold DIRECTORY's lock for the duration of the block (creating the directory if needed).
+
+    Raises:
+        DirectoryInUse: another process holds it, naming its pid.
+        OSError: the directory or the lock file cannot be created (read-only, full...).
+    """
+    path = Path(directory) / LOCK_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise DirectoryInUse(f"{directory}: in use by pid {owner} (another mxforge process holds {path}); wait "
+                                 "for it to finish or stop it, then rerun") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
