@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conftest import REPO, one_error_line as _one_line_error, run_cli
+from mxforge.fixups.validate import validate_checkpoint
+
+from conftest import BASE, MTP, REPO, one_error_line as _one_line_error, run_cli
 
 sys.path.insert(0, str(REPO / "scripts"))
 from loopback_hub import LoopbackHub  # noqa: E402
@@ -381,3 +383,29 @@ def test_loopback_hub_serves_snapshot_download(hub, tmp_path, tiny_ckpt):
         if src.is_file():
             assert (tmp_path / "snap" / src.name).read_bytes() == src.read_bytes()
     assert str(out) == str((tmp_path / "snap").resolve())
+
+
+def test_quark_file_to_file_export_of_the_published_recipe_is_fixed_then_pushed(hub, tmp_path, tiny_ckpt):
+    """Quark 0.13's own file-to-file export with the write-up's recipe (MTP shared expert and eh_proj kept, as
+    globs): reported per release before fixup, loads in every release after it, and push accepts it."""
+    from quark.torch import ModelQuantizer
+
+    from mxforge.quantize.quark_ref import mxfp4_qconfig
+
+    globs = BASE + [f"*layers.{MTP}.mlp.shared_experts*", f"*layers.{MTP}.eh_proj"]
+    ckpt = tmp_path / "quark-export"
+    ModelQuantizer(mxfp4_qconfig(globs)).direct_quantize_checkpoint(str(tiny_ckpt), str(ckpt), device="cpu")
+    report = validate_checkpoint(ckpt)
+    # Quark's index counts whole files in total_size: a warning no engine cares about, not a failure.
+    assert [w.subject for w in report.warnings] == ["model.safetensors.index.json:metadata.total_size"]
+    assert {r["profile"] for r in report.releases() if not r["ok"]} == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11"}
+    assert {p.check for p in report.problems} == {"engine"}
+
+    proc = run_cli("fixup", str(ckpt))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = validate_checkpoint(ckpt)
+    assert report.ok and not report.warnings and report.verdict() == "loads: sglang 0.5.9-0.5.23, vllm 0.30.0-0.33.0"
+    proc = _mx(hub, tmp_path, "push", str(ckpt), "alice/glm-tiny-quark-mxfp4", "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    card = (ckpt / "README.md").read_text()
+    assert "loads: sglang 0.5.9-0.5.23, vllm 0.30.0-0.33.0" in card and "vllm serve alice/glm-tiny-quark-mxfp4" in card
