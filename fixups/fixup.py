@@ -24,7 +24,7 @@ from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import copy_atomic, write_json_atomic
 
 from .config_checks import exclude_entries
-from .engine_check import EngineView, check_engine, decide, engine_view, without_fusion
+from .engine_check import check_engine, decide, engine_view, without_fusion
 from .matching import DRAFT, is_glob
 from .modules import EngineModule
 from .integrity import TOTAL_SIZE
@@ -147,12 +147,12 @@ def harmed_modules(loaded: LoadedCheckpoint, profiles: list[EngineProfile], befo
     change a decision that was right."""
     harmed = []
     for profile in profiles:
-        ok = {}
-        for label, entries in (("before", before), ("after", after)):
+        loading = []
+        for entries in (before, after):
             view = engine_view(profile, loaded.layout, loaded.linears, entries, qc)
-            ok[label] = {m.runtime for m in view.modules if not check_engine(
-                EngineView(profile, view.roles, view.fused, [m]), loaded.stored, True)}
-        harmed += [(profile.name, m) for m in sorted(ok["before"] - ok["after"])]
+            failing = {p.subject for p in check_engine(view, loaded.stored, True)}
+            loading.append({m.runtime for m in view.modules} - failing)
+        harmed += [(profile.name, m) for m in sorted(loading[0] - loading[1])]
     return harmed
 
 

@@ -280,3 +280,16 @@ def test_engines_selection_by_name_range_and_version():
                       ("sglang>>1", "not a version specifier")):
         with pytest.raises(ConfigError, match=says):
             select(bad)
+
+
+def test_an_entry_that_would_harm_a_right_decision_is_detected(export):
+    """fixup's guard: an entry that makes any release build an MXFP4-stored module bf16 is named."""
+    from mxforge.fixups.fixup import harmed_modules
+    from mxforge.fixups.loaded import load_checkpoint
+
+    loaded = load_checkpoint(export(AMD))[0]
+    qc = loaded.ckpt.quantization_config
+    before = qc["exclude"]
+    harmed = harmed_modules(loaded, all_profiles(), before, before + ["model.layers.3.mlp.experts"], qc)
+    assert {profile for profile, module in harmed if module == "model.layers.3.mlp.experts"} == set(PROFILES)
+    assert not harmed_modules(loaded, all_profiles(), before, before + ["model.decoder.self_attn.o_proj"], qc)
