@@ -78,13 +78,14 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         return Verdict(module, None, f"the engine raises: {e}")
     if is_mxfp4_config(profile, config):
         return Verdict(module, MXFP4, "no exclude entry matches it")
-    if not isinstance((config or {}).get("weight"), dict):
+    weight = (config or {}).get("weight")
+    if not isinstance(weight, dict):
         return Verdict(module, None, "no exclude entry matches it and its layer config quantizes nothing: the engine raises "
                                      "\"No quark compatible scheme\"")
-    if (config or {}).get("weight", {}).get("dtype") == "fp4":
+    if weight.get("dtype") == "fp4":
         return Verdict(module, None, "its layer config is not an MXFP4 scheme the engine takes (MXFP4 weights need dynamic "
                                      "MXFP4 activations declared): the engine raises \"No quark compatible scheme\"")
-    return Verdict(module, OTHER, f"its layer config asks for {config['weight'].get('dtype')!r} weights")
+    return Verdict(module, OTHER, f"its layer config asks for {weight.get('dtype')!r} weights")
 
 
 def check_engine(view: EngineView, stored: Mapping[str, Stored], quantized_checkpoint: bool,

@@ -124,10 +124,10 @@ def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[
                     verdict = decide(v, module)
                     if verdict.form == BF16 and (not module.is_mtp or v.roles[DRAFT].entries.matching_entry(module.runtime)):
                         continue
-                    why = ("stored bf16; " + ("the engine would raise while deciding" if verdict.form is None
-                           else f"the MTP module's name in {profile.name}" if verdict.form == BF16
-                           else "the engine would build it MXFP4" if verdict.form == MXFP4
-                           else f"the engine would build it with {verdict.form}"))
+                    why = "stored bf16; " + {None: "the engine would raise while deciding",
+                                             BF16: f"the MTP module's name in {profile.name}",
+                                             MXFP4: "the engine would build it MXFP4"}.get(
+                        verdict.form, f"the engine would build it with {verdict.form}")
                     for entry in alias_entries(profile, module):
                         if entry in entries:
                             continue

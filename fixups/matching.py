@@ -134,13 +134,13 @@ def role_views(profile: EngineProfile, exclude: list[str], layout: GlmLayout,
     if not mtp:
         views[DRAFT] = RoleView(mapped, mapped, False, layer_configs, global_config)
         return views
-    layer_prefix = f"model.layers.{mtp[0]}"
+    layer = mtp[0]
+    layer_prefix = f"model.layers.{layer}"
     whole = profile.draft.whole_draft_switch and bool(mapped.matching_entry(map_name(profile, layer_prefix)))
     entries, configs = mapped, layer_configs
     if profile.draft.remap_mtp_entries:
-        entries = _with_mtp_remap(profile, mapped, layer_prefix)
-        configs = {(_draft_name(profile, k, layer_prefix) if k.startswith(layer_prefix + ".") else k): v
-                   for k, v in layer_configs.items()}
+        entries = _with_mtp_remap(profile, mapped, layer)
+        configs = {_draft_name(profile, k, layer): v for k, v in layer_configs.items()}
     views[DRAFT] = RoleView(entries, mapped, whole, configs, global_config)
     return views
 
@@ -199,22 +199,23 @@ def is_mxfp4_config(profile: EngineProfile, config: dict | None) -> bool:
         inputs.get(k) == v for k, v in spec.items())
 
 
-def _with_mtp_remap(profile: EngineProfile, entries: ExcludeList, layer_prefix: str) -> ExcludeList:
+def _with_mtp_remap(profile: EngineProfile, entries: ExcludeList, layer: int) -> ExcludeList:
     """GLM NextN `_resolve_nextn_quant_config`: each `model.layers.N.X` entry is also added under the draft's
     runtime name (model.X for eh_proj/enorm/hnorm/shared_head.norm, model.decoder.X otherwise), and
     `model.decoder.mlp.experts` when one of them names an expert. `re:` entries are left alone."""
-    mtp = [e for e in entries.entries if e.startswith(layer_prefix + ".")]
+    mtp = [e for e in entries.entries if e.startswith(f"model.layers.{layer}.")]
     if not mtp:
         return entries
-    added = [_draft_name(profile, e, layer_prefix) for e in mtp]
+    added = [_draft_name(profile, e, layer) for e in mtp]
     if any(".mlp.experts." in e for e in mtp):
-        added.append(f"{profile.draft.block_prefix}.mlp.experts")
+        added.append(profile.mtp_runtime_name(layer, "mlp.experts"))
     return ExcludeList(tuple(dict.fromkeys(entries.entries + tuple(added))))
 
 
-def _draft_name(profile: EngineProfile, name: str, layer_prefix: str) -> str:
-    outer = any(part in name for part in profile.draft.outer_modules)
-    return name.replace(layer_prefix, profile.draft.outer_prefix if outer else profile.draft.block_prefix, 1)
+def _draft_name(profile: EngineProfile, name: str, layer: int) -> str:
+    """`model.layers.N.X` under the draft's runtime name; any other name as it is."""
+    prefix = f"model.layers.{layer}."
+    return profile.mtp_runtime_name(layer, name[len(prefix):]) if name.startswith(prefix) else name
 
 
 def fuses_shared_experts(profile: EngineProfile, role: str, layout: GlmLayout, gate_entries: ExcludeList) -> bool:

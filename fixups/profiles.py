@@ -94,10 +94,14 @@ class EngineProfile:
     @property
     def label(self) -> str:
         """The releases covered, for people: "sglang 0.5.16-0.5.17"."""
-        first, last = self.read[0], self.read[-1]
-        return f"{self.engine} {first}" + (f"-{last}" if last != first else "")
+        return release_label(self.engine, self.read[0], self.read[-1])
 
 
+def release_label(engine: str, first: str, last: str) -> str:
+    return f"{engine} {first}" + (f"-{last}" if last != first else "")
+
+
+@lru_cache(maxsize=None)
 def profile_names() -> tuple[str, ...]:
     """Every profile, oldest release first within each engine."""
     files = resources.files("mxforge.manifests").joinpath("engines")
@@ -195,8 +199,21 @@ class Selection:
 
     @property
     def label(self) -> str:
-        first, last = self.releases[0], self.releases[-1]
-        return f"{self.profile.engine} {first}" + (f"-{last}" if last != first else "")
+        return release_label(self.profile.engine, self.releases[0], self.releases[-1])
+
+
+def release_runs(selections: list[Selection], key) -> list[tuple[str, object, list[Selection]]]:
+    """Consecutive selections of one engine for which `key(selection)` is equal, merged: (label, key, selections),
+    e.g. ("sglang 0.5.16-0.5.23", ..., [...])."""
+    runs: list[tuple[object, list[Selection]]] = []
+    for s in selections:
+        k = key(s)
+        if runs and runs[-1][0] == k and runs[-1][1][-1].profile.engine == s.profile.engine:
+            runs[-1][1].append(s)
+        else:
+            runs.append((k, [s]))
+    return [(release_label(group[0].profile.engine, group[0].releases[0], group[-1].releases[-1]), k, group)
+            for k, group in runs]
 
 
 def select(text: str | list[str] | None) -> list[Selection]:

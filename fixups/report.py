@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .profiles import Selection
+from .profiles import Selection, release_runs
 
 MAX_LISTED = 60  # problems listed in the human summary; the JSON report has every one
 
@@ -40,10 +40,6 @@ class ValidationReport:
     def ok(self) -> bool:
         return not self.problems
 
-    @property
-    def engines(self) -> list[str]:
-        return [s.profile.name for s in self.selections]
-
     def engine_ok(self, profile: str) -> bool:
         return not any(p.engine in (None, profile) for p in self.problems)
 
@@ -76,7 +72,8 @@ class ValidationReport:
 
     def verdict(self) -> str:
         """`loads: sglang 0.5.16-0.5.23, vllm 0.30.0-0.33.0; FAILS: sglang 0.5.9-0.5.15.post1 (2 modules: ...)`."""
-        loads = _runs([(s, self.engine_ok(s.profile.name), self.flags(s.profile.name)) for s in self.selections])
+        runs = release_runs(self.selections, lambda s: (self.engine_ok(s.profile.name), self.flags(s.profile.name)))
+        loads = [label + (f" (with {' '.join(flags)})" if flags else "") for label, (ok, flags), _ in runs if ok]
         fails = []
         for s in self.selections:
             if self.engine_ok(s.profile.name):
@@ -116,17 +113,3 @@ class ValidationReport:
             lines.append("  serve with MTP speculative decoding:")
             lines += [f"    {s['releases']}: {s['command']}" for s in loadable]
         return "\n".join(lines)
-
-
-def _runs(verdicts: list[tuple[Selection, bool, list[str]]]) -> list[str]:
-    """Labels of consecutive selections of one engine that load with the same flags, merged:
-    "sglang 0.5.16-0.5.23", "sglang 0.5.9-0.5.15.post1 (with --disable-shared-experts-fusion)"."""
-    runs: list[list] = []
-    prev = None
-    for s, ok, flags in verdicts:
-        if ok and prev is not None and prev[1] and prev[0].profile.engine == s.profile.engine and prev[2] == flags:
-            runs[-1][2] = s.releases[-1]
-        elif ok:
-            runs.append([s.profile.engine, s.releases[0], s.releases[-1], flags])
-        prev = (s, ok, flags)
-    return [f"{e} {a}" + (f"-{b}" if b != a else "") + (f" (with {' '.join(f)})" if f else "") for e, a, b, f in runs]

@@ -7,7 +7,7 @@ flag exists in each release's server arguments.
 
 from __future__ import annotations
 
-from .profiles import Selection
+from .profiles import Selection, release_runs
 
 TENSOR_PARALLEL = 8  # one 8-GPU node (the GLM-5.2 write-up ran on 8x MI355X)
 
@@ -20,18 +20,9 @@ def command_for(selection: Selection, model: str, flags: list[str]) -> str:
 def serving_commands(report, model: str, selections: list[Selection]) -> list[dict]:
     """Per range of consecutive releases that serve alike: whether they load the checkpoint, the flags they
     need and the command."""
-    out: list[dict] = []
-    for s in selections:
+    def how(s: Selection) -> tuple:
         flags = report.flags(s.profile.name)
-        entry = {"engine": s.profile.engine, "first": s.releases[0], "last": s.releases[-1],
-                 "profiles": [s.profile.name], "ok": report.engine_ok(s.profile.name), "flags": flags,
-                 "command": command_for(s, model, flags)}
-        prev = out[-1] if out else None
-        if prev and all(prev[k] == entry[k] for k in ("engine", "ok", "flags", "command")):
-            prev["last"] = entry["last"]
-            prev["profiles"] += entry["profiles"]
-        else:
-            out.append(entry)
-    for e in out:
-        e["releases"] = f"{e['engine']} {e['first']}" + (f"-{e['last']}" if e["last"] != e["first"] else "")
-    return out
+        return report.engine_ok(s.profile.name), flags, command_for(s, model, flags)
+
+    return [{"releases": label, "profiles": [s.profile.name for s in group], "ok": ok, "flags": flags, "command": command}
+            for label, (ok, flags, command), group in release_runs(selections, how)]

@@ -122,13 +122,6 @@ def fused_shared_experts(model) -> int:
     return int(model.__dict__.get("num_fused_shared_experts") or 0)
 
 
-def pristine_class_state(mods: dict) -> dict:
-    """Class attributes the loader and constructors mutate (packed_modules_mapping), to restore per case."""
-    return {cls: copy.deepcopy(cls.__dict__["packed_modules_mapping"])
-            for name in MODEL_MODULES for cls in vars(mods[name]).values()
-            if isinstance(cls, type) and isinstance(cls.__dict__.get("packed_modules_mapping"), dict)}
-
-
 def decide(mods: dict, qc, prefix: str, kind: str) -> str:
     """MXFP4 / bf16 / another scheme, or the error the release raises, for one module."""
     if qc is None:
@@ -152,8 +145,7 @@ def probe_case(mods: dict, case: dict) -> dict:
     """One checkpoint config, as one server process sees it: target first, then the draft (server state is
     shared between them, as in the release, and starts fresh for every case)."""
     stubs.SERVER_STATE.__dict__.clear()
-    for cls, mapping in mods["_pristine"].items():
-        cls.packed_modules_mapping = copy.deepcopy(mapping)
+    stubs.restore_packed_mappings(mods["_pristine"])
     hf = probe_io.hf_config(case["config"])
     target_cls = model_class(mods, hf.architectures[0])
     target_qc = quant_config(mods, target_cls, hf, is_draft=False)
@@ -178,7 +170,7 @@ def probe_case(mods: dict, case: dict) -> dict:
 
 def load_release(version: str) -> dict:
     mods = load(version)
-    mods["_pristine"] = pristine_class_state(mods)
+    mods["_pristine"] = stubs.packed_mappings("sglang")
     return mods
 
 

@@ -334,3 +334,26 @@ class Namespace(types.SimpleNamespace):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         return None
+
+
+def packed_mappings(package: str) -> dict[type, dict]:
+    """Every real class of `package` with its own `packed_modules_mapping` dict, and a copy of it: loaders and
+    model constructors mutate these class attributes, so a probe restores them before each case."""
+    import copy
+
+    out = {}
+    for mod in list(sys.modules.values()):
+        if (not mod.__name__.startswith(package + ".") or isinstance(mod, StubModule)
+                or not isinstance(getattr(mod, "__file__", None), str)):
+            continue
+        for cls in vars(mod).values():
+            if isinstance(cls, type) and isinstance(cls.__dict__.get("packed_modules_mapping"), dict):
+                out[cls] = copy.deepcopy(cls.__dict__["packed_modules_mapping"])
+    return out
+
+
+def restore_packed_mappings(pristine: dict[type, dict]) -> None:
+    import copy
+
+    for cls, mapping in pristine.items():
+        cls.packed_modules_mapping = copy.deepcopy(mapping)

@@ -23,7 +23,6 @@ Answers add "unbuilt" (requested modules the model never builds: decided as a la
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import os
 import sys
@@ -187,21 +186,8 @@ def load(version: str) -> dict:
         if module not in source_only:
             raise LookupError(f"vllm {version} has no {module}")
         mods[name] = stubs.functions_from_source(source_only[module], (name,), module=module)[name]
-    mods["_pristine"] = pristine_class_state(mods)
+    mods["_pristine"] = stubs.packed_mappings("vllm")
     return mods
-
-
-def pristine_class_state(mods: dict) -> dict:
-    """Class attributes the loader and constructors mutate (packed_modules_mapping), to restore per case."""
-    out = {}
-    for mod in list(sys.modules.values()):
-        if not isinstance(getattr(mod, "__file__", None), str) or not mod.__name__.startswith("vllm.") \
-                or isinstance(mod, stubs.StubModule):
-            continue
-        for cls in vars(mod).values():
-            if isinstance(cls, type) and isinstance(cls.__dict__.get("packed_modules_mapping"), dict):
-                out[cls] = copy.deepcopy(cls.__dict__["packed_modules_mapping"])
-    return out
 
 
 def model_class(mods: dict, arch: str) -> type:
@@ -434,8 +420,7 @@ def decisions(mods: dict, rec: Build, model, qc, wanted: dict[str, str]) -> tupl
 def probe_case(mods: dict, case: dict) -> dict:
     """One checkpoint config, as one server process sees it: target first, then the MTP draft, sharing the
     target's quant config object; class state and environment start fresh for every case."""
-    for cls, mapping in mods["_pristine"].items():
-        cls.packed_modules_mapping = copy.deepcopy(mapping)
+    stubs.restore_packed_mappings(mods["_pristine"])
     with server_env(case.get("env", {}), mods):
         hf = probe_io.hf_config(case["config"])
         target_mc = model_config(mods, hf)
