@@ -82,6 +82,7 @@ def register_run(sub) -> argparse.ArgumentParser:
     p.add_argument("source", help="Hub repo id (owner/name) or a local bf16 checkpoint directory")
     p.add_argument("out", help="working directory (created; rerun with the same one to resume)")
     p.add_argument("--recipe", default=None, help="recipe TOML path or shipped name (default glm-5.2-mxfp4)")
+    quantize_cli.add_scale_rule_option(p)
     p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
     p.add_argument("--push", metavar="REPO_ID", default=None, help="push the validated checkpoint to this Hub repo")
     p.add_argument("--private", action="store_true", help="with --push: create the repo private")
@@ -98,7 +99,7 @@ def run_run(args) -> int:
     from .fixups.profiles import parse_engines_arg
     from .pipeline import Pipeline, RunOptions, ValidationFailed, format_run_summary
 
-    opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe,
+    opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe, scale_rule=args.scale_rule,
                       engines=parse_engines_arg(args.engines), push_repo=args.push,
                       revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
                       command=invocation(), follow_symlinks=args.follow_symlinks, hub_limits=hub_limits(args))

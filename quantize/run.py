@@ -9,6 +9,7 @@ side files, config.json with Quark's quantization_config, and mxforge_quantize.j
 from __future__ import annotations
 
 import copy
+import dataclasses
 import multiprocessing as mp
 import os
 import shutil
@@ -27,7 +28,9 @@ from mxforge.safe_paths import refuse_links_leaving
 from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
 
 from .plan import QuantizePlan, ShardPlan, plan_checkpoint
+from .error_report import error_report
 from .recipe import Recipe, load_recipe
+from .scale_rules import get_scale_rule
 from .shard_job import ShardJob, ShardResult, finish_shard, run_shard
 from .state import PROVENANCE_NAME, STATE_NAME, ResumeState, tool_versions
 
@@ -45,8 +48,11 @@ def default_workers(shards: int) -> int:
 
 def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: int | None = None, device: str = "cpu",
                         quiet: bool = False, refuse_nonfinite: bool = True, command: str | None = None,
-                        follow_symlinks: bool = False) -> dict:
+                        follow_symlinks: bool = False, scale_rule: str | None = None) -> dict:
     """Quantize checkpoint `src` into `out` with `recipe`; returns the JSON report (also in OUT/mxforge_quantize.json).
+
+    `scale_rule` (scale_rules.py) overrides the recipe's. The report's "error" section is measured while
+    quantizing (error_report.py).
 
     Rerunning on the same OUT resumes: shards already complete and still valid are skipped. Holds OUT's
     lock (dir_lock) throughout. SRC's files must not be symlinks leading out of SRC unless `follow_symlinks`.
@@ -61,6 +67,8 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     """
     src, out = Path(src), Path(out)
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    if scale_rule is not None:
+        recipe = dataclasses.replace(recipe, scale_rule=get_scale_rule(scale_rule).name)
     _check_device(device)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
@@ -77,7 +85,7 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
                    workers: int | None, device: str, quiet: bool, refuse_nonfinite: bool, command: str | None) -> dict:
     started = time.monotonic()
     versions = tool_versions()
-    state = ResumeState(out, recipe.sha256, versions)
+    state = ResumeState(out, recipe.sha256, versions, recipe.scale_rule)
     todo = [s for s in plan.shards if not state.is_done(s.name, src, out, s.header_sha256)]
     skipped = len(plan.shards) - len(todo)
     for s in todo:
@@ -87,7 +95,8 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
     _check_free_space(out, todo)
     expected = _expected_sha256(src)
     verified = _download_verified(src, expected)
-    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name))
+    offsets = get_scale_rule(recipe.scale_rule).offsets
+    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name), offsets)
             for s in sorted(todo, key=lambda s: -s.source_size)]
     workers = workers or default_workers(len(jobs))
     total = sum(s.source_size for s in todo)
@@ -101,6 +110,7 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
     elapsed = time.monotonic() - started
     report = _report(src, out, recipe, plan, device, workers, versions, len(todo), skipped, total, elapsed,
                      accounted, command, sum(r.sha256_from_download for r in results))
+    report["error"] = error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
     write_json_atomic(out / PROVENANCE_NAME, report)
     return report
 
@@ -325,7 +335,8 @@ def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: st
         "stage": "quantize",
         "source": str(src.resolve()),
         "out": str(out.resolve()),
-        "recipe": {"name": recipe.name, "sha256": recipe.sha256, "source": recipe.source, "scheme": recipe.scheme},
+        "recipe": {"name": recipe.name, "sha256": recipe.sha256, "source": recipe.source, "scheme": recipe.scheme,
+                   "scale_rule": recipe.scale_rule},
         "device": device,
         "workers": workers,
         "shards": {"total": len(plan.shards), "quantized_now": done, "skipped_complete": skipped},
