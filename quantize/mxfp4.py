@@ -240,12 +240,23 @@ def _quark_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quark_quantize_weight(weight.detach().cpu())
 
 
+E2M1_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+def dequantize_rows(codes: np.ndarray, scales: np.ndarray, inner: int) -> np.ndarray:
+    """Float32 `[rows, inner]` values that uint8 `codes` `[rows, inner/2]` and E8M0 `scales` encode: each
+    E2M1 value times 2^(byte - 127), exact (bf16 holds every such value but the overflow 6 * 2^127 -> inf)."""
+    rows = codes.shape[0]
+    nib = np.empty((rows, codes.shape[1] * 2), dtype=np.uint8)
+    nib[:, 0::2] = codes & 0xF
+    nib[:, 1::2] = codes >> 4
+    scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float32)
+    with np.errstate(over="ignore"):
+        return E2M1_VALUES[nib[:, :inner]] * np.repeat(scale, BLOCK, axis=1)[:, :inner]
+
+
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, inner: int) -> torch.Tensor:
     """Float32 `[out, inner]` values that `codes`/`scales` encode (for error measurements and checks)."""
     import torch
 
-    grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32)
-    nib = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(codes.shape[0], -1)[:, :inner].long()
-    values = grid[nib]
-    scale = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.float32) - 127)
-    return values * scale.repeat_interleave(BLOCK, dim=1)[:, :inner]
+    return torch.from_numpy(dequantize_rows(codes.numpy(), scales.numpy(), inner))

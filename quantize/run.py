@@ -19,7 +19,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from mxforge.cli_support import invocation
-from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
+from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json, write_index
 from mxforge.dir_lock import LOCK_NAME, directory_lock
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
 from mxforge.hub_download import SOURCE_NAME
@@ -73,15 +73,15 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     ckpt = Checkpoint.open(src, follow_symlinks)
-    side_files = _side_files(src)
-    refuse_links_leaving(src, side_files, follow=follow_symlinks, action="copy")
+    to_copy = side_files(src)
+    refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     plan = plan_checkpoint(ckpt, recipe)
     _prepare_out(src, out)
     with directory_lock(out):
-        return _quantize_into(src, out, recipe, ckpt, plan, side_files, workers, device, quiet, refuse_nonfinite, command)
+        return _quantize_into(src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command)
 
 
-def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str],
+def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, to_copy: list[str],
                    workers: int | None, device: str, quiet: bool, refuse_nonfinite: bool, command: str | None) -> dict:
     started = time.monotonic()
     versions = tool_versions()
@@ -104,7 +104,7 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
         results = _run_jobs(jobs, workers, state, bar)
     accounted = verify_output(plan, out)
     _write_index(plan, out)
-    for name in side_files:
+    for name in to_copy:
         copy_atomic(src / name, out / name)
     _write_config(ckpt.config, recipe, plan, out)
     elapsed = time.monotonic() - started
@@ -301,30 +301,32 @@ def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
 def _write_index(plan: QuantizePlan, out: Path) -> None:
     weight_map = {o.name: s.name for s in plan.shards for t in s.tensors for o in t.outputs()}
     total = sum(o.nbytes for s in plan.shards for t in s.tensors for o in t.outputs())
-    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_index(out, weight_map, total)
 
 
-def _side_files(src: Path) -> list[str]:
-    """Top-level non-weight files to copy (tokenizer, generation config, provenance...), not hidden ones or state."""
+def side_files(src: Path, not_copied=NOT_COPIED) -> list[str]:
+    """Top-level non-weight files to copy (tokenizer, generation config, provenance...), not hidden ones, state,
+    unfinished files or `not_copied`."""
     return [p.name for p in sorted(src.iterdir())
-            if p.is_file() and not (p.name.startswith(".") or p.suffix == ".safetensors" or p.name in NOT_COPIED
+            if p.is_file() and not (p.name.startswith(".") or p.suffix == ".safetensors" or p.name in not_copied
                                     or p.name.endswith(".partial"))]
 
 
 def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -> None:
     """config.json with quantization_config as Quark's file-to-file writes it (same JSON layout)."""
     config = copy.deepcopy(config)
-    _drop_quantization_config(config)
+    drop_quantization_config(config)
     config["quantization_config"] = recipe.quantization_config(plan.excluded_modules())
     # Quark's layout exactly: indent 4, UTF-8 as is, no trailing newline.
     write_json_atomic(out / "config.json", config, indent=4, ensure_ascii=False, trailing_newline=False)
 
 
-def _drop_quantization_config(config: dict) -> None:
+def drop_quantization_config(config: dict) -> None:
+    """Remove quantization_config from a config and from every config nested in it (text_config...)."""
     config.pop("quantization_config", None)
     for value in config.values():
         if isinstance(value, dict):
-            _drop_quantization_config(value)
+            drop_quantization_config(value)
 
 
 def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: str, workers: int,
