@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
+from mxforge.checkpoint import INDEX_BACKUP_NAME, INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.progress import byte_progress
@@ -19,7 +19,7 @@ from mxforge.safetensors_io import PlannedTensor, ShardWriter, copy_atomic, writ
 from mxforge.tensor_kinds import layer_of
 
 MTP_SHARD = "model-mtp.safetensors"
-INDEX_BACKUP = INDEX_NAME + ".orig"
+INDEX_BACKUP = INDEX_BACKUP_NAME
 
 
 def backup_index(root: Path) -> None:
