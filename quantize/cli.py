@@ -23,6 +23,9 @@ def register_quantize(sub) -> argparse.ArgumentParser:
     add_scale_rule_option(p)
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="encode NaN/Inf weights as Quark does (+6.0 blocks) instead of refusing")
+    p.add_argument("--no-error-report", action="store_true",
+                   help="do not measure the quantization error while quantizing (its cost is measured in "
+                   "scripts/bench_quantize.py; the report, summary and model card then say 'not measured')")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_follow_symlinks_option(p, "SRC")
     add_json_option(p)
@@ -41,7 +44,8 @@ def run_quantize(args) -> int:
 
     report = quantize_checkpoint(args.src, args.out, args.recipe, workers=args.workers, device=args.device,
                                  quiet=args.quiet, refuse_nonfinite=not args.allow_nonfinite,
-                                 command=invocation(), follow_symlinks=args.follow_symlinks, scale_rule=args.scale_rule)
+                                 command=invocation(), follow_symlinks=args.follow_symlinks, scale_rule=args.scale_rule,
+                                 measure_errors=not args.no_error_report)
     c, s = report["counts"], report["shards"]
     emit(report, args.json,
          f"quantized {report['source']} -> {report['out']} with recipe {report['recipe']['name']}: "

@@ -48,11 +48,12 @@ def default_workers(shards: int) -> int:
 
 def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: int | None = None, device: str = "cpu",
                         quiet: bool = False, refuse_nonfinite: bool = True, command: str | None = None,
-                        follow_symlinks: bool = False, scale_rule: str | None = None) -> dict:
+                        follow_symlinks: bool = False, scale_rule: str | None = None,
+                        measure_errors: bool = True) -> dict:
     """Quantize checkpoint `src` into `out` with `recipe`; returns the JSON report (also in OUT/mxforge_quantize.json).
 
     `scale_rule` (scale_rules.py) overrides the recipe's. The report's "error" section is measured while
-    quantizing (error_report.py).
+    quantizing (error_report.py); `measure_errors=False` skips that (None), only to measure its cost.
 
     Rerunning on the same OUT resumes: shards already complete and still valid are skipped. Holds OUT's
     lock (dir_lock) throughout. SRC's files must not be symlinks leading out of SRC unless `follow_symlinks`.
@@ -78,11 +79,13 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     plan = plan_checkpoint(ckpt, recipe)
     _prepare_out(src, out)
     with directory_lock(out):
-        return _quantize_into(src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command)
+        return _quantize_into(src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command,
+                              measure_errors)
 
 
 def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, to_copy: list[str],
-                   workers: int | None, device: str, quiet: bool, refuse_nonfinite: bool, command: str | None) -> dict:
+                   workers: int | None, device: str, quiet: bool, refuse_nonfinite: bool, command: str | None,
+                   measure_errors: bool = True) -> dict:
     started = time.monotonic()
     versions = tool_versions()
     state = ResumeState(out, recipe.sha256, versions, recipe.scale_rule)
@@ -96,8 +99,8 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
     expected = _expected_sha256(src)
     verified = _download_verified(src, expected)
     offsets = get_scale_rule(recipe.scale_rule).offsets
-    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name), offsets)
-            for s in sorted(todo, key=lambda s: -s.source_size)]
+    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name), offsets,
+                     measure_errors) for s in sorted(todo, key=lambda s: -s.source_size)]
     workers = workers or default_workers(len(jobs))
     total = sum(s.source_size for s in todo)
     with byte_progress(total, "quantize", disable=quiet) as bar:
@@ -110,7 +113,8 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
     elapsed = time.monotonic() - started
     report = _report(src, out, recipe, plan, device, workers, versions, len(todo), skipped, total, elapsed,
                      accounted, command, sum(r.sha256_from_download for r in results))
-    report["error"] = error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
+    report["error"] = error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule) \
+        if measure_errors else None
     write_json_atomic(out / PROVENANCE_NAME, report)
     return report
 

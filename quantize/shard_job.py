@@ -41,6 +41,7 @@ class ShardJob:
     # while the source still has them, its sha256 is taken as verified instead of computed again
     verified_stat: tuple[int, int] | None = None
     scale_offsets: tuple[int, ...] = (0,)  # the scale rule's (scale_rules.py); (0,) is Quark's
+    measure_errors: bool = True  # error sums in the kernel (error_report.py); off only to measure their cost
 
 
 @dataclass
@@ -283,7 +284,7 @@ def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: Sh
     codes_buf = np.empty(min(rows, rows_per_chunk) * (inner // 2), dtype=np.uint8)
     scales_buf = np.empty(min(rows, rows_per_chunk) * nblocks, dtype=np.uint8)
     nonfinite = 0
-    stats = np.zeros(ERROR_STATS, dtype=np.float64)
+    stats = np.zeros(ERROR_STATS, dtype=np.float64) if job.measure_errors else None
     for r0 in range(0, rows, rows_per_chunk):
         n = min(rows_per_chunk, rows - r0)
         x = _as_rows(reader.read(s.start + r0 * row_bytes, n * row_bytes), s.dtype, n, inner)
@@ -296,7 +297,7 @@ def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: Sh
     if nonfinite:
         _handle_nonfinite(reader, out_fd, t, job, nonfinite, codes_at, scales_at)
         return tensor_record(np.zeros(ERROR_STATS), 0) | {"nonfinite": nonfinite}  # encoded as Quark does: not measured
-    return tensor_record(stats, s.numel)
+    return tensor_record(stats, s.numel) if stats is not None else tensor_record(np.zeros(ERROR_STATS), 0)
 
 
 def _as_rows(raw: bytes, dtype: str, n: int, inner: int) -> np.ndarray:
@@ -308,7 +309,7 @@ def _as_rows(raw: bytes, dtype: str, n: int, inner: int) -> np.ndarray:
 
 
 def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: str, job: ShardJob,
-                   stats: np.ndarray) -> int:
+                   stats: np.ndarray | None) -> int:
     if job.device == "cpu":
         from .mxfp4 import quantize_rows_cpu
 

@@ -2,7 +2,8 @@
 """Benchmark `mxforge quantize` against AMD Quark 0.13's file-to-file mode and a plain copy, side by side.
 
 On one bench fixture (`mxforge fixture --preset bench --gib N`), in one run: a plain copy of the same
-files, `mxforge quantize` (a subprocess, end to end), and Quark's
+files, `mxforge quantize` (a subprocess, end to end) with its error report (the default) and with
+`--no-error-report` (the report's cost), and Quark's
 `ModelQuantizer(cfg).direct_quantize_checkpoint(src, dst, device="cpu")` with the same exclusions (its
 import time is not counted). The source is read once beforehand so every contender reads from the page
 cache, and `sync` runs between contenders. Prints GB/s (source bytes / wall seconds), the ratios, each
@@ -172,13 +173,15 @@ def main() -> None:
             file_sha256(p)
         _best(results, "sha256 (1 core)", time.monotonic() - t, 0)
 
-        subprocess.run(["sync"])
-        shutil.rmtree(outs["mxforge"], ignore_errors=True)
-        cmd = [*mxforge, "quantize", str(src), str(outs["mxforge"]), "--quiet"]
-        if args.workers:
-            cmd += ["--workers", str(args.workers)]
-        seconds, peak, _ = run_measured(cmd)
-        _best(results, "mxforge", seconds, peak)
+        # Without the error report first, so that the output compared with Quark's below is the default one.
+        for name, extra in (("mxforge, no error report", ["--no-error-report"]), ("mxforge", [])):
+            subprocess.run(["sync"])
+            shutil.rmtree(outs["mxforge"], ignore_errors=True)
+            cmd = [*mxforge, "quantize", str(src), str(outs["mxforge"]), "--quiet", *extra]
+            if args.workers:
+                cmd += ["--workers", str(args.workers)]
+            seconds, peak, _ = run_measured(cmd)
+            _best(results, name, seconds, peak)
 
     if not args.skip_quark:
         exclude = json.loads((outs["mxforge"] / "config.json").read_text())["quantization_config"]["exclude"]
@@ -195,19 +198,22 @@ def main() -> None:
         "source_bytes": size, "cores": len(os.sched_getaffinity(0)), "results": results,
         "mxforge_vs_quark": None if args.skip_quark else results["mxforge"]["gb_per_s"] / results["quark"]["gb_per_s"],
         "mxforge_vs_copy": results["mxforge"]["gb_per_s"] / results["copy"]["gb_per_s"],
+        "error_report_throughput_ratio": results["mxforge"]["gb_per_s"] / results["mxforge, no error report"]["gb_per_s"],
         "identical_to_quark": same,
         "load_average": os.getloadavg(),
     }
     print(f"source: {size / 1e9:.2f} GB of bf16 shards ({src}), {report['cores']} cores, "
           f"load average {report['load_average'][0]:.2f}")
-    print(f"| {'contender':<16} | {'seconds':>8} | {'GB/s':>7} | {'peak RSS':>10} |")
-    print(f"|{'-' * 18}|{'-' * 9}:|{'-' * 8}:|{'-' * 11}:|")
+    print(f"| {'contender':<24} | {'seconds':>8} | {'GB/s':>7} | {'peak RSS':>10} |")
+    print(f"|{'-' * 26}|{'-' * 9}:|{'-' * 8}:|{'-' * 11}:|")
     for name, r in results.items():
         rss = f"{r['peak_rss'] / 2**30:.2f} GiB" if r["peak_rss"] else "-"
-        print(f"| {name:<16} | {r['seconds']:>8.2f} | {r['gb_per_s']:>7.3f} | {rss:>10} |")
+        print(f"| {name:<24} | {r['seconds']:>8.2f} | {r['gb_per_s']:>7.3f} | {rss:>10} |")
     versus_quark = "skipped" if args.skip_quark else f"{report['mxforge_vs_quark']:.1f}x"
     print(f"mxforge / quark throughput: {versus_quark}   mxforge / copy: {100 * report['mxforge_vs_copy']:.0f}%"
           + (f" (best of {args.repeat} alternating runs each)" if args.repeat > 1 else ""))
+    print(f"error report: mxforge with it reaches {100 * report['error_report_throughput_ratio']:.1f}% of the "
+          "throughput without it (--no-error-report)")
     shards = {k: v for k, v in same.items() if k.endswith(".safetensors")}
     if not args.skip_quark:
         print(f"byte-identical to Quark: shards {sum(shards.values())}/{len(shards)}, "
