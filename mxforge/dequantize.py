@@ -20,8 +20,8 @@ import numpy as np
 
 from .checkpoint import INDEX_NAME, Checkpoint, write_index
 from .cli_support import invocation
-from .dir_lock import LOCK_NAME, directory_lock
-from .errors import CheckpointError, MxforgeError
+from .dir_lock import check_out_dir, directory_lock
+from .errors import CheckpointError
 from .progress import byte_progress
 from .quantize.mxfp4 import dequantize_rows
 from .quantize.run import drop_quantization_config
@@ -75,7 +75,8 @@ def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None 
     to_copy = [p.name for p in sorted(src.iterdir()) if p.is_file() and p.suffix != ".safetensors"
                and p.name not in NOT_COPIED and not p.name.startswith(".") and not p.name.endswith(".partial")]
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
-    _prepare_out(src, out)
+    check_out_dir(src, out, REPORT_NAME, "dequantize")
+    out.mkdir(parents=True, exist_ok=True)
     scales = {s.name for s in pairs.values()}
     total = sum(i.nbytes for i in infos.values())
     weight_map, bytes_out, index_total = {}, 0, 0
@@ -113,19 +114,6 @@ def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None 
                   "command": command or invocation()}
         write_json_atomic(out / REPORT_NAME, report)
     return report
-
-
-def _prepare_out(src: Path, out: Path) -> None:
-    if out.resolve() == src.resolve():
-        raise MxforgeError(f"{out}: OUT is the source checkpoint; choose another directory")
-    if out.exists():
-        if not out.is_dir():
-            raise MxforgeError(f"{out}: exists and is not a directory; choose another OUT")
-        if (any(not p.name.endswith(".partial") and p.name != LOCK_NAME.parts[0] for p in out.iterdir())
-                and not (out / REPORT_NAME).exists()):
-            raise MxforgeError(f"{out}: not empty and not a previous `mxforge dequantize` output (no {REPORT_NAME}); "
-                               "choose a new or empty OUT")
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def _pread(fin, offset: int, n: int) -> bytes:

@@ -36,6 +36,16 @@ def _boundary_bits(mantissa, exponent):
 
 
 @nb.njit(inline="always")
+def _boundaries(e):
+    # The seven E2M1 rounding boundaries for scale 2^e as float32 bits, in code order ("above" ones at even
+    # positions, "at or above" ones at odd positions).
+    return (_boundary_bits(_ABOVE[0, 0], _ABOVE[0, 1] + e), _boundary_bits(_AT_OR_ABOVE[0, 0], _AT_OR_ABOVE[0, 1] + e),
+            _boundary_bits(_ABOVE[1, 0], _ABOVE[1, 1] + e), _boundary_bits(_AT_OR_ABOVE[1, 0], _AT_OR_ABOVE[1, 1] + e),
+            _boundary_bits(_ABOVE[2, 0], _ABOVE[2, 1] + e), _boundary_bits(_AT_OR_ABOVE[2, 0], _AT_OR_ABOVE[2, 1] + e),
+            _boundary_bits(_ABOVE[3, 0], _ABOVE[3, 1] + e))
+
+
+@nb.njit(inline="always")
 def _quark_byte(a, start, stop):
     # a: float32 bits (int32) of one row: (Quark's scale byte of elements start..stop, count of non-finite ones).
     amax = np.int32(0)
@@ -51,14 +61,7 @@ def _quark_byte(a, start, stop):
 
 @nb.njit(inline="always")
 def _encode_block(a, start, stop, byte, codes_row, tmp):
-    e = byte - 127  # the scale is 2^e; boundary t becomes t * 2^e
-    t0 = _boundary_bits(_ABOVE[0, 0], _ABOVE[0, 1] + e)
-    t1 = _boundary_bits(_AT_OR_ABOVE[0, 0], _AT_OR_ABOVE[0, 1] + e)
-    t2 = _boundary_bits(_ABOVE[1, 0], _ABOVE[1, 1] + e)
-    t3 = _boundary_bits(_AT_OR_ABOVE[1, 0], _AT_OR_ABOVE[1, 1] + e)
-    t4 = _boundary_bits(_ABOVE[2, 0], _ABOVE[2, 1] + e)
-    t5 = _boundary_bits(_AT_OR_ABOVE[2, 0], _AT_OR_ABOVE[2, 1] + e)
-    t6 = _boundary_bits(_ABOVE[3, 0], _ABOVE[3, 1] + e)
+    t0, t1, t2, t3, t4, t5, t6 = _boundaries(byte - 127)  # the scale is 2^e; boundary t becomes t * 2^e
     n = stop - start
     for i in range(n):
         v = a[start + i]
@@ -150,16 +153,9 @@ def _pow2f(k):
 
 
 @nb.njit(inline="always")
-def _twice_grid(m, e):
-    # Twice the E2M1 magnitude that |x| (float32 bits m) rounds to with scale 2^e: 0 1 2 3 4 6 8 12.
-    t0 = _boundary_bits(_ABOVE[0, 0], _ABOVE[0, 1] + e)
-    t1 = _boundary_bits(_AT_OR_ABOVE[0, 0], _AT_OR_ABOVE[0, 1] + e)
-    t2 = _boundary_bits(_ABOVE[1, 0], _ABOVE[1, 1] + e)
-    t3 = _boundary_bits(_AT_OR_ABOVE[1, 0], _AT_OR_ABOVE[1, 1] + e)
-    t4 = _boundary_bits(_ABOVE[2, 0], _ABOVE[2, 1] + e)
-    t5 = _boundary_bits(_AT_OR_ABOVE[2, 0], _AT_OR_ABOVE[2, 1] + e)
-    t6 = _boundary_bits(_ABOVE[3, 0], _ABOVE[3, 1] + e)
-    return (m > t0) + (m >= t1) + (m > t2) + (m >= t3) + 2 * ((m > t4) + (m >= t5)) + 4 * (m > t6)
+def _twice_grid(m, t):
+    # Twice the E2M1 magnitude that |x| (float32 bits m) rounds to with boundaries t: 0 1 2 3 4 6 8 12.
+    return (m > t[0]) + (m >= t[1]) + (m > t[2]) + (m >= t[3]) + 2 * ((m > t[4]) + (m >= t[5])) + 4 * (m > t[6])
 
 
 @nb.njit(inline="always")
@@ -170,23 +166,23 @@ def _lane_sum(lane):
 @nb.njit(inline="always")
 def _block_error(a, xs, start, n, eq, d, lane):
     # Squared error with scale 2^(eq + d), in units of 2^(2 eq), summed in scale_rules.py's lane order.
-    half = _pow2f(d - 1)
+    half, t = _pow2f(d - 1), _boundaries(eq + d)
     lane[:] = 0
     for i in range(n):
-        r = xs[i] - np.float32(_twice_grid(a[start + i] & ABS_MASK, eq + d)) * half
+        r = xs[i] - np.float32(_twice_grid(a[start + i] & ABS_MASK, t)) * half
         lane[i % LANES] += r * r
     return _lane_sum(lane)
 
 
 @nb.njit(inline="always")
 def _block_stats(a, xs, start, n, eq, d, lane, ref, stats):
-    half, top = _pow2f(d - 1), np.float32(6.0) * _pow2f(d)
+    half, top, t = _pow2f(d - 1), np.float32(6.0) * _pow2f(d), _boundaries(eq + d)
     lane[:] = 0
     ref[:] = 0
     worst = np.float32(0)
     clipped = 0
     for i in range(n):
-        r = xs[i] - np.float32(_twice_grid(a[start + i] & ABS_MASK, eq + d)) * half
+        r = xs[i] - np.float32(_twice_grid(a[start + i] & ABS_MASK, t)) * half
         lane[i % LANES] += r * r
         ref[i % LANES] += xs[i] * xs[i]
         worst = max(worst, abs(r))

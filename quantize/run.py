@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mxforge.cli_support import invocation
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json, write_index
-from mxforge.dir_lock import LOCK_NAME, directory_lock
+from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
 from mxforge.hub_download import SOURCE_NAME
 from mxforge.progress import byte_progress, format_bytes
@@ -77,7 +77,7 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     to_copy = side_files(src)
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     plan = plan_checkpoint(ckpt, recipe)
-    _prepare_out(src, out)
+    check_out_dir(src, out, STATE_NAME, "quantize")
     with directory_lock(out):
         return _quantize_into(src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command,
                               measure_errors)
@@ -129,21 +129,6 @@ def _check_device(device: str) -> None:
     if not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: no CUDA device is visible to torch {torch.__version__} "
                           f"(built with CUDA {torch.version.cuda}); use --device cpu")
-
-
-def _prepare_out(src: Path, out: Path) -> None:
-    """OUT must be new, empty, or a previous mxforge quantize output (to resume)."""
-    if out.resolve() == src.resolve():
-        raise MxforgeError(f"{out}: OUT is the source checkpoint; choose another directory")
-    if out.exists():
-        if not out.is_dir():
-            raise MxforgeError(f"{out}: exists and is not a directory; choose another OUT")
-        # Unfinished *.partial files are never results (a kill during the first state write leaves only one);
-        # .cache holds the lock of a quantize that started here.
-        if (any(not p.name.endswith(".partial") and p.name != LOCK_NAME.parts[0] for p in out.iterdir())
-                and not (out / STATE_NAME).exists()):
-            raise MxforgeError(f"{out}: not empty and not a previous `mxforge quantize` output (no {STATE_NAME}); "
-                               "choose a new or empty OUT")
 
 
 def _remove_strays(out: Path, plan: QuantizePlan) -> None:
