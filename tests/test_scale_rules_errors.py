@@ -7,6 +7,8 @@ are measured.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -150,3 +152,27 @@ def test_report_aggregates_pooled_sums_and_names_the_worst():
     assert report["worst"][0]["name"] == "model.layers.3.mlp.experts.1.up_proj.weight"
     assert report["worst"][0]["snr_db"] == pytest.approx(10 * np.log10(100 / 9), abs=1e-3)
     assert figures(tensor_record([0.0, 5.0, 0.0, 0], 10))["snr_db"] is None  # no error: no finite SNR
+
+
+def test_resume_keeps_the_error_report_and_a_new_scale_rule_redoes_every_shard(tiny_ckpt, tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "out"
+
+    def quantize(*extra: str) -> dict:
+        run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", "--json", str(tmp_path / "r.json"), *extra, check=True)
+        return json.loads((tmp_path / "r.json").read_text())
+
+    first = quantize()
+    assert first["error"]["tensors_measured"] == first["counts"]["quantized"] > 0
+    again = quantize()  # every shard skipped: the figures come from the resume state
+    assert again["shards"]["skipped_complete"] == again["shards"]["total"] and again["error"] == first["error"]
+    shard = sorted(out.glob("*.safetensors"))[0]
+    shard.unlink()
+    partly = quantize()
+    assert partly["shards"]["quantized_now"] == 1 and partly["error"] == first["error"]
+    mse = quantize("--scale-rule", "mse")
+    assert mse["shards"]["quantized_now"] == mse["shards"]["total"] and mse["error"]["scale_rule"] == "mse"
+    assert mse["error"]["overall"]["rel_rmse"] < first["error"]["overall"]["rel_rmse"]
+    unmeasured = quantize("--scale-rule", "quark", "--no-error-report")
+    assert unmeasured["error"] is None and unmeasured["shards"]["quantized_now"] == unmeasured["shards"]["total"]
