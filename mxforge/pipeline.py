@@ -221,7 +221,7 @@ class Pipeline:
                                      quiet=self.opts.quiet, command=self.opts.command,
                                      follow_symlinks=self.opts.follow_symlinks, scale_rule=self.opts.scale_rule)
         report.pop("tensors", None)  # per-tensor lists stay in mxfp4/mxforge_quantize.json
-        report["error"].pop("tensors", None)
+        (report.get("error") or {}).pop("tensors", None)  # per-tensor figures too
         return report
 
     def _fixup(self) -> dict:
