@@ -52,8 +52,12 @@ def _pool(records: list[dict]) -> dict:
 
 def error_report(per_tensor: dict[str, dict], mtp_layers, scale_rule: str) -> dict:
     """The report of quantize's JSON from per-tensor records (tensor_record), all shards pooled."""
-    not_measured = sorted(n for n, r in per_tensor.items() if not r.get("elements"))  # non-finite, encoded as Quark does
-    per_tensor = {n: r for n, r in per_tensor.items() if r.get("elements")}
+    # Not measured: NaN/Inf encoded as Quark does, --no-error-report, or weights so large (> 1e19) that their
+    # squares overflow the kernels' float32 sums.
+    measured = {n: r for n, r in per_tensor.items()
+                if r.get("elements") and all(math.isfinite(r[k]) for k in ("sum_sq_err", "sum_sq", "max_abs_err"))}
+    not_measured = sorted(set(per_tensor) - set(measured))
+    per_tensor = measured
     by_class, by_layer, mtp_layers = defaultdict(list), defaultdict(list), set(mtp_layers)
     for name, rec in per_tensor.items():
         by_class[module_class(name, mtp_layers)].append(rec)

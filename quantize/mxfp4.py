@@ -12,6 +12,10 @@ What Quark's file-to-file mode writes for a weight `[out, in]` (checked byte for
 - Non-finite input: Quark silently writes NaN blocks as +6.0. We refuse by default
   (`NonFiniteWeightError`); with `refuse_nonfinite=False` such tensors go through Quark's own kernel.
 
+That is the default scale rule ("quark"); scale_rules.py defines the others (same format, another
+exponent per block where it reconstructs the block better). While encoding, the kernels can also add the
+error statistics of what they wrote (error_report.py), so the error report costs no second pass.
+
 Three implementations share these rules, all tested byte for byte against Quark: for bf16 on the CPU a C
 kernel built on first use (`_mxfp4_bf16.c`, the fast path), a numba kernel (float32 input, and bf16
 where no C compiler is found), and a torch one that runs on any device (`--device cuda`).
