@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mxforge.cli_support import invocation
-from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
+from mxforge.checkpoint import CONFIG_BACKUP_NAME, INDEX_NAME, Checkpoint, load_json
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import copy_atomic, write_json_atomic
@@ -36,7 +36,7 @@ from .loaded import LoadedCheckpoint, load_checkpoint
 from .validate import loadability_problems
 
 FIXUPS_NAME = "mxforge_fixups.json"
-BACKUP_NAME = "config.json.orig"
+BACKUP_NAME = CONFIG_BACKUP_NAME
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from mxforge.checkpoint import INDEX_NAME, Checkpoint
+from mxforge.checkpoint import INDEX_BACKUP_NAME, INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.progress import byte_progress
@@ -19,7 +19,7 @@ from mxforge.safetensors_io import PlannedTensor, ShardWriter, copy_atomic, writ
 from mxforge.tensor_kinds import layer_of
 
 MTP_SHARD = "model-mtp.safetensors"
-INDEX_BACKUP = INDEX_NAME + ".orig"
+INDEX_BACKUP = INDEX_BACKUP_NAME
 
 
 def backup_index(root: Path) -> None:
@@ -134,13 +134,11 @@ def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name:
 
 
 def _update_index(ckpt: Checkpoint, plan: MtpPlan) -> None:
-    index_path = ckpt.root / INDEX_NAME
     backup_index(ckpt.root)
     weight_map = dict(ckpt.weight_map)
     weight_map.update({t.name: MTP_SHARD for t in plan.tensors})
     total = int(ckpt.index_metadata.get("total_size", 0)) + sum(t.nbytes for t in plan.tensors)
-    write_json_atomic(index_path, {"metadata": {**ckpt.index_metadata, "total_size": total},
-                                   "weight_map": dict(sorted(weight_map.items()))})
+    write_index(ckpt.root, weight_map, total, ckpt.index_metadata)
 
 
 def _update_config(ckpt: Checkpoint, src: Checkpoint, plan: MtpPlan) -> None:

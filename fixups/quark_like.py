@@ -13,7 +13,7 @@ import fnmatch
 import math
 from pathlib import Path
 
-from mxforge.checkpoint import INDEX_NAME, Checkpoint
+from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.quantize.mxfp4 import packed_shapes
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
@@ -104,7 +104,7 @@ def write_quark_like(src: str | Path, out: str | Path, patterns: list[str], *, g
     for path in src_ckpt.root.iterdir():
         if path.is_file() and not path.name.endswith(".safetensors") and path.name not in ("config.json", INDEX_NAME):
             copy_atomic(path, out / path.name)
-    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_index(out, weight_map, total)
     write_json_atomic(out / "config.json", config)
     return exclude
 

@@ -10,10 +10,23 @@ from typing import Any
 
 from .errors import CheckpointError
 from .safe_paths import name_problem, refuse_links_leaving
-from .safetensors_io import ShardHeader, TensorInfo, read_header
+from .safetensors_io import ShardHeader, TensorInfo, read_header, write_json_atomic
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# fixup's backups of the files it rewrites: kept on the machine that made them, never published
+CONFIG_BACKUP_NAME = "config.json.orig"
+INDEX_BACKUP_NAME = INDEX_NAME + ".orig"
+
+
+def write_index(root: Path, weight_map: dict[str, str], total_size: int, metadata: dict | None = None) -> None:
+    """ROOT/model.safetensors.index.json, atomically: `metadata` with `total_size`, the weight_map sorted by name.
+
+    Raises:
+        CheckpointError: it cannot be written.
+    """
+    write_json_atomic(Path(root) / INDEX_NAME, {"metadata": {**(metadata or {}), "total_size": total_size},
+                                                "weight_map": dict(sorted(weight_map.items()))})
 
 
 class _KeyedObject(dict):

@@ -71,6 +71,32 @@ def run_inspect(args) -> int:
     return EXIT_OK
 
 
+# --- dequantize ------------------------------------------------------------------------------------
+def register_dequantize(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("dequantize", help="an MXFP4 checkpoint back to bf16 (streaming), for evaluation and debugging",
+                       description="Write OUT as the bf16 checkpoint that CKPT's MXFP4 weights encode: each uint8 "
+                       "X.weight with its X.weight_scale becomes a bf16 X.weight (exactly the encoded values); every "
+                       "other tensor is copied byte for byte; config.json loses its quantization_config. Streaming "
+                       "(bounded memory), each file written under a temporary name and renamed when whole.")
+    p.add_argument("ckpt", help="MXFP4 checkpoint directory (e.g. mxforge quantize's OUT)")
+    p.add_argument("out", help="output directory: new, empty, or an earlier dequantize output (redone)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_follow_symlinks_option(p, "CKPT")
+    add_json_option(p)
+    return p
+
+
+def run_dequantize(args) -> int:
+    from .dequantize import dequantize_checkpoint
+
+    r = dequantize_checkpoint(args.ckpt, args.out, quiet=args.quiet, command=invocation(),
+                              follow_symlinks=args.follow_symlinks)
+    emit(r, args.json, f"dequantized {r['source']} -> {r['out']}: {r['dequantized']:,} MXFP4 weights to bf16, "
+         f"{r['copied']:,} tensors copied, {r['shards']} shards; {r['bytes_out'] / 1e9:.2f} GB written in "
+         f"{r['seconds']:.1f} s")
+    return EXIT_OK
+
+
 # --- run -------------------------------------------------------------------------------------------
 def register_run(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the whole pipeline: download, quantize, fixup, validate, push; resumable",
@@ -82,6 +108,7 @@ def register_run(sub) -> argparse.ArgumentParser:
     p.add_argument("source", help="Hub repo id (owner/name) or a local bf16 checkpoint directory")
     p.add_argument("out", help="working directory (created; rerun with the same one to resume)")
     p.add_argument("--recipe", default=None, help="recipe TOML path or shipped name (default glm-5.2-mxfp4)")
+    quantize_cli.add_scale_rule_option(p)
     p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
     p.add_argument("--push", metavar="REPO_ID", default=None, help="push the validated checkpoint to this Hub repo")
     p.add_argument("--private", action="store_true", help="with --push: create the repo private")
@@ -98,7 +125,7 @@ def run_run(args) -> int:
     from .fixups.profiles import parse_engines_arg
     from .pipeline import Pipeline, RunOptions, ValidationFailed, format_run_summary
 
-    opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe,
+    opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe, scale_rule=args.scale_rule,
                       engines=parse_engines_arg(args.engines), push_repo=args.push,
                       revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
                       command=invocation(), follow_symlinks=args.follow_symlinks, hub_limits=hub_limits(args))
@@ -118,6 +145,7 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "inspect": (register_inspect, run_inspect),
     "download": (hub_cli.register_download, hub_cli.run_download),
     "quantize": (quantize_cli.register_quantize, quantize_cli.run_quantize),
+    "dequantize": (register_dequantize, run_dequantize),
     "fixup": (fixups_cli.register_fixup, fixups_cli.run_fixup),
     "validate": (fixups_cli.register_validate, fixups_cli.run_validate),
     "push": (hub_cli.register_push, hub_cli.run_push),

@@ -45,3 +45,23 @@ def directory_lock(directory: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def check_out_dir(src: Path, out: Path, marker: str, command: str) -> None:
+    """OUT must be new, empty, or a previous output of `command`, which leaves `marker` in it (to resume or redo).
+
+    Unfinished *.partial files are never results (a kill during the first state write leaves only one), and
+    .cache holds the lock of a run that started there.
+
+    Raises:
+        MxforgeError: OUT is SRC, not a directory, or holds something else.
+    """
+    if out.resolve() == src.resolve():
+        raise MxforgeError(f"{out}: OUT is the source checkpoint; choose another directory")
+    if out.exists():
+        if not out.is_dir():
+            raise MxforgeError(f"{out}: exists and is not a directory; choose another OUT")
+        if (any(not p.name.endswith(".partial") and p.name != LOCK_NAME.parts[0] for p in out.iterdir())
+                and not (out / marker).exists()):
+            raise MxforgeError(f"{out}: not empty and not a previous `mxforge {command}` output (no {marker}); "
+                               "choose a new or empty OUT")

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import CONFIG_BACKUP_NAME, INDEX_BACKUP_NAME
 from .quantize.state import STATE_NAME as QUANTIZE_STATE_NAME
 from .progress import byte_progress
 from .safe_paths import refuse_links_leaving
@@ -120,8 +121,10 @@ def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = 
     return {n: out[n] for n in names}
 
 
-# Bookkeeping that stays on the machine that made it: quantize's resume state is meaningless elsewhere.
-LOCAL_ONLY_FILES = (QUANTIZE_STATE_NAME,)
+# Bookkeeping that stays on the machine that made it: quantize's resume state is meaningless elsewhere, and
+# fixup's backups of config.json and the index are for undoing a fixup here, not for publishing (push,
+# validate's integrity and hash checks all list files through checkpoint_files, so they agree).
+LOCAL_ONLY_FILES = (QUANTIZE_STATE_NAME, CONFIG_BACKUP_NAME, INDEX_BACKUP_NAME)
 
 
 def checkpoint_files(root: Path, follow_symlinks: bool = False) -> list[str]:

@@ -17,7 +17,7 @@ from .glm_layout import GlmLayout
 from .manifest_io import glm52_config, load_manifest
 from .progress import byte_progress
 from .safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
-from .checkpoint import INDEX_NAME
+from .checkpoint import write_index
 
 PRESETS = ("tiny", "bench", "full-layout")
 OUTLIER_RATE = 1e-3
@@ -166,8 +166,7 @@ def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float
                         writer.write(t.name, synth_weight(t, seed))
                         bar.update(t.nbytes)
             weight_map.update({t.name: name for t in shard})
-    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total},
-                                         "weight_map": dict(sorted(weight_map.items()))})
+    write_index(out, weight_map, total)
     for fname, make in SIDE_FILES.items():
         write_json_atomic(out / fname, make(config))
     write_json_atomic(out / "config.json", config)

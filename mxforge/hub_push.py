@@ -29,10 +29,9 @@ from .file_hashes import FileHash, FileStamp, checkpoint_files, hash_file, hash_
 from .cli_support import invocation
 from .hub_errors import HubError, HubVerificationError, as_hub_error, check_repo_id, hub_endpoint, raise_as_hub_error, redact
 from .hub_session import HubLimits, use_hub_limits
-from .model_card import CARD_MARKER, CARD_NAME, render_model_card
+from .model_card import CARD_MARKER, CARD_NAME, SOURCE_CARD_NAME, render_model_card
 from .safetensors_io import write_text_atomic
 
-SOURCE_CARD_NAME = "README.source.md"
 INLINE_MAX_BYTES = 10 << 20  # the Hub stores files above 10 MB in LFS; smaller ones are committed from memory
 
 

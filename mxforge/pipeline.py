@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .errors import MxforgeError
+from .quantize.error_report import summary_line
+from .quantize.scale_rules import DEFAULT_SCALE_RULE
 from .safetensors_io import write_json_atomic
 
 if TYPE_CHECKING:  # hub_session imports huggingface_hub: only when a stage talks to the Hub
@@ -44,6 +46,7 @@ class RunOptions:
     command: str | None = None
     follow_symlinks: bool = False   # read a local SOURCE through symlinks that leave it
     hub_limits: "HubLimits | None" = None  # timeouts and retries of Hub requests (None: HubLimits.resolve())
+    scale_rule: str | None = None  # overrides the recipe's (quantize/scale_rules.py)
 
     def inputs(self) -> dict:
         """What each stage's output depends on; a change reruns the stages that depend on it."""
@@ -51,13 +54,14 @@ class RunOptions:
 
         recipe = load_recipe(self.recipe)
         return {"source": self.source, "revision": self.revision, "recipe": recipe.name,
-                "recipe_sha256": recipe.sha256, "engines": sorted(self.engines) if self.engines else None,
-                "push_repo": self.push_repo}
+                "recipe_sha256": recipe.sha256, "scale_rule": self.scale_rule or recipe.scale_rule,
+                "engines": sorted(self.engines) if self.engines else None, "push_repo": self.push_repo}
 
 
 # Which stages must run again when one of the run's inputs changes.
 INVALIDATED_BY = {
     "recipe_sha256": ("quantize", "fixup", "validate", "push"),
+    "scale_rule": ("quantize", "fixup", "validate", "push"),
     "engines": ("fixup", "validate", "push"),
     "push_repo": ("push",),
 }
@@ -117,6 +121,7 @@ class Pipeline:
             if old.get(key) != inputs[key]:
                 raise MxforgeError(f"{self.out}: holds a run of {key} {old.get(key)!r}, not {inputs[key]!r}: "
                                    "use another OUT directory, or remove this one to start over")
+        old.setdefault("scale_rule", DEFAULT_SCALE_RULE)  # a state written before scale rules existed
         for key, stages in INVALIDATED_BY.items():
             if old.get(key) != inputs[key]:
                 for stage in stages:
@@ -214,8 +219,9 @@ class Pipeline:
 
         report = quantize_checkpoint(self.bf16_dir, self.mxfp4_dir, self.opts.recipe, workers=self.opts.workers,
                                      quiet=self.opts.quiet, command=self.opts.command,
-                                     follow_symlinks=self.opts.follow_symlinks)
+                                     follow_symlinks=self.opts.follow_symlinks, scale_rule=self.opts.scale_rule)
         report.pop("tensors", None)  # per-tensor lists stay in mxfp4/mxforge_quantize.json
+        (report.get("error") or {}).pop("tensors", None)  # per-tensor figures too
         return report
 
     def _fixup(self) -> dict:
@@ -262,6 +268,7 @@ def format_run_summary(report: dict) -> str:
         c = quant["counts"]
         lines.append(f"  tensors: {c['quantized']:,} MXFP4, {c['kept']:,} 2-D weights kept bf16, {c['copied']:,} copied; "
                      f"MTP layer(s) {quant.get('mtp_layers')} ({quant.get('mtp_tensors')} tensors) carried")
+        lines.append(f"  {summary_line(quant.get('error'))}")
     fix = (stages.get("fixup") or {}).get("report") or {}
     if fix:
         lines.append(f"  fixups: {len(fix.get('applied') or [])} applied" + (f", {len(fix['warnings'])} warning(s)" if fix.get("warnings") else ""))

@@ -198,16 +198,23 @@ class ShardWriter:
         return self
 
     def write(self, name: str, data) -> None:
+        self.write_parts(name, (data,))
+
+    def write_parts(self, name: str, parts) -> None:
+        """Write the next tensor from an iterable of bytes-like pieces (streaming: one piece in memory at a time)."""
         expected = self.order[self._next] if self._next < len(self.order) else None
         if expected is None or expected.name != name:
             raise CheckpointError(f"{self.path}: tensor {name!r} written out of order (expected {expected and expected.name!r})")
-        buf = _as_bytes(data)
-        if len(buf) != expected.nbytes:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has {len(buf)} bytes, planned {expected.nbytes}")
-        try:
-            self._file.write(buf)
-        except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot write tensor {name!r}: {e.strerror or e} (disk full?)") from None
+        written = 0
+        for part in parts:
+            buf = _as_bytes(part)
+            try:
+                self._file.write(buf)
+            except OSError as e:
+                raise CheckpointError(f"{self.path}: cannot write tensor {name!r}: {e.strerror or e} (disk full?)") from None
+            written += len(buf)
+        if written != expected.nbytes:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has {written} bytes, planned {expected.nbytes}")
         self._next += 1
 
     def skip_to_end(self) -> None:

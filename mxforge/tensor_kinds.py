@@ -35,3 +35,8 @@ def kind_of(name: str) -> str:
         if pattern.search(local):
             return kind
     return "other"
+
+
+def module_class(name: str, mtp_layers) -> str:
+    """The class reports group a tensor under: its kind, or "mtp" for every tensor of an MTP layer."""
+    return "mtp" if layer_of(name) in set(mtp_layers) else kind_of(name)

@@ -9,10 +9,13 @@ compiler vectorizes. Both kernels return the count of non-finite inputs (their b
 
 from __future__ import annotations
 
+import math
+
 import numba as nb
 import numpy as np
 
 BLOCK = 32
+LANES = 8  # scale_rules.ERROR_LANES
 EXP_MASK = 0x7F800000
 ABS_MASK = 0x7FFFFFFF
 # E2M1 boundaries in float32 bits: 0.25 1.25 2.5 5.0 ("above" rounds up: ties to even below) and
@@ -33,8 +36,18 @@ def _boundary_bits(mantissa, exponent):
 
 
 @nb.njit(inline="always")
-def _quantize_block(a, start, stop, codes_row, scales_row, b, tmp):
-    # a: float32 bits (int32) of one row; fills scale b and the codes of elements start..stop.
+def _boundaries(e):
+    # The seven E2M1 rounding boundaries for scale 2^e as float32 bits, in code order ("above" ones at even
+    # positions, "at or above" ones at odd positions).
+    return (_boundary_bits(_ABOVE[0, 0], _ABOVE[0, 1] + e), _boundary_bits(_AT_OR_ABOVE[0, 0], _AT_OR_ABOVE[0, 1] + e),
+            _boundary_bits(_ABOVE[1, 0], _ABOVE[1, 1] + e), _boundary_bits(_AT_OR_ABOVE[1, 0], _AT_OR_ABOVE[1, 1] + e),
+            _boundary_bits(_ABOVE[2, 0], _ABOVE[2, 1] + e), _boundary_bits(_AT_OR_ABOVE[2, 0], _AT_OR_ABOVE[2, 1] + e),
+            _boundary_bits(_ABOVE[3, 0], _ABOVE[3, 1] + e))
+
+
+@nb.njit(inline="always")
+def _quark_byte(a, start, stop):
+    # a: float32 bits (int32) of one row: (Quark's scale byte of elements start..stop, count of non-finite ones).
     amax = np.int32(0)
     nonfinite = 0
     for i in range(start, stop):
@@ -43,16 +56,12 @@ def _quantize_block(a, start, stop, codes_row, scales_row, b, tmp):
         nonfinite += (m & EXP_MASK) == EXP_MASK
     exponent = ((amax + (1 << 21)) >> 23) & 0xFF
     # Rounding up past the largest float32 exponent (amax >= 1.75 * 2^127) saturates at byte 254, as Quark does.
-    byte = 254 if exponent == 255 else min(max(exponent - 2, 1), 254)
-    scales_row[b] = byte
-    e = byte - 127  # the scale is 2^e; boundary t becomes t * 2^e
-    t0 = _boundary_bits(_ABOVE[0, 0], _ABOVE[0, 1] + e)
-    t1 = _boundary_bits(_AT_OR_ABOVE[0, 0], _AT_OR_ABOVE[0, 1] + e)
-    t2 = _boundary_bits(_ABOVE[1, 0], _ABOVE[1, 1] + e)
-    t3 = _boundary_bits(_AT_OR_ABOVE[1, 0], _AT_OR_ABOVE[1, 1] + e)
-    t4 = _boundary_bits(_ABOVE[2, 0], _ABOVE[2, 1] + e)
-    t5 = _boundary_bits(_AT_OR_ABOVE[2, 0], _AT_OR_ABOVE[2, 1] + e)
-    t6 = _boundary_bits(_ABOVE[3, 0], _ABOVE[3, 1] + e)
+    return (254 if exponent == 255 else min(max(exponent - 2, 1), 254)), nonfinite
+
+
+@nb.njit(inline="always")
+def _encode_block(a, start, stop, byte, codes_row, tmp):
+    t0, t1, t2, t3, t4, t5, t6 = _boundaries(byte - 127)  # the scale is 2^e; boundary t becomes t * 2^e
     n = stop - start
     for i in range(n):
         v = a[start + i]
@@ -63,6 +72,14 @@ def _quantize_block(a, start, stop, codes_row, scales_row, b, tmp):
     base = start >> 1
     for j in range(n >> 1):
         codes_row[base + j] = tmp[2 * j] | (tmp[2 * j + 1] << 4)
+
+
+@nb.njit(inline="always")
+def _quantize_block(a, start, stop, codes_row, scales_row, b, tmp):
+    # a: float32 bits (int32) of one row; fills scale b and the codes of elements start..stop.
+    byte, nonfinite = _quark_byte(a, start, stop)
+    scales_row[b] = byte
+    _encode_block(a, start, stop, byte, codes_row, tmp)
     return nonfinite
 
 
@@ -126,4 +143,94 @@ def quantize_bf16_rows(rows, codes, scales):
                 lo = _bf16_code(np.int32(row[start + 2 * j]), t0, t1, t2, t3, t4, t5, t6)
                 hi = _bf16_code(np.int32(row[start + 2 * j + 1]), t0, t1, t2, t3, t4, t5, t6)
                 crow[base + j] = np.uint8(lo | (hi << 4))
+    return nonfinite
+
+
+# --- scale rules and error statistics (scale_rules.py; the C kernel does the same, in the same float order) ---
+@nb.njit(inline="always")
+def _pow2f(k):
+    return np.float32(math.ldexp(1.0, k))  # exact for k in [-149, 127]
+
+
+@nb.njit(inline="always")
+def _twice_grid(m, t):
+    # Twice the E2M1 magnitude that |x| (float32 bits m) rounds to with boundaries t: 0 1 2 3 4 6 8 12.
+    return (m > t[0]) + (m >= t[1]) + (m > t[2]) + (m >= t[3]) + 2 * ((m > t[4]) + (m >= t[5])) + 4 * (m > t[6])
+
+
+@nb.njit(inline="always")
+def _lane_sum(lane):
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))
+
+
+@nb.njit(inline="always")
+def _block_error(a, xs, start, n, eq, d, lane):
+    # Squared error with scale 2^(eq + d), in units of 2^(2 eq), summed in scale_rules.py's lane order.
+    half, t = _pow2f(d - 1), _boundaries(eq + d)
+    lane[:] = 0
+    for i in range(n):
+        r = xs[i] - np.float32(_twice_grid(a[start + i] & ABS_MASK, t)) * half
+        lane[i % LANES] += r * r
+    return _lane_sum(lane)
+
+
+@nb.njit(inline="always")
+def _block_stats(a, xs, start, n, eq, d, lane, ref, stats):
+    half, top, t = _pow2f(d - 1), np.float32(6.0) * _pow2f(d), _boundaries(eq + d)
+    lane[:] = 0
+    ref[:] = 0
+    worst = np.float32(0)
+    clipped = 0
+    for i in range(n):
+        r = xs[i] - np.float32(_twice_grid(a[start + i] & ABS_MASK, t)) * half
+        lane[i % LANES] += r * r
+        ref[i % LANES] += xs[i] * xs[i]
+        worst = max(worst, abs(r))
+        clipped += xs[i] > top
+    unit = math.ldexp(1.0, eq)
+    stats[0] += np.float64(_lane_sum(lane)) * unit * unit
+    stats[1] += np.float64(_lane_sum(ref)) * unit * unit
+    stats[2] = max(stats[2], np.float64(worst) * unit)
+    stats[3] += clipped
+
+
+@nb.njit(cache=True, nogil=True)
+def quantize_rows_rule(bits, values, codes, scales, offsets, stats, with_stats):
+    """`bits`: float32 bit patterns (int32) `[out, in]`, `values` the same memory as float32. Picks each block's
+    exponent among Quark's + `offsets` (scale_rules.py) and, `with_stats`, adds the error statistics of the
+    finite blocks to `stats` (float64: sum of squared errors, sum of squares, max |error|, clipped count)."""
+    tmp = np.empty(BLOCK, dtype=np.uint8)
+    xs = np.empty(BLOCK, dtype=np.float32)
+    lane = np.zeros(LANES, dtype=np.float32)
+    ref = np.zeros(LANES, dtype=np.float32)
+    inner = bits.shape[1]
+    nonfinite = 0
+    for r in range(bits.shape[0]):
+        row, vrow, crow, srow = bits[r], values[r], codes[r], scales[r]
+        for b in range(srow.shape[0]):
+            start = b * BLOCK
+            stop = min(start + BLOCK, inner)
+            byte, bad = _quark_byte(row, start, stop)
+            nonfinite += bad
+            if bad == 0 and (offsets.shape[0] > 1 or with_stats):
+                eq = byte - 127
+                inv = _pow2f(-eq)
+                n = stop - start
+                for i in range(n):
+                    xs[i] = abs(vrow[start + i]) * inv
+                best = 0
+                best_error = np.float32(0)
+                if offsets.shape[0] > 1:
+                    for c in range(offsets.shape[0]):
+                        d = offsets[c]
+                        if byte + d < 1 or byte + d > 254:
+                            continue
+                        error = _block_error(row, xs, start, n, eq, d, lane)
+                        if c == 0 or error < best_error:
+                            best, best_error = d, error
+                if with_stats:
+                    _block_stats(row, xs, start, n, eq, best, lane, ref, stats)
+                byte += best
+            srow[b] = byte
+            _encode_block(row, start, stop, byte, crow, tmp)
     return nonfinite

@@ -15,12 +15,13 @@ import subprocess
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("_mxfp4_bf16.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 
 
 @functools.lru_cache(maxsize=None)
 def bf16_kernel():
-    """The C function `mxfp4_quantize_bf16(rows, codes, scales, n_rows, inner) -> nonfinite`, or None."""
+    """The C function `mxfp4_quantize_bf16(rows, codes, scales, n_rows, inner, offsets, n_offsets, stats)
+    -> nonfinite`, or None."""
     if os.environ.get("MXFORGE_KERNEL") == "numba":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -43,7 +44,8 @@ def bf16_kernel():
     except OSError:
         return None
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
     return fn
 
 

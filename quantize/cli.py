@@ -6,6 +6,8 @@ import argparse
 
 from mxforge.cli_support import EXIT_OK, add_follow_symlinks_option, add_json_option, emit, invocation
 
+from .scale_rules import SCALE_RULES
+
 
 def register_quantize(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("quantize", help="quantize a bf16 checkpoint to MXFP4 in Quark's format (streaming, parallel, resumable)",
@@ -18,25 +20,37 @@ def register_quantize(sub) -> argparse.ArgumentParser:
                    "also glm-5.2-mxfp4-mtp-bf16)")
     p.add_argument("--workers", type=int, default=None, help="worker processes across shards (default: one per CPU core)")
     p.add_argument("--device", default="cpu", help="where the numerics run: cpu (default) or cuda[:N]; same bytes")
+    add_scale_rule_option(p)
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="encode NaN/Inf weights as Quark does (+6.0 blocks) instead of refusing")
+    p.add_argument("--no-error-report", action="store_true",
+                   help="do not measure the quantization error while quantizing (its cost is measured in "
+                   "scripts/bench_quantize.py; the report, summary and model card then say 'not measured')")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_follow_symlinks_option(p, "SRC")
     add_json_option(p)
     return p
 
 
+def add_scale_rule_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scale-rule", choices=sorted(SCALE_RULES), default=None,
+                   help="how each 32-value block's E8M0 scale is chosen (default: the recipe's scale_rule, else quark): "
+                   + "; ".join(f"{r.name}: {r.description}" for r in SCALE_RULES.values()))
+
+
 def run_quantize(args) -> int:
+    from .error_report import summary_line
     from .run import quantize_checkpoint
 
     report = quantize_checkpoint(args.src, args.out, args.recipe, workers=args.workers, device=args.device,
                                  quiet=args.quiet, refuse_nonfinite=not args.allow_nonfinite,
-                                 command=invocation(), follow_symlinks=args.follow_symlinks)
+                                 command=invocation(), follow_symlinks=args.follow_symlinks, scale_rule=args.scale_rule,
+                                 measure_errors=not args.no_error_report)
     c, s = report["counts"], report["shards"]
     emit(report, args.json,
          f"quantized {report['source']} -> {report['out']} with recipe {report['recipe']['name']}: "
          f"{c['quantized']:,} tensors MXFP4, {c['kept']:,} 2-D weights kept, {c['copied']:,} copied "
          f"(MTP layer(s) {report['mtp_layers']}: {report['mtp_tensors']} tensors); shards {s['quantized_now']} done, "
          f"{s['skipped_complete']} already complete; {report['bytes_processed_now'] / 1e9:.2f} GB in "
-         f"{report['seconds']:.1f} s")
+         f"{report['seconds']:.1f} s\n{summary_line(report['error'])}")
     return EXIT_OK

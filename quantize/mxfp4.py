@@ -12,6 +12,10 @@ What Quark's file-to-file mode writes for a weight `[out, in]` (checked byte for
 - Non-finite input: Quark silently writes NaN blocks as +6.0. We refuse by default
   (`NonFiniteWeightError`); with `refuse_nonfinite=False` such tensors go through Quark's own kernel.
 
+That is the default scale rule ("quark"); scale_rules.py defines the others (same format, another
+exponent per block where it reconstructs the block better). While encoding, the kernels can also add the
+error statistics of what they wrote (error_report.py), so the error report costs no second pass.
+
 Three implementations share these rules, all tested byte for byte against Quark: for bf16 on the CPU a C
 kernel built on first use (`_mxfp4_bf16.c`, the fast path), a numba kernel (float32 input, and bf16
 where no C compiler is found), and a torch one that runs on any device (`--device cuda`).
@@ -25,12 +29,16 @@ import numpy as np
 
 from mxforge.errors import ConfigError, MxforgeError
 
+from .error_report import ERROR_STATS
+from .scale_rules import ERROR_LANES, get_scale_rule
+
 BLOCK = 32
 ZERO_BLOCK_SCALE = 1
 # E2M1 rounding boundaries (in units of the block scale): a value above/at each one moves up one code.
 # Ties (0.25, 1.25, 2.5, 5) go to the even code below; (0.75, 1.75, 3.5) go to the even code above.
 _UP_AT_OR_ABOVE = (0.75, 1.75, 3.5)
 _UP_ABOVE = (0.25, 1.25, 2.5, 5.0)
+TWICE_GRID = (0, 1, 2, 3, 4, 6, 8, 12)  # twice the E2M1 magnitude of codes 0..7
 ROW_CHUNK_ELEMENTS = 1 << 20  # rows per chunk of the torch path: about 4 MB of float32 at a time
 
 if TYPE_CHECKING:  # torch is imported where used: worker processes on the CPU path never load it
@@ -56,12 +64,14 @@ def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, i
 
 
 def quantize_mxfp4(weight: torch.Tensor, name: str | None = None, refuse_nonfinite: bool = True,
-                   device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   device: str | torch.device | None = None, scale_rule: str | None = None,
+                   stats: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D float weight `[out, in]` to (codes uint8 `[out, in/2]`, scale bytes uint8 `[out, ceil(in/32)]`).
 
-    Bit-identical to Quark 0.13's file-to-file output. `device` (default: the weight's) selects where the
-    numerics run: CPU uses the compiled kernel, any other device the torch implementation; results are
-    returned on CPU.
+    Bit-identical to Quark 0.13's file-to-file output with the default `scale_rule` ("quark"; see
+    scale_rules.py). `device` (default: the weight's) selects where the numerics run: CPU uses the compiled
+    kernel, any other device the torch implementation; results are returned on CPU. `stats`: see
+    `quantize_rows_cpu`.
 
     Raises:
         ConfigError: not 2-D, not floating point, or an odd in-dimension.
@@ -73,6 +83,7 @@ def quantize_mxfp4(weight: torch.Tensor, name: str | None = None, refuse_nonfini
         raise ConfigError(f"{name or 'weight'}: MXFP4 needs a floating-point weight, got {weight.dtype}")
     codes_shape, scales_shape = packed_shapes(tuple(weight.shape))
     device = torch.device(device) if device is not None else weight.device
+    offsets = get_scale_rule(scale_rule).offsets
     codes = torch.empty(codes_shape, dtype=torch.uint8)
     scales = torch.empty(scales_shape, dtype=torch.uint8)
     if weight.numel() == 0:
@@ -80,22 +91,29 @@ def quantize_mxfp4(weight: torch.Tensor, name: str | None = None, refuse_nonfini
     if device.type == "cpu":
         src = weight.detach().cpu().contiguous()
         arr = src.view(torch.int16).numpy() if src.dtype == torch.bfloat16 else src.to(torch.float32).numpy()
-        nonfinite = quantize_rows_cpu(arr, codes.numpy(), scales.numpy())
+        nonfinite = quantize_rows_cpu(arr, codes.numpy(), scales.numpy(), offsets, stats)
     else:
-        nonfinite = _quantize_torch(weight, codes, scales, device)
+        nonfinite = _quantize_torch(weight, codes, scales, device, offsets, stats)
     if nonfinite:
         if refuse_nonfinite:
             raise NonFiniteWeightError(
                 f"tensor {name or '(unnamed)'!r} holds {nonfinite} NaN/Inf value(s); quantizing would silently "
                 "encode their blocks as +6.0. Fix or re-download the source checkpoint")
+        if offsets != (0,):
+            raise ConfigError(f"tensor {name or '(unnamed)'!r} holds {nonfinite} NaN/Inf value(s): only the quark scale "
+                              "rule can encode them (as Quark does)")
         return _quark_reference(weight)
     return codes, scales
 
 
-def quantize_rows_cpu(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> int:
+def quantize_rows_cpu(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: tuple[int, ...] = (0,),
+                      stats: np.ndarray | None = None) -> int:
     """Quantize rows (bf16 bits as int16, or float32) into preallocated `codes`/`scales`, on the CPU kernel.
 
-    Returns the number of non-finite values seen (their blocks' outputs are then meaningless).
+    `offsets`: the scale rule's exponent offsets (`scale_rules.ScaleRule.offsets`; (0,) is Quark's).
+    `stats`: None, or a float64 array of ERROR_STATS zeros or running sums the rows' error statistics are
+    added to (`error_report.py` defines them). Returns the number of non-finite values seen (their blocks'
+    outputs are then meaningless).
     """
     if rows.dtype == np.int16:
         from ._native import bf16_kernel
@@ -103,11 +121,19 @@ def quantize_rows_cpu(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray) -
         native = bf16_kernel()
         if native is not None and codes.flags.c_contiguous and scales.flags.c_contiguous:
             rows = np.ascontiguousarray(rows)
-            return int(native(rows.ctypes.data, codes.ctypes.data, scales.ctypes.data, rows.shape[0], rows.shape[1]))
-    from ._mxfp4_kernel import quantize_bf16_rows, quantize_f32_rows
+            offs = np.asarray(offsets, dtype=np.int32)
+            return int(native(rows.ctypes.data, codes.ctypes.data, scales.ctypes.data, rows.shape[0], rows.shape[1],
+                              offs.ctypes.data, len(offs), None if stats is None else stats.ctypes.data))
+    from ._mxfp4_kernel import quantize_bf16_rows, quantize_f32_rows, quantize_rows_rule
 
-    kernel = quantize_bf16_rows if rows.dtype == np.int16 else quantize_f32_rows
-    return int(kernel(rows, codes, scales))
+    if tuple(offsets) == (0,) and stats is None:
+        kernel = quantize_bf16_rows if rows.dtype == np.int16 else quantize_f32_rows
+        return int(kernel(rows, codes, scales))
+    bits = (rows.astype(np.int32) << 16) if rows.dtype == np.int16 else np.ascontiguousarray(rows, np.float32).view(np.int32)
+    with_stats = stats is not None
+    stats = stats if with_stats else np.zeros(ERROR_STATS, dtype=np.float64)
+    return int(quantize_rows_rule(bits, bits.view(np.float32), codes, scales, np.asarray(offsets, dtype=np.int64),
+                                  stats, with_stats))
 
 
 def warm_cpu_kernel(dtypes: set[str]) -> None:
@@ -118,8 +144,10 @@ def warm_cpu_kernel(dtypes: set[str]) -> None:
         quantize_rows_cpu(arr, np.empty((1, 16), dtype=np.uint8), np.empty((1, 1), dtype=np.uint8))
 
 
-def _quantize_torch(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, device: torch.device) -> int:
-    """The same numerics as torch ops on `device`, in row chunks; fills CPU `codes`/`scales`."""
+def _quantize_torch(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, device: torch.device,
+                    offsets: tuple[int, ...] = (0,), stats: np.ndarray | None = None) -> int:
+    """The same numerics as torch ops on `device`, in row chunks; fills CPU `codes`/`scales` (and `stats`,
+    as `quantize_rows_cpu` does)."""
     import torch
 
     out, inner = weight.shape
@@ -136,15 +164,69 @@ def _quantize_torch(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
         amax = blocks.abs().amax(dim=-1)
         exponent = ((amax.view(torch.int32) + (1 << 21)) >> 23) & 0xFF
         scale_byte = torch.where(exponent == 255, 254, (exponent - 2).clamp(1, 254))
+        finite = torch.isfinite(amax)
+        if len(offsets) > 1:
+            scale_byte = scale_byte + _rule_offsets(blocks, scale_byte, finite, offsets)
         inv_scale = power_of_two_bits(127 - scale_byte).view(torch.float32)
         q = blocks.abs() * inv_scale.unsqueeze(-1)
-        code = sum((q >= t).to(torch.uint8) for t in _UP_AT_OR_ABOVE) + sum((q > t).to(torch.uint8) for t in _UP_ABOVE)
+        code = _e2m1_magnitude_codes(q)
+        if stats is not None:
+            _add_torch_stats(blocks, q, code, scale_byte, finite, stats)
         negative = (blocks < 0) & (code > 0)
         code = (code | (negative.to(torch.uint8) << 3)).reshape(x.shape[0], padded)[:, :inner]
         packed = code[:, 0::2] | (code[:, 1::2] << 4)
         codes[r0:r0 + rows_per_chunk] = packed.cpu()
         scales[r0:r0 + rows_per_chunk] = scale_byte.to(torch.uint8).cpu()
     return nonfinite
+
+
+def _e2m1_magnitude_codes(q: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes 0..7 of magnitudes already divided by the block scale (Quark's half-to-even rounding)."""
+    import torch
+
+    return sum((q >= t).to(torch.uint8) for t in _UP_AT_OR_ABOVE) + sum((q > t).to(torch.uint8) for t in _UP_ABOVE)
+
+
+def _rule_offsets(blocks: torch.Tensor, quark_byte: torch.Tensor, finite: torch.Tensor, offsets: tuple[int, ...]) -> torch.Tensor:
+    """Per block, the offset from Quark's exponent that a scale rule picks (scale_rules.py), with the block
+    errors rounded and summed in float32 exactly as the C and numba kernels do."""
+    import torch
+
+    xs = blocks.abs() * power_of_two_bits(127 - quark_byte).view(torch.float32).unsqueeze(-1)  # |x| / 2^eq
+    twice_grid = torch.tensor(TWICE_GRID, dtype=torch.float32, device=blocks.device)
+    best = torch.zeros_like(quark_byte)
+    best_error = None
+    for c, d in enumerate(offsets):
+        code = _e2m1_magnitude_codes(xs * 2.0 ** -d)
+        r = xs - twice_grid[code.long()] * 2.0 ** (d - 1)
+        e2 = (r * r).reshape(*r.shape[:-1], BLOCK // ERROR_LANES, ERROR_LANES)
+        lane = e2[..., 0, :]
+        for j in range(1, e2.shape[-2]):
+            lane = lane + e2[..., j, :]
+        error = ((lane[..., 0] + lane[..., 1]) + (lane[..., 2] + lane[..., 3])) + \
+            ((lane[..., 4] + lane[..., 5]) + (lane[..., 6] + lane[..., 7]))
+        if best_error is None:
+            best_error = error
+            continue
+        better = finite & (quark_byte + d >= 1) & (quark_byte + d <= 254) & (error < best_error)
+        best = torch.where(better, d, best)
+        best_error = torch.where(better, error, best_error)
+    return best
+
+
+def _add_torch_stats(blocks: torch.Tensor, q: torch.Tensor, code: torch.Tensor, scale_byte: torch.Tensor,
+                     finite: torch.Tensor, stats: np.ndarray) -> None:
+    """Add the error statistics of the finite blocks (error_report.py) in float64."""
+    import torch
+
+    twice_grid = torch.tensor(TWICE_GRID, dtype=torch.float64, device=blocks.device)
+    scale = torch.ldexp(torch.ones_like(scale_byte, dtype=torch.float64), (scale_byte - 127).to(torch.float64)).unsqueeze(-1)
+    x = blocks.abs().to(torch.float64)
+    err = (x - twice_grid[code.long()] * 0.5 * scale)[finite]
+    stats[0] += float((err * err).sum())
+    stats[1] += float((x[finite] ** 2).sum())
+    stats[2] = max(stats[2], float(err.abs().max()) if err.numel() else 0.0)
+    stats[3] += int((q[finite] > 6.0).sum())
 
 
 def power_of_two_bits(exponent: torch.Tensor) -> torch.Tensor:
@@ -162,12 +244,23 @@ def _quark_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quark_quantize_weight(weight.detach().cpu())
 
 
+E2M1_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+def dequantize_rows(codes: np.ndarray, scales: np.ndarray, inner: int) -> np.ndarray:
+    """Float32 `[rows, inner]` values that uint8 `codes` `[rows, inner/2]` and E8M0 `scales` encode: each
+    E2M1 value times 2^(byte - 127), exact (bf16 holds every such value but the overflow 6 * 2^127 -> inf)."""
+    rows = codes.shape[0]
+    nib = np.empty((rows, codes.shape[1] * 2), dtype=np.uint8)
+    nib[:, 0::2] = codes & 0xF
+    nib[:, 1::2] = codes >> 4
+    scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float32)
+    with np.errstate(over="ignore"):
+        return E2M1_VALUES[nib[:, :inner]] * np.repeat(scale, BLOCK, axis=1)[:, :inner]
+
+
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, inner: int) -> torch.Tensor:
     """Float32 `[out, inner]` values that `codes`/`scales` encode (for error measurements and checks)."""
     import torch
 
-    grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32)
-    nib = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(codes.shape[0], -1)[:, :inner].long()
-    values = grid[nib]
-    scale = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.float32) - 127)
-    return values * scale.repeat_interleave(BLOCK, dim=1)[:, :inner]
+    return torch.from_numpy(dequantize_rows(codes.numpy(), scales.numpy(), inner))

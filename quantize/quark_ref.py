@@ -87,3 +87,16 @@ def quark_quantize_weight(weight):
     out: dict = {}
     f2f._single_stage_quantize_weight(weight, "w.weight", "w", spec, out, "ref.safetensors")
     return out["w.weight"], out["w.weight_scale"]
+
+
+def quark_dequantize_weight(codes, scales, float_dtype):
+    """Quark's own dequantization of a real-quantized MXFP4 weight (what its model loading runs): the
+    StaticScaledRealQuantizer of the weight spec, fed the packed codes and the E8M0 scale bytes."""
+    import torch
+    from quark.torch.export.nn.modules.realquantizer import get_real_quantizer
+
+    spec, _ = mxfp4_specs()
+    quantizer = get_real_quantizer(qspec=spec, quantizer=None, reorder=True, real_quantized=True,
+                                   float_dtype=float_dtype, device=torch.device("cpu"), scale_shape=tuple(scales.shape))
+    quantizer.scale = scales.clone()
+    return quantizer(codes)

@@ -5,7 +5,8 @@ rule matches is kept. A rule selects 2-D linear weights by tensor kind (`mxforge
 shared_experts, router, dense_mlp, attention, indexer, mtp_proj, embeddings, other), by layer scope
 (`all`, `decoder` = layers 0..num_hidden_layers-1, `mtp` = the MTP layers after them, from config.json)
 and optionally by `names`, regular expressions that must match the whole module name. Every rule must
-match something in the checkpoint it is applied to.
+match something in the checkpoint it is applied to. `scale_rule` (optional, default "quark") names how
+each block's scale is chosen (scale_rules.py); `--scale-rule` overrides it.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from mxforge.glm_layout import GlmLayout
 from mxforge.manifest_io import manifest_text
 from mxforge.tensor_kinds import KINDS, kind_of, layer_of
 
+from .scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, get_scale_rule
+
 Decision = Literal["quantize", "keep"]
 DEFAULT_RECIPE = "glm-5.2-mxfp4"
 SCHEMES = {"mxfp4": True, "w_mxfp4": False}  # scheme -> are dynamic MXFP4 activations declared?
 LAYER_SCOPES = ("all", "decoder", "mtp")
-TOP_KEYS = {"name", "description", "scheme", "quantize", "keep"}
+TOP_KEYS = {"name", "description", "scheme", "quantize", "keep", "scale_rule"}
+METADATA_KEY = "mxforge"  # quantization_config's key for what Quark's schema has no field for (Quark ignores it)
 RULE_KEYS = {"kinds", "layers", "names"}
 
 
@@ -70,6 +74,7 @@ class Recipe:
     rules: tuple[Rule, ...]
     source: str  # where it was loaded from
     sha256: str  # of the recipe file's bytes
+    scale_rule: str = DEFAULT_SCALE_RULE
 
     def decide(self, tensor_name: str, layout: GlmLayout) -> Decision:
         """"quantize" or "keep" for a tensor name; non-weights, norms and embeddings are always kept.
@@ -106,10 +111,18 @@ class Recipe:
         return SCHEMES[self.scheme]
 
     def quantization_config(self, excluded_modules: list[str]) -> dict:
-        """`quantization_config` for config.json, built with Quark's own config objects (cached per Quark version)."""
+        """`quantization_config` for config.json, built with Quark's own config objects (cached per Quark version).
+
+        With Quark's scale rule it is exactly Quark's; another rule is recorded under METADATA_KEY (the recipe
+        and the rule), a key Quark's reader and the engines ignore: the tensors' format is the same."""
         from .quark_ref import cached_quantization_config
 
-        return cached_quantization_config(sorted(excluded_modules), self.quantize_inputs)
+        config = cached_quantization_config(sorted(excluded_modules), self.quantize_inputs)
+        rule = get_scale_rule(self.scale_rule)
+        if not rule.is_quark:
+            config[METADATA_KEY] = {"recipe": self.name, "recipe_sha256": self.sha256, "scale_rule": rule.name,
+                                    "scale_rule_description": rule.description}
+        return config
 
 
 def load_recipe(name_or_path: str | Path | None = None) -> Recipe:
@@ -160,7 +173,11 @@ def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
     quantize = [_parse_rule(r, "quantize", i, source) for i, r in enumerate(_rule_list(data, "quantize", source))]
     if not quantize:
         raise ConfigError(f"recipe {source}: no [[quantize]] rule, so it would quantize nothing")
-    return Recipe(data["name"], str(data.get("description", "")), data["scheme"], tuple(rules + quantize), source, sha256)
+    rule = data.get("scale_rule", DEFAULT_SCALE_RULE)
+    if rule not in SCALE_RULES:
+        raise ConfigError(f"recipe {source}: scale_rule {rule!r} is not known; choose one of {sorted(SCALE_RULES)}")
+    return Recipe(data["name"], str(data.get("description", "")), data["scheme"], tuple(rules + quantize), source, sha256,
+                  rule)
 
 
 def _rule_list(data: dict, key: str, source: str) -> list:

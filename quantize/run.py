@@ -9,6 +9,7 @@ side files, config.json with Quark's quantization_config, and mxforge_quantize.j
 from __future__ import annotations
 
 import copy
+import dataclasses
 import multiprocessing as mp
 import os
 import shutil
@@ -18,8 +19,8 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from mxforge.cli_support import invocation
-from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json
-from mxforge.dir_lock import LOCK_NAME, directory_lock
+from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json, write_index
+from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
 from mxforge.hub_download import SOURCE_NAME
 from mxforge.progress import byte_progress, format_bytes
@@ -27,7 +28,9 @@ from mxforge.safe_paths import refuse_links_leaving
 from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
 
 from .plan import QuantizePlan, ShardPlan, plan_checkpoint
+from .error_report import error_report
 from .recipe import Recipe, load_recipe
+from .scale_rules import get_scale_rule
 from .shard_job import ShardJob, ShardResult, finish_shard, run_shard
 from .state import PROVENANCE_NAME, STATE_NAME, ResumeState, tool_versions
 
@@ -45,8 +48,12 @@ def default_workers(shards: int) -> int:
 
 def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: int | None = None, device: str = "cpu",
                         quiet: bool = False, refuse_nonfinite: bool = True, command: str | None = None,
-                        follow_symlinks: bool = False) -> dict:
+                        follow_symlinks: bool = False, scale_rule: str | None = None,
+                        measure_errors: bool = True) -> dict:
     """Quantize checkpoint `src` into `out` with `recipe`; returns the JSON report (also in OUT/mxforge_quantize.json).
+
+    `scale_rule` (scale_rules.py) overrides the recipe's. The report's "error" section is measured while
+    quantizing (error_report.py); `measure_errors=False` skips that (None), only to measure its cost.
 
     Rerunning on the same OUT resumes: shards already complete and still valid are skipped. Holds OUT's
     lock (dir_lock) throughout. SRC's files must not be symlinks leading out of SRC unless `follow_symlinks`.
@@ -61,23 +68,27 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     """
     src, out = Path(src), Path(out)
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    if scale_rule is not None:
+        recipe = dataclasses.replace(recipe, scale_rule=get_scale_rule(scale_rule).name)
     _check_device(device)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     ckpt = Checkpoint.open(src, follow_symlinks)
-    side_files = _side_files(src)
-    refuse_links_leaving(src, side_files, follow=follow_symlinks, action="copy")
+    to_copy = side_files(src)
+    refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     plan = plan_checkpoint(ckpt, recipe)
-    _prepare_out(src, out)
+    check_out_dir(src, out, STATE_NAME, "quantize")
     with directory_lock(out):
-        return _quantize_into(src, out, recipe, ckpt, plan, side_files, workers, device, quiet, refuse_nonfinite, command)
+        return _quantize_into(src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command,
+                              measure_errors)
 
 
-def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str],
-                   workers: int | None, device: str, quiet: bool, refuse_nonfinite: bool, command: str | None) -> dict:
+def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, to_copy: list[str],
+                   workers: int | None, device: str, quiet: bool, refuse_nonfinite: bool, command: str | None,
+                   measure_errors: bool = True) -> dict:
     started = time.monotonic()
     versions = tool_versions()
-    state = ResumeState(out, recipe.sha256, versions)
+    state = ResumeState(out, recipe.sha256, versions, recipe.scale_rule)
     todo = [s for s in plan.shards if not state.is_done(s.name, src, out, s.header_sha256)]
     skipped = len(plan.shards) - len(todo)
     for s in todo:
@@ -87,20 +98,23 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
     _check_free_space(out, todo)
     expected = _expected_sha256(src)
     verified = _download_verified(src, expected)
-    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name))
-            for s in sorted(todo, key=lambda s: -s.source_size)]
+    offsets = get_scale_rule(recipe.scale_rule).offsets
+    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name), offsets,
+                     measure_errors) for s in sorted(todo, key=lambda s: -s.source_size)]
     workers = workers or default_workers(len(jobs))
     total = sum(s.source_size for s in todo)
     with byte_progress(total, "quantize", disable=quiet) as bar:
         results = _run_jobs(jobs, workers, state, bar)
     accounted = verify_output(plan, out)
     _write_index(plan, out)
-    for name in side_files:
+    for name in to_copy:
         copy_atomic(src / name, out / name)
     _write_config(ckpt.config, recipe, plan, out)
     elapsed = time.monotonic() - started
     report = _report(src, out, recipe, plan, device, workers, versions, len(todo), skipped, total, elapsed,
                      accounted, command, sum(r.sha256_from_download for r in results))
+    report["error"] = error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule) \
+        if measure_errors else None
     write_json_atomic(out / PROVENANCE_NAME, report)
     return report
 
@@ -115,21 +129,6 @@ def _check_device(device: str) -> None:
     if not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: no CUDA device is visible to torch {torch.__version__} "
                           f"(built with CUDA {torch.version.cuda}); use --device cpu")
-
-
-def _prepare_out(src: Path, out: Path) -> None:
-    """OUT must be new, empty, or a previous mxforge quantize output (to resume)."""
-    if out.resolve() == src.resolve():
-        raise MxforgeError(f"{out}: OUT is the source checkpoint; choose another directory")
-    if out.exists():
-        if not out.is_dir():
-            raise MxforgeError(f"{out}: exists and is not a directory; choose another OUT")
-        # Unfinished *.partial files are never results (a kill during the first state write leaves only one);
-        # .cache holds the lock of a quantize that started here.
-        if (any(not p.name.endswith(".partial") and p.name != LOCK_NAME.parts[0] for p in out.iterdir())
-                and not (out / STATE_NAME).exists()):
-            raise MxforgeError(f"{out}: not empty and not a previous `mxforge quantize` output (no {STATE_NAME}); "
-                               "choose a new or empty OUT")
 
 
 def _remove_strays(out: Path, plan: QuantizePlan) -> None:
@@ -291,30 +290,32 @@ def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
 def _write_index(plan: QuantizePlan, out: Path) -> None:
     weight_map = {o.name: s.name for s in plan.shards for t in s.tensors for o in t.outputs()}
     total = sum(o.nbytes for s in plan.shards for t in s.tensors for o in t.outputs())
-    write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    write_index(out, weight_map, total)
 
 
-def _side_files(src: Path) -> list[str]:
-    """Top-level non-weight files to copy (tokenizer, generation config, provenance...), not hidden ones or state."""
+def side_files(src: Path, not_copied=NOT_COPIED) -> list[str]:
+    """Top-level non-weight files to copy (tokenizer, generation config, provenance...), not hidden ones, state,
+    unfinished files or `not_copied`."""
     return [p.name for p in sorted(src.iterdir())
-            if p.is_file() and not (p.name.startswith(".") or p.suffix == ".safetensors" or p.name in NOT_COPIED
+            if p.is_file() and not (p.name.startswith(".") or p.suffix == ".safetensors" or p.name in not_copied
                                     or p.name.endswith(".partial"))]
 
 
 def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -> None:
     """config.json with quantization_config as Quark's file-to-file writes it (same JSON layout)."""
     config = copy.deepcopy(config)
-    _drop_quantization_config(config)
+    drop_quantization_config(config)
     config["quantization_config"] = recipe.quantization_config(plan.excluded_modules())
     # Quark's layout exactly: indent 4, UTF-8 as is, no trailing newline.
     write_json_atomic(out / "config.json", config, indent=4, ensure_ascii=False, trailing_newline=False)
 
 
-def _drop_quantization_config(config: dict) -> None:
+def drop_quantization_config(config: dict) -> None:
+    """Remove quantization_config from a config and from every config nested in it (text_config...)."""
     config.pop("quantization_config", None)
     for value in config.values():
         if isinstance(value, dict):
-            _drop_quantization_config(value)
+            drop_quantization_config(value)
 
 
 def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: str, workers: int,
@@ -325,7 +326,8 @@ def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: st
         "stage": "quantize",
         "source": str(src.resolve()),
         "out": str(out.resolve()),
-        "recipe": {"name": recipe.name, "sha256": recipe.sha256, "source": recipe.source, "scheme": recipe.scheme},
+        "recipe": {"name": recipe.name, "sha256": recipe.sha256, "source": recipe.source, "scheme": recipe.scheme,
+                   "scale_rule": recipe.scale_rule},
         "device": device,
         "workers": workers,
         "shards": {"total": len(plan.shards), "quantized_now": done, "skipped_complete": skipped},

@@ -13,7 +13,7 @@ import hashlib
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +40,8 @@ class ShardJob:
     # (size, mtime_ns) at which download verified the source against expected_sha256 (its hash cache):
     # while the source still has them, its sha256 is taken as verified instead of computed again
     verified_stat: tuple[int, int] | None = None
+    scale_offsets: tuple[int, ...] = (0,)  # the scale rule's (scale_rules.py); (0,) is Quark's
+    measure_errors: bool = True  # error sums in the kernel (error_report.py); off only to measure their cost
 
 
 @dataclass
@@ -52,6 +54,8 @@ class ShardResult:
     output_mtime_ns: int
     header_sha256: str
     sha256_from_download: bool = False  # the source's sha256 was download's verified one, not recomputed
+    # per quantized tensor, the error sums the kernel measured while quantizing it (error_report.tensor_record)
+    errors: dict = field(default_factory=dict)
 
 
 def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, finish: bool = True) -> ShardResult:
@@ -82,7 +86,7 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
             try:
                 _reserve(out_fd, plan.output_size, final)
                 _pwrite_all(out_fd, plan.header, 0, final)
-                digest = _stream_tensors(fin, out_fd, job, progress, hashing=not reuse)
+                digest, errors = _stream_tensors(fin, out_fd, job, progress, hashing=not reuse)
             finally:
                 os.close(out_fd)
         if reuse:
@@ -95,7 +99,8 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
         if isinstance(e, OSError) and not isinstance(e, MxforgeError):
             raise CheckpointError(f"{src}: cannot read shard: {e.strerror or e}") from None
         raise
-    result = ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256, reuse)
+    result = ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256, reuse,
+                         errors)
     return finish_shard(result, Path(job.out_dir)) if finish else result
 
 
@@ -222,9 +227,10 @@ class _HashingReader:
                 pass
 
 
-def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None], hashing: bool = True) -> str:
+def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None],
+                    hashing: bool = True) -> tuple[str, dict]:
     """Read the source sequentially (header, then tensors by offset), transform and place each tensor;
-    returns the source's sha256 (when `hashing`)."""
+    returns the source's sha256 (when `hashing`) and each quantized tensor's error sums."""
     plan = job.plan
     reader = _HashingReader(fin, job.plan.source_size, hashing)
     try:
@@ -232,13 +238,14 @@ def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], N
         data_start = tensors[0].source.start if tensors else plan.source_size
         for pos in range(0, data_start, CHUNK_BYTES):
             reader.read(pos, min(CHUNK_BYTES, data_start - pos))
+        errors = {}
         for t in tensors:
             if t.fate == "quantized":
-                _quantize_tensor(reader, out_fd, t, job, progress)
+                errors[t.source.name] = _quantize_tensor(reader, out_fd, t, job, progress)
             else:
                 _copy_tensor(reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job))
             _start_writeback(out_fd)
-        return reader.hexdigest()
+        return reader.hexdigest(), errors
     finally:
         reader.close()
 
@@ -263,7 +270,10 @@ def _copy_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, dest: int, 
         progress(n)
 
 
-def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, progress) -> None:
+def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, progress) -> dict:
+    """Quantize one tensor in row chunks; returns its error sums (error_report.tensor_record)."""
+    from .error_report import ERROR_STATS, tensor_record
+
     s = t.source
     rows, inner = s.shape
     itemsize = s.nbytes // max(1, s.numel)
@@ -274,17 +284,20 @@ def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: Sh
     codes_buf = np.empty(min(rows, rows_per_chunk) * (inner // 2), dtype=np.uint8)
     scales_buf = np.empty(min(rows, rows_per_chunk) * nblocks, dtype=np.uint8)
     nonfinite = 0
+    stats = np.zeros(ERROR_STATS, dtype=np.float64) if job.measure_errors else None
     for r0 in range(0, rows, rows_per_chunk):
         n = min(rows_per_chunk, rows - r0)
         x = _as_rows(reader.read(s.start + r0 * row_bytes, n * row_bytes), s.dtype, n, inner)
         codes = codes_buf[:n * (inner // 2)].reshape(n, inner // 2)
         scales = scales_buf[:n * nblocks].reshape(n, nblocks)
-        nonfinite += _quantize_rows(x, codes, scales, s.dtype, job.device)
+        nonfinite += _quantize_rows(x, codes, scales, s.dtype, job, stats)
         _pwrite_all(out_fd, codes.data, codes_at + r0 * (inner // 2), _out_path(job))
         _pwrite_all(out_fd, scales.data, scales_at + r0 * nblocks, _out_path(job))
         progress(n * row_bytes)
     if nonfinite:
         _handle_nonfinite(reader, out_fd, t, job, nonfinite, codes_at, scales_at)
+        return tensor_record(np.zeros(ERROR_STATS), 0) | {"nonfinite": nonfinite}  # encoded as Quark does: not measured
+    return tensor_record(stats, s.numel) if stats is not None else tensor_record(np.zeros(ERROR_STATS), 0)
 
 
 def _as_rows(raw: bytes, dtype: str, n: int, inner: int) -> np.ndarray:
@@ -295,11 +308,12 @@ def _as_rows(raw: bytes, dtype: str, n: int, inner: int) -> np.ndarray:
     return np.frombuffer(raw, dtype="<f4").reshape(n, inner)
 
 
-def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: str, device: str) -> int:
-    if device == "cpu":
+def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: str, job: ShardJob,
+                   stats: np.ndarray | None) -> int:
+    if job.device == "cpu":
         from .mxfp4 import quantize_rows_cpu
 
-        return quantize_rows_cpu(x, codes, scales)
+        return quantize_rows_cpu(x, codes, scales, job.scale_offsets, stats)
     import torch
 
     from .mxfp4 import _quantize_torch
@@ -308,7 +322,7 @@ def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: 
     if dtype == "BF16":
         w = w.view(torch.bfloat16)
     codes_t, scales_t = torch.from_numpy(codes), torch.from_numpy(scales)
-    return _quantize_torch(w, codes_t, scales_t, torch.device(device))
+    return _quantize_torch(w, codes_t, scales_t, torch.device(job.device), job.scale_offsets, stats)
 
 
 def _handle_nonfinite(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, count: int, codes_at: int, scales_at: int) -> None:
@@ -321,6 +335,10 @@ def _handle_nonfinite(reader: _HashingReader, out_fd: int, t: TensorPlan, job: S
             f"{Path(job.src_dir) / job.plan.name}: tensor {s.name!r} holds {count} NaN/Inf value(s); quantizing "
             "would silently encode their blocks as +6.0 (Quark does). Fix or re-download the source, "
             "keep the tensor with a [[keep]] recipe rule, or pass --allow-nonfinite to encode as Quark does")
+    if job.scale_offsets != (0,):
+        raise NonFiniteWeightError(
+            f"{Path(job.src_dir) / job.plan.name}: tensor {s.name!r} holds {count} NaN/Inf value(s); only the quark "
+            "scale rule can encode them (as Quark does): fix the source, keep the tensor, or use --scale-rule quark")
     import torch
 
     raw = reader.reread(s.start, s.nbytes)

@@ -1,8 +1,9 @@
 """Resume state: OUT/mxforge_quantize.state.json, one entry per finished output shard.
 
-An entry records the identity of the shard's input (size, mtime, sha256), the recipe's sha256, the tool
-versions, the planned output header's sha256 (every decision about the shard) and the output's size and
-mtime. A rerun skips a shard only when all of these still hold; anything else is redone. The file is
+An entry records the identity of the shard's input (size, mtime, sha256), the recipe's sha256, the scale
+rule, the tool versions, the planned output header's sha256 (every decision about the shard) and the
+output's size and mtime. A rerun skips a shard only when all of these still hold; anything else is redone.
+It also keeps the error sums measured while the shard was quantized, so a resumed run reports them too. The file is
 rewritten atomically after each shard, so a SIGKILL at any moment leaves either the old or the new state.
 """
 
@@ -47,9 +48,10 @@ def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
 class ResumeState:
     """The state file of one OUT directory for one (recipe, tool versions) pair."""
 
-    def __init__(self, out: Path, recipe_sha256: str, versions: dict[str, str]):
+    def __init__(self, out: Path, recipe_sha256: str, versions: dict[str, str], scale_rule: str = "quark"):
         self.path = out / STATE_NAME
         self.recipe_sha256 = recipe_sha256
+        self.scale_rule = scale_rule
         self.versions = versions
         self.shards: dict[str, dict] = {}
         if self.path.exists():
@@ -65,7 +67,7 @@ class ResumeState:
         entry = self.shards.get(name)
         if not entry or entry.get("recipe_sha256") != self.recipe_sha256 or entry.get("versions") != self.versions:
             return False
-        if entry.get("header_sha256") != header_sha256:
+        if entry.get("header_sha256") != header_sha256 or entry.get("scale_rule", "quark") != self.scale_rule:
             return False
         try:
             src, out = (src_dir / name).stat(), (out_dir / name).stat()
@@ -80,8 +82,19 @@ class ResumeState:
         return True
 
     def record(self, result: ShardResult) -> None:
-        self.shards[result.name] = {**asdict(result), "recipe_sha256": self.recipe_sha256, "versions": self.versions}
+        self.shards[result.name] = {**asdict(result), "recipe_sha256": self.recipe_sha256, "versions": self.versions,
+                                    "scale_rule": self.scale_rule}
         self.save()
+
+    def errors(self, names) -> dict[str, dict]:
+        """The per-tensor error sums recorded for shards `names` (those of a state written before mxforge
+        measured errors have none)."""
+        out: dict[str, dict] = {}
+        for name in names:
+            errors = (self.shards.get(name) or {}).get("errors")
+            if isinstance(errors, dict):
+                out.update(errors)
+        return out
 
     def forget(self, name: str) -> None:
         """Drop a shard's entry in memory; the caller saves once after forgetting all it must."""

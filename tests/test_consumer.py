@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from conftest import run_cli
 from ocp_mx import decode_checkpoint, decode_mxfp4, e2m1_value, e8m0_table
 
-SCALE_RULES = [None]  # None: Quark's rule (the default); others go to `mxforge quantize --scale-rule RULE`
+SCALE_RULES = [None, "mse"]  # None: Quark's rule (the default); others go to `mxforge quantize --scale-rule RULE`
 
 BATCH, SEQ = 8, 64  # 512 positions; SEQ > the tiny fixture's index_topk (16), so DSA's top-k selection acts
 TOKEN_SEED = 1234

@@ -34,9 +34,12 @@ def cases(tmp_path_factory) -> dict[str, matrix.Case]:
     root = tmp_path_factory.mktemp("conformance")
     srcs = matrix.sources(root)
     out = {c.name: c for c in matrix.export_cases(root, srcs)}
-    for recipe in ("glm-5.2-mxfp4", "glm-5.2-mxfp4-mtp-bf16"):  # the real pipeline, quantize included
-        run_cli("run", str(srcs["e6"]), str(root / f"run-{recipe}"), "--recipe", recipe, "--quiet", check=True)
-        out[f"e6/run-{recipe}"] = matrix.Case(f"e6/run-{recipe}", root / f"run-{recipe}" / "mxfp4")
+    # The real pipeline, quantize included; the mse scale rule adds its record to quantization_config, which
+    # every release's own config reader must accept.
+    for recipe, rule in (("glm-5.2-mxfp4", "quark"), ("glm-5.2-mxfp4-mtp-bf16", "quark"), ("glm-5.2-mxfp4", "mse")):
+        name = f"run-{recipe}" + ("" if rule == "quark" else f"-{rule}")
+        run_cli("run", str(srcs["e6"]), str(root / name), "--recipe", recipe, "--scale-rule", rule, "--quiet", check=True)
+        out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
     return out
 
 

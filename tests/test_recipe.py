@@ -66,6 +66,7 @@ def test_recipe_hash_and_name():
     ('name="x"\nscheme="nvfp4"\n[[quantize]]\nkinds=["experts"]\n', "scheme 'nvfp4'"),
     ('name="x"\nscheme="mxfp4"\n', r"no \[\[quantize\]\] rule"),
     ('name="x"\nscheme="mxfp4"\n[[quantize]\n', "malformed TOML"),
+    ('name="x"\nscheme="mxfp4"\nscale_rule="max"\n[[quantize]]\nkinds=["experts"]\n', "scale_rule 'max' is not known"),
 ])
 def test_bad_recipes_are_clear_errors(tmp_path, body, message):
     path = tmp_path / "bad.toml"
@@ -73,6 +74,24 @@ def test_bad_recipes_are_clear_errors(tmp_path, body, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_recipe(path)
     assert str(path) in str(info.value)
+
+
+def test_scale_rule_from_the_recipe_is_used_and_recorded_and_the_flag_wins(tiny_ckpt, tmp_path):
+    from conftest import REPO, run_cli
+
+    path = tmp_path / "mse.toml"
+    shipped = (REPO / "manifests" / "glm-5.2-mxfp4.toml").read_text()
+    path.write_text(shipped.replace('scheme = "mxfp4"', 'scheme = "mxfp4"\nscale_rule = "mse"'))
+    recipe = load_recipe(path)
+    assert recipe.scale_rule == "mse" and load_recipe("glm-5.2-mxfp4").scale_rule == "quark"
+    meta = recipe.quantization_config(["lm_head"])["mxforge"]
+    assert meta["scale_rule"] == "mse" and meta["recipe"] == recipe.name and meta["recipe_sha256"] == recipe.sha256
+    assert "mxforge" not in load_recipe("glm-5.2-mxfp4").quantization_config(["lm_head"])
+    for flag, want in (([], "mse"), (["--scale-rule", "quark"], "quark")):
+        out = tmp_path / f"out-{want}"
+        run_cli("quantize", str(tiny_ckpt), str(out), "--recipe", str(path), "--quiet", *flag, check=True)
+        assert json.loads((out / "mxforge_quantize.json").read_text())["recipe"]["scale_rule"] == want
+        assert ("mxforge" in json.loads((out / "config.json").read_text())["quantization_config"]) == (want == "mse")
 
 
 def test_unknown_recipe_name():
