@@ -93,16 +93,28 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
     total = sum(s.source_size for s in todo)
     with byte_progress(total, "quantize", disable=quiet) as bar:
         results = _run_jobs(jobs, workers, state, bar)
-    accounted = verify_output(plan, out)
-    _write_index(plan, out)
-    for name in side_files:
-        copy_atomic(src / name, out / name)
-    _write_config(ckpt.config, recipe, plan, out)
+    accounted = finish_checkpoint(src, out, recipe, ckpt, plan, side_files)
     elapsed = time.monotonic() - started
     report = _report(src, out, recipe, plan, device, workers, versions, len(todo), skipped, total, elapsed,
                      accounted, command, sum(r.sha256_from_download for r in results))
     write_json_atomic(out / PROVENANCE_NAME, report)
     return report
+
+
+def finish_checkpoint(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan,
+                      side_files: list[str]) -> dict[str, int]:
+    """Once every output shard is in place: check them against the plan, then write the index, the side
+    files and config.json (what makes OUT a checkpoint); returns verify_output's counts.
+
+    Raises:
+        CheckpointError: a planned tensor is missing from the output, or a file cannot be written.
+    """
+    accounted = verify_output(plan, out)
+    _write_index(plan, out)
+    for name in side_files:
+        copy_atomic(src / name, out / name)
+    _write_config(ckpt.config, recipe, plan, out)
+    return accounted
 
 
 def _check_device(device: str) -> None:
@@ -210,16 +222,8 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> li
             results.append(run_shard(job, bar.update))
             state.record(results[-1])
         return results
-    ctx = mp.get_context("spawn")
-    if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
-        # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
-        from .mxfp4 import warm_cpu_kernel
-
-        warm_cpu_kernel({t.source.dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
-        ctx = mp.get_context("fork")
-    counter = ctx.Value("q", 0)
+    pool, counter = start_worker_pool(workers, jobs)
     seen = 0
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,))
     finisher = ThreadPoolExecutor(workers, thread_name_prefix="fsync")
     out_dir = Path(jobs[0].out_dir)
     failed = True
@@ -254,6 +258,23 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> li
                 partial_path(Path(job.out_dir) / job.plan.name).unlink(missing_ok=True)
     _tick(bar, counter, seen)
     return results
+
+
+def start_worker_pool(workers: int, jobs: list[ShardJob]):
+    """(pool, counter): `workers` processes for `jobs` (submit `shard_worker`, which leaves `SHARD.partial` for
+    finish_shard) and the shared count of source bytes they have processed."""
+    ctx = mp.get_context("spawn")
+    if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
+        # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
+        from .mxfp4 import warm_cpu_kernel
+
+        warm_cpu_kernel({t.source.dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
+        ctx = mp.get_context("fork")
+    counter = ctx.Value("q", 0)
+    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,)), counter
+
+
+shard_worker = _worker  # what start_worker_pool's processes run, for schedulers outside this module
 
 
 def _tick(bar, counter, seen: int) -> int:

@@ -79,6 +79,20 @@ class ResumeState:
             return file_sha256(src_dir / name) == entry["source_sha256"]
         return True
 
+    def output_done(self, name: str, out_dir: Path, header_sha256: str, source_sha256: str) -> bool:
+        """Whether OUT/<name> is complete and was made from a source with `source_sha256` under this recipe,
+        tools and plan: is_done for a source that is gone (a streamed run deletes each bf16 shard once
+        quantized) but whose sha256 is known."""
+        entry = self.shards.get(name)
+        if not entry or (entry.get("recipe_sha256"), entry.get("versions"), entry.get("header_sha256"),
+                         entry.get("source_sha256")) != (self.recipe_sha256, self.versions, header_sha256, source_sha256):
+            return False
+        try:
+            out = (out_dir / name).stat()
+        except FileNotFoundError:
+            return False
+        return (out.st_size, out.st_mtime_ns) == (entry["output_size"], entry["output_mtime_ns"])
+
     def record(self, result: ShardResult) -> None:
         self.shards[result.name] = {**asdict(result), "recipe_sha256": self.recipe_sha256, "versions": self.versions}
         self.save()

@@ -15,7 +15,7 @@ real HTTP on 127.0.0.1. It speaks exactly what huggingface_hub 1.x sends and exp
   PUT  /lfs-objects/{oid}                               LFS object upload (sha256 checked)
   POST /api/models/{repo}/commit/{rev}                  ndjson commit (header, file, lfsFile)
   HEAD /{repo}/resolve/{rev}/{path}                     X-Repo-Commit, ETag, X-Linked-Etag, X-Linked-Size
-  GET  /{repo}/resolve/{rev}/{path}                     the bytes, honouring `Range: bytes=N-`
+  GET  /{repo}/resolve/{rev}/{path}                     the bytes, honouring `Range: bytes=N-` and `bytes=N-M`
 
 It never advertises Xet (no X-Xet-* headers, no `xetHash`), so downloads use plain HTTP; uploads pick Xet
 whenever hf_xet is installed, so clients talking to this server must set `HF_HUB_DISABLE_XET=1`.
@@ -451,14 +451,15 @@ class _HubHandler(BaseHTTPRequestHandler):
         headers = {"X-Repo-Commit": commit.sha, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
         if f.lfs:
             headers.update({"X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.size)})
-        start = 0
+        start, end = 0, f.size
         rng = self.headers.get("Range") if path not in hub.ignore_range else None
         if rng:
-            m = re.fullmatch(r"bytes=(\d+)-", rng.strip())
-            if not m or int(m.group(1)) > f.size:
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
+            if not m or int(m.group(1)) > f.size or (m.group(2) and int(m.group(2)) < int(m.group(1))):
                 raise HubError(416, f"unsatisfiable range {rng}")
             start = int(m.group(1))
-        stop = min(f.size, start + hub.short_body[path]) if path in hub.short_body else f.size
+            end = min(f.size, int(m.group(2)) + 1) if m.group(2) else f.size  # bytes=N-M: a closed range
+        stop = min(end, start + hub.short_body[path]) if path in hub.short_body else end
         extra, announced = hub.long_body.get(path, (0, True))
         self.send_response(206 if rng else 200)
         for k, v in headers.items():
@@ -468,7 +469,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         else:
             self.close_connection = True  # no length: the body ends when the connection closes
         if rng:
-            self.send_header("Content-Range", f"bytes {start}-{f.size - 1}/{f.size}")
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{f.size}")
         self.end_headers()
         if self.command == "HEAD":
             return
@@ -498,7 +499,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         if stall_at is not None:
             self.wfile.flush()
             return self._hold()
-        if drop is not None and stop < f.size:  # the injected drop: cut the connection mid-body
+        if drop is not None and stop < end:  # the injected drop: cut the connection mid-body
             self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
