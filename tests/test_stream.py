@@ -1,0 +1,200 @@
+"""`mxforge run --stream` against the loopback Hub: the pushed checkpoint is byte-identical to a sequential
+run's, blobs are pre-uploaded before the one commit, and a real SIGKILL at a chosen point (during a
+shard's download, during a pre-upload) followed by a rerun commits the same bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from mxforge.pipeline import STATE_NAME
+from mxforge.stream import STREAM_STATE_NAME, choose_stream, plan_disk
+
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "scripts"))
+from loopback_hub import LoopbackHub  # noqa: E402
+
+TOKEN = "hf_mxforgeStreamTestTokenNeverLogged7"
+SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+# Provenance records the command line that made them; everything else must be the same bytes.
+PROVENANCE = {"mxforge_source.json", "mxforge_quantize.json", "mxforge_fixups.json", "README.md"}
+
+
+@pytest.fixture
+def hub(tmp_path, tiny_ckpt):
+    h = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
+    h.add_repo_from_dir("zai/glm-tiny", tiny_ckpt)
+    h.start()
+    yield h
+    h.stop()
+
+
+def _env(hub, tmp_path) -> dict:
+    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
+            "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def _run(hub, tmp_path, out, repo, *extra):
+    return run_cli("run", "zai/glm-tiny", str(out), "--push", repo, "--quiet", "--json", "-", *extra,
+                   env=_env(hub, tmp_path), timeout=600)
+
+
+def _pushed(hub, repo: str) -> dict[str, bytes]:
+    commit = hub.repos[repo].resolve("main")
+    return {name: f.disk_path.read_bytes() for name, f in commit.files.items()}
+
+
+def _same_checkpoint(a: dict[str, bytes], b: dict[str, bytes]) -> None:
+    """Same files; the same bytes except provenance, whose JSON may differ only in the recorded command."""
+    assert sorted(a) == sorted(b)
+    for name in a:
+        if name not in PROVENANCE:
+            assert a[name] == b[name], name
+
+    def strip(obj):
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if k not in ("command", "source", "out", "seconds", "gb_per_s")}
+        return [strip(v) for v in obj] if isinstance(obj, list) else obj
+
+    for name in ("mxforge_source.json", "mxforge_fixups.json"):
+        assert strip(json.loads(a[name])) == strip(json.loads(b[name])), name
+
+
+def _commits(hub) -> list[int]:
+    return [i for i, r in enumerate(hub.requests) if r[0] == "POST" and "/commit/" in r[1]]
+
+
+def _puts(hub) -> list[int]:
+    return [i for i, r in enumerate(hub.requests) if r[0] == "PUT"]
+
+
+def test_stream_pushes_the_same_checkpoint_as_a_sequential_run(hub, tmp_path):
+    out = tmp_path / "stream"
+    proc = _run(hub, tmp_path, out, "alice/streamed", "--stream", "--workers", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    stream = report["stages"]["stream"]["report"]
+    assert [s for s in ("download", "quantize") if s in report["stages"]] == []
+    assert {k: v["shards"] for k, v in stream["stages"].items()} == {"download": 3, "quantize": 3, "upload": 3}
+    assert report["stages"]["validate"]["report"]["ok"] is True
+    # Each shard's object went up before the one commit, which came after validation; nothing was committed twice.
+    puts, commits = _puts(hub), _commits(hub)
+    assert len(puts) == 3 and len(commits) == 1 and max(puts) < commits[0]
+    # Every bf16 shard was deleted once quantized; only the small files stay.
+    assert not list((out / "bf16").glob("*.safetensors"))
+    assert stream["peak_source_bytes_on_disk"] <= stream["disk_plan"]["peak_bytes"] - stream["disk_plan"]["output_bytes"]
+    # Headers were planned from byte ranges, not whole-file downloads: each shard was fetched whole once.
+    whole = [r for r in hub.requests if r[0] == "GET" and r[1].endswith(".safetensors") and r[2] is None]
+    assert sorted(r[1].rsplit("/", 1)[1] for r in whole) == SHARDS
+
+    sequential = _run(hub, tmp_path, tmp_path / "sequential", "alice/sequential", "--no-stream", "--workers", "2")
+    assert sequential.returncode == 0, sequential.stderr
+    assert "download" in json.loads(sequential.stdout)["stages"]
+    _same_checkpoint(_pushed(hub, "alice/streamed"), _pushed(hub, "alice/sequential"))
+
+    # A rerun has nothing left to do and commits nothing new.
+    hub.requests.clear()
+    again = _run(hub, tmp_path, out, "alice/streamed")
+    assert again.returncode == 0, again.stderr
+    assert "stream" in json.loads(again.stdout)["reused_from_earlier_run"]
+    assert _puts(hub) == [] and _commits(hub) == []
+    # The mode of a run is kept: asking for the other one in the same OUT is one clear error.
+    other = run_cli("run", "zai/glm-tiny", str(out), "--no-stream", "--quiet", env=_env(hub, tmp_path))
+    assert other.returncode == 2 and "holds a stream run" in other.stderr and "Traceback" not in other.stderr
+
+
+def _kill_when(hub, proc_box: dict, route: str, condition) -> threading.Event:
+    """SIGKILL the run's process group from inside the Hub's handler when `condition(handler)` first holds."""
+    fired = threading.Event()
+
+    def hook(handler) -> None:
+        if not fired.is_set() and condition(handler):
+            fired.set()
+            os.killpg(proc_box["proc"].pid, signal.SIGKILL)
+            proc_box["proc"].wait()
+
+    hub.before[route] = hook
+    return fired
+
+
+def _whole_get(shard: str):
+    def condition(handler) -> bool:
+        rng = handler.headers.get("Range") or ""
+        return handler.command == "GET" and handler.path.endswith(shard) and not rng.rstrip().endswith(tuple("0123456789"))
+    return condition
+
+
+def _nth_put(n: int):
+    seen = []
+
+    def condition(handler) -> bool:
+        seen.append(handler.path)
+        return len(seen) == n
+    return condition
+
+
+@pytest.mark.parametrize("point", ["download of the second shard", "pre-upload of the second shard"])
+def test_sigkill_mid_stream_then_rerun_commits_the_same_bytes(hub, tmp_path, point):
+    reference = _run(hub, tmp_path, tmp_path / "sequential", "alice/sequential", "--no-stream", "--workers", "1")
+    assert reference.returncode == 0, reference.stderr
+    expected = _pushed(hub, "alice/sequential")
+    for f in hub.repos["alice/sequential"].resolve("main").files.values():  # the Hub forgets the shards'
+        if f.lfs:                                                            # objects: the stream must send them
+            f.disk_path.unlink(missing_ok=True)
+    hub.requests.clear()
+    out = tmp_path / "stream"
+    box: dict = {}
+    if point.startswith("download"):
+        fired = _kill_when(hub, box, "resolve", _whole_get(SHARDS[1]))
+    else:
+        fired = _kill_when(hub, box, "lfs_put", _nth_put(2))
+    args = [sys.executable, "-m", "mxforge.cli", "run", "zai/glm-tiny", str(out), "--push", "alice/streamed",
+            "--stream", "--quiet", "--workers", "1", "--in-flight", "1"]
+    box["proc"] = subprocess.Popen(args, env={**os.environ, **_env(hub, tmp_path)}, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, start_new_session=True)
+    box["proc"].wait(timeout=600)
+    assert fired.is_set() and box["proc"].returncode == -signal.SIGKILL
+    hub.before.clear()
+    # Killed before the commit: nothing of the product is on the Hub, and the run is recorded unfinished.
+    assert _commits(hub) == []
+    assert json.loads((out / STATE_NAME).read_text())["stages"]["stream"]["status"] == "running"
+    stream_state = json.loads((out / STREAM_STATE_NAME).read_text())
+    assert len(list((out / "bf16").glob("*.safetensors"))) <= 1  # --in-flight 1
+    puts_before = len(_puts(hub))
+
+    rerun = _run(hub, tmp_path, out, "alice/streamed", "--in-flight", "1")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    report = json.loads(rerun.stdout)["stages"]["stream"]["report"]
+    assert report["shards"]["quantized_earlier"] >= 1  # the first shard was not made again
+    assert report["stages"]["quantize"]["shards"] == 3 - report["shards"]["quantized_earlier"]
+    # Each shard's object was sent at most once over both runs (the Hub skips what it holds).
+    assert puts_before + len(_puts(hub)[puts_before:]) <= 3
+    assert len(_commits(hub)) == 1
+    if point.startswith("pre-upload"):
+        assert stream_state["uploaded"], "the first shard's pre-upload was recorded before the kill"
+    _same_checkpoint(_pushed(hub, "alice/streamed"), expected)
+
+
+def test_stream_from_a_local_source_keeps_it_and_matches_sequential(tiny_ckpt, tmp_path):
+    before = {p.name: p.stat().st_mtime_ns for p in tiny_ckpt.iterdir()}
+    run_cli("run", str(tiny_ckpt), str(tmp_path / "seq"), "--quiet", check=True)
+    run_cli("run", str(tiny_ckpt), str(tmp_path / "str"), "--stream", "--quiet", check=True)
+    assert {p.name: p.stat().st_mtime_ns for p in tiny_ckpt.iterdir()} == before
+    files = lambda d: {p.name: p.read_bytes() for p in (d / "mxfp4").iterdir()  # noqa: E731
+                       if p.is_file() and p.name.endswith((".safetensors", ".index.json", "config.json"))}
+    assert files(tmp_path / "str") == files(tmp_path / "seq")
+
+
+def test_disk_plan_and_the_default_mode():
+    # GLM-5.2: 1.5 TB of bf16; a 2 TB disk cannot hold the source and the output: streamed.
+    assert choose_stream(1_500 * 10**9, 2_000 * 10**9) is True
+    assert choose_stream(1_500 * 10**9, 3_500 * 10**9) is False
+    # The output plus the in-flight largest source shards.
+    assert plan_disk(424, [5, 9, 7, 1], 2) == 424 + 9 + 7
