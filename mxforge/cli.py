@@ -93,6 +93,12 @@ def register_run(sub) -> argparse.ArgumentParser:
                    "a Hub repo and the disk cannot hold the source and the output at once (the choice is reported)")
     p.add_argument("--in-flight", type=int, default=None, metavar="N",
                    help="with --stream: bf16 shards on disk at once (default: workers + 1)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="ray: every shard a Ray task that downloads, quantizes and pre-uploads it on its node; the "
+                   "driver validates and commits once (needs mxforge[ray]; OUT must be visible to every node)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --executor ray: the cluster to join (e.g. ray://head:10001 or auto; default: start a "
+                   "local Ray with --workers CPUs)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_follow_symlinks_option(p, "a local SOURCE")
     add_hub_options(p)
@@ -108,7 +114,8 @@ def run_run(args) -> int:
                       engines=parse_engines_arg(args.engines), push_repo=args.push,
                       revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
                       command=invocation(), follow_symlinks=args.follow_symlinks, hub_limits=hub_limits(args),
-                      stream=args.stream, in_flight=args.in_flight)
+                      stream=args.stream, in_flight=args.in_flight, executor=args.executor,
+                      ray_address=args.ray_address)
     if args.in_flight is not None and args.in_flight < 1:
         raise MxforgeError(f"--in-flight must be at least 1, got {args.in_flight}")
     pipeline = Pipeline(opts)

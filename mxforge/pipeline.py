@@ -46,6 +46,8 @@ class RunOptions:
     hub_limits: "HubLimits | None" = None  # timeouts and retries of Hub requests (None: HubLimits.resolve())
     stream: bool | None = None      # True: --stream, False: --no-stream, None: stream a Hub source that does not fit
     in_flight: int | None = None    # streamed: bf16 shards on disk at once (default: workers + 1)
+    executor: str = "local"         # "ray": every shard a Ray task (streamed; mxforge[ray])
+    ray_address: str | None = None
 
     def inputs(self) -> dict:
         """What each stage's output depends on; a change reruns the stages that depend on it."""
@@ -190,6 +192,10 @@ class Pipeline:
         o = self.opts
         earlier = self.state.get("mode")
         asked = None if o.stream is None else ("stream" if o.stream else "sequential")
+        if o.executor == "ray":
+            if self.local or o.stream is False:
+                raise MxforgeError("--executor ray streams shards from a Hub repo: give a Hub SOURCE, without --no-stream")
+            asked = "stream"
         if earlier and asked and earlier != asked:
             raise MxforgeError(f"{self.out}: holds a {earlier} run; rerun it {'with' if earlier == 'stream' else 'without'} "
                                "--stream, or use another OUT directory")
@@ -223,7 +229,13 @@ class Pipeline:
 
     def _run_stages(self) -> dict:
         o = self.opts
-        self.state["mode"] = self._choose_mode()
+        self._save()
+        try:
+            self.state["mode"] = self._choose_mode()
+        except MxforgeError as e:  # reading the source's file list is the download's first step: recorded as its failure
+            self.state["stages"]["download"] = {"status": "failed", "error": str(e)}
+            self._save()
+            raise
         self._save()
         if self.state["mode"] == "stream":
             self._stage("stream", self._stream, marker=self.mxfp4_dir / "config.json", out_dir=self.mxfp4_dir,
@@ -266,7 +278,8 @@ class Pipeline:
             source=o.source, local=self.local, bf16_dir=self.bf16_dir, mxfp4_dir=self.mxfp4_dir,
             state_path=self.out / STREAM_STATE_NAME, recipe=o.recipe, revision=o.revision, push_repo=o.push_repo,
             private=o.private, workers=o.workers, in_flight=o.in_flight, quiet=o.quiet, command=o.command,
-            follow_symlinks=o.follow_symlinks, limits=o.hub_limits or HubLimits.resolve())).run()
+            follow_symlinks=o.follow_symlinks, limits=o.hub_limits or HubLimits.resolve(), executor=o.executor,
+            ray_address=o.ray_address)).run()
 
     def _quantize(self) -> dict:
         from .quantize.run import quantize_checkpoint

@@ -60,6 +60,8 @@ class StreamOptions:
     command: str | None = None
     follow_symlinks: bool = False
     limits: object = None       # HubLimits
+    executor: str = "local"     # "local": threads and worker processes here; "ray": one Ray task per shard
+    ray_address: str | None = None  # None: a local Ray instance with `workers` CPUs
 
 
 @dataclass
@@ -72,12 +74,14 @@ class StageClock:
     last: float | None = None
     shards: int = 0
 
-    def add(self, started: float, nbytes: int) -> None:
-        now = time.monotonic()
+    def add(self, started: float, nbytes: int, ended: float | None = None) -> None:
+        """One shard's step, from `started` to `ended` (default now), in time.time() seconds (comparable across
+        processes and, for Ray tasks, nodes with synchronized clocks)."""
+        ended = time.time() if ended is None else ended
         self.bytes += nbytes
-        self.busy += now - started
+        self.busy += ended - started
         self.first = started if self.first is None else min(self.first, started)
-        self.last = now
+        self.last = ended if self.last is None else max(self.last, ended)
         self.shards += 1
 
     def as_dict(self) -> dict:
@@ -227,7 +231,15 @@ class StreamRun:
         in_flight = max(1, o.in_flight or workers + 1)
         self._check_disk(plan, shards, in_flight)
         todo = [s for s in shards if s.step != "done"]
-        if todo:
+        if o.push_repo and todo:  # the repo (empty until push's commit) must exist to receive objects
+            from .hub_push import prepare_repo
+
+            self._hub_call(lambda: prepare_repo(self.api_for_push(), o.push_repo, o.branch, o.private))
+        if todo and o.executor == "ray":
+            from .ray_executor import run_on_ray
+
+            run_on_ray(self, todo, qstate, state, o.ray_address, workers)
+        elif todo:
             self._stream(todo, workers, in_flight, qstate, state)
         accounted = finish_checkpoint(o.bf16_dir, o.mxfp4_dir, recipe, ckpt, plan, side_files)
         elapsed = time.monotonic() - started
@@ -309,10 +321,6 @@ class StreamRun:
         if pool is not None:
             pool.submit(int).result()
         threads = ThreadPoolExecutor(o.downloads + o.uploads + workers, thread_name_prefix="stream")
-        if o.push_repo and any(s.step != "done" for s in todo):
-            from .hub_push import prepare_repo
-
-            self._hub_call(lambda: prepare_repo(self.api_for_push(), o.push_repo, o.branch, o.private))
         running: dict = {}  # future -> (kind, shard)
 
         def idle(step: str) -> list[_Shard]:
@@ -338,18 +346,18 @@ class StreamRun:
                     for s in idle("download"):
                         if s.verified or count("download") >= o.downloads or on_disk() >= in_flight:
                             continue
-                        s.started = time.monotonic()
+                        s.started = time.time()
                         running[threads.submit(self._download, s, dl_bar)] = ("download", s)
                 for s in idle("quantize"):
                     if (o.local or s.verified) and count("quantize") + count("finish") < workers:
                         jobs[s.plan.name] = ShardJob(str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True,
                                                      s.source_sha256, s.verified)
-                        s.started = time.monotonic()
+                        s.started = time.time()
                         running[pool.submit(shard_worker, jobs[s.plan.name])] = ("quantize", s)
                 for s in idle("upload"):
                     if count("upload") < o.uploads:
-                        s.started = time.monotonic()
-                        running[threads.submit(self._upload, s)] = ("upload", s)
+                        s.started = time.time()
+                        running[threads.submit(self.upload_shard, s)] = ("upload", s)
                 done, _ = wait(list(running), timeout=0.2, return_when=FIRST_COMPLETED)
                 if counter is not None:
                     bar.update(counter.value - seen)
@@ -359,31 +367,15 @@ class StreamRun:
                     kind, s = running.pop(future)
                     result = future.result()  # a stage's error stops the run here
                     if kind == "download":
-                        self.clocks["download"].add(s.started, s.plan.source_size)
-                        s.verified, s.source_sha256 = result, s.remote.sha256
-                        state.data["downloaded"][s.plan.name] = {"sha256": s.source_sha256, "stamp": list(result)}
-                        state.save()
-                        s.step = "quantize"
+                        self.record_download(s, result, state)
                     elif kind == "quantize":
                         running[threads.submit(finish_shard, result, o.mxfp4_dir)] = ("finish", s)
                     elif kind == "finish":
-                        qstate.record(result)
-                        self.sha256_from_download += result.sha256_from_download
-                        self.clocks["quantize"].add(s.started, s.plan.source_size)
+                        self.record_quantized(s, result, qstate, state)
                         if not o.local:
                             (o.bf16_dir / s.plan.name).unlink(missing_ok=True)
-                            state.data["downloaded"].pop(s.plan.name, None)
-                            state.save()
-                        s.verified = None
-                        s.step = "upload" if o.push_repo else "done"
-                    else:  # upload
-                        cache = HashCache(o.mxfp4_dir)
-                        cache.put(result)
-                        cache.save()
-                        state.data["uploaded"][s.plan.name] = result.sha256
-                        state.save()
-                        self.clocks["upload"].add(s.started, s.plan.output_size)
-                        s.step = "done"
+                    else:
+                        self.record_upload(s, result, state)
             failed = False
         except BrokenProcessPool:
             raise MxforgeError("a quantize worker process died (killed for memory?); rerun the same command to "
@@ -402,6 +394,35 @@ class StreamRun:
                     partial_path(o.mxfp4_dir / s.plan.name).unlink(missing_ok=True)
             bar.close()
             dl_bar.close()
+
+    # Each step's outcome, recorded (by the one thread that runs the scheduler) as soon as it is known.
+    def record_download(self, s: _Shard, stamp: tuple[int, int], state: _State) -> None:
+        self.clocks["download"].add(s.started, s.plan.source_size)
+        s.verified, s.source_sha256 = stamp, s.remote.sha256
+        state.data["downloaded"][s.plan.name] = {"sha256": s.source_sha256, "stamp": list(stamp)}
+        state.save()
+        s.step = "quantize"
+
+    def record_quantized(self, s: _Shard, result, qstate, state: _State, clock: bool = True) -> None:
+        """The output shard is in place: record it; its bf16 shard is no longer needed (the caller deletes it)."""
+        qstate.record(result)
+        self.sha256_from_download += result.sha256_from_download
+        if clock:
+            self.clocks["quantize"].add(s.started, s.plan.source_size)
+        if state.data["downloaded"].pop(s.plan.name, None) is not None:
+            state.save()
+        s.verified = None
+        s.step = "upload" if self.o.push_repo else "done"
+
+    def record_upload(self, s: _Shard, fh: FileHash, state: _State, clock: bool = True) -> None:
+        cache = HashCache(self.o.mxfp4_dir)  # push's model card reads the hashes from here, without a re-read
+        cache.put(fh)
+        cache.save()
+        state.data["uploaded"][s.plan.name] = fh.sha256
+        state.save()
+        if clock:
+            self.clocks["upload"].add(s.started, s.plan.output_size)
+        s.step = "done"
 
     def api_for_push(self):
         from huggingface_hub import HfApi
@@ -431,7 +452,7 @@ class StreamRun:
         st = (self.o.bf16_dir / s.plan.name).stat()
         return st.st_size, st.st_mtime_ns
 
-    def _upload(self, s: _Shard) -> FileHash:
+    def upload_shard(self, s: _Shard) -> FileHash:
         from .hub_push import preupload_file
 
         path = self.o.mxfp4_dir / s.plan.name

@@ -141,14 +141,7 @@ def _nth_put(n: int):
 
 
 @pytest.mark.parametrize("point", ["download of the second shard", "pre-upload of the second shard"])
-def test_sigkill_mid_stream_then_rerun_commits_the_same_bytes(hub, tmp_path, point):
-    reference = _run(hub, tmp_path, tmp_path / "sequential", "alice/sequential", "--no-stream", "--workers", "1")
-    assert reference.returncode == 0, reference.stderr
-    expected = _pushed(hub, "alice/sequential")
-    for f in hub.repos["alice/sequential"].resolve("main").files.values():  # the Hub forgets the shards'
-        if f.lfs:                                                            # objects: the stream must send them
-            f.disk_path.unlink(missing_ok=True)
-    hub.requests.clear()
+def test_sigkill_mid_stream_then_rerun_commits_the_same_bytes(hub, tmp_path, point, sequential_reference):
     out = tmp_path / "stream"
     box: dict = {}
     if point.startswith("download"):
@@ -179,13 +172,17 @@ def test_sigkill_mid_stream_then_rerun_commits_the_same_bytes(hub, tmp_path, poi
     assert len(_commits(hub)) == 1
     if point.startswith("pre-upload"):
         assert stream_state["uploaded"], "the first shard's pre-upload was recorded before the kill"
-    _same_checkpoint(_pushed(hub, "alice/streamed"), expected)
+    _same_checkpoint(_pushed(hub, "alice/streamed"), sequential_reference)
 
 
 def test_stream_from_a_local_source_keeps_it_and_matches_sequential(tiny_ckpt, tmp_path):
     before = {p.name: p.stat().st_mtime_ns for p in tiny_ckpt.iterdir()}
     run_cli("run", str(tiny_ckpt), str(tmp_path / "seq"), "--quiet", check=True)
-    run_cli("run", str(tiny_ckpt), str(tmp_path / "str"), "--stream", "--quiet", check=True)
+    # The single-node path never imports Ray, installed or not.
+    code = ("import sys; from mxforge.cli import main; rc = main(['run', sys.argv[1], sys.argv[2], '--stream', '--quiet']); "
+            "assert rc == 0 and 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_ckpt), str(tmp_path / "str")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
     assert {p.name: p.stat().st_mtime_ns for p in tiny_ckpt.iterdir()} == before
     files = lambda d: {p.name: p.read_bytes() for p in (d / "mxfp4").iterdir()  # noqa: E731
                        if p.is_file() and p.name.endswith((".safetensors", ".index.json", "config.json"))}
@@ -198,3 +195,73 @@ def test_disk_plan_and_the_default_mode():
     assert choose_stream(1_500 * 10**9, 3_500 * 10**9) is False
     # The output plus the in-flight largest source shards.
     assert plan_disk(424, [5, 9, 7, 1], 2) == 424 + 9 + 7
+
+
+def _process_of_client(handler) -> int:
+    """The pid of the local process on the other end of a Hub request (from /proc: the socket's inode)."""
+    port = handler.client_address[1]
+    inode = None
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port:
+            inode = fields[9]
+    assert inode is not None, "the client's socket is not in /proc/net/tcp"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]" for fd in os.listdir(f"/proc/{pid}/fd")):
+                return int(pid)
+        except OSError:
+            continue
+    raise AssertionError("no process holds the client's socket")
+
+
+@pytest.fixture
+def sequential_reference(hub, tmp_path):
+    """What a sequential run pushes; then the Hub forgets the shards' objects, so a later run must send them."""
+    proc = _run(hub, tmp_path, tmp_path / "sequential", "alice/sequential", "--no-stream", "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    expected = _pushed(hub, "alice/sequential")
+    for f in hub.repos["alice/sequential"].resolve("main").files.values():
+        if f.lfs:
+            f.disk_path.unlink(missing_ok=True)
+    hub.requests.clear()
+    return expected
+
+
+def test_ray_task_whose_worker_is_killed_is_retried_without_duplicates(hub, tmp_path, sequential_reference):
+    pytest.importorskip("ray")
+    killed = []
+
+    def kill_uploader(handler) -> None:  # SIGKILL the Ray worker sending the first object, mid-request
+        if not killed:
+            killed.append(_process_of_client(handler))
+            os.kill(killed[0], signal.SIGKILL)
+
+    hub.before["lfs_put"] = kill_uploader
+    out = tmp_path / "ray"
+    proc = _run(hub, tmp_path, out, "alice/ray", "--executor", "ray", "--workers", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert killed and killed[0] != os.getpid()
+    report = json.loads(proc.stdout)["stages"]["stream"]["report"]
+    assert report["stages"]["quantize"]["shards"] == 3 and report["stages"]["upload"]["shards"] == 3
+    assert len(_commits(hub)) == 1 and _commits(hub)[0] > max(_puts(hub))
+    _same_checkpoint(_pushed(hub, "alice/ray"), sequential_reference)
+
+
+def test_ray_driver_killed_mid_run_then_rerun_commits_the_same_bytes(hub, tmp_path, sequential_reference):
+    pytest.importorskip("ray")
+    out = tmp_path / "ray"
+    box: dict = {}
+    fired = _kill_when(hub, box, "lfs_put", _nth_put(2))
+    args = [sys.executable, "-m", "mxforge.cli", "run", "zai/glm-tiny", str(out), "--push", "alice/ray", "--quiet",
+            "--executor", "ray", "--workers", "2"]
+    box["proc"] = subprocess.Popen(args, env={**os.environ, **_env(hub, tmp_path)}, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, start_new_session=True)
+    box["proc"].wait(timeout=600)
+    assert fired.is_set() and box["proc"].returncode == -signal.SIGKILL
+    hub.before.clear()
+    assert _commits(hub) == []
+    rerun = _run(hub, tmp_path, out, "alice/ray", "--executor", "ray", "--workers", "2")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert len(_commits(hub)) == 1
+    _same_checkpoint(_pushed(hub, "alice/ray"), sequential_reference)
