@@ -36,8 +36,12 @@ with a 302 to the same path on a second server on another port of 127.0.0.1 (`mi
 reached it, with whether an Authorization header came along); `before[route]` runs a callback when a
 route is hit (e.g. to change a local file in the middle of a push).
 
-Standalone: `python scripts/loopback_hub.py --root DIR [--port N] [--token T]`: every DIR/<owner>/<name>/
-directory is served as a model repo on branch main; pushed objects are kept under DIR/.loopback-hub/.
+Bandwidth (benchmarks): `pace["down"].rate` / `pace["up"].rate` limit file downloads / request bodies to that
+many bytes/s, shared by all connections as one link would; `bytes_sent` / `bytes_received` count them.
+
+Standalone: `python scripts/loopback_hub.py --root DIR [--port N] [--token T] [--down-mbps R] [--up-mbps R]`:
+every DIR/<owner>/<name>/ directory is served as a model repo on branch main; pushed objects are kept under
+DIR/.loopback-hub/.
 """
 
 from __future__ import annotations
@@ -126,6 +130,25 @@ class HubRepo:
         return self.commits.get(sha)
 
 
+class _Pacer:
+    """Paces the bytes of one direction to `rate` bytes/s across all connections, like one shared link."""
+
+    def __init__(self, rate: float | None):
+        self.rate = rate
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        """Wait until the link has carried `n` more bytes (each caller's chunk queues behind the others')."""
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now) + n / self.rate
+            wait = self._next - now
+        time.sleep(wait)
+
+
 class HubError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None):
         super().__init__(message)
@@ -158,6 +181,10 @@ class LoopbackHub:
         self.redirect_resolve = False                       # file requests -> 302 to the mirror server
         self.mirror_requests: list[tuple[str, str, bool]] = []  # (method, path, Authorization sent) at the mirror
         self.before: dict[str, object] = {}                 # route name -> callable(handler) run first
+        # A link of limited bandwidth (benchmarks): bytes/s per direction, shared by every connection (None: unlimited).
+        self.pace = {"down": _Pacer(None), "up": _Pacer(None)}
+        self.bytes_sent = 0                                 # file bytes served by resolve (downloads)
+        self.bytes_received = 0                             # request body bytes (uploads)
         self._stop = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._mirror: ThreadingHTTPServer | None = None
@@ -357,7 +384,17 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
+        if not length or self.hub.pace["up"].rate is None:
+            body = self.rfile.read(length) if length else b""
+        else:
+            parts = []
+            for pos in range(0, length, CHUNK):
+                self.hub.pace["up"].take(min(CHUNK, length - pos))
+                parts.append(self.rfile.read(min(CHUNK, length - pos)))
+            body = b"".join(parts)
+        with self.hub.lock:
+            self.hub.bytes_received += len(body)
+        return body
 
     def _send_json(self, obj, status: int = 200, headers: dict | None = None) -> None:
         data = json.dumps(obj).encode()
@@ -492,8 +529,11 @@ class _HubHandler(BaseHTTPRequestHandler):
                 chunk = bytearray(src.read(min(CHUNK, stop - pos)))
                 if pos <= corrupt_at < pos + len(chunk):
                     chunk[corrupt_at - pos] ^= 0xFF
+                hub.pace["down"].take(len(chunk))
                 self.wfile.write(chunk)
                 pos += len(chunk)
+                with hub.lock:
+                    hub.bytes_sent += len(chunk)
         if extra:
             self.wfile.write(b"\xa5" * extra)
         if stall_at is not None:
@@ -639,11 +679,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any free one)")
     p.add_argument("--token", action="append", default=[], metavar="TOKEN[=USER]",
                    help="accept this bearer token (for USER, default 'user'); repeatable")
+    p.add_argument("--down-mbps", type=float, default=None, help="limit downloads to this many MB/s (all connections)")
+    p.add_argument("--up-mbps", type=float, default=None, help="limit uploads to this many MB/s (all connections)")
     args = p.parse_args(argv)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     tokens = dict((t.split("=", 1) + ["user"])[:2] for t in args.token)
     hub = LoopbackHub(root, tokens)
+    hub.pace["down"].rate = args.down_mbps * 1e6 if args.down_mbps else None
+    hub.pace["up"].rate = args.up_mbps * 1e6 if args.up_mbps else None
     ids = serve_root(root, hub)
     endpoint = hub.start(args.port)
     print(f"loopback hub at {endpoint} serving {len(ids)} repo(s): {', '.join(ids) or '(none)'}", flush=True)
