@@ -333,9 +333,11 @@ def format_run_summary(report: dict) -> str:
     if quant.get("stage") == "stream":
         per = "; ".join(f"{k} {v['bytes'] / 1e9:.3f} GB at {v['gb_per_s'] or 0:.3f} GB/s" for k, v in quant["stages"].items()
                         if v["shards"])
-        lines.append(f"  streamed {quant['shards']['streamed_now']} of {quant['shards']['total']} shard(s): {per or 'nothing left'}; "
-                     f"peak bf16 on disk {quant['peak_source_bytes_on_disk'] / 1e9:.3f} GB (plan: "
-                     f"{quant['disk_plan']['peak_bytes'] / 1e9:.3f} GB with the output)")
+        peak = quant["peak_source_bytes_on_disk"]
+        lines.append(f"  streamed {quant['shards']['streamed_now']} of {quant['shards']['total']} shard(s)"
+                     f"{' on Ray' if quant['executor'] == 'ray' else ''}: {per or 'nothing left'}; "
+                     + (f"peak bf16 on disk {peak / 1e9:.3f} GB " if peak is not None else "")
+                     + f"(plan: {quant['disk_plan']['peak_bytes'] / 1e9:.3f} GB with the output)")
     if quant.get("counts"):
         c = quant["counts"]
         lines.append(f"  tensors: {c['quantized']:,} MXFP4, {c['kept']:,} 2-D weights kept bf16, {c['copied']:,} copied; "

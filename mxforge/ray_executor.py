@@ -59,6 +59,7 @@ def run_shard_task(task: ShardTask) -> dict:
     from .hub_download import fetch_verified
     from .hub_session import use_hub_limits
     from .quantize.shard_job import ShardJob, run_shard
+    from .stream import check_planned_header
 
     use_hub_limits(task.limits)
     api = HfApi()
@@ -66,6 +67,7 @@ def run_shard_task(task: ShardTask) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     times = {"download": [time.time()]}
     fetch_verified(api, task.repo_id, task.commit, work, task.remote, task.limits)
+    check_planned_header(work / task.plan.name, task.plan)
     st = (work / task.plan.name).stat()
     times["download"].append(time.time())
     times["quantize"] = [time.time()]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import INDEX_NAME, Checkpoint
-from .errors import MxforgeError
+from .errors import CheckpointError, MxforgeError
 from .file_hashes import FileHash, HashCache, hash_file
 from .progress import byte_progress, format_bytes
 from .safetensors_io import partial_path, read_header, write_json_atomic
@@ -127,6 +127,21 @@ class _State:
         write_json_atomic(self.path, self.data)
 
 
+def check_planned_header(path: Path, plan) -> None:
+    """The downloaded shard's own header must be the one its plan was made from (read from the Hub by byte
+    range before the download): a Hub that serves other bytes for a range than for the file is refused.
+
+    Raises:
+        CheckpointError: the headers differ (the shard is deleted, so a rerun fetches it again).
+    """
+    planned = {t.source.name: t.source for t in plan.tensors}
+    if read_header(path).tensors != planned:
+        path.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: its header differs from the one the Hub served by byte range when the run was "
+                              "planned; the shard was deleted. Rerun; if it happens again, the Hub or a proxy serves "
+                              "inconsistent bytes")
+
+
 def plan_disk(output_bytes: int, source_sizes: list[int], in_flight: int) -> int:
     """Peak bytes a streamed run adds to disk: the whole output plus the `in_flight` largest source shards."""
     return output_bytes + sum(sorted(source_sizes, reverse=True)[:in_flight])
@@ -181,9 +196,12 @@ class StreamRun:
         headers = {}
         for name in ckpt.shard_names:
             local = o.bf16_dir / name
-            if local.is_file() and local.stat().st_size == by_name[name].size:
-                headers[name] = read_header(local)
-            else:
+            try:  # a shard an earlier run left whole (it is verified before use): its own header
+                if local.stat().st_size == by_name[name].size:
+                    headers[name] = read_header(local)
+            except (OSError, CheckpointError):
+                pass
+            if name not in headers:
                 headers[name] = read_remote_header(api, o.source, commit, by_name[name], o.limits)
         ckpt.headers = headers  # the cached property, filled from the Hub: planning needs no shard on disk
         for f in files:  # provenance as `mxforge download` records it; shards by the Hub's sha256, verified on arrival
@@ -254,7 +272,6 @@ class StreamRun:
         o = self.o
         shard = _Shard(s)
         if o.local:
-            path = o.bf16_dir / s.name
             done = qstate.is_done(s.name, o.bf16_dir, o.mxfp4_dir, s.header_sha256)
             shard.source_sha256 = qstate.shards[s.name]["source_sha256"] if done else None
         else:
@@ -449,6 +466,7 @@ class StreamRun:
         from .hub_download import fetch_verified
 
         fetch_verified(self.api, self.o.source, self.commit, self.o.bf16_dir, s.remote, self.o.limits, bar)
+        check_planned_header(self.o.bf16_dir / s.plan.name, s.plan)
         st = (self.o.bf16_dir / s.plan.name).stat()
         return st.st_size, st.st_mtime_ns
 
@@ -485,7 +503,9 @@ class StreamRun:
             "workers": workers, "downloads": o.downloads, "uploads": o.uploads, "in_flight": in_flight,
             "shards": {"total": len(shards), "streamed_now": len(todo), "done_earlier": len(shards) - len(todo),
                        "quantized_earlier": len(shards) - self.clocks["quantize"].shards},
-            "disk_plan": self.disk_plan, "peak_source_bytes_on_disk": self.peak_source_bytes,
+            "disk_plan": self.disk_plan, "executor": o.executor,
+            # sampled by the local scheduler; Ray's nodes keep theirs in their own temporary directories
+            "peak_source_bytes_on_disk": self.peak_source_bytes if o.executor == "local" else None,
             "stages": {k: c.as_dict() for k, c in self.clocks.items()},
             "counts": {k: accounted[k] for k in ("quantized", "kept", "copied")},
             "mtp_layers": list(plan.layout.mtp_layers), "mtp_tensors": accounted["mtp_tensors"],
