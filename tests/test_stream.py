@@ -245,3 +245,22 @@ def test_ray_driver_killed_mid_run_then_rerun_commits_the_same_bytes(hub, tmp_pa
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert len(_commits(hub)) == 1
     _same_checkpoint(_pushed(hub, "alice/ray"), sequential_reference)
+
+
+def test_a_downloaded_shard_whose_header_is_not_the_planned_one_is_refused(tiny_ckpt, tmp_path):
+    """The plan comes from headers the Hub served by byte range; the shard that arrives must carry the same one."""
+    import shutil
+
+    from mxforge.checkpoint import Checkpoint
+    from mxforge.errors import CheckpointError
+    from mxforge.quantize.plan import plan_checkpoint
+    from mxforge.quantize.recipe import load_recipe
+    from mxforge.stream import check_planned_header
+
+    plan = {s.name: s for s in plan_checkpoint(Checkpoint.open(tiny_ckpt), load_recipe(None)).shards}
+    shard = tmp_path / SHARDS[1]
+    shutil.copyfile(tiny_ckpt / SHARDS[1], shard)
+    check_planned_header(shard, plan[SHARDS[1]])  # the same header: accepted
+    with pytest.raises(CheckpointError, match="differs from the one the Hub served by byte range"):
+        check_planned_header(shard, plan[SHARDS[0]])
+    assert not shard.exists()
