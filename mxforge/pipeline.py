@@ -312,14 +312,15 @@ class Pipeline:
 
     def report(self) -> dict:
         return {"stage": "run", "source": self.opts.source, "out": str(self.out), "product": str(self.mxfp4_dir),
-                "pushed_to": self.opts.push_repo, "reused_from_earlier_run": sorted(self.reused),
+                "pushed_to": self.opts.push_repo, "mode": self.state.get("mode"),
+                "reused_from_earlier_run": sorted(self.reused),
                 "stages": self.state["stages"]}
 
 
 def format_run_summary(report: dict) -> str:
     """The human summary: per stage time, bytes and GB/s, then what was quantized, fixed and validated."""
     stages = report["stages"]
-    lines = [f"mxforge run {report['source']} -> {report['product']}",
+    lines = [f"mxforge run {report['source']} -> {report['product']}" + (" (streamed)" if report.get("mode") == "stream" else ""),
              f"  {'stage':<10}{'status':<9}{'time':>9}{'in':>12}{'out':>12}{'GB/s':>8}"]
     for stage in STAGES:
         rec = stages.get(stage)

@@ -69,6 +69,7 @@ def test_stream_pushes_the_same_checkpoint_as_a_sequential_run(hub, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     stream = report["stages"]["stream"]["report"]
+    assert report["mode"] == "stream"
     assert [s for s in ("download", "quantize") if s in report["stages"]] == []
     assert {k: v["shards"] for k, v in stream["stages"].items()} == {"download": 3, "quantize": 3, "upload": 3}
     assert report["stages"]["validate"]["report"]["ok"] is True
