@@ -114,6 +114,18 @@ def register_run(sub) -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="with --push: create the repo private")
     p.add_argument("--revision", default="main", help="revision of SOURCE when it is a Hub repo (default main)")
     p.add_argument("--workers", type=int, default=None, help="quantize worker processes (default: one per core)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="per shard: download, quantize, pre-upload the output shard's blob, delete the bf16 shard, with "
+                   "the stages overlapped; disk holds the output plus a few bf16 shards. Default: streamed when SOURCE is "
+                   "a Hub repo and the disk cannot hold the source and the output at once (the choice is reported)")
+    p.add_argument("--in-flight", type=int, default=None, metavar="N",
+                   help="with --stream: bf16 shards on disk at once (default: workers + 1)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="ray: every shard a Ray task that downloads, quantizes and pre-uploads it on its node; the "
+                   "driver validates and commits once (needs mxforge[ray]; OUT must be visible to every node)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --executor ray: the cluster to join (e.g. ray://head:10001 or auto; default: start a "
+                   "local Ray with --workers CPUs)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_follow_symlinks_option(p, "a local SOURCE")
     add_hub_options(p)
@@ -128,7 +140,11 @@ def run_run(args) -> int:
     opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe, scale_rule=args.scale_rule,
                       engines=parse_engines_arg(args.engines), push_repo=args.push,
                       revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
-                      command=invocation(), follow_symlinks=args.follow_symlinks, hub_limits=hub_limits(args))
+                      command=invocation(), follow_symlinks=args.follow_symlinks, hub_limits=hub_limits(args),
+                      stream=args.stream, in_flight=args.in_flight, executor=args.executor,
+                      ray_address=args.ray_address)
+    if args.in_flight is not None and args.in_flight < 1:
+        raise MxforgeError(f"--in-flight must be at least 1, got {args.in_flight}")
     pipeline = Pipeline(opts)
     try:
         report = pipeline.run()

@@ -24,14 +24,14 @@ from huggingface_hub.utils import filter_repo_objects
 
 from .dir_lock import directory_lock
 from .errors import MxforgeError
-from .file_hashes import HashCache, hash_files
-from .hub_transfer import CANCEL, PARTIAL_DIR, fetch_file, kept_partial_bytes
+from .file_hashes import FileHash, HashCache, hash_file, hash_files
+from .hub_transfer import CANCEL, PARTIAL_DIR, fetch_file, fetch_range, kept_partial_bytes
 from .cli_support import invocation
 from .hub_errors import HubVerificationError, check_repo_id, hub_endpoint, raise_as_hub_error, redact
 from .hub_session import HubLimits, use_hub_limits
 from .progress import byte_progress, format_bytes
 from .safe_paths import check_remote_name, remote_path
-from .safetensors_io import write_json_atomic
+from .safetensors_io import ShardHeader, header_length, parse_header, write_json_atomic
 
 SOURCE_NAME = "mxforge_source.json"
 HF_DOWNLOAD_DIR = Path(".cache") / "huggingface" / "download"
@@ -192,18 +192,88 @@ def _fetch_all(api: HfApi, repo_id: str, commit: str, dest: Path, files: list[Re
     cache.save()
     if failures:
         f, e = failures[0]
-        others = f" ({len(failures) - 1} other file(s) failed too)" if len(failures) > 1 else ""
-        kept = f"; {format_bytes(kept_partial_bytes(dest))} of unfinished downloads are kept in {dest / PARTIAL_DIR}"
-        if isinstance(e, MxforgeError):
-            raise type(e)(redact(f"{repo_id}@{commit[:12]}: {e}{others}")) from None
-        if isinstance(e, OSError) and "Consistency check failed" in str(e):  # hf_hub_download's (Xet files)
-            e = httpx.RemoteProtocolError("the server sent fewer bytes than the file's size")
-        try:
-            raise_as_hub_error(e, repo_id=repo_id, revision=commit, filename=f.name, action="download")
-        except MxforgeError as mapped:
-            raise type(mapped)(f"{mapped}{others}{kept}") from None
-        raise MxforgeError(redact(f"{repo_id} file {f.name!r}: download failed ({type(e).__name__}: {e}){others}"
-                                  f"{kept}; rerun the same command to resume")) from None
+        _raise_download_failure(repo_id, commit, dest, f, e,
+                                f" ({len(failures) - 1} other file(s) failed too)" if len(failures) > 1 else "")
+
+
+def _raise_download_failure(repo_id: str, commit: str, dest: Path, f: RemoteFile, e: Exception, others: str = "") -> None:
+    """Raise the one-line error for a file whose download failed with `e` (`others`: how many more failed).
+
+    Raises:
+        MxforgeError (HubError and the others of hub_errors, OversizeBody...): always.
+    """
+    kept = f"; {format_bytes(kept_partial_bytes(dest))} of unfinished downloads are kept in {dest / PARTIAL_DIR}"
+    if isinstance(e, MxforgeError):
+        raise type(e)(redact(f"{repo_id}@{commit[:12]}: {e}{others}")) from None
+    if isinstance(e, OSError) and "Consistency check failed" in str(e):  # hf_hub_download's (Xet files)
+        e = httpx.RemoteProtocolError("the server sent fewer bytes than the file's size")
+    try:
+        raise_as_hub_error(e, repo_id=repo_id, revision=commit, filename=f.name, action="download")
+    except MxforgeError as mapped:
+        raise type(mapped)(f"{mapped}{others}{kept}") from None
+    raise MxforgeError(redact(f"{repo_id} file {f.name!r}: download failed ({type(e).__name__}: {e}){others}"
+                              f"{kept}; rerun the same command to resume")) from None
+
+
+def fetch_verified(api: HfApi, repo_id: str, commit: str, dest: Path, f: RemoteFile, limits: HubLimits,
+                   bar=None) -> FileHash:
+    """One file into DEST (continuing a partial download, or taking a full-size file already there) checked
+    against the Hub's hash; returns its hashes. `bar`: a shared byte progress bar, or None. `f.name` must have
+    passed check_remote_name. The streamed run (mxforge run --stream) fetches shard by shard with it.
+
+    Raises:
+        HubError, OversizeBody, ...: as `download` (the partial file is kept for a rerun).
+        HubVerificationError: the bytes do not hash to the Hub's metadata (the file is deleted).
+        KeyboardInterrupt: CANCEL was set.
+    """
+    bar = bar if bar is not None else byte_progress(0, f.name, disable=True)
+    try:
+        got = fetch_file(repo_id, f.name, commit, f.size, dest, endpoint=api.endpoint, token=api.token, limits=limits,
+                         bar=bar, hf_tqdm_class=_bar_proxy(bar))
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        _raise_download_failure(repo_id, commit, dest, f, e)
+    path = remote_path(dest, f.name)
+    if got is None:
+        got = FileHash(f.name, path.stat().st_size, *hash_file(path))
+    why = _mismatch(f, got)
+    if why is not None:
+        path.unlink(missing_ok=True)
+        raise HubVerificationError(f"{dest}: {why}; the file was deleted: rerun the same command to download it "
+                                   "again; if it happens again, the Hub or a proxy serves corrupt bytes")
+    return got
+
+
+def _mismatch(f: RemoteFile, h: FileHash) -> str | None:
+    """How a local file's hashes differ from the Hub's record of it (None: they agree)."""
+    if f.is_lfs:
+        if h.sha256 != f.sha256 or h.size != f.size:
+            return f"{f.name}: sha256 {h.sha256[:12]}… ({h.size:,} bytes), the Hub says {f.sha256[:12]}… ({f.size:,} bytes)"
+    elif f.blob_id and h.git_sha1 != f.blob_id:
+        return f"{f.name}: git blob id {h.git_sha1[:12]}…, the Hub says {f.blob_id[:12]}…"
+    return None
+
+
+def read_remote_header(api: HfApi, repo_id: str, commit: str, f: RemoteFile, limits: HubLimits) -> ShardHeader:
+    """A shard's safetensors header read from the Hub by two byte-range requests (its 8-byte length, then
+    the JSON), checked as read_header checks a local one, without downloading the shard.
+
+    Raises:
+        CheckpointError: the header is corrupt or does not fit the file's declared size.
+        HubError (and the rest of hub_errors): the Hub did not serve the bytes.
+    """
+    where = f"{repo_id}@{commit[:12]}/{f.name}"
+    try:
+        n = header_length(where, fetch_range(repo_id, f.name, commit, 0, 8, endpoint=api.endpoint, token=api.token,
+                                             limits=limits), f.size)
+        raw = fetch_range(repo_id, f.name, commit, 8, n, endpoint=api.endpoint, token=api.token, limits=limits)
+    except (MxforgeError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise_as_hub_error(e, repo_id=repo_id, revision=commit, filename=f.name, action="read the header of")
+        raise
+    return parse_header(where, raw, f.size)
 
 
 def _mismatches(dest: Path, files: list[RemoteFile], workers: int, quiet: bool, desc: str) -> tuple[dict, list[str]]:
@@ -212,14 +282,7 @@ def _mismatches(dest: Path, files: list[RemoteFile], workers: int, quiet: bool, 
     Returns (hashes, one description per deleted file).
     """
     hashes = hash_files(dest, [f.name for f in files], workers=workers, quiet=quiet, desc=desc)
-    bad = {}
-    for f in files:
-        h = hashes[f.name]
-        if f.is_lfs:
-            if h.sha256 != f.sha256 or h.size != f.size:
-                bad[f.name] = f"{f.name}: sha256 {h.sha256[:12]}… ({h.size:,} bytes), the Hub says {f.sha256[:12]}… ({f.size:,} bytes)"
-        elif f.blob_id and h.git_sha1 != f.blob_id:
-            bad[f.name] = f"{f.name}: git blob id {h.git_sha1[:12]}…, the Hub says {f.blob_id[:12]}…"
+    bad = {f.name: why for f in files if (why := _mismatch(f, hashes[f.name])) is not None}
     if bad:
         cache = HashCache(dest)
         for name in bad:
@@ -289,11 +352,21 @@ def _download_into(api: HfApi, repo_id: str, revision: str, commit: str, dest: P
             "rerun the same command to download them again; if it happens again, the Hub or a proxy serves corrupt bytes")
     hashes = hash_files(dest, [f.name for f in chosen], workers=workers, quiet=True)  # all cached by now
     result = DownloadResult(dest, repo_id, revision, commit, hub_endpoint(), downloaded_bytes=sum(f.size for f in todo))
-    result.files = [{"name": f.name, "size": hashes[f.name].size, "sha256": hashes[f.name].sha256, "lfs": f.is_lfs}
-                    for f in chosen]
+    result.files = [source_record_entry(f, hashes[f.name]) for f in chosen]
+    write_source_record(dest, repo_id, revision, commit, result.files, include, exclude, command)
+    return result
+
+
+def source_record_entry(f: RemoteFile, h: FileHash) -> dict:
+    """One file's entry in mxforge_source.json."""
+    return {"name": f.name, "size": h.size, "sha256": h.sha256, "lfs": f.is_lfs}
+
+
+def write_source_record(dest: Path, repo_id: str, revision: str, commit: str, files: list[dict],
+                        include: list[str] | None, exclude: list[str] | None, command: str | None) -> None:
+    """DEST/mxforge_source.json: where the checkpoint came from, and every file's size and sha256."""
     write_json_atomic(dest / SOURCE_NAME, {
-        "repo_id": repo_id, "revision": revision, "commit": commit, "endpoint": result.endpoint,
-        "include": include or [], "exclude": exclude or [], "files": result.files,
+        "repo_id": repo_id, "revision": revision, "commit": commit, "endpoint": hub_endpoint(),
+        "include": include or [], "exclude": exclude or [], "files": files,
         "command": redact(command) if command is not None else invocation(),
     })
-    return result

@@ -160,13 +160,10 @@ def upload(api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, fil
         HubError: no/invalid token, no write access, Hub unreachable or silent, upload aborted (rerun resumes:
             the Hub keeps the LFS objects it received).
     """
-    context = {"repo_id": repo_id, "revision": branch, "action": "push to"}
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             ops = list(pool.map(lambda f: _operation(ckpt, f), files))
-        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-        if branch != "main":
-            api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True)
+        prepare_repo(api, repo_id, branch, private)
         api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=branch)
         before_commit()
         api.create_commit(repo_id, operations=ops, commit_message=f"Upload {len(ops)} files with mxforge",
@@ -174,12 +171,41 @@ def upload(api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, fil
     except MxforgeError:
         raise
     except Exception as e:
-        mapped = as_hub_error(e, **context)
-        if mapped is None:
-            raise
-        why = str(mapped).split(": rerun")[0]
-        raise HubError(redact(f"upload of {ckpt} to {repo_id}@{branch} aborted ({why}); the Hub keeps the large files "
-                              "it already received: rerun the same command to resume")) from None
+        _raise_upload_failure(e, f"upload of {ckpt}", repo_id, branch)
+
+
+def _raise_upload_failure(e: Exception, what: str, repo_id: str, branch: str) -> None:
+    """Raise the one-line HubError for an upload that failed with `e` (or `e` itself when it is no Hub error)."""
+    mapped = as_hub_error(e, repo_id=repo_id, revision=branch, action="push to")
+    if mapped is None:
+        raise e
+    why = str(mapped).split(": rerun")[0]
+    raise HubError(redact(f"{what} to {repo_id}@{branch} aborted ({why}); the Hub keeps the large files "
+                          "it already received: rerun the same command to resume")) from None
+
+
+def prepare_repo(api: HfApi, repo_id: str, branch: str, private: bool) -> None:
+    """Create the repo, and the branch when not main, unless they exist (an empty repo shows nothing)."""
+    api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    if branch != "main":
+        api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True)
+
+
+def preupload_file(api: HfApi, ckpt: Path, repo_id: str, branch: str, f: FileHash) -> None:
+    """Send one file's LFS object to the Hub without committing it (the Hub skips an object it holds): a
+    streamed run pre-uploads each output shard as it is made, and push's one commit later refers to it.
+    The repo must exist (prepare_repo).
+
+    Raises:
+        CheckpointChanged: the file no longer hashes to `f`.
+        HubError: as `upload` (a rerun resumes).
+    """
+    try:
+        api.preupload_lfs_files(repo_id, additions=[_operation(ckpt, f)], repo_type="model", revision=branch)
+    except MxforgeError:
+        raise
+    except Exception as e:
+        _raise_upload_failure(e, f"pre-upload of {ckpt / f.name}", repo_id, branch)
 
 
 def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash]) -> str:

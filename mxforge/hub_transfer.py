@@ -215,5 +215,52 @@ class _Stream:
 
 
 def kept_partial_bytes(dest: Path) -> int:
-    """Bytes of unfinished downloads under DEST that a rerun continues from."""
-    return sum(p.stat().st_size for p in (dest / PARTIAL_DIR).rglob("*.partial")) if (dest / PARTIAL_DIR).exists() else 0
+    """Bytes of unfinished downloads under DEST that a rerun continues from (one finished meanwhile counts 0)."""
+    total = 0
+    for p in (dest / PARTIAL_DIR).rglob("*.partial") if (dest / PARTIAL_DIR).exists() else ():
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:  # renamed into place since it was listed
+            pass
+    return total
+
+
+def fetch_range(repo_id: str, name: str, commit: str, start: int, length: int, *, endpoint: str, token,
+                limits: HubLimits) -> bytes:
+    """Bytes [start, start + length) of a file at `commit`, by an HTTP Range request: never more than `length`
+    bytes are read, whatever the server sends (one that ignores Range is read past `start`, then cut off).
+    Transient failures are retried within `limits`.
+
+    Raises:
+        huggingface_hub errors (RepositoryNotFoundError, EntryNotFoundError, HfHubHTTPError...).
+        HubError: the retries are spent, or the server answered another range or fewer bytes.
+    """
+    url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
+    headers = {**build_hf_headers(token=token), "Range": f"bytes={start}-{start + length - 1}"}
+    failures = 0
+    while True:
+        try:
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                                      timeout=limits.data_timeout) as response:
+                hf_raise_for_status(response)
+                skip = 0 if response.status_code == 206 else start
+                if response.status_code == 206 and not response.headers.get("Content-Range", "").startswith(f"bytes {start}-"):
+                    raise HubError(f"file {name!r}: asked for bytes from {start:,}, the Hub answered "
+                                   f"{response.headers.get('Content-Range') or 'no Content-Range'}")
+                out = bytearray()
+                for chunk in response.iter_bytes():
+                    if CANCEL.is_set():
+                        raise KeyboardInterrupt
+                    if skip:
+                        chunk, skip = chunk[skip:], max(0, skip - len(chunk))
+                    out += chunk[:length - len(out)]
+                    if len(out) == length:
+                        return bytes(out)
+            raise HubError(f"file {name!r}: the Hub sent {len(out):,} of the {length:,} bytes asked for at {start:,}")
+        except TRANSIENT as e:
+            failures += 1
+            if failures > limits.retries:
+                raise HubError(f"file {name!r}: bytes {start:,}+{length:,} not received in {failures} attempt(s) "
+                               f"(last: {type(e).__name__}: {e}); rerun the same command") from None
+            if CANCEL.wait(limits.backoff(failures)):
+                raise KeyboardInterrupt from None

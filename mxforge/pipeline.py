@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # hub_session imports huggingface_hub: only when a stage talk
     from .hub_session import HubLimits
 
 STATE_NAME = "mxforge_run.json"
-STAGES = ("download", "quantize", "fixup", "validate", "push")
+STAGES = ("download", "quantize", "stream", "fixup", "validate", "push")  # stream: download + quantize, overlapped
 
 
 class ValidationFailed(MxforgeError):
@@ -47,6 +47,10 @@ class RunOptions:
     follow_symlinks: bool = False   # read a local SOURCE through symlinks that leave it
     hub_limits: "HubLimits | None" = None  # timeouts and retries of Hub requests (None: HubLimits.resolve())
     scale_rule: str | None = None  # overrides the recipe's (quantize/scale_rules.py)
+    stream: bool | None = None      # True: --stream, False: --no-stream, None: stream a Hub source that does not fit
+    in_flight: int | None = None    # streamed: bf16 shards on disk at once (default: workers + 1)
+    executor: str = "local"         # "ray": every shard a Ray task (streamed; mxforge[ray])
+    ray_address: str | None = None
 
     def inputs(self) -> dict:
         """What each stage's output depends on; a change reruns the stages that depend on it."""
@@ -60,8 +64,8 @@ class RunOptions:
 
 # Which stages must run again when one of the run's inputs changes.
 INVALIDATED_BY = {
-    "recipe_sha256": ("quantize", "fixup", "validate", "push"),
-    "scale_rule": ("quantize", "fixup", "validate", "push"),
+    "recipe_sha256": ("quantize", "stream", "fixup", "validate", "push"),
+    "scale_rule": ("quantize", "stream", "fixup", "validate", "push"),
     "engines": ("fixup", "validate", "push"),
     "push_repo": ("push",),
 }
@@ -183,17 +187,73 @@ class Pipeline:
         with directory_lock(self.out):
             return self._run_stages()
 
+    def _choose_mode(self) -> str:
+        """"stream" or "sequential": as asked, as an earlier run in OUT ran, or, for a Hub source, streamed when
+        the disk cannot hold the source and the output at once (stream.choose_stream); the decision is reported.
+
+        Raises:
+            MxforgeError: OUT holds a run of the other mode than the one asked for.
+        """
+        o = self.opts
+        earlier = self.state.get("mode")
+        asked = None if o.stream is None else ("stream" if o.stream else "sequential")
+        if o.executor == "ray":
+            if self.local or o.stream is False:
+                raise MxforgeError("--executor ray streams shards from a Hub repo: give a Hub SOURCE, without --no-stream")
+            asked = "stream"
+        if earlier and asked and earlier != asked:
+            raise MxforgeError(f"{self.out}: holds a {earlier} run; rerun it {'with' if earlier == 'stream' else 'without'} "
+                               "--stream, or use another OUT directory")
+        if earlier or asked:
+            return earlier or asked
+        if self.local:
+            return "sequential"
+        import shutil
+
+        from huggingface_hub import HfApi
+
+        from .hub_download import remote_files
+        from .hub_session import HubLimits, use_hub_limits
+        from .stream import choose_stream
+
+        use_hub_limits(o.hub_limits or HubLimits.resolve())
+        _, files = remote_files(HfApi(), o.source, o.revision)
+        source = sum(f.size for f in files)
+        self.out.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.out).free
+        mode = "stream" if choose_stream(source, free) else "sequential"
+        if not o.quiet:
+            import sys
+
+            from .progress import format_bytes
+
+            print(f"mxforge run: {mode}: the source is {format_bytes(source)}; a sequential run keeps it and the output "
+                  f"(up to as large) on disk, {format_bytes(free)} is free" + (", so shards are streamed" if mode == "stream"
+                                                                                else ""), file=sys.stderr)
+        return mode
+
     def _run_stages(self) -> dict:
         o = self.opts
         self._save()
-        if self.local:
-            self.state["stages"]["download"] = {"status": "done", "skipped": f"local source {self.bf16_dir}",
-                                                "seconds": 0.0, "bytes_in": 0, "bytes_out": 0, "report": None}
+        try:
+            self.state["mode"] = self._choose_mode()
+        except MxforgeError as e:  # reading the source's file list is the download's first step: recorded as its failure
+            self.state["stages"]["download"] = {"status": "failed", "error": str(e)}
+            self._save()
+            raise
+        self._save()
+        if self.state["mode"] == "stream":
+            self._stage("stream", self._stream, marker=self.mxfp4_dir / "config.json", out_dir=self.mxfp4_dir,
+                        bytes_in=lambda report: report["bytes_processed_now"])
         else:
-            self._stage("download", self._download, marker=self.bf16_dir / "config.json", out_dir=self.bf16_dir,
-                        bytes_in=lambda report: report["downloaded_bytes"])
-        self._stage("quantize", self._quantize, marker=self.mxfp4_dir / "config.json", out_dir=self.mxfp4_dir,
-                    bytes_in=lambda report: report["bytes_processed_now"])
+            if self.local:
+                self.state["stages"]["download"] = {"status": "done", "skipped": f"local source {self.bf16_dir}",
+                                                    "seconds": 0.0, "bytes_in": 0, "bytes_out": 0, "report": None}
+            else:
+                self._stage("download", self._download, marker=self.bf16_dir / "config.json", out_dir=self.bf16_dir,
+                            bytes_in=lambda report: report["downloaded_bytes"])
+            self._stage("quantize", self._quantize, marker=self.mxfp4_dir / "config.json", out_dir=self.mxfp4_dir,
+                        bytes_in=lambda report: report["bytes_processed_now"])
         self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json")
         # Header-only and cheap: always checked again, never taken from the state file.
         validate = self._stage("validate", self._validate, always=True)
@@ -213,6 +273,18 @@ class Pipeline:
 
         return download(self.opts.source, self.bf16_dir, revision=self.opts.revision, quiet=self.opts.quiet,
                         command=self.opts.command, limits=self.opts.hub_limits).as_dict()
+
+    def _stream(self) -> dict:
+        from .hub_session import HubLimits
+        from .stream import STREAM_STATE_NAME, StreamOptions, StreamRun
+
+        o = self.opts
+        return StreamRun(StreamOptions(
+            source=o.source, local=self.local, bf16_dir=self.bf16_dir, mxfp4_dir=self.mxfp4_dir,
+            state_path=self.out / STREAM_STATE_NAME, recipe=o.recipe, revision=o.revision, push_repo=o.push_repo,
+            private=o.private, workers=o.workers, in_flight=o.in_flight, quiet=o.quiet, command=o.command,
+            follow_symlinks=o.follow_symlinks, limits=o.hub_limits or HubLimits.resolve(), executor=o.executor,
+            ray_address=o.ray_address, scale_rule=o.scale_rule)).run()
 
     def _quantize(self) -> dict:
         from .quantize.run import quantize_checkpoint
@@ -246,14 +318,15 @@ class Pipeline:
 
     def report(self) -> dict:
         return {"stage": "run", "source": self.opts.source, "out": str(self.out), "product": str(self.mxfp4_dir),
-                "pushed_to": self.opts.push_repo, "reused_from_earlier_run": sorted(self.reused),
+                "pushed_to": self.opts.push_repo, "mode": self.state.get("mode"),
+                "reused_from_earlier_run": sorted(self.reused),
                 "stages": self.state["stages"]}
 
 
 def format_run_summary(report: dict) -> str:
     """The human summary: per stage time, bytes and GB/s, then what was quantized, fixed and validated."""
     stages = report["stages"]
-    lines = [f"mxforge run {report['source']} -> {report['product']}",
+    lines = [f"mxforge run {report['source']} -> {report['product']}" + (" (streamed)" if report.get("mode") == "stream" else ""),
              f"  {'stage':<10}{'status':<9}{'time':>9}{'in':>12}{'out':>12}{'GB/s':>8}"]
     for stage in STAGES:
         rec = stages.get(stage)
@@ -263,7 +336,15 @@ def format_run_summary(report: dict) -> str:
         gbs = f"{rec['gb_per_s']:.3f}" if rec.get("gb_per_s") else "-"
         lines.append(f"  {stage:<10}{status:<9}{rec.get('seconds', 0):>8.1f}s{rec.get('bytes_in', 0) / 1e9:>10.3f}GB"
                      f"{rec.get('bytes_out', 0) / 1e9:>10.3f}GB{gbs:>8}")
-    quant = (stages.get("quantize") or {}).get("report") or {}
+    quant = (stages.get("quantize") or stages.get("stream") or {}).get("report") or {}
+    if quant.get("stage") == "stream":
+        per = "; ".join(f"{k} {v['bytes'] / 1e9:.3f} GB at {v['gb_per_s'] or 0:.3f} GB/s" for k, v in quant["stages"].items()
+                        if v["shards"])
+        peak = quant["peak_source_bytes_on_disk"]
+        lines.append(f"  streamed {quant['shards']['streamed_now']} of {quant['shards']['total']} shard(s)"
+                     f"{' on Ray' if quant['executor'] == 'ray' else ''}: {per or 'nothing left'}; "
+                     + (f"peak bf16 on disk {peak / 1e9:.3f} GB " if peak is not None else "")
+                     + f"(plan: {quant['disk_plan']['peak_bytes'] / 1e9:.3f} GB with the output)")
     if quant.get("counts"):
         c = quant["counts"]
         lines.append(f"  tensors: {c['quantized']:,} MXFP4, {c['kept']:,} 2-D weights kept bf16, {c['copied']:,} copied; "

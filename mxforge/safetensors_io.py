@@ -72,18 +72,38 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
     try:
         file_size = path.stat().st_size
         with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-                raise CheckpointError(
-                    f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
-                    "the shard is truncated or corrupt; re-download it"
-                )
-            raw = f.read(header_len)
+            raw = f.read(header_length(path, f.read(8), file_size))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard: {e.strerror or e}") from None
+    return parse_header(path, raw, file_size)
+
+
+def header_length(path: str | os.PathLike, prefix: bytes, file_size: int) -> int:
+    """The header's byte length from a shard's first 8 bytes, checked against the file's size.
+
+    Raises:
+        CheckpointError: fewer than 8 bytes, or a length beyond safetensors' limit or the file.
+    """
+    if len(prefix) < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
+    (header_len,) = struct.unpack("<Q", prefix[:8])
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+        raise CheckpointError(
+            f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
+            "the shard is truncated or corrupt; re-download it"
+        )
+    return header_len
+
+
+def parse_header(path: str | os.PathLike, raw: bytes, file_size: int) -> ShardHeader:
+    """Check and parse a header's JSON (the bytes after the 8-byte length) of a `file_size`-byte shard:
+    the file's own (read_header) or one read from the Hub by byte range (`path` names it in errors).
+
+    Raises:
+        CheckpointError: as read_header.
+    """
+    path = Path(path)
+    header_len = len(raw)
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):

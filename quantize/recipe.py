@@ -11,6 +11,8 @@ each block's scale is chosen (scale_rules.py); `--scale-rule` overrides it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import re
 from dataclasses import dataclass
@@ -109,6 +111,19 @@ class Recipe:
     @property
     def quantize_inputs(self) -> bool:
         return SCHEMES[self.scheme]
+
+    @property
+    def scale_offsets(self) -> tuple[int, ...]:
+        """The shard kernels' exponent offsets for this recipe's scale rule (scale_rules.py)."""
+        return get_scale_rule(self.scale_rule).offsets
+
+    def with_scale_rule(self, scale_rule: str | None) -> "Recipe":
+        """This recipe with `--scale-rule` applied (None: the recipe's own).
+
+        Raises:
+            ConfigError: an unknown scale rule.
+        """
+        return self if scale_rule is None else dataclasses.replace(self, scale_rule=get_scale_rule(scale_rule).name)
 
     def quantization_config(self, excluded_modules: list[str]) -> dict:
         """`quantization_config` for config.json, built with Quark's own config objects (cached per Quark version).

@@ -9,7 +9,6 @@ side files, config.json with Quark's quantization_config, and mxforge_quantize.j
 from __future__ import annotations
 
 import copy
-import dataclasses
 import multiprocessing as mp
 import os
 import shutil
@@ -30,7 +29,6 @@ from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write
 from .plan import QuantizePlan, ShardPlan, plan_checkpoint
 from .error_report import error_report
 from .recipe import Recipe, load_recipe
-from .scale_rules import get_scale_rule
 from .shard_job import ShardJob, ShardResult, finish_shard, run_shard
 from .state import PROVENANCE_NAME, STATE_NAME, ResumeState, tool_versions
 
@@ -67,9 +65,7 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
         DirectoryInUse: another mxforge process works in OUT.
     """
     src, out = Path(src), Path(out)
-    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    if scale_rule is not None:
-        recipe = dataclasses.replace(recipe, scale_rule=get_scale_rule(scale_rule).name)
+    recipe = (recipe if isinstance(recipe, Recipe) else load_recipe(recipe)).with_scale_rule(scale_rule)
     _check_device(device)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
@@ -98,25 +94,32 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
     _check_free_space(out, todo)
     expected = _expected_sha256(src)
     verified = _download_verified(src, expected)
-    offsets = get_scale_rule(recipe.scale_rule).offsets
-    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name), offsets,
-                     measure_errors) for s in sorted(todo, key=lambda s: -s.source_size)]
+    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name),
+                     recipe.scale_offsets, measure_errors) for s in sorted(todo, key=lambda s: -s.source_size)]
     workers = workers or default_workers(len(jobs))
     total = sum(s.source_size for s in todo)
     with byte_progress(total, "quantize", disable=quiet) as bar:
         results = _run_jobs(jobs, workers, state, bar)
+    accounted = finish_checkpoint(src, out, recipe, ckpt, plan, to_copy)
+    elapsed = time.monotonic() - started
+    return write_provenance(src, out, recipe, plan, device, workers, state, len(todo), skipped, total, elapsed,
+                            accounted, command, sum(r.sha256_from_download for r in results), measure_errors)
+
+
+def finish_checkpoint(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan,
+                      side_files: list[str]) -> dict[str, int]:
+    """Once every output shard is in place: check them against the plan, then write the index, the side
+    files and config.json (what makes OUT a checkpoint); returns verify_output's counts.
+
+    Raises:
+        CheckpointError: a planned tensor is missing from the output, or a file cannot be written.
+    """
     accounted = verify_output(plan, out)
     _write_index(plan, out)
-    for name in to_copy:
+    for name in side_files:
         copy_atomic(src / name, out / name)
     _write_config(ckpt.config, recipe, plan, out)
-    elapsed = time.monotonic() - started
-    report = _report(src, out, recipe, plan, device, workers, versions, len(todo), skipped, total, elapsed,
-                     accounted, command, sum(r.sha256_from_download for r in results))
-    report["error"] = error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule) \
-        if measure_errors else None
-    write_json_atomic(out / PROVENANCE_NAME, report)
-    return report
+    return accounted
 
 
 def _check_device(device: str) -> None:
@@ -209,16 +212,8 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> li
             results.append(run_shard(job, bar.update))
             state.record(results[-1])
         return results
-    ctx = mp.get_context("spawn")
-    if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
-        # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
-        from .mxfp4 import warm_cpu_kernel
-
-        warm_cpu_kernel({t.source.dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
-        ctx = mp.get_context("fork")
-    counter = ctx.Value("q", 0)
+    pool, counter = start_worker_pool(workers, jobs)
     seen = 0
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,))
     finisher = ThreadPoolExecutor(workers, thread_name_prefix="fsync")
     out_dir = Path(jobs[0].out_dir)
     failed = True
@@ -253,6 +248,23 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> li
                 partial_path(Path(job.out_dir) / job.plan.name).unlink(missing_ok=True)
     _tick(bar, counter, seen)
     return results
+
+
+def start_worker_pool(workers: int, jobs: list[ShardJob]):
+    """(pool, counter): `workers` processes for `jobs` (submit `shard_worker`, which leaves `SHARD.partial` for
+    finish_shard) and the shared count of source bytes they have processed."""
+    ctx = mp.get_context("spawn")
+    if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
+        # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
+        from .mxfp4 import warm_cpu_kernel
+
+        warm_cpu_kernel({t.source.dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
+        ctx = mp.get_context("fork")
+    counter = ctx.Value("q", 0)
+    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,)), counter
+
+
+shard_worker = _worker  # what start_worker_pool's processes run, for schedulers outside this module
 
 
 def _tick(bar, counter, seen: int) -> int:
@@ -316,6 +328,19 @@ def drop_quantization_config(config: dict) -> None:
     for value in config.values():
         if isinstance(value, dict):
             drop_quantization_config(value)
+
+
+def write_provenance(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: str, workers: int,
+                     state: ResumeState, done: int, skipped: int, bytes_read: int, elapsed: float, accounted: dict,
+                     command: str | None, sha256_from_download: int, measure_errors: bool = True) -> dict:
+    """The quantize report, with the error report of every shard in `state`, written to OUT/PROVENANCE_NAME
+    (the sequential and the streamed run both end here); returns it."""
+    report = _report(src, out, recipe, plan, device, workers, state.versions, done, skipped, bytes_read, elapsed,
+                     accounted, command, sha256_from_download)
+    report["error"] = error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers,
+                                   recipe.scale_rule) if measure_errors else None
+    write_json_atomic(out / PROVENANCE_NAME, report)
+    return report
 
 
 def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: str, workers: int,

@@ -62,24 +62,44 @@ class ResumeState:
             except (OSError, ValueError):
                 self.shards = {}  # unreadable state: everything is redone
 
-    def is_done(self, name: str, src_dir: Path, out_dir: Path, header_sha256: str) -> bool:
-        """Whether OUT/<name> is complete and still matches its source, recipe, tools and plan."""
+    def _current_entry(self, name: str, header_sha256: str) -> dict | None:
+        """The recorded entry of shard `name` if it was made under this recipe, scale rule, tools and plan."""
         entry = self.shards.get(name)
-        if not entry or entry.get("recipe_sha256") != self.recipe_sha256 or entry.get("versions") != self.versions:
-            return False
-        if entry.get("header_sha256") != header_sha256 or entry.get("scale_rule", "quark") != self.scale_rule:
-            return False
+        if not entry or (entry.get("recipe_sha256"), entry.get("scale_rule", "quark"), entry.get("versions"),
+                         entry.get("header_sha256")) != (self.recipe_sha256, self.scale_rule, self.versions, header_sha256):
+            return None
+        return entry
+
+    @staticmethod
+    def _output_intact(entry: dict, out_dir: Path, name: str) -> bool:
         try:
-            src, out = (src_dir / name).stat(), (out_dir / name).stat()
+            out = (out_dir / name).stat()
         except FileNotFoundError:
             return False
-        if (out.st_size, out.st_mtime_ns) != (entry["output_size"], entry["output_mtime_ns"]):
+        return (out.st_size, out.st_mtime_ns) == (entry["output_size"], entry["output_mtime_ns"])
+
+    def is_done(self, name: str, src_dir: Path, out_dir: Path, header_sha256: str) -> bool:
+        """Whether OUT/<name> is complete and still matches its source, recipe, tools and plan."""
+        entry = self._current_entry(name, header_sha256)
+        if entry is None or not self._output_intact(entry, out_dir, name):
+            return False
+        try:
+            src = (src_dir / name).stat()
+        except FileNotFoundError:
             return False
         if src.st_size != entry["source_size"]:
             return False
         if src.st_mtime_ns != entry["source_mtime_ns"]:  # touched: same only if the bytes are the same
             return file_sha256(src_dir / name) == entry["source_sha256"]
         return True
+
+    def output_done(self, name: str, out_dir: Path, header_sha256: str, source_sha256: str) -> bool:
+        """Whether OUT/<name> is complete and was made from a source with `source_sha256` under this recipe,
+        tools and plan: is_done for a source that is gone (a streamed run deletes each bf16 shard once
+        quantized) but whose sha256 is known."""
+        entry = self._current_entry(name, header_sha256)
+        return (entry is not None and entry.get("source_sha256") == source_sha256
+                and self._output_intact(entry, out_dir, name))
 
     def record(self, result: ShardResult) -> None:
         self.shards[result.name] = {**asdict(result), "recipe_sha256": self.recipe_sha256, "versions": self.versions,

@@ -15,7 +15,7 @@ real HTTP on 127.0.0.1. It speaks exactly what huggingface_hub 1.x sends and exp
   PUT  /lfs-objects/{oid}                               LFS object upload (sha256 checked)
   POST /api/models/{repo}/commit/{rev}                  ndjson commit (header, file, lfsFile)
   HEAD /{repo}/resolve/{rev}/{path}                     X-Repo-Commit, ETag, X-Linked-Etag, X-Linked-Size
-  GET  /{repo}/resolve/{rev}/{path}                     the bytes, honouring `Range: bytes=N-`
+  GET  /{repo}/resolve/{rev}/{path}                     the bytes, honouring `Range: bytes=N-` and `bytes=N-M`
 
 It never advertises Xet (no X-Xet-* headers, no `xetHash`), so downloads use plain HTTP; uploads pick Xet
 whenever hf_xet is installed, so clients talking to this server must set `HF_HUB_DISABLE_XET=1`.
@@ -36,8 +36,12 @@ with a 302 to the same path on a second server on another port of 127.0.0.1 (`mi
 reached it, with whether an Authorization header came along); `before[route]` runs a callback when a
 route is hit (e.g. to change a local file in the middle of a push).
 
-Standalone: `python scripts/loopback_hub.py --root DIR [--port N] [--token T]`: every DIR/<owner>/<name>/
-directory is served as a model repo on branch main; pushed objects are kept under DIR/.loopback-hub/.
+Bandwidth (benchmarks): `pace["down"].rate` / `pace["up"].rate` limit file downloads / request bodies to that
+many bytes/s, shared by all connections as one link would; `bytes_sent` / `bytes_received` count them.
+
+Standalone: `python scripts/loopback_hub.py --root DIR [--port N] [--token T] [--down-mbps R] [--up-mbps R]`:
+every DIR/<owner>/<name>/ directory is served as a model repo on branch main; pushed objects are kept under
+DIR/.loopback-hub/.
 """
 
 from __future__ import annotations
@@ -126,6 +130,25 @@ class HubRepo:
         return self.commits.get(sha)
 
 
+class _Pacer:
+    """Paces the bytes of one direction to `rate` bytes/s across all connections, like one shared link."""
+
+    def __init__(self, rate: float | None):
+        self.rate = rate
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        """Wait until the link has carried `n` more bytes (each caller's chunk queues behind the others')."""
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now) + n / self.rate
+            wait = self._next - now
+        time.sleep(wait)
+
+
 class HubError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None):
         super().__init__(message)
@@ -158,6 +181,10 @@ class LoopbackHub:
         self.redirect_resolve = False                       # file requests -> 302 to the mirror server
         self.mirror_requests: list[tuple[str, str, bool]] = []  # (method, path, Authorization sent) at the mirror
         self.before: dict[str, object] = {}                 # route name -> callable(handler) run first
+        # A link of limited bandwidth (benchmarks): bytes/s per direction, shared by every connection (None: unlimited).
+        self.pace = {"down": _Pacer(None), "up": _Pacer(None)}
+        self.bytes_sent = 0                                 # file bytes served by resolve (downloads)
+        self.bytes_received = 0                             # request body bytes (uploads)
         self._stop = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._mirror: ThreadingHTTPServer | None = None
@@ -357,7 +384,17 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
+        if not length or self.hub.pace["up"].rate is None:
+            body = self.rfile.read(length) if length else b""
+        else:
+            parts = []
+            for pos in range(0, length, CHUNK):
+                self.hub.pace["up"].take(min(CHUNK, length - pos))
+                parts.append(self.rfile.read(min(CHUNK, length - pos)))
+            body = b"".join(parts)
+        with self.hub.lock:
+            self.hub.bytes_received += len(body)
+        return body
 
     def _send_json(self, obj, status: int = 200, headers: dict | None = None) -> None:
         data = json.dumps(obj).encode()
@@ -451,14 +488,15 @@ class _HubHandler(BaseHTTPRequestHandler):
         headers = {"X-Repo-Commit": commit.sha, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
         if f.lfs:
             headers.update({"X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.size)})
-        start = 0
+        start, end = 0, f.size
         rng = self.headers.get("Range") if path not in hub.ignore_range else None
         if rng:
-            m = re.fullmatch(r"bytes=(\d+)-", rng.strip())
-            if not m or int(m.group(1)) > f.size:
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
+            if not m or int(m.group(1)) > f.size or (m.group(2) and int(m.group(2)) < int(m.group(1))):
                 raise HubError(416, f"unsatisfiable range {rng}")
             start = int(m.group(1))
-        stop = min(f.size, start + hub.short_body[path]) if path in hub.short_body else f.size
+            end = min(f.size, int(m.group(2)) + 1) if m.group(2) else f.size  # bytes=N-M: a closed range
+        stop = min(end, start + hub.short_body[path]) if path in hub.short_body else end
         extra, announced = hub.long_body.get(path, (0, True))
         self.send_response(206 if rng else 200)
         for k, v in headers.items():
@@ -468,7 +506,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         else:
             self.close_connection = True  # no length: the body ends when the connection closes
         if rng:
-            self.send_header("Content-Range", f"bytes {start}-{f.size - 1}/{f.size}")
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{f.size}")
         self.end_headers()
         if self.command == "HEAD":
             return
@@ -491,14 +529,17 @@ class _HubHandler(BaseHTTPRequestHandler):
                 chunk = bytearray(src.read(min(CHUNK, stop - pos)))
                 if pos <= corrupt_at < pos + len(chunk):
                     chunk[corrupt_at - pos] ^= 0xFF
+                hub.pace["down"].take(len(chunk))
                 self.wfile.write(chunk)
                 pos += len(chunk)
+                with hub.lock:
+                    hub.bytes_sent += len(chunk)
         if extra:
             self.wfile.write(b"\xa5" * extra)
         if stall_at is not None:
             self.wfile.flush()
             return self._hold()
-        if drop is not None and stop < f.size:  # the injected drop: cut the connection mid-body
+        if drop is not None and stop < end:  # the injected drop: cut the connection mid-body
             self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
@@ -638,11 +679,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any free one)")
     p.add_argument("--token", action="append", default=[], metavar="TOKEN[=USER]",
                    help="accept this bearer token (for USER, default 'user'); repeatable")
+    p.add_argument("--down-mbps", type=float, default=None, help="limit downloads to this many MB/s (all connections)")
+    p.add_argument("--up-mbps", type=float, default=None, help="limit uploads to this many MB/s (all connections)")
     args = p.parse_args(argv)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     tokens = dict((t.split("=", 1) + ["user"])[:2] for t in args.token)
     hub = LoopbackHub(root, tokens)
+    hub.pace["down"].rate = args.down_mbps * 1e6 if args.down_mbps else None
+    hub.pace["up"].rate = args.up_mbps * 1e6 if args.up_mbps else None
     ids = serve_root(root, hub)
     endpoint = hub.start(args.port)
     print(f"loopback hub at {endpoint} serving {len(ids)} repo(s): {', '.join(ids) or '(none)'}", flush=True)

@@ -11,7 +11,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "mxforge set-up: installing into .venv (first run takes a few minutes)" >&2
   # torch first, pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0' 2>&1 | grep -v "is ignored: it is neither" >&2 || true
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  # The ray extra too, so that the tests of `--executor ray` run; torch stays pinned in the same resolve.
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,ray]' 'torch==2.13.0' 2>&1 | grep -v "is ignored: it is neither" >&2 || true
   .venv/bin/python -c "import torch, safetensors, huggingface_hub, mxforge.cli" || { echo "mxforge set-up failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

@@ -35,6 +35,25 @@ def full_layout_ckpt(tmp_path_factory) -> Path:
     return out
 
 
+def serve_tiny(tmp_path: Path, tiny_ckpt: Path, token: str):
+    """A loopback Hub (scripts/loopback_hub.py) serving the tiny fixture as zai/glm-tiny, `token` for user alice;
+    a generator for fixtures: `yield from serve_tiny(...)` stops it afterwards."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from loopback_hub import LoopbackHub
+
+    hub = LoopbackHub(tmp_path / "hub", tokens={token: "alice"})
+    hub.add_repo_from_dir("zai/glm-tiny", tiny_ckpt)
+    hub.start()
+    yield hub
+    hub.stop()
+
+
+def hub_env(hub, tmp_path: Path, token: str) -> dict:
+    """The environment that points the mxforge command (huggingface_hub) at a loopback Hub."""
+    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
+            "HF_TOKEN": token, "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
 def _without_root_overrides() -> None:
     """As root, give up the capabilities that ignore file permissions, so that a read-only directory is
     read-only to this process as it is to a user (a no-op for a normal user)."""

@@ -18,26 +18,18 @@ from mxforge.fixups.validate import validate_checkpoint
 from mxforge.pipeline import STATE_NAME
 from mxforge.quantize.state import STATE_NAME as QUANTIZE_STATE
 
-from conftest import REPO, run_cli
-
-sys.path.insert(0, str(REPO / "scripts"))
-from loopback_hub import LoopbackHub  # noqa: E402
+from conftest import REPO, hub_env, run_cli, serve_tiny
 
 TOKEN = "hf_mxforgeRunTestTokenNeverLogged42"
 
 
 @pytest.fixture
 def hub(tmp_path, tiny_ckpt):
-    h = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
-    h.add_repo_from_dir("zai/glm-tiny", tiny_ckpt)
-    h.start()
-    yield h
-    h.stop()
+    yield from serve_tiny(tmp_path, tiny_ckpt, TOKEN)
 
 
 def _env(hub, tmp_path) -> dict:
-    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
-            "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    return hub_env(hub, tmp_path, TOKEN)
 
 
 def _product(out: Path) -> dict[str, bytes]:
