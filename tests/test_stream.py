@@ -178,6 +178,19 @@ def test_stream_from_a_local_source_keeps_it_and_matches_sequential(tiny_ckpt, t
     assert files(tmp_path / "str") == files(tmp_path / "seq")
 
 
+def test_stream_applies_the_scale_rule_and_reports_the_same_errors_as_sequential(tiny_ckpt, tmp_path):
+    """--scale-rule reaches the streamed shard jobs, and the streamed quantize report carries the error report."""
+    for mode, extra in (("seq", ()), ("str", ("--stream",))):
+        run_cli("run", str(tiny_ckpt), str(tmp_path / mode), "--scale-rule", "mse", "--quiet", *extra, check=True)
+    files = lambda d: {p.name: p.read_bytes() for p in (d / "mxfp4").iterdir()  # noqa: E731
+                       if p.is_file() and p.name.endswith((".safetensors", "config.json"))}
+    assert files(tmp_path / "str") == files(tmp_path / "seq")
+    config = json.loads((tmp_path / "str" / "mxfp4" / "config.json").read_text())
+    assert config["quantization_config"]["mxforge"]["scale_rule"] == "mse"
+    errors = [json.loads((tmp_path / m / "mxfp4" / "mxforge_quantize.json").read_text())["error"] for m in ("seq", "str")]
+    assert errors[0] is not None and errors[0] == errors[1]
+
+
 def test_disk_plan_and_the_default_mode():
     # GLM-5.2: 1.5 TB of bf16; a 2 TB disk cannot hold the source and the output: streamed.
     assert choose_stream(1_500 * 10**9, 2_000 * 10**9) is True
