@@ -60,6 +60,14 @@ class ShardHeader:
     file_size: int
 
 
+def header_length_problem(header_len: int, file_size: int) -> str | None:
+    """Why a header length read from a file's first 8 bytes cannot be right for a file of `file_size` bytes."""
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+        return (f"header length {header_len} does not fit the file ({file_size} bytes): "
+                "the shard is truncated or corrupt; re-download it")
+    return None
+
+
 def read_header(path: str | os.PathLike) -> ShardHeader:
     """Parse and check a safetensors header without reading tensor data.
 
@@ -76,14 +84,22 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
             if len(raw_len) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
             (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-                raise CheckpointError(
-                    f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
-                    "the shard is truncated or corrupt; re-download it"
-                )
+            why = header_length_problem(header_len, file_size)
+            if why is not None:
+                raise CheckpointError(f"{path}: {why}")
             raw = f.read(header_len)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard: {e.strerror or e}") from None
+    return parse_header(path, raw, file_size)
+
+
+def parse_header(path, raw: bytes, file_size: int) -> ShardHeader:
+    """Check and parse a safetensors header's JSON bytes (`raw`, after the 8-byte length) of a file of
+    `file_size` bytes; `path` names the file in errors (a local path, or a file of a Hub repo).
+
+    Raises:
+        CheckpointError: as read_header, for everything after the length.
+    """
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
@@ -91,7 +107,7 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the shard is corrupt") from None
     metadata = header.pop("__metadata__", None)
-    data_start = 8 + header_len
+    data_start = 8 + len(raw)
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         try:
@@ -272,6 +288,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         CheckpointError: the file cannot be written (disk full, permissions); nothing is left behind.
     """
     _atomic(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write bytes under a temporary name, fsync, rename into place.
+
+    Raises:
+        CheckpointError: the file cannot be written; nothing is left behind.
+    """
+    _atomic(Path(path), lambda tmp: tmp.write_bytes(data))
 
 
 def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2, ensure_ascii: bool = True,
