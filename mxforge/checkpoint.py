@@ -158,7 +158,8 @@ def is_local_source(source: str) -> bool:
     if why is None and not exists:
         return False
     shown = source if len(source) <= 60 else f"{source[:60]}..."
-    raise MxforgeError(f"{shown}: neither a checkpoint directory nor a Hub repo id (owner/name: {why or 'a path'})")
+    raise MxforgeError(f"{shown}: not a directory, and not a Hub repo id either "
+                       f"({why or 'a file of that name exists here'}); pass a checkpoint directory or owner/name")
 
 
 @dataclass
