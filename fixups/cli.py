@@ -59,7 +59,13 @@ def run_validate(args) -> int:
 
     from .validate import validate_checkpoint
 
-    report = validate_checkpoint(open_checkpoint_arg(args), _engines(args), deep=args.deep, quiet=args.quiet)
+    from mxforge.errors import MxforgeError
+
+    source = open_checkpoint_arg(args)
+    if args.deep and source.local_root is None:
+        raise MxforgeError(f"{args.ckpt}: --deep reads every MXFP4 scale and hashes every file, i.e. the whole "
+                           "checkpoint: mxforge download it first, then validate the directory with --deep")
+    report = validate_checkpoint(source, _engines(args), deep=args.deep, quiet=args.quiet)
     emit(report.as_dict(), args.json, report.format())
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 

@@ -590,9 +590,19 @@ class _HubHandler(BaseHTTPRequestHandler):
             r.branches[rev] = _revision_or_404(r, start).sha
         self._send_json({})
 
+    def _target_repo(self, repo: str) -> tuple[HubRepo, str]:
+        """The repo a write goes to, and who writes: its owner, or (`?create_pr=1`) any signed-in reader, as
+        on the Hub, where anyone may open a pull request."""
+        user = self._user()
+        if self.query.get("create_pr", ["0"])[0] in ("1", "true"):
+            if user is None:
+                raise HubError(401, "You must be authenticated to open a pull request")
+            return self.hub.readable_repo(repo, user), user
+        return self.hub.writable_repo(repo, user), user
+
     def h_preupload(self, body: bytes, repo: str, rev: str) -> None:
         with self.hub.lock:
-            r = self.hub.writable_repo(repo, self._user())
+            r, _ = self._target_repo(repo)
             existing = r.resolve(rev)
         files = []
         for item in json.loads(body)["files"]:
@@ -629,8 +639,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         lines = [json.loads(line) for line in body.splitlines() if line.strip()]
         create_pr = self.query.get("create_pr", ["0"])[0] in ("1", "true")
         with hub.lock:
-            user = self._user()
-            r = hub.writable_repo(repo, user)
+            r, user = self._target_repo(repo)
             if hub.fail_commits > 0:
                 hub.fail_commits -= 1
                 raise HubError(409, "injected commit failure")

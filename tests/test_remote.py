@@ -55,8 +55,8 @@ def _env(hub, tmp_path) -> dict:
             "MXFORGE_HUB_RETRIES": "1"}
 
 
-def _mx(hub, tmp_path, *args) -> subprocess.CompletedProcess:
-    return run_cli(*args, env=_env(hub, tmp_path), timeout=300)
+def _mx(hub, tmp_path, *args, token: str = TOKEN) -> subprocess.CompletedProcess:
+    return run_cli(*args, env={**_env(hub, tmp_path), "HF_TOKEN": token}, timeout=300)
 
 
 def _json(proc) -> dict:
@@ -81,12 +81,12 @@ def _linked_copy(src: Path, dst: Path) -> Path:
 def test_remote_doctor_validate_fix_by_pr_and_revalidate(export, exports, hub, tmp_path):
     """The issue's done-when: validate names the failing releases from under 2% of the repo's bytes; fixup
     --create-pr opens one PR changing only config.json and the record; the PR passes for every release;
-    a second --create-pr opens nothing new."""
+    a second --create-pr opens nothing new. The repo is someone else's (amd/): the user (me) may only propose."""
     src = exports[export]
-    hub.add_repo_from_dir("me/glm-mxfp4", src)
-    base = hub.repos["me/glm-mxfp4"].branches["main"]
+    hub.add_repo_from_dir("amd/glm-mxfp4", src)
+    base = hub.repos["amd/glm-mxfp4"].branches["main"]
 
-    report = _json(_mx(hub, tmp_path, "validate", "me/glm-mxfp4", "--json"))
+    report = _json(_mx(hub, tmp_path, "validate", "amd/glm-mxfp4", "--json"))
     local = validate_checkpoint(src).as_dict()
     assert report["ok"] is False and report["verdict"] == local["verdict"]
     failing = [r for r in report["releases"] if not r["ok"]]
@@ -95,10 +95,12 @@ def test_remote_doctor_validate_fix_by_pr_and_revalidate(export, exports, hub, t
     assert fetched["commit"] == base and 0 < fetched["bytes_fetched"] < 0.02 * _repo_bytes(src)
     assert all(g[2] is not None for g in hub.requests if g[0] == "GET" and g[1].endswith(".safetensors"))
 
-    proc = _mx(hub, tmp_path, "fixup", "me/glm-mxfp4", "--create-pr")
+    anonymous = _mx(hub, tmp_path, "fixup", "amd/glm-mxfp4", "--create-pr", token="")
+    assert "HTTP 401" in one_error_line(anonymous) and hub.repos["amd/glm-mxfp4"].pulls == []
+    proc = _mx(hub, tmp_path, "fixup", "amd/glm-mxfp4", "--create-pr")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "opened pull request #1" in proc.stdout
-    repo = hub.repos["me/glm-mxfp4"]
+    repo = hub.repos["amd/glm-mxfp4"]
     assert [pr.num for pr in repo.pulls] == [1] and repo.branches["main"] == base
     head = repo.commits[repo.branches["refs/pr/1"]]
     changed = {n for n, f in head.files.items() if repo.commits[base].files.get(n) != f}
@@ -113,70 +115,72 @@ def test_remote_doctor_validate_fix_by_pr_and_revalidate(export, exports, hub, t
     fixup_checkpoint(fixed, command="test")
     assert json.loads(head.files["config.json"].disk_path.read_text()) == json.loads((fixed / "config.json").read_text())
 
-    after = _json(_mx(hub, tmp_path, "validate", "me/glm-mxfp4", "--revision", "refs/pr/1", "--json"))
+    after = _json(_mx(hub, tmp_path, "validate", "amd/glm-mxfp4", "--revision", "refs/pr/1", "--json"))
     assert after["ok"] is True and all(r["ok"] for r in after["releases"]) and len(after["releases"]) >= 10
     assert after["checked"]["fetched"]["commit"] == head.sha
 
-    again = _mx(hub, tmp_path, "fixup", "me/glm-mxfp4", "--create-pr", "--json")
+    again = _mx(hub, tmp_path, "fixup", "amd/glm-mxfp4", "--create-pr", "--json")
     assert again.returncode == 0, again.stderr
     assert _json(again)["status"] == "exists" and _json(again)["pr_num"] == 1
     assert len(repo.pulls) == 1 and repo.branches["main"] == base
 
 
 def test_create_pr_dry_run_sends_nothing_and_a_fixed_repo_gets_no_pr(exports, hub, tmp_path):
-    hub.add_repo_from_dir("me/glm-mxfp4", exports["globs"])
-    proc = _mx(hub, tmp_path, "fixup", "me/glm-mxfp4", "--create-pr", "--dry-run")
+    hub.add_repo_from_dir("amd/glm-mxfp4", exports["globs"])
+    proc = _mx(hub, tmp_path, "fixup", "amd/glm-mxfp4", "--create-pr", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "+++ b/config.json" in proc.stdout and "pull request description" in proc.stdout
-    assert hub.repos["me/glm-mxfp4"].pulls == [] and not [r for r in hub.requests if r[0] == "POST"]
+    assert hub.repos["amd/glm-mxfp4"].pulls == [] and not [r for r in hub.requests if r[0] == "POST"]
 
     fixed = _linked_copy(exports["globs"], tmp_path / "fixed")
     fixup_checkpoint(fixed, command="test")
-    hub.add_repo_from_dir("me/glm-fixed", fixed)
-    proc = _mx(hub, tmp_path, "fixup", "me/glm-fixed", "--create-pr", "--json")
+    hub.add_repo_from_dir("amd/glm-fixed", fixed)
+    proc = _mx(hub, tmp_path, "fixup", "amd/glm-fixed", "--create-pr", "--json")
     assert proc.returncode == 0 and _json(proc)["status"] == "fixed", proc.stdout + proc.stderr
-    assert hub.repos["me/glm-fixed"].pulls == []
+    assert hub.repos["amd/glm-fixed"].pulls == []
 
-    refused = _mx(hub, tmp_path, "fixup", "me/glm-mxfp4")  # a repo is never edited in place
+    refused = _mx(hub, tmp_path, "fixup", "amd/glm-mxfp4")  # a repo is never edited in place
     assert "--create-pr" in one_error_line(refused)
+    deep = _mx(hub, tmp_path, "validate", "amd/glm-mxfp4", "--deep")  # tensor data is never fetched
+    assert "download" in one_error_line(deep)
 
 
 def test_pull_request_endpoints_speak_the_clients_api(exports, hub, tmp_path):
     """get_repo_discussions / get_discussion_details of the installed client read the loopback Hub's answers."""
     from huggingface_hub import HfApi
 
-    hub.add_repo_from_dir("me/glm-mxfp4", exports["globs"])
-    assert _mx(hub, tmp_path, "fixup", "me/glm-mxfp4", "--create-pr").returncode == 0
+    hub.add_repo_from_dir("amd/glm-mxfp4", exports["globs"])
+    assert _mx(hub, tmp_path, "fixup", "amd/glm-mxfp4", "--create-pr").returncode == 0
     api = HfApi(endpoint=hub.endpoint)
-    prs = list(api.get_repo_discussions("me/glm-mxfp4", discussion_type="pull_request", discussion_status="open"))
+    prs = list(api.get_repo_discussions("amd/glm-mxfp4", discussion_type="pull_request", discussion_status="open"))
     assert [(p.num, p.author, p.is_pull_request, p.git_reference) for p in prs] == [(1, "me", True, "refs/pr/1")]
-    details = api.get_discussion_details("me/glm-mxfp4", 1)
+    details = api.get_discussion_details("amd/glm-mxfp4", 1)
     assert details.target_branch == "refs/heads/main" and details.events[0].content.startswith("This pull request")
     assert "+++ b/config.json" in details.diff and "+++ b/mxforge_fixups.json" in details.diff
     assert "safetensors" not in details.diff
-    info = api.model_info("me/glm-mxfp4", revision="refs/pr/1")
-    assert info.sha == hub.repos["me/glm-mxfp4"].branches["refs/pr/1"]
-    assert {e.path for e in api.list_repo_tree("me/glm-mxfp4", revision="refs/pr/1")} >= {"config.json", "mxforge_fixups.json"}
+    info = api.model_info("amd/glm-mxfp4", revision="refs/pr/1")
+    assert info.sha == hub.repos["amd/glm-mxfp4"].branches["refs/pr/1"]
+    assert {e.path for e in api.list_repo_tree("amd/glm-mxfp4", revision="refs/pr/1")} >= {"config.json", "mxforge_fixups.json"}
 
 
 def test_inspect_remote_equals_local_and_a_second_read_comes_from_the_cache(exports, hub, tmp_path):
     from mxforge.inspect_ckpt import inspect_checkpoint
 
-    hub.add_repo_from_dir("me/glm-mxfp4", exports["layer-names"])
-    remote = _json(_mx(hub, tmp_path, "inspect", "me/glm-mxfp4", "--json"))
+    hub.add_repo_from_dir("amd/glm-mxfp4", exports["layer-names"])
+    remote = _json(_mx(hub, tmp_path, "inspect", "amd/glm-mxfp4", "--json"))
     local = inspect_checkpoint(exports["layer-names"])
     assert {k: v for k, v in remote.items() if k not in ("path", "fetched")} == \
         json.loads(json.dumps({k: v for k, v in local.items() if k != "path"}))
     assert remote["fetched"]["requests"] > 0
     hub.requests.clear()
-    cached = _json(_mx(hub, tmp_path, "validate", "me/glm-mxfp4", "--json"))
+    cached = _json(_mx(hub, tmp_path, "validate", "amd/glm-mxfp4", "--json"))
     assert cached["checked"]["fetched"]["bytes_fetched"] == 0 and not _header_gets(hub, SHARD)
 
 
 def test_token_goes_only_to_the_hub_origin_on_a_redirect(exports, hub, tmp_path):
-    hub.add_repo_from_dir("me/glm-mxfp4", exports["globs"])
+    hub.add_repo_from_dir("amd/glm-mxfp4", exports["globs"])
     hub.redirect_resolve = True
-    report = _json(_mx(hub, tmp_path, "validate", "me/glm-mxfp4", "--json"))
+    report = _json(_mx(hub, tmp_path, "validate", "amd/glm-mxfp4", "--json"))
     assert report["verdict"] == validate_checkpoint(exports["globs"]).verdict()
     assert hub.mirror_requests and not any(auth for _, _, auth in hub.mirror_requests)
 
@@ -197,9 +201,9 @@ def test_hostile_header_length_beyond_the_limit_is_refused_before_its_bytes(expo
 
 
 def test_hostile_truncated_ranged_body_fails_in_one_line(exports, hub, tmp_path):
-    hub.add_repo_from_dir("me/glm-mxfp4", exports["globs"])
+    hub.add_repo_from_dir("amd/glm-mxfp4", exports["globs"])
     hub.short_body[SHARD] = 4
-    proc = _mx(hub, tmp_path, "validate", "me/glm-mxfp4")
+    proc = _mx(hub, tmp_path, "validate", "amd/glm-mxfp4")
     line = one_error_line(proc)
     assert SHARD in line and "truncated" in line and "2 attempt(s)" in line
 
