@@ -41,7 +41,7 @@ from .hub_errors import HubError, check_repo_id, hub_endpoint, raise_as_hub_erro
 from .hub_session import HubLimits, use_hub_limits
 from .progress import format_bytes
 from .safe_paths import remote_path
-from .safetensors_io import ShardHeader, header_length_problem, parse_header, write_bytes_atomic
+from .safetensors_io import ShardHeader, header_length, parse_header, write_bytes_atomic
 
 MAX_JSON_BYTES = 64 << 20  # config.json / the index (GLM-5.2's index: 6 MB)
 CHUNK = 64 << 10           # read granularity: what a Range-ignoring server can make us read past the wanted bytes
@@ -129,13 +129,7 @@ class HubSource(CheckpointSource):
             raw = blob[16:]
         else:
             prefix, size = self._read_range(name, 0, 8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{self.where(name)}: truncated safetensors file ({size} bytes, no header)")
-            (header_len,) = struct.unpack("<Q", prefix)
-            why = header_length_problem(header_len, size)
-            if why is not None:
-                raise CheckpointError(f"{self.where(name)}: {why}")
-            raw, _ = self._read_range(name, 8, 8 + header_len)
+            raw, _ = self._read_range(name, 8, 8 + header_length(self.where(name), prefix, size))
             header = parse_header(self.where(name), raw, size)  # only a header that parses is cached
             self._store(cached, struct.pack("<Q", size) + prefix + raw)
             self.file_sizes[name] = size
@@ -160,8 +154,8 @@ class HubSource(CheckpointSource):
         write_bytes_atomic(path, data)
 
     def _read_range(self, name: str, start: int, end: int, whole: bool = False) -> tuple[bytes, int]:
-        """Bytes [start, end) of a file at the commit, and the file's size. `whole`: the file may be shorter
-        than `end` (a JSON file: read all of it, up to `end`).
+        """Bytes [start, end) of a file at the commit (fewer where the file ends first), and the file's size.
+        `whole`: the file is wanted whole (a JSON file): one larger than `end` is refused before its body is read.
 
         Raises:
             HubError: no answer, or every attempt ended short (a truncated body), within the limits.
@@ -195,7 +189,7 @@ class HubSource(CheckpointSource):
             if whole and size > end:
                 raise CheckpointError(f"{self.where(name)}: is {format_bytes(size)}, more than the {format_bytes(end)} "
                                       "mxforge reads for it; the repo is broken or hostile")
-            want = min(end, size) - start if whole else end - start
+            want = max(0, min(end, size) - start)  # a file may be shorter than the bytes asked for
             skip, out = start - offset, bytearray()  # a server that ignored Range starts at byte 0: read past it
             for chunk in response.iter_raw(CHUNK):
                 self.fetched += len(chunk)

@@ -60,12 +60,20 @@ class ShardHeader:
     file_size: int
 
 
-def header_length_problem(header_len: int, file_size: int) -> str | None:
-    """Why a header length read from a file's first 8 bytes cannot be right for a file of `file_size` bytes."""
+def header_length(path, first8: bytes, file_size: int) -> int:
+    """The header length a safetensors file's first 8 bytes give, checked against safetensors' limit and the
+    file's size (`path` names the file in errors) before a byte of the header is read.
+
+    Raises:
+        CheckpointError: fewer than 8 bytes, or a length beyond the limit or the file.
+    """
+    if len(first8) < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
+    (header_len,) = struct.unpack("<Q", first8)
     if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-        return (f"header length {header_len} does not fit the file ({file_size} bytes): "
-                "the shard is truncated or corrupt; re-download it")
-    return None
+        raise CheckpointError(f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
+                              "the shard is truncated or corrupt; re-download it")
+    return header_len
 
 
 def read_header(path: str | os.PathLike) -> ShardHeader:
@@ -80,14 +88,7 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
     try:
         file_size = path.stat().st_size
         with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            why = header_length_problem(header_len, file_size)
-            if why is not None:
-                raise CheckpointError(f"{path}: {why}")
-            raw = f.read(header_len)
+            raw = f.read(header_length(path, f.read(8), file_size))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard: {e.strerror or e}") from None
     return parse_header(path, raw, file_size)
