@@ -224,7 +224,7 @@ class LoopbackHub:
     def _commit(self, repo: HubRepo, branch: str, files: dict[str, HubFile], title: str) -> str:
         parent = repo.branches.get(branch)
         digest = hashlib.sha1(json.dumps([parent, title, time.time_ns(),
-                                          sorted((k, v.sha256) for k, v in files.items())]).encode()).hexdigest()
+                                          sorted((k, v.known_sha256 or f"{v.disk_path}:{v.size}") for k, v in files.items())]).encode()).hexdigest()
         repo.commits[digest] = Commit(digest, title, files, parent)
         repo.branches[branch] = digest
         return digest
