@@ -337,6 +337,7 @@ STALL_MAX_S = 600  # a stalled handler gives up by itself after this long (or wh
 
 class _HubHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # else a small body waits 40 ms for the client's delayed ACK on every request
     hub: LoopbackHub
     mirror = False  # the second server `redirect_resolve` points file requests to
 
