@@ -150,8 +150,13 @@ class HubSource(CheckpointSource):
         return remote_path(self.cache / kind, name, source=f"the Hub ({self.repo_id})")
 
     def _store(self, path: Path, data: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, data)
+        """Keep what was read for the next look at this commit; a cache that cannot be written (read-only home,
+        full disk) only costs that next look its fetch."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(path, data)
+        except (OSError, CheckpointError):
+            pass
 
     def _read_range(self, name: str, start: int, end: int, whole: bool = False) -> tuple[bytes, int]:
         """Bytes [start, end) of a file at the commit (fewer where the file ends first), and the file's size.
