@@ -106,6 +106,9 @@ class CheckpointSource:
     def check_opened(self) -> None:
         """Refuse a source that is not a checkpoint at all, before anything is parsed. Raises CheckpointError."""
 
+    def prefetch_headers(self, names: list[str]) -> None:
+        """Get ready to answer read_header for these shards (a Hub repo reads them in parallel)."""
+
 
 class LocalDir(CheckpointSource):
     """A checkpoint directory on disk."""
@@ -199,6 +202,7 @@ class Checkpoint:
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{source.where(INDEX_NAME)}: has no weight_map; the index is corrupt")
             _check_shard_names(source, weight_map)
+            source.prefetch_headers(sorted(set(weight_map.values())))
             return cls(source, config, dict(weight_map), dict(index.get("metadata") or {}), True,
                        getattr(weight_map, "duplicates", ()))
         if source.exists(SINGLE_NAME):

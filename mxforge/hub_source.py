@@ -27,7 +27,10 @@ import json
 import os
 import re
 import struct
+import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ from huggingface_hub import HfApi, hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from .checkpoint import CheckpointSource
-from .errors import CheckpointError
+from .errors import CheckpointError, MxforgeError
 from .hub_errors import HubError, check_repo_id, hub_endpoint, raise_as_hub_error
 from .hub_session import HubLimits, use_hub_limits
 from .progress import format_bytes
@@ -46,6 +49,7 @@ from .safetensors_io import ShardHeader, header_length, parse_header, write_byte
 MAX_JSON_BYTES = 64 << 20  # config.json / the index (GLM-5.2's index: 6 MB)
 CHUNK = 64 << 10           # read granularity: what a Range-ignoring server can make us read past the wanted bytes
 CACHE_ENV = "MXFORGE_CACHE"
+PARALLEL_READS = 8         # header reads in flight at once (each is two round trips, more behind a CDN redirect)
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 TRANSIENT = (httpx.RemoteProtocolError, httpx.ReadError, httpx.TimeoutException, httpx.ConnectError)
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
@@ -93,6 +97,8 @@ class HubSource(CheckpointSource):
         self.fetched = 0      # bytes received from the Hub by this source
         self.requests = 0     # ranged GETs sent
         self.file_sizes: dict[str, int] = {}  # size of every file read, from the Hub's answers (or the cache)
+        self._prefetched: dict[str, ShardHeader | MxforgeError] = {}
+        self._count = threading.Lock()
 
     # --- CheckpointSource ---------------------------------------------------------------------------
     def where(self, name: str) -> str:
@@ -121,7 +127,32 @@ class HubSource(CheckpointSource):
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.where(name)}: {what} is not valid JSON ({e})") from None
 
+    def prefetch_headers(self, names: list[str]) -> None:
+        """Read these shards' headers `PARALLEL_READS` at a time (a shard counter on a terminal); read_header
+        then answers from them, raising what reading one raised, so the outcome is the sequential one."""
+        from tqdm import tqdm
+
+        todo = [n for n in names if n in self.names and n not in self._prefetched]
+        with ThreadPoolExecutor(PARALLEL_READS) as pool, \
+                tqdm(total=len(todo), desc=f"{self.repo_id} headers", unit="shard", disable=not sys.stderr.isatty(),
+                     dynamic_ncols=True, mininterval=0.5) as bar:
+            for name, outcome in zip(todo, pool.map(self._header_or_error, todo)):
+                self._prefetched[name] = outcome
+                bar.update(1)
+
+    def _header_or_error(self, name: str) -> ShardHeader | MxforgeError:
+        try:
+            return self._read_header(name)
+        except MxforgeError as e:
+            return e
+
     def read_header(self, name: str) -> ShardHeader:
+        outcome = self._prefetched.pop(name, None) or self._read_header(name)
+        if isinstance(outcome, MxforgeError):
+            raise outcome
+        return outcome
+
+    def _read_header(self, name: str) -> ShardHeader:
         cached = self._cache_path("headers", name)
         if cached.exists():
             blob = cached.read_bytes()
@@ -186,7 +217,8 @@ class HubSource(CheckpointSource):
     def _attempt(self, name: str, start: int, end: int, whole: bool, deadline: float) -> tuple[bytes, int]:
         url = hf_hub_url(self.repo_id, name, revision=self.commit, endpoint=self.endpoint)
         headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-        self.requests += 1
+        with self._count:
+            self.requests += 1
         with get_session().stream("GET", url, headers=headers, follow_redirects=True,
                                   timeout=self.limits.data_timeout) as response:
             hf_raise_for_status(response)
@@ -197,7 +229,8 @@ class HubSource(CheckpointSource):
             want = max(0, min(end, size) - start)  # a file may be shorter than the bytes asked for
             skip, out = start - offset, bytearray()  # a server that ignored Range starts at byte 0: read past it
             for chunk in response.iter_raw(CHUNK):
-                self.fetched += len(chunk)
+                with self._count:
+                    self.fetched += len(chunk)
                 if skip:
                     chunk, skip = chunk[skip:], max(0, skip - len(chunk))
                 out += chunk[:want - len(out)]
