@@ -24,7 +24,6 @@ from mxforge.hub_source import HubSource
 
 from .fixup import FIXUPS_NAME, FixupResult, add_to_record, fixup_checkpoint, read_fixups_record
 from .profiles import select
-from .report import MAX_LISTED
 from .validate import validate_checkpoint
 
 PR_TITLE = "mxforge fixup: quantization_config.exclude entries every engine release needs"

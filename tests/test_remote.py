@@ -20,7 +20,7 @@ from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.fixups.quark_like import write_quark_like
 from mxforge.fixups.validate import validate_checkpoint
 
-from conftest import AMD, BASE, MTP, REPO, one_error_line, run_cli
+from conftest import AMD, REPO, one_error_line, run_cli
 
 sys.path.insert(0, str(REPO / "scripts"))
 from loopback_hub import LoopbackHub  # noqa: E402
