@@ -16,6 +16,24 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     add_json_option(p)
 
 
+def add_remote_options(p: argparse.ArgumentParser) -> None:
+    """--revision and the Hub limits, for commands that take a Hub repo id where a checkpoint directory goes."""
+    from mxforge.cli_support import add_hub_options
+
+    p.add_argument("--revision", default=None, metavar="R", help="with a Hub repo id: branch, tag, commit or "
+                   "refs/pr/N (default main). Only config.json, the index and shard headers are fetched (ranged "
+                   "reads, cached by commit under $MXFORGE_CACHE or ~/.cache/mxforge)")
+    add_hub_options(p)
+
+
+def open_checkpoint_arg(args):
+    """The checkpoint an argument names: a directory, or a Hub repo id at --revision (a CheckpointSource)."""
+    from mxforge.cli_support import hub_limits
+    from mxforge.hub_source import open_source
+
+    return open_source(args.ckpt, args.revision, hub_limits(args))
+
+
 def _engines(args) -> list[str] | None:
     """The --engines items (None: every supported release). Raises ConfigError for an unknown one."""
     return parse_engines_arg(args.engines)
@@ -27,10 +45,11 @@ def register_validate(sub) -> argparse.ArgumentParser:
                        "implies is stored (MTP layer included) and, per engine profile, that every module the engine "
                        "builds finds the dtype and shape it allocates. Reads headers only. "
                        "Exit 0 clean, 1 problems found, 2 could not run.")
-    p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
     p.add_argument("--deep", action="store_true", help="also read every MXFP4 scale (255 = NaN) and check files "
                    "against the download's sha256 manifest (reads data: minutes on a full checkpoint)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (--deep)")
+    add_remote_options(p)
     _add_common_options(p)
     return p
 
@@ -40,7 +59,13 @@ def run_validate(args) -> int:
 
     from .validate import validate_checkpoint
 
-    report = validate_checkpoint(args.ckpt, _engines(args), deep=args.deep, quiet=args.quiet)
+    from mxforge.errors import MxforgeError
+
+    source = open_checkpoint_arg(args)
+    if args.deep and source.local_root is None:
+        raise MxforgeError(f"{args.ckpt}: --deep reads every MXFP4 scale and hashes every file, i.e. the whole "
+                           "checkpoint: mxforge download it first, then validate the directory with --deep")
+    report = validate_checkpoint(source, _engines(args), deep=args.deep, quiet=args.quiet)
     emit(report.as_dict(), args.json, report.format())
     return EXIT_OK if report.ok else EXIT_PROBLEMS
 
@@ -52,13 +77,19 @@ def register_fixup(sub) -> argparse.ArgumentParser:
                        "<layer>.mlp.experts) and glob entries rewritten into exact names. Idempotent. Keeps "
                        "config.json.orig, records what it applied in mxforge_fixups.json. Exit 0 when every engine "
                        "can load the result, 1 when problems remain that the config cannot cure, 2 could not run.")
-    p.add_argument("ckpt", help="checkpoint directory (config.json is edited in place)")
-    p.add_argument("--dry-run", action="store_true", help="print the unified diff of config.json; write nothing")
+    p.add_argument("ckpt", help="checkpoint directory (config.json is edited in place), or a Hub repo id with "
+                   "--create-pr or --dry-run")
+    p.add_argument("--dry-run", action="store_true", help="print the unified diff of config.json; write nothing "
+                   "(with --create-pr: also the pull request's description; nothing is sent)")
+    p.add_argument("--create-pr", action="store_true", help="REPO_ID only: open a pull request on the Hub changing "
+                   "config.json (and adding mxforge_fixups.json), computed from the remote headers; a second call finds "
+                   "the open one instead")
     p.add_argument("--mtp-from", metavar="BF16_SRC", default=None,
                    help="first re-inject a missing MTP layer from this bf16 checkpoint (a new shard; index and config updated)")
     p.add_argument("--recipe", default=None, help="with --mtp-from: the quantization recipe for the MTP layer "
                    "(name in manifests/ or a TOML path; default: the quantizer's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (--mtp-from)")
+    add_remote_options(p)
     _add_common_options(p)
     return p
 
@@ -71,7 +102,36 @@ def run_fixup(args) -> int:
 
     if args.recipe and not args.mtp_from:
         raise ConfigError("--recipe applies only with --mtp-from BF16_SRC")
-    result = fixup_checkpoint(args.ckpt, _engines(args), dry_run=args.dry_run, mtp_from=args.mtp_from,
+    source = open_checkpoint_arg(args) if not args.create_pr else None
+    if args.create_pr or source.local_root is None:
+        return _run_remote_fixup(args, source)
+    result = fixup_checkpoint(source, _engines(args), dry_run=args.dry_run, mtp_from=args.mtp_from,
                               recipe=args.recipe, quiet=args.quiet)
+    emit(result.as_dict(), args.json, result.format())
+    return EXIT_OK if not result.remaining else EXIT_PROBLEMS
+
+
+def _run_remote_fixup(args, source) -> int:
+    """fixup of a Hub repo: --create-pr (or --dry-run) only; a repo cannot be edited in place."""
+    from mxforge.checkpoint import is_local_source
+    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit, hub_limits
+    from mxforge.errors import MxforgeError
+
+    from .fixup import fixup_checkpoint
+
+    if args.mtp_from:
+        raise MxforgeError("--mtp-from writes a new shard: it needs a local checkpoint directory, not a Hub repo")
+    if args.create_pr:
+        if is_local_source(args.ckpt):
+            raise MxforgeError(f"{args.ckpt}: --create-pr takes a Hub repo id (owner/name), not a directory")
+        from .hub_pr import create_fixup_pr
+
+        pr = create_fixup_pr(args.ckpt, args.revision, _engines(args), dry_run=args.dry_run, limits=hub_limits(args))
+        emit(pr.as_dict(), args.json, pr.format())
+        return EXIT_OK if not pr.fixup.remaining else EXIT_PROBLEMS
+    if not args.dry_run:
+        raise MxforgeError(f"{args.ckpt}: a Hub repo cannot be edited in place: pass --create-pr to propose the fix "
+                           "as a pull request, or --dry-run to see it")
+    result = fixup_checkpoint(source, _engines(args), dry_run=True)
     emit(result.as_dict(), args.json, result.format())
     return EXIT_OK if not result.remaining else EXIT_PROBLEMS

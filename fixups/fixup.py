@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mxforge.cli_support import invocation
-from mxforge.checkpoint import CONFIG_BACKUP_NAME, INDEX_NAME, Checkpoint, load_json
+from mxforge.checkpoint import CONFIG_BACKUP_NAME, INDEX_NAME, Checkpoint, CheckpointSource, LocalDir, load_json
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.glm_layout import GlmLayout
 from mxforge.safetensors_io import copy_atomic, write_json_atomic
@@ -48,6 +48,7 @@ class FixupResult:
     remaining: list[Problem] = field(default_factory=list)  # problems editing `exclude` cannot cure
     diff: str = ""
     dry_run: bool = False
+    new_config: dict | None = None  # config.json as fixup makes it (None: unchanged)
 
     @property
     def changed(self) -> bool:
@@ -156,7 +157,7 @@ def harmed_modules(loaded: LoadedCheckpoint, profiles: list[EngineProfile], befo
     return harmed
 
 
-def fixup_checkpoint(root: str | Path, engines: str | list[str] | None = None, dry_run: bool = False,
+def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[str] | None = None, dry_run: bool = False,
                      command: str | None = None, mtp_from: str | Path | None = None, recipe: str | None = None,
                      quiet: bool = True) -> FixupResult:
     """Rewrite config.json's `quantization_config.exclude` so that every selected engine release (`engines`
@@ -165,7 +166,8 @@ def fixup_checkpoint(root: str | Path, engines: str | list[str] | None = None, d
 
     Keeps the original as config.json.orig (first run only), writes atomically, records what it applied
     in mxforge_fixups.json beside config.json. `dry_run` computes the same and writes nothing.
-    `mtp_from` (a bf16 checkpoint) first re-injects a missing MTP layer, quantized per `recipe`
+    `root` may be any CheckpointSource; one that is not a local directory (a Hub repo) is only read, as with
+    `dry_run` (hub_pr proposes the result as a pull request). `mtp_from` (a bf16 checkpoint) first re-injects a missing MTP layer, quantized per `recipe`
     (default: the quantizer's default recipe); when the MTP layer is present it is left alone.
 
     Raises:
@@ -176,13 +178,14 @@ def fixup_checkpoint(root: str | Path, engines: str | list[str] | None = None, d
     profiles = [sel.profile for sel in select(engines)]
     command = command or invocation()
     ckpt = Checkpoint.open(root)
+    dry_run = dry_run or ckpt.source.local_root is None
     _check_exclude_form(ckpt)
     record = None if dry_run else load_fixups_record(ckpt.root)
     injected, note = _maybe_inject(ckpt, mtp_from, recipe, dry_run, quiet)
     if injected and not dry_run:
         ckpt = Checkpoint.open(ckpt.root)  # the injection rewrote the index and config.json
     loaded, _, index_warnings, _ = load_checkpoint(ckpt)
-    result = FixupResult(str(loaded.ckpt.root), [p.name for p in profiles], dry_run=dry_run)
+    result = FixupResult(loaded.ckpt.label, [p.name for p in profiles], dry_run=dry_run)
     if note:
         result.warnings.append(note)
     if injected:
@@ -200,7 +203,7 @@ def fixup_checkpoint(root: str | Path, engines: str | list[str] | None = None, d
         aliases = needed_aliases(entries, loaded, profiles, qc)
         harmed = harmed_modules(loaded, profiles, entries, entries + [a["entry"] for a in aliases], qc)
         if harmed:  # never expected: every alias names a bf16 module in one release's terms; refuse rather than harm
-            raise ConfigError(f"{loaded.ckpt.root / 'config.json'}: the aliases fixup computed would change how "
+            raise ConfigError(f"{loaded.ckpt.source.where('config.json')}: the aliases fixup computed would change how "
                               f"{harmed[0][0]} builds {harmed[0][1]} (and {len(harmed) - 1} more); nothing was written. "
                               "Please report this checkpoint's config.json to the mxforge maintainers")
         entries += [a["entry"] for a in aliases]
@@ -217,7 +220,7 @@ def fixup_checkpoint(root: str | Path, engines: str | list[str] | None = None, d
         if dry_run and injected:
             result.remaining = [p for p in result.remaining if p.check != "mtp"]
         if applied or aliases:
-            new_config = {**config, "quantization_config": {**qc, "exclude": entries}}
+            new_config = result.new_config = {**config, "quantization_config": {**qc, "exclude": entries}}
             old_text, new_text = (json.dumps(c, indent=2) + "\n" for c in (config, new_config))
             result.diff = "".join(difflib.unified_diff(old_text.splitlines(True), new_text.splitlines(True),
                                                        "a/config.json", "b/config.json"))
@@ -259,7 +262,7 @@ def _check_exclude_form(ckpt: Checkpoint) -> None:
     """
     raw = (ckpt.quantization_config or {}).get("exclude", [])
     if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
-        raise ConfigError(f"{ckpt.root / 'config.json'}: quantization_config.exclude is not a list of module names; "
+        raise ConfigError(f"{ckpt.source.where('config.json')}: quantization_config.exclude is not a list of module names; "
                           "fix it by hand (see mxforge validate) before running fixup")
 
 
@@ -300,13 +303,29 @@ def load_fixups_record(root: Path) -> dict:
     Raises:
         CheckpointError: the record exists but is not valid JSON or not a fixup record.
     """
-    record_path = root / FIXUPS_NAME
-    if not record_path.exists():
+    return read_fixups_record(LocalDir(root))
+
+
+def read_fixups_record(source: CheckpointSource) -> dict:
+    """The checkpoint's mxforge_fixups.json (a directory's, or a Hub repo's), or a fresh record when it has none.
+
+    Raises:
+        CheckpointError: the record exists but is not valid JSON or not a fixup record.
+    """
+    if not source.exists(FIXUPS_NAME):
         return {"stage": "fixup", "fixups": [], "runs": []}
-    record = load_json(record_path, "fixup record")
+    record = source.read_json(FIXUPS_NAME, "fixup record")
     if not (isinstance(record, dict) and isinstance(record.get("fixups"), list) and isinstance(record.get("runs"), list)):
-        raise CheckpointError(f"{record_path}: not a fixup record (an object with 'fixups' and 'runs' lists); "
-                              "move it aside and re-run mxforge fixup")
+        raise CheckpointError(f"{source.where(FIXUPS_NAME)}: not a fixup record (an object with 'fixups' and 'runs' "
+                              "lists); move it aside and re-run mxforge fixup")
+    return record
+
+
+def add_to_record(record: dict, applied: list[dict], engines: list[str], command: str) -> dict:
+    """`record` (from read_fixups_record) with one more run that applied `applied`; each fixup listed once."""
+    record["fixups"] += [a for a in applied if a not in record["fixups"]]  # a rerun after a kill: recorded once
+    record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
+    record.update({"engines": engines, "config_backup": BACKUP_NAME, "command": command})
     return record
 
 
@@ -317,7 +336,4 @@ def record_fixups(root: Path, record: dict, applied: list[dict], engines: list[s
     Raises:
         CheckpointError: the record cannot be written.
     """
-    record["fixups"] += [a for a in applied if a not in record["fixups"]]  # a rerun after a kill: recorded once
-    record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
-    record.update({"engines": engines, "config_backup": BACKUP_NAME, "command": command})
-    write_json_atomic(root / FIXUPS_NAME, record)
+    write_json_atomic(root / FIXUPS_NAME, add_to_record(record, applied, engines, command))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError
-from mxforge.safetensors_io import ShardHeader, read_header
+from mxforge.safetensors_io import ShardHeader
 
 from .report import Problem
 
@@ -21,20 +21,19 @@ def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], list[Proble
     counts in whole file bytes), counts of what was checked, and the headers that parsed (by shard name).
     """
     problems: list[Problem] = []
-    root = ckpt.root
+    source = ckpt.source
     for key in ckpt.duplicate_index_keys:
         problems.append(Problem("integrity", f"{INDEX_NAME}:{key}", "tensor listed more than once in weight_map",
                                 "keep one entry per tensor (the shard that really holds it)"))
     headers = {}
     for shard in ckpt.shard_names:
-        path = root / shard
-        if not path.exists():
-            problems.append(Problem("integrity", shard, "named by the index but missing on disk", f"{REDOWNLOAD}, or fix the index"))
+        if not source.exists(shard):
+            problems.append(Problem("integrity", shard, "named by the index but missing from the checkpoint", f"{REDOWNLOAD}, or fix the index"))
             continue
         try:
-            headers[shard] = read_header(path)
+            headers[shard] = source.read_header(shard)
         except CheckpointError as e:
-            problems.append(Problem("integrity", shard, str(e).removeprefix(f"{path}: "), REDOWNLOAD))
+            problems.append(Problem("integrity", shard, str(e).removeprefix(f"{source.where(shard)}: "), REDOWNLOAD))
     total = 0
     for name, shard in ckpt.weight_map.items():
         header = headers.get(shard)
@@ -52,7 +51,7 @@ def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], list[Proble
                 problems.append(Problem("integrity", f"{shard}:{name}", "tensor in the shard is not mapped to it by the index",
                                         "add it to the index's weight_map or remove it from the shard"))
     referenced = set(ckpt.shard_names)
-    unreferenced = sorted(p.name for p in root.glob("*.safetensors") if p.name not in referenced)
+    unreferenced = [n for n in source.file_names() if n.endswith(".safetensors") and n not in referenced]
     for name in unreferenced:
         problems.append(Problem("integrity", name, "safetensors file not referenced by the index",
                                 "remove it, or add its tensors to the index"))

@@ -103,6 +103,10 @@ class ValidationReport:
     def format(self) -> str:
         head = f"{self.path}: OK" if self.ok else f"{self.path}: {len(self.problems)} problem(s)"
         lines = [head, f"  {self.verdict()}"] + [f"  note: {n}" for n in self.notes]
+        if "fetched" in self.checked:  # a Hub repo, read through its headers
+            from mxforge.hub_source import fetched_line
+
+            lines.append(f"  {fetched_line(self.checked['fetched'])}")
         lines += [f"  warning: {w.subject}: {w.message}: {w.remedy}" for w in self.warnings]
         lines += self._requirement_lines()
         lines += [f"  - {p.format()}" for p in self.problems[:MAX_LISTED]]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mxforge.checkpoint import Checkpoint, CheckpointSource
+
 from .config_checks import check_layout, check_quant_config, exclude_entries
 from .deep_checks import check_sha256, scan_scales
 from .doctor import diagnose
@@ -26,10 +28,11 @@ def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile]
     return problems + found, {"linears": forms, "engines": engines}
 
 
-def validate_checkpoint(root: str | Path, engines: str | list[str] | None = None, *, deep: bool = False,
+def validate_checkpoint(root: str | Path | CheckpointSource | Checkpoint, engines: str | list[str] | None = None, *, deep: bool = False,
                         quiet: bool = True) -> ValidationReport:
     """Check integrity, quantization_config, layout/MTP completeness and, per engine release, loadability.
 
+    `root` is a checkpoint directory, a CheckpointSource (a Hub repo: mxforge.hub_source) or an open Checkpoint.
     `engines` selects releases as `--engines` does (None: every supported release). Headers only, unless
     `deep`: then every MXFP4 scale is read (a 255 byte is NaN) and files are checked against the download's
     sha256 manifest (progress shown unless `quiet`). Returns a report; `report.ok` is False when problems
@@ -41,7 +44,7 @@ def validate_checkpoint(root: str | Path, engines: str | list[str] | None = None
     """
     selections = select(engines)
     loaded, problems, warnings, counts = load_checkpoint(root)
-    report = ValidationReport(str(loaded.ckpt.root), selections, problems, warnings)
+    report = ValidationReport(loaded.ckpt.label, selections, problems, warnings)
     report.checked["integrity"] = counts
     qc = loaded.ckpt.quantization_config
     found, checked = loadability_problems(loaded, [s.profile for s in selections], qc)
@@ -53,6 +56,9 @@ def validate_checkpoint(root: str | Path, engines: str | list[str] | None = None
         report.problems += scale_problems + hash_problems
         report.checked["deep"] = {"scale_bytes": scale_bytes, "sha256": hashed}
     report.notes = diagnose(loaded.layout, loaded.linears, loaded.stored, loaded.infos, qc)
-    report.serve = serving_commands(report, str(loaded.ckpt.root), selections)
+    report.serve = serving_commands(report, loaded.ckpt.source.model_path, selections)
+    fetched = loaded.ckpt.source.stats()
+    if fetched is not None:
+        report.checked["fetched"] = fetched
     return report
 

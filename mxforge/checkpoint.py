@@ -1,4 +1,9 @@
-"""A checkpoint directory: config.json, the safetensors index and its shards, read from headers only."""
+"""A checkpoint: config.json, the safetensors index and its shards, read from headers only.
+
+Where those come from is a `CheckpointSource`: a local directory (`LocalDir`) or a Hub repo at one commit
+(`mxforge.hub_source.HubSource`, ranged reads of the headers). validate, fixup and inspect read through
+`Checkpoint`, so a local and a remote checkpoint go through the same code.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, MxforgeError
 from .safe_paths import name_problem, refuse_links_leaving
 from .safetensors_io import ShardHeader, TensorInfo, read_header, write_json_atomic
 
@@ -58,31 +63,132 @@ def load_json(path: Path, what: str, object_pairs_hook=None) -> Any:
         raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
 
 
-def _check_shard_names(root: Path, weight_map: dict, follow_symlinks: bool) -> None:
-    """Every shard the index names is a plain relative path inside ROOT (an index is input too), not a link out.
+def _check_shard_names(source: "CheckpointSource", weight_map: dict) -> None:
+    """Every shard the index names is a plain relative path inside the checkpoint (an index is input too).
 
     Raises:
-        CheckpointError: a shard name that is absolute, has '..', is not a string..., or a symlink leaving ROOT.
+        CheckpointError: a shard name that is absolute, has '..', is not a string..., or (local) a symlink
+            leaving the directory.
     """
     shards = set()
     for tensor, shard in weight_map.items():
+        if isinstance(shard, str) and shard in shards:
+            continue  # checked already (GLM-5.2's index names 282 shards for 59,585 tensors)
         why = name_problem(shard)
         if why is not None:
-            raise CheckpointError(f"{root / INDEX_NAME}: tensor {tensor!r} maps to shard {shard!r}, refused because "
-                                  f"{why}; the index is corrupt or hostile: fix or re-download it")
+            raise CheckpointError(f"{source.where(INDEX_NAME)}: tensor {tensor!r} maps to shard {shard!r}, refused "
+                                  f"because {why}; the index is corrupt or hostile: fix or re-download it")
         shards.add(shard)
-    refuse_links_leaving(root, sorted(shards), follow=follow_symlinks, action="read")
+    source.check_readable(sorted(shards))
+
+
+class CheckpointSource:
+    """Where a checkpoint's files come from. Names passed in are relative names inside the checkpoint, checked
+    by name_problem first where they came from outside (the index)."""
+
+    label: str                      # how reports name the checkpoint: a directory, or owner/name[@revision]
+    model_path: str                 # what a serving engine is given to load it: the directory, or the repo id
+    local_root: Path | None = None  # the directory, for a local checkpoint
+
+    def stats(self) -> dict | None:
+        """What reading it cost over the network (None: a local directory)."""
+        return None
+
+    def where(self, name: str) -> str:
+        """How errors name one file of the checkpoint."""
+        raise NotImplementedError
+
+    def exists(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def read_json(self, name: str, what: str, object_pairs_hook=None) -> Any:
+        """Raises: CheckpointError: missing, or not valid JSON."""
+        raise NotImplementedError
+
+    def read_header(self, name: str) -> ShardHeader:
+        """Raises: CheckpointError: missing, truncated or corrupt (named by `where`)."""
+        raise NotImplementedError
+
+    def file_names(self) -> list[str]:
+        """Every file name at the checkpoint's top level."""
+        raise NotImplementedError
+
+    def check_readable(self, names: list[str]) -> None:
+        """Refuse files that must not be read (a local symlink leaving the directory). Raises CheckpointError."""
+
+    def check_opened(self) -> None:
+        """Refuse a source that is not a checkpoint at all, before anything is parsed. Raises CheckpointError."""
+
+    def prefetch_headers(self, names: list[str]) -> None:
+        """Get ready to answer read_header for these shards (a Hub repo reads them in parallel)."""
+
+
+class LocalDir(CheckpointSource):
+    """A checkpoint directory on disk."""
+
+    def __init__(self, root: str | Path, follow_symlinks: bool = False):
+        self.local_root = Path(root)
+        self.label = self.model_path = str(self.local_root)
+        self.follow_symlinks = follow_symlinks
+
+    def where(self, name: str) -> str:
+        return str(self.local_root / name)
+
+    def exists(self, name: str) -> bool:
+        return (self.local_root / name).exists()
+
+    def read_json(self, name: str, what: str, object_pairs_hook=None) -> Any:
+        return load_json(self.local_root / name, what, object_pairs_hook)
+
+    def read_header(self, name: str) -> ShardHeader:
+        return read_header(self.local_root / name)
+
+    def file_names(self) -> list[str]:
+        return sorted(p.name for p in self.local_root.iterdir() if p.is_file())
+
+    def check_readable(self, names: list[str]) -> None:
+        refuse_links_leaving(self.local_root, names, follow=self.follow_symlinks, action="read")
+
+    def check_opened(self) -> None:
+        root = self.local_root
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors")
+        if not (root / "config.json").exists():
+            raise CheckpointError(f"{root}: no config.json, so this is not a Hugging Face checkpoint directory")
+        self.check_readable(["config.json", INDEX_NAME, SINGLE_NAME])
+
+
+def is_local_source(source: str) -> bool:
+    """A local checkpoint directory, or else a Hub repo id.
+
+    Raises:
+        MxforgeError: SOURCE is neither an existing directory nor a valid repo id.
+    """
+    from .hub_errors import repo_id_problem
+
+    try:
+        if Path(source).is_dir():
+            return True
+        exists = Path(source).exists()
+    except OSError:  # e.g. a name too long to be a path: it can only be meant as a repo id
+        exists = False
+    why = repo_id_problem(source)
+    if why is None and not exists:
+        return False
+    shown = source if len(source) <= 60 else f"{source[:60]}..."
+    raise MxforgeError(f"{shown}: not a directory, and not a Hub repo id either "
+                       f"({why or 'a file of that name exists here'}); pass a checkpoint directory or owner/name")
 
 
 @dataclass
 class Checkpoint:
-    """A Hugging Face safetensors checkpoint on disk.
+    """A Hugging Face safetensors checkpoint, in a local directory or a Hub repo (`source`).
 
     `weight_map` maps tensor name to shard file name, from the index or from a single
     `model.safetensors`. Headers are parsed on first use.
     """
 
-    root: Path
+    source: CheckpointSource
     config: dict
     weight_map: dict[str, str]
     index_metadata: dict = field(default_factory=dict)
@@ -90,8 +196,8 @@ class Checkpoint:
     duplicate_index_keys: tuple[str, ...] = ()  # weight_map keys the index lists more than once (last one wins)
 
     @classmethod
-    def open(cls, root: str | Path, follow_symlinks: bool = False) -> "Checkpoint":
-        """Open a checkpoint directory.
+    def open(cls, root: "str | Path | CheckpointSource", follow_symlinks: bool = False) -> "Checkpoint":
+        """Open a checkpoint directory (or any CheckpointSource).
 
         config.json, the index and the shards it names must not be symlinks that leave the directory,
         unless `follow_symlinks` (the user's explicit --follow-symlinks).
@@ -100,25 +206,39 @@ class Checkpoint:
             CheckpointError: not a directory, no config.json, neither an index nor model.safetensors, an
                 index that names a shard outside the directory, or a symlink leaving it.
         """
-        root = Path(root)
-        if not root.is_dir():
-            raise CheckpointError(f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors")
-        if not (root / "config.json").exists():
-            raise CheckpointError(f"{root}: no config.json, so this is not a Hugging Face checkpoint directory")
-        refuse_links_leaving(root, ["config.json", INDEX_NAME, SINGLE_NAME], follow=follow_symlinks, action="read")
-        config = load_json(root / "config.json", "config.json")
-        if (root / INDEX_NAME).exists():
-            index = load_json(root / INDEX_NAME, "safetensors index", object_pairs_hook=_keep_duplicates)
+        source = root if isinstance(root, CheckpointSource) else LocalDir(root, follow_symlinks)
+        source.check_opened()
+        config = source.read_json("config.json", "config.json")
+        if source.exists(INDEX_NAME):
+            index = source.read_json(INDEX_NAME, "safetensors index", object_pairs_hook=_keep_duplicates)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{root / INDEX_NAME}: has no weight_map; the index is corrupt")
-            _check_shard_names(root, weight_map, follow_symlinks)
-            return cls(root, config, dict(weight_map), dict(index.get("metadata") or {}), True,
+                raise CheckpointError(f"{source.where(INDEX_NAME)}: has no weight_map; the index is corrupt")
+            _check_shard_names(source, weight_map)
+            source.prefetch_headers(sorted(set(weight_map.values())))
+            return cls(source, config, dict(weight_map), dict(index.get("metadata") or {}), True,
                        getattr(weight_map, "duplicates", ()))
-        if (root / SINGLE_NAME).exists():
-            header = read_header(root / SINGLE_NAME)
-            return cls(root, config, {name: SINGLE_NAME for name in header.tensors}, {}, False)
-        raise CheckpointError(f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}: no safetensors weights to read")
+        if source.exists(SINGLE_NAME):
+            header = source.read_header(SINGLE_NAME)
+            return cls(source, config, {name: SINGLE_NAME for name in header.tensors}, {}, False)
+        raise CheckpointError(f"{source.label}: no {INDEX_NAME} and no {SINGLE_NAME}: no safetensors weights to read")
+
+    @property
+    def root(self) -> Path:
+        """The checkpoint's directory.
+
+        Raises:
+            CheckpointError: the checkpoint is a Hub repo (what needs a directory must download it first).
+        """
+        if self.source.local_root is None:
+            raise CheckpointError(f"{self.source.label}: a Hub repo, read through its headers only; this needs the "
+                                  "files on disk: mxforge download it first")
+        return self.source.local_root
+
+    @property
+    def label(self) -> str:
+        """How reports name the checkpoint: its directory, or owner/name@commit."""
+        return self.source.label
 
     @property
     def shard_names(self) -> list[str]:
@@ -133,11 +253,10 @@ class Checkpoint:
         """
         out = {}
         for name in self.shard_names:
-            path = self.root / name
-            if not path.exists():
+            if not self.source.exists(name):
                 first = next(t for t, s in self.weight_map.items() if s == name)
-                raise CheckpointError(f"{path}: shard named by the index (e.g. for {first!r}) does not exist")
-            out[name] = read_header(path)
+                raise CheckpointError(f"{self.source.where(name)}: shard named by the index (e.g. for {first!r}) does not exist")
+            out[name] = self.source.read_header(name)
         return out
 
     def tensor_infos(self) -> dict[str, TensorInfo]:
@@ -150,7 +269,7 @@ class Checkpoint:
         for name, shard in self.weight_map.items():
             info = self.headers[shard].tensors.get(name)
             if info is None:
-                raise CheckpointError(f"{self.root / shard}: index says it holds tensor {name!r}, but its header does not")
+                raise CheckpointError(f"{self.source.where(shard)}: index says it holds tensor {name!r}, but its header does not")
             out[name] = info
         return out
 

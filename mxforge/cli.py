@@ -58,7 +58,8 @@ def run_fixture(args) -> int:
 def register_inspect(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="summarize a checkpoint: tensor kinds, dtypes, layers, MTP, quantization_config",
                        description="Summarize a checkpoint from its headers alone (no tensor data is read).")
-    p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
+    fixups_cli.add_remote_options(p)
     add_json_option(p)
     return p
 
@@ -66,7 +67,7 @@ def register_inspect(sub) -> argparse.ArgumentParser:
 def run_inspect(args) -> int:
     from .inspect_ckpt import format_inspect, inspect_checkpoint
 
-    report = inspect_checkpoint(args.ckpt)
+    report = inspect_checkpoint(fixups_cli.open_checkpoint_arg(args))
     emit(report, args.json, format_inspect(report))
     return EXIT_OK
 

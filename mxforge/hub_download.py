@@ -25,13 +25,13 @@ from huggingface_hub.utils import filter_repo_objects
 from .dir_lock import directory_lock
 from .errors import MxforgeError
 from .file_hashes import FileHash, HashCache, hash_file, hash_files
-from .hub_transfer import CANCEL, PARTIAL_DIR, fetch_file, fetch_range, kept_partial_bytes
+from .hub_transfer import CANCEL, PARTIAL_DIR, fetch_file, kept_partial_bytes
 from .cli_support import invocation
 from .hub_errors import HubVerificationError, check_repo_id, hub_endpoint, raise_as_hub_error, redact
 from .hub_session import HubLimits, use_hub_limits
 from .progress import byte_progress, format_bytes
 from .safe_paths import check_remote_name, remote_path
-from .safetensors_io import ShardHeader, header_length, parse_header, write_json_atomic
+from .safetensors_io import write_json_atomic
 
 SOURCE_NAME = "mxforge_source.json"
 HF_DOWNLOAD_DIR = Path(".cache") / "huggingface" / "download"
@@ -253,27 +253,6 @@ def _mismatch(f: RemoteFile, h: FileHash) -> str | None:
     elif f.blob_id and h.git_sha1 != f.blob_id:
         return f"{f.name}: git blob id {h.git_sha1[:12]}…, the Hub says {f.blob_id[:12]}…"
     return None
-
-
-def read_remote_header(api: HfApi, repo_id: str, commit: str, f: RemoteFile, limits: HubLimits) -> ShardHeader:
-    """A shard's safetensors header read from the Hub by two byte-range requests (its 8-byte length, then
-    the JSON), checked as read_header checks a local one, without downloading the shard.
-
-    Raises:
-        CheckpointError: the header is corrupt or does not fit the file's declared size.
-        HubError (and the rest of hub_errors): the Hub did not serve the bytes.
-    """
-    where = f"{repo_id}@{commit[:12]}/{f.name}"
-    try:
-        n = header_length(where, fetch_range(repo_id, f.name, commit, 0, 8, endpoint=api.endpoint, token=api.token,
-                                             limits=limits), f.size)
-        raw = fetch_range(repo_id, f.name, commit, 8, n, endpoint=api.endpoint, token=api.token, limits=limits)
-    except (MxforgeError, KeyboardInterrupt):
-        raise
-    except Exception as e:
-        raise_as_hub_error(e, repo_id=repo_id, revision=commit, filename=f.name, action="read the header of")
-        raise
-    return parse_header(where, raw, f.size)
 
 
 def _mismatches(dest: Path, files: list[RemoteFile], workers: int, quiet: bool, desc: str) -> tuple[dict, list[str]]:

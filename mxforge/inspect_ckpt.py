@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, CheckpointSource
 from .glm_layout import GlmLayout
 from .errors import ConfigError
 from .tensor_kinds import kind_of, layer_of
 
 
-def inspect_checkpoint(root: str | Path) -> dict:
-    """Summarize a checkpoint: counts/bytes by kind and dtype, layer structure, MTP, quantization_config.
+def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
+    """Summarize a checkpoint (a directory, or a CheckpointSource such as a Hub repo): counts/bytes by kind
+    and dtype, layer structure, MTP, quantization_config.
 
     Raises:
         CheckpointError: not a checkpoint, or index/shard headers are unreadable.
@@ -66,7 +67,7 @@ def inspect_checkpoint(root: str | Path) -> dict:
     )
     return {
         "stage": "inspect",
-        "path": str(ckpt.root),
+        "path": ckpt.label,
         "architecture": (ckpt.config.get("architectures") or [None])[0],
         "tensors": len(infos),
         "bytes": sum(i.nbytes for i in infos.values()),
@@ -77,6 +78,7 @@ def inspect_checkpoint(root: str | Path) -> dict:
         "layers": structure,
         "mtp": mtp,
         "quantization": summarize_quant_config(ckpt.quantization_config),
+        **({"fetched": ckpt.source.stats()} if ckpt.source.stats() is not None else {}),
     }
 
 
@@ -123,4 +125,8 @@ def format_inspect(report: dict) -> str:
                      f"({q['exclude_regex_entries']} re:, {q['exclude_glob_entries']} glob)")
     else:
         lines.append("  quantization_config: none (unquantized)")
+    if "fetched" in report:
+        from .hub_source import fetched_line
+
+        lines.append(f"  {fetched_line(report['fetched'])}")
     return "\n".join(lines)

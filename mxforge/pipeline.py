@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .errors import MxforgeError
+from .checkpoint import is_local_source
 from .quantize.error_report import summary_line
 from .quantize.scale_rules import DEFAULT_SCALE_RULE
 from .safetensors_io import write_json_atomic
@@ -69,27 +70,6 @@ INVALIDATED_BY = {
     "engines": ("fixup", "validate", "push"),
     "push_repo": ("push",),
 }
-
-
-def is_local_source(source: str) -> bool:
-    """A local checkpoint directory, or else a Hub repo id.
-
-    Raises:
-        MxforgeError: SOURCE is neither an existing directory nor a valid repo id.
-    """
-    from .hub_errors import repo_id_problem
-
-    try:
-        if Path(source).is_dir():
-            return True
-        exists = Path(source).exists()
-    except OSError:  # e.g. a name too long to be a path: it can only be meant as a repo id
-        exists = False
-    why = repo_id_problem(source)
-    if why is None and not exists:
-        return False
-    shown = source if len(source) <= 60 else f"{source[:60]}..."
-    raise MxforgeError(f"{shown}: neither a checkpoint directory nor a Hub repo id (owner/name: {why or 'a path'})")
 
 
 def _dir_bytes(path: Path) -> int:

@@ -112,7 +112,6 @@ def run_on_ray(run, todo: list, qstate, state, address: str | None, workers: int
         import ray  # noqa: F401
     except ImportError:
         raise MxforgeError("--executor ray needs Ray: pip install 'mxforge[ray]'") from None
-    o = run.o
     for s in todo:  # quantized earlier, not yet sent: the driver sends those itself (OUT is shared)
         if s.step == "upload":
             s.started = time.time()

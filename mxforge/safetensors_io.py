@@ -60,6 +60,22 @@ class ShardHeader:
     file_size: int
 
 
+def header_length(path, first8: bytes, file_size: int) -> int:
+    """The header length a safetensors file's first 8 bytes give, checked against safetensors' limit and the
+    file's size (`path` names the file in errors) before a byte of the header is read.
+
+    Raises:
+        CheckpointError: fewer than 8 bytes, or a length beyond the limit or the file.
+    """
+    if len(first8) < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
+    (header_len,) = struct.unpack("<Q", first8)
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+        raise CheckpointError(f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
+                              "the shard is truncated or corrupt; re-download it")
+    return header_len
+
+
 def read_header(path: str | os.PathLike) -> ShardHeader:
     """Parse and check a safetensors header without reading tensor data.
 
@@ -78,32 +94,13 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
     return parse_header(path, raw, file_size)
 
 
-def header_length(path: str | os.PathLike, prefix: bytes, file_size: int) -> int:
-    """The header's byte length from a shard's first 8 bytes, checked against the file's size.
+def parse_header(path, raw: bytes, file_size: int) -> ShardHeader:
+    """Check and parse a safetensors header's JSON bytes (`raw`, after the 8-byte length) of a file of
+    `file_size` bytes; `path` names the file in errors (a local path, or a file of a Hub repo).
 
     Raises:
-        CheckpointError: fewer than 8 bytes, or a length beyond safetensors' limit or the file.
+        CheckpointError: as read_header, for everything after the length.
     """
-    if len(prefix) < 8:
-        raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
-    (header_len,) = struct.unpack("<Q", prefix[:8])
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-        raise CheckpointError(
-            f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
-            "the shard is truncated or corrupt; re-download it"
-        )
-    return header_len
-
-
-def parse_header(path: str | os.PathLike, raw: bytes, file_size: int) -> ShardHeader:
-    """Check and parse a header's JSON (the bytes after the 8-byte length) of a `file_size`-byte shard:
-    the file's own (read_header) or one read from the Hub by byte range (`path` names it in errors).
-
-    Raises:
-        CheckpointError: as read_header.
-    """
-    path = Path(path)
-    header_len = len(raw)
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
@@ -111,7 +108,7 @@ def parse_header(path: str | os.PathLike, raw: bytes, file_size: int) -> ShardHe
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the shard is corrupt") from None
     metadata = header.pop("__metadata__", None)
-    data_start = 8 + header_len
+    data_start = 8 + len(raw)
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         try:
@@ -299,6 +296,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         CheckpointError: the file cannot be written (disk full, permissions); nothing is left behind.
     """
     _atomic(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write bytes under a temporary name, fsync, rename into place.
+
+    Raises:
+        CheckpointError: the file cannot be written; nothing is left behind.
+    """
+    _atomic(Path(path), lambda tmp: tmp.write_bytes(data))
 
 
 def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2, ensure_ascii: bool = True,

@@ -176,7 +176,8 @@ class StreamRun:
             return Checkpoint.open(o.bf16_dir, o.follow_symlinks), None, None
         from huggingface_hub import HfApi
 
-        from .hub_download import fetch_verified, read_remote_header, remote_files, source_record_entry, write_source_record
+        from .hub_download import fetch_verified, remote_files, source_record_entry, write_source_record
+        from .hub_source import HubSource
         from .hub_session import use_hub_limits
         from .safe_paths import check_remote_name
 
@@ -203,8 +204,15 @@ class StreamRun:
                     headers[name] = read_header(local)
             except (OSError, CheckpointError):
                 pass
-            if name not in headers:
-                headers[name] = read_remote_header(api, o.source, commit, by_name[name], o.limits)
+        remote = [name for name in ckpt.shard_names if name not in headers]
+        if remote:  # the rest from the Hub by byte ranges, as validate reads a Hub repo (cached by commit)
+            hub = HubSource(o.source, commit, o.limits)
+            hub.prefetch_headers(remote)
+            for name in remote:
+                headers[name] = hub.read_header(name)
+                if hub.file_sizes[name] != by_name[name].size:
+                    raise CheckpointError(f"{hub.where(name)}: the Hub serves {hub.file_sizes[name]:,} bytes, its file "
+                                          f"list says {by_name[name].size:,}; the source repo is broken or hostile")
         ckpt.headers = headers  # the cached property, filled from the Hub: planning needs no shard on disk
         for f in files:  # provenance as `mxforge download` records it; shards by the Hub's sha256, verified on arrival
             if f.name not in hashes:

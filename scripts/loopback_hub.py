@@ -13,9 +13,14 @@ real HTTP on 127.0.0.1. It speaks exactly what huggingface_hub 1.x sends and exp
   POST /api/models/{repo}/preupload/{rev}               upload mode per file (lfs / regular)
   POST /{repo}.git/info/lfs/objects/batch               LFS batch: where to PUT each object
   PUT  /lfs-objects/{oid}                               LFS object upload (sha256 checked)
-  POST /api/models/{repo}/commit/{rev}                  ndjson commit (header, file, lfsFile)
+  POST /api/models/{repo}/commit/{rev}[?create_pr=1]    ndjson commit (header, file, lfsFile; parentCommit
+                                                        checked); create_pr opens a pull request on refs/pr/N
+  GET  /api/models/{repo}/discussions                   pull requests (type, status, author, page p)
+  GET  /api/models/{repo}/discussions/{num}[?diff=1]    one pull request: events, base, diff
   HEAD /{repo}/resolve/{rev}/{path}                     X-Repo-Commit, ETag, X-Linked-Etag, X-Linked-Size
   GET  /{repo}/resolve/{rev}/{path}                     the bytes, honouring `Range: bytes=N-` and `bytes=N-M`
+
+A revision is a branch, a commit sha or a pull request's `refs/pr/N` (URL-quoted, as the client sends it).
 
 It never advertises Xet (no X-Xet-* headers, no `xetHash`), so downloads use plain HTTP; uploads pick Xet
 whenever hf_xet is installed, so clients talking to this server must set `HF_HUB_DISABLE_XET=1`.
@@ -89,12 +94,19 @@ def file_sha256(path: Path) -> str:
 
 @dataclass(frozen=True)
 class HubFile:
-    """One file at one commit: its bytes live at `disk_path`."""
+    """One file at one commit: its bytes live at `disk_path`. A repo served from a directory hashes each file
+    on first need (`known_sha256` None until then): reading headers of a 1.5 TB sparse fixture hashes nothing."""
 
     disk_path: Path
     size: int
-    sha256: str
+    known_sha256: str | None
     lfs: bool
+
+    @property
+    def sha256(self) -> str:
+        if self.known_sha256 is None:
+            object.__setattr__(self, "known_sha256", file_sha256(self.disk_path))
+        return self.known_sha256
 
     @property
     def pointer(self) -> bytes:
@@ -117,6 +129,24 @@ class Commit:
 
 
 @dataclass
+class PullRequest:
+    """A pull request: its commits live on the branch `refs/pr/<num>`, opened against `base`."""
+
+    num: int
+    title: str
+    description: str
+    author: str
+    base: str        # the branch it is opened against
+    start: str       # the commit of `base` it starts from
+    created: float = field(default_factory=time.time)
+    status: str = "open"
+
+    @property
+    def ref(self) -> str:
+        return f"refs/pr/{self.num}"
+
+
+@dataclass
 class HubRepo:
     repo_id: str
     private: bool = False
@@ -124,8 +154,10 @@ class HubRepo:
     granted: set[str] = field(default_factory=set)   # users who accepted a gated repo's conditions
     branches: dict[str, str] = field(default_factory=dict)
     commits: dict[str, Commit] = field(default_factory=dict)
+    pulls: list[PullRequest] = field(default_factory=list)  # discussions are pull requests only here
 
     def resolve(self, revision: str) -> Commit | None:
+        """A branch, a pull request's `refs/pr/N` (kept among the branches) or a commit sha."""
         sha = self.branches.get(revision, revision)
         return self.commits.get(sha)
 
@@ -200,7 +232,7 @@ class LoopbackHub:
             rel = p.relative_to(src).as_posix()
             if p.is_file() and not rel.startswith(".cache/"):
                 size = p.stat().st_size
-                files[rel] = HubFile(p, size, file_sha256(p), is_lfs_path(rel, size))
+                files[rel] = HubFile(p, size, None, is_lfs_path(rel, size))
         with self.lock:
             repo = self.repos.setdefault(repo_id, HubRepo(repo_id, private=private, gated=gated, granted=set(granted or ())))
             return self._commit(repo, branch, files, f"Upload {src.name}")
@@ -219,7 +251,7 @@ class LoopbackHub:
     def _commit(self, repo: HubRepo, branch: str, files: dict[str, HubFile], title: str) -> str:
         parent = repo.branches.get(branch)
         digest = hashlib.sha1(json.dumps([parent, title, time.time_ns(),
-                                          sorted((k, v.sha256) for k, v in files.items())]).encode()).hexdigest()
+                                          sorted((k, v.known_sha256 or f"{v.disk_path}:{v.size}") for k, v in files.items())]).encode()).hexdigest()
         repo.commits[digest] = Commit(digest, title, files, parent)
         repo.branches[branch] = digest
         return digest
@@ -318,6 +350,8 @@ ROUTES = [
     ("GET", re.compile(rf"^/api/models/{_REPO}/commits/(?P<rev>[^/]+)$"), "list_commits"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/preupload/(?P<rev>[^/]+)$"), "preupload"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/commit/(?P<rev>[^/]+)$"), "commit"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/discussions$"), "discussions"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/discussions/(?P<num>\d+)$"), "discussion"),
     ("POST", re.compile(rf"^/{_REPO}\.git/info/lfs/objects/batch$"), "lfs_batch"),
     ("PUT", re.compile(r"^/lfs-objects/(?P<oid>[0-9a-f]{64})$"), "lfs_put"),
     ("HEAD", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
@@ -330,6 +364,7 @@ STALL_MAX_S = 600  # a stalled handler gives up by itself after this long (or wh
 
 class _HubHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # else a small body waits 40 ms for the client's delayed ACK on every request
     hub: LoopbackHub
     mirror = False  # the second server `redirect_resolve` points file requests to
 
@@ -484,18 +519,21 @@ class _HubHandler(BaseHTTPRequestHandler):
             f = commit.files.get(path)
             if f is None:
                 raise HubError(404, "Entry not found", "EntryNotFound")
-        etag = f.sha256 if f.lfs else f.blob_id
-        headers = {"X-Repo-Commit": commit.sha, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+        headers = {"X-Repo-Commit": commit.sha, "Accept-Ranges": "bytes"}
+        if self.command == "HEAD" or f.known_sha256 is not None:  # a GET needs no hash: none computed for it
+            headers["ETag"] = f'"{f.sha256 if f.lfs else f.blob_id}"'
+            if f.lfs:
+                headers["X-Linked-Etag"] = f'"{f.sha256}"'
         if f.lfs:
-            headers.update({"X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.size)})
-        start, end = 0, f.size
+            headers["X-Linked-Size"] = str(f.size)
+        start, end = 0, f.size  # the bytes asked for: [start, end)
         rng = self.headers.get("Range") if path not in hub.ignore_range else None
         if rng:
             m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
             if not m or int(m.group(1)) > f.size or (m.group(2) and int(m.group(2)) < int(m.group(1))):
                 raise HubError(416, f"unsatisfiable range {rng}")
             start = int(m.group(1))
-            end = min(f.size, int(m.group(2)) + 1) if m.group(2) else f.size  # bytes=N-M: a closed range
+            end = min(f.size, int(m.group(2)) + 1) if m.group(2) else f.size
         stop = min(end, start + hub.short_body[path]) if path in hub.short_body else end
         extra, announced = hub.long_body.get(path, (0, True))
         self.send_response(206 if rng else 200)
@@ -593,9 +631,19 @@ class _HubHandler(BaseHTTPRequestHandler):
             r.branches[rev] = _revision_or_404(r, start).sha
         self._send_json({})
 
+    def _target_repo(self, repo: str) -> tuple[HubRepo, str]:
+        """The repo a write goes to, and who writes: its owner, or (`?create_pr=1`) any signed-in reader, as
+        on the Hub, where anyone may open a pull request."""
+        user = self._user()
+        if self.query.get("create_pr", ["0"])[0] in ("1", "true"):
+            if user is None:
+                raise HubError(401, "You must be authenticated to open a pull request")
+            return self.hub.readable_repo(repo, user), user
+        return self.hub.writable_repo(repo, user), user
+
     def h_preupload(self, body: bytes, repo: str, rev: str) -> None:
         with self.hub.lock:
-            r = self.hub.writable_repo(repo, self._user())
+            r, _ = self._target_repo(repo)
             existing = r.resolve(rev)
         files = []
         for item in json.loads(body)["files"]:
@@ -626,20 +674,26 @@ class _HubHandler(BaseHTTPRequestHandler):
         self._send_json({})
 
     def h_commit(self, body: bytes, repo: str, rev: str) -> None:
+        """An ndjson commit onto `rev`; with `?create_pr=1`, onto a new pull request `refs/pr/N` opened against
+        `rev` (the Hub's way: the header's summary is its title, its description the first comment)."""
         hub = self.hub
         lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+        create_pr = self.query.get("create_pr", ["0"])[0] in ("1", "true")
         with hub.lock:
-            r = hub.writable_repo(repo, self._user())
+            r, user = self._target_repo(repo)
             if hub.fail_commits > 0:
                 hub.fail_commits -= 1
                 raise HubError(409, "injected commit failure")
             parent = _revision_or_404(r, rev)
             files = dict(parent.files)
-            title = "commit"
+            title, description = "commit", ""
             for line in lines:
                 key, value = line["key"], line["value"]
                 if key == "header":
                     title = value.get("summary") or title
+                    description = value.get("description") or ""
+                    if value.get("parentCommit") and value["parentCommit"] != parent.sha:
+                        raise HubError(412, "A commit has happened since. Please refresh and try again.")
                 elif key == "file":
                     data = base64.b64decode(value["content"])
                     sha = hashlib.sha256(data).hexdigest()
@@ -657,9 +711,72 @@ class _HubHandler(BaseHTTPRequestHandler):
                     files = {k: v for k, v in files.items() if k != prefix and not k.startswith(prefix + "/")}
                 else:
                     raise HubError(400, f"unsupported commit operation {key!r}")
-            sha = hub._commit(r, rev, files, title)
+            pr = None
+            if create_pr:
+                pr = PullRequest(len(r.pulls) + 1, title, description, user, rev, parent.sha)
+                r.pulls.append(pr)
+                r.branches[pr.ref] = parent.sha
+            sha = hub._commit(r, pr.ref if pr else rev, files, title)
         self._send_json({"commitUrl": f"{hub.endpoint}/{repo}/commit/{sha}", "commitOid": sha,
-                         "pullRequestUrl": None, "success": True})
+                         "pullRequestUrl": f"{hub.endpoint}/{repo}/discussions/{pr.num}" if pr else None,
+                         "success": True})
+
+    # --- discussions (pull requests only) ---------------------------------------------------------
+    def _discussion(self, repo: str, pr: PullRequest) -> dict:
+        return {"num": pr.num, "title": pr.title, "status": pr.status, "isPullRequest": True,
+                "author": {"name": pr.author}, "repo": {"name": repo, "type": "model"},
+                "createdAt": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(pr.created))}
+
+    def h_discussions(self, body: bytes, repo: str) -> None:
+        """One page (50) of a repo's pull requests, filtered as the client asks (type, status, author)."""
+        with self.hub.lock:
+            r = self.hub.readable_repo(repo, self._user())
+            pulls = list(r.pulls)
+        want = {k: self.query.get(k, [None])[0] for k in ("type", "status", "author")}
+        if want["type"] == "discussion":
+            pulls = []
+        pulls = [pr for pr in reversed(pulls) if want["status"] in (None, "all", pr.status)
+                 and want["author"] in (None, pr.author)]
+        page = int(self.query.get("p", ["0"])[0])
+        shown = pulls[page * 50:(page + 1) * 50]
+        self._send_json({"count": len(pulls), "start": page * 50, "numItemsPerPage": 50,
+                         "discussions": [self._discussion(repo, pr) for pr in shown]})
+
+    def h_discussion(self, body: bytes, repo: str, num: str) -> None:
+        """A pull request's details: its description and commits as events, its base, and the diff of its text files."""
+        with self.hub.lock:
+            r = self.hub.readable_repo(repo, self._user())
+            pr = next((pr for pr in r.pulls if pr.num == int(num)), None)
+            if pr is None:
+                raise HubError(404, "Discussion not found")
+            head, base = r.resolve(pr.ref), r.commits.get(pr.start)
+            commits, c = [], head
+            while c is not None and c.sha != pr.start:
+                commits.append(c)
+                c = r.commits.get(c.parent) if c.parent else None
+        stamp = lambda t: time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(t))
+        events = [{"id": f"{pr.num}-0", "type": "comment", "createdAt": stamp(pr.created), "author": {"name": pr.author},
+                   "data": {"edited": False, "hidden": False, "latest": {"raw": pr.description}}}]
+        events += [{"id": c.sha, "type": "commit", "createdAt": stamp(c.date), "author": {"name": pr.author},
+                    "data": {"subject": c.title, "oid": c.sha}} for c in reversed(commits)]
+        self._send_json({**self._discussion(repo, pr), "events": events, "filesWithConflicts": [],
+                         "changes": {"base": f"refs/heads/{pr.base}"}, "diff": _text_diff(base, head)})
+
+
+def _text_diff(base: Commit | None, head: Commit | None) -> str:
+    """A unified diff of the files that differ between two commits (LFS files by their pointers)."""
+    import difflib
+
+    out = []
+    old, new = (base.files if base else {}), (head.files if head else {})
+    for name in sorted(set(old) | set(new)):
+        a, b = old.get(name), new.get(name)
+        if a is not None and b is not None and a.disk_path == b.disk_path:
+            continue
+        text = [(f.pointer if f.lfs else f.disk_path.read_bytes()).decode(errors="replace").splitlines(True)
+                if f is not None else [] for f in (a, b)]
+        out += difflib.unified_diff(text[0], text[1], f"a/{name}", f"b/{name}")
+    return "".join(out)
 
 
 def serve_root(root: Path, hub: LoopbackHub) -> list[str]:
