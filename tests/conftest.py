@@ -92,3 +92,22 @@ def one_error_line(proc, code: int = 2) -> str:
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("mxforge ")]
     assert len(lines) == 1, proc.stderr
     return lines[0]
+
+
+@pytest.fixture(scope="session")
+def conformance_cases(tmp_path_factory) -> dict:
+    """The engine-conformance matrix (tests/engine_truth/matrix.py: every export style at 6 and 256 routed
+    experts, before and after fixup) plus the real pipeline's output per recipe and scale rule, built once per
+    session for every test that judges them (engine truth, local-vs-remote)."""
+    from engine_truth import matrix
+
+    root = tmp_path_factory.mktemp("conformance")
+    srcs = matrix.sources(root)
+    out = {c.name: c for c in matrix.export_cases(root, srcs)}
+    # The real pipeline, quantize included; the mse scale rule adds its record to quantization_config, which
+    # every release's own config reader must accept.
+    for recipe, rule in (("glm-5.2-mxfp4", "quark"), ("glm-5.2-mxfp4-mtp-bf16", "quark"), ("glm-5.2-mxfp4", "mse")):
+        name = f"run-{recipe}" + ("" if rule == "quark" else f"-{rule}")
+        run_cli("run", str(srcs["e6"]), str(root / name), "--recipe", recipe, "--scale-rule", rule, "--quiet", check=True)
+        out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
+    return out

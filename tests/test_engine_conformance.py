@@ -11,8 +11,6 @@ release's. Needs the package registry (as pip does); deselect offline with `-m "
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 
@@ -22,7 +20,6 @@ from mxforge.fixups.matching import DRAFT, TARGET
 from mxforge.fixups.profiles import all_profiles, load_profile
 from mxforge.fixups.validate import validate_checkpoint
 
-from conftest import run_cli
 
 pytestmark = pytest.mark.engines
 
@@ -30,17 +27,8 @@ RELEASES = [(p.name, r) for p in all_profiles() for r in p.read]
 
 
 @pytest.fixture(scope="session")
-def cases(tmp_path_factory) -> dict[str, matrix.Case]:
-    root = tmp_path_factory.mktemp("conformance")
-    srcs = matrix.sources(root)
-    out = {c.name: c for c in matrix.export_cases(root, srcs)}
-    # The real pipeline, quantize included; the mse scale rule adds its record to quantization_config, which
-    # every release's own config reader must accept.
-    for recipe, rule in (("glm-5.2-mxfp4", "quark"), ("glm-5.2-mxfp4-mtp-bf16", "quark"), ("glm-5.2-mxfp4", "mse")):
-        name = f"run-{recipe}" + ("" if rule == "quark" else f"-{rule}")
-        run_cli("run", str(srcs["e6"]), str(root / name), "--recipe", recipe, "--scale-rule", rule, "--quiet", check=True)
-        out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
-    return out
+def cases(conformance_cases) -> dict[str, matrix.Case]:
+    return conformance_cases
 
 
 @pytest.fixture(scope="session")

@@ -262,13 +262,11 @@ def _comparable(report: dict) -> dict:
         {"checked": {k: v for k, v in report["checked"].items() if k != "fetched"}}
 
 
-def test_remote_and_local_agree_on_every_conformance_case(tmp_path_factory, hub, tmp_path):
+def test_remote_and_local_agree_on_every_conformance_case(conformance_cases, hub, tmp_path):
     """validate and fixup through the Hub give the very verdicts, problems and fixes of the local path, for every
-    export of tests/engine_truth/matrix.py (6 and 256 experts, before and after fixup)."""
-    from engine_truth import matrix
-
-    root = tmp_path_factory.mktemp("matrix")
-    cases = matrix.export_cases(root, matrix.sources(root))
+    case of the engine conformance suite (tests/engine_truth/matrix.py at 6 and 256 experts, before and after
+    fixup, and the pipeline's own outputs); the session builds the cases once for both suites."""
+    cases = list(conformance_cases.values())
     repos = {}
     for case in cases:
         repo = "m/" + case.name.replace("/", "-")
@@ -284,4 +282,4 @@ def test_remote_and_local_agree_on_every_conformance_case(tmp_path_factory, hub,
         fix = fixup_checkpoint(case.path, dry_run=True, command="conformance")
         assert remote[repo]["fixup"]["applied"] == fix.applied and remote[repo]["config"] == fix.new_config, case.name
         assert remote[repo]["report"]["checked"]["fetched"]["fraction"] < 0.02, case.name
-    assert len(repos) == len(cases) >= 48
+    assert len(repos) == len(cases) >= 51
