@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from mxforge.errors import ConfigError
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import MoeLayout
 
 from .loaded import LoadedCheckpoint
 from .matching import (DRAFT, TARGET, RoleView, SchemeError, ShardsDisagree, engine_excludes, fuses_shared_experts,
@@ -41,7 +41,7 @@ class EngineView:
     modules: list[EngineModule] = field(default_factory=list)
 
 
-def engine_view(profile: EngineProfile, layout: GlmLayout, linears: dict[int | None, LayerLinears],
+def engine_view(profile: EngineProfile, layout: MoeLayout, linears: dict[int | None, LayerLinears],
                 exclude: list[str], qc: dict | None = None) -> EngineView:
     """`profile`'s release reading `exclude` (and the per-layer configs of `qc`, the quantization_config)."""
     roles = role_views(profile, exclude, layout, qc)
@@ -49,7 +49,7 @@ def engine_view(profile: EngineProfile, layout: GlmLayout, linears: dict[int | N
     return EngineView(profile, roles, fused, engine_modules(profile, layout, linears, fused))
 
 
-def without_fusion(view: EngineView, layout: GlmLayout, linears: dict[int | None, LayerLinears]) -> EngineView:
+def without_fusion(view: EngineView, layout: MoeLayout, linears: dict[int | None, LayerLinears]) -> EngineView:
     """The same release served with its shared-expert fusion switched off (the server flag)."""
     return EngineView(view.profile, view.roles, frozenset(), engine_modules(view.profile, layout, linears))
 

@@ -9,7 +9,7 @@ from .deep_checks import check_sha256, scan_scales
 from .doctor import diagnose
 from .engine_check import engine_problems
 from .loaded import LoadedCheckpoint, load_checkpoint
-from .profiles import EngineProfile, select
+from .profiles import EngineProfile, check_engine_items, select
 from .report import ValidationReport
 from .serve import serving_commands
 from .tensor_forms import MXFP4
@@ -37,10 +37,11 @@ def validate_checkpoint(root: str | Path, engines: str | list[str] | None = None
 
     Raises:
         CheckpointError: the checkpoint cannot be checked at all (not a directory, no config.json, no index).
-        ConfigError: an unknown engine selection, or config.json is not a GlmMoeDsaForCausalLM config.
+        ConfigError: an unknown engine selection, or config.json is not of a supported model family (mxforge.models).
     """
-    selections = select(engines)
+    check_engine_items(engines)
     loaded, problems, warnings, counts = load_checkpoint(root)
+    selections = select(engines, loaded.layout.family)
     report = ValidationReport(str(loaded.ckpt.root), selections, problems, warnings)
     report.checked["integrity"] = counts
     qc = loaded.ckpt.quantization_config

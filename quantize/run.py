@@ -60,11 +60,12 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
         DirectoryInUse: another mxforge process works in OUT.
     """
     src, out = Path(src), Path(out)
-    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    recipe = recipe if isinstance(recipe, Recipe) or recipe is None else load_recipe(recipe)
     _check_device(device)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     ckpt = Checkpoint.open(src, follow_symlinks)
+    recipe = recipe or load_recipe(None, ckpt.config)  # the default recipe of the checkpoint's model family
     side_files = _side_files(src)
     refuse_links_leaving(src, side_files, follow=follow_symlinks, action="copy")
     plan = plan_checkpoint(ckpt, recipe)

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from mxforge.fixture import write_fixture
+from mxforge.models import family_named
+
+GLM5 = family_named("glm_moe_dsa")  # the family the shared fixtures below belong to
 
 REPO = Path(__file__).resolve().parents[1]
 
