@@ -28,6 +28,7 @@ class Verdict:
     form: str | None                 # MXFP4 / BF16 / OTHER (a scheme mxforge never writes); None when the engine raises
     reason: str                      # why: the matching entry, "never quantized", "not excluded", the error ...
     disagree: ShardsDisagree | None = None
+    requantized: bool = False        # loaded as `form` (bf16), then re-quantized to MXFP4 by the engine
 
 
 @dataclass
@@ -71,7 +72,10 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         return Verdict(module, None, "shards disagree", e)
     if excluded:
         entry = role.entries.matching_entry(module.runtime)
-        return Verdict(module, BF16, f"exclude entry {entry!r} matches it" if entry else "its exclude entries match it")
+        why = f"exclude entry {entry!r} matches it" if entry else "its exclude entries match it"
+        if profile.requantizes(module.runtime, role.global_config):
+            return Verdict(module, BF16, why + f"; {profile.name} loads it bf16 and re-quantizes it to MXFP4", requantized=True)
+        return Verdict(module, BF16, why)
     try:
         config = module_config(profile, role, module.runtime, module.is_experts)
     except SchemeError as e:
@@ -197,6 +201,7 @@ def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exc
             unfused = without_fusion(view, loaded.layout, loaded.linears)
             found = [p for p in found if p.server_flag] + check_engine(unfused, loaded.stored, quantized, loaded.unreadable)
         problems += found
+        requantized = [m.runtime for m in view.modules if decide(view, m, quantized).requantized]
         checked[profile.name] = {"modules": len(view.modules), "problems": len(found),
-                                 "fused_shared_experts": sorted(view.fused)}
+                                 "fused_shared_experts": sorted(view.fused), "requantized_at_load": len(requantized)}
     return problems, checked

@@ -78,6 +78,9 @@ class EngineProfile:
     layer_config_match: str                     # how layer_quant_config keys match: "fnmatch", "substring-or-fnmatch"
     fused: dict[str, tuple[str, ...]]           # fused module -> the checkpoint linears it is built from
     never_quantized: frozenset[str]             # layer-relative or global module names built unquantized
+    # Excluded linears whose name contains one of these are loaded bf16, then re-quantized to MXFP4 after
+    # loading when the checkpoint's global weight dtype is fp4 (vLLM 0.30.0's dynamic_mxfp4_quant for DeepSeek).
+    requantized_when_excluded: tuple[str, ...]
     draft: DraftRule
     fusion: FusionRule
     serve_command: str
@@ -89,6 +92,12 @@ class EngineProfile:
         outer = any(m in local for m in self.draft.outer_modules)  # the engines' own substring test
         prefix = self.draft.outer_prefix if outer else self.draft.block_prefix
         return f"{prefix.format(layer=layer)}.{local}"
+
+    def requantizes(self, runtime: str, global_config: dict | None) -> bool:
+        """Whether this release re-quantizes excluded module `runtime` to MXFP4 after loading it in bf16."""
+        weight = (global_config or {}).get("weight")
+        return (isinstance(weight, dict) and weight.get("dtype") == "fp4"
+                and any(s in runtime for s in self.requantized_when_excluded))
 
     def quantizable(self, local: str, is_mtp: bool) -> bool:
         """Whether this engine builds module `local` with the checkpoint's quantization method at all."""
@@ -181,6 +190,9 @@ def _load(name: str, family: str) -> EngineProfile:
     where = f"manifests/engines/{name}.toml [family.{family}]"
     raw = _raw(name)
     data = _merge({k: v for k, v in raw.items() if k != "family"}, raw["family"][family])
+    first = data.pop("first_release", None)  # the range's releases before it do not build this family
+    if first is not None:
+        data["read"] = [r for r in data["read"] if Version(r) >= Version(first)]
     try:
         ex, mod, dr, fu, sv = data["exclude"], data["modules"], data["draft"], data["fusion"], data["serve"]
         sc = data["schemes"]
@@ -191,6 +203,7 @@ def _load(name: str, family: str) -> EngineProfile:
             mxfp4_needs_fp4_inputs=bool(sc["mxfp4_needs_fp4_inputs"]), expert_layer_configs=bool(sc["expert_layer_configs"]),
             layer_config_match=sc.get("layer_config_match", "fnmatch"),
             fused={k: tuple(v) for k, v in mod["fused"].items()}, never_quantized=frozenset(mod["never_quantized"]),
+            requantized_when_excluded=tuple(mod.get("requantized_when_excluded", ())),
             draft=DraftRule(dr["class"], dr["block_prefix"], dr["outer_prefix"], tuple(dr["outer_modules"]),
                             bool(dr["eh_proj_quantizable"]), tuple(tuple(p) for p in dr["name_mapper"]),
                             bool(dr["remap_mtp_entries"]), bool(dr["whole_draft_switch"])),
@@ -202,18 +215,18 @@ def _load(name: str, family: str) -> EngineProfile:
         raise ConfigError(f"{where}: missing field {e}") from None
     except (InvalidSpecifier, TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
-    _check(profile, where)
+    _check(profile, where, first is not None)
     return profile
 
 
-def _check(p: EngineProfile, where: str) -> None:
+def _check(p: EngineProfile, where: str, family_from_later_release: bool = False) -> None:
     if p.engine not in ENGINES or not p.name.startswith(p.engine + "-"):
         raise ConfigError(f"{where}: engine {p.engine!r} must be one of {ENGINES} and prefix the file name")
     if p.exclude_source not in SOURCES or p.fusion.veto not in VETOES or p.layer_config_match not in LAYER_CONFIG_MATCHES:
         raise ConfigError(f"{where}: exclude.source must be one of {SOURCES}, fusion.veto one of {VETOES}, "
                           f"schemes.layer_config_match one of {LAYER_CONFIG_MATCHES}")
     outside = [v for v in p.read if Version(v) not in p.releases]
-    if not p.read or outside or p.read[0] != p.name.split("-", 1)[1]:
+    if not p.read or outside or (p.read[0] != p.name.split("-", 1)[1] and not family_from_later_release):
         raise ConfigError(f"{where}: `read` must list the releases read, all inside {p.releases}, starting with the "
                           f"release the file is named after (outside the range: {outside})")
     unknown = p.packed - set(p.fused)
@@ -276,14 +289,16 @@ def select(text: str | list[str] | None, family: Family | str) -> list[Selection
     """
     items = _split(text) if isinstance(text, str) else list(text or [])
     ranges = release_ranges()
+    builds = {p.name: set(p.read) for p in all_profiles(family)}
     chosen: dict[str, set[str]] = {}
     for item in items or ["all"]:
         hits = _releases_for(item, ranges)
-        usable = [(r, v) for r, v in hits if not unsupported_reason(r.name, family)]
+        usable = [(r, v) for r, v in hits if v in builds.get(r.name, ())]
         if not usable and item not in ("all",) + ENGINES:
             r = hits[0][0]
+            why = unsupported_reason(r.name, family) or "a later release of its range is the first to build it"
             raise ConfigError(f"--engines: {item!r}: {r.engine} {', '.join(v for _, v in hits)} do(es) not build "
-                              f"{_family_name(family)} models ({unsupported_reason(r.name, family)})")
+                              f"{_family_name(family)} models ({why})")
         for r, release in usable:
             chosen.setdefault(r.name, set()).add(release)
     if not chosen:

@@ -10,7 +10,7 @@ from .doctor import diagnose
 from .engine_check import engine_problems
 from .loaded import LoadedCheckpoint, load_checkpoint
 from .profiles import EngineProfile, check_engine_items, select
-from .report import ValidationReport
+from .report import Problem, ValidationReport
 from .serve import serving_commands
 from .tensor_forms import MXFP4
 
@@ -24,6 +24,19 @@ def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile]
     problems += layout_problems
     found, engines = engine_problems(loaded, profiles, exclude_entries(qc), qc)
     return problems + found, {"linears": forms, "engines": engines}
+
+
+def requantization_warnings(selections, checked: dict) -> list[Problem]:
+    """Releases that load some bf16 modules and re-quantize them to MXFP4 (they load, but compute differently)."""
+    out = []
+    for s in selections:
+        n = checked.get("engines", {}).get(s.profile.name, {}).get("requantized_at_load", 0)
+        if n:
+            out.append(Problem("engine", s.profile.name, f"{s.label} loads {n} excluded attention module(s) bf16 and "
+                               "re-quantizes them to MXFP4 after loading (dynamic_mxfp4_quant): the checkpoint loads, "
+                               "but those modules do not compute in bf16 there", "serve with a later release to keep "
+                               "them bf16", s.profile.name))
+    return out
 
 
 def validate_checkpoint(root: str | Path, engines: str | list[str] | None = None, *, deep: bool = False,
@@ -48,6 +61,7 @@ def validate_checkpoint(root: str | Path, engines: str | list[str] | None = None
     found, checked = loadability_problems(loaded, [s.profile for s in selections], qc)
     report.add(found)
     report.checked.update(checked)
+    report.warnings += requantization_warnings(selections, checked)
     if deep:
         scale_problems, scale_bytes = scan_scales(loaded.ckpt.root, loaded.ckpt.weight_map, loaded.infos, quiet)
         hash_problems, hashed = check_sha256(loaded.ckpt.root, quiet)

@@ -69,9 +69,22 @@ def test_every_family_has_recipes_fixtures_and_engine_releases(family):
     assert profiles and all(p.family == family.name for p in profiles)
 
 
-def test_a_release_without_the_family_table_does_not_build_it(tmp_path):
-    """Profiles are read per family; a range without `[family.<name>]` is unsupported, said so, and left out."""
-    family = FAMILIES[0]
-    assert all(unsupported_reason(n, family) is None for n in profile_names()) or all_profiles(family)
+def test_releases_that_do_not_build_a_family_are_left_out_and_say_why():
+    """DeepSeek-V3.2's MTP draft is built by sglang from 0.5.12 on (earlier, _config_draft_model leaves it the whole
+    model): 0.5.9-0.5.11 are not supported for it, which the profile data says and every selection respects."""
+    v32 = family_named("deepseek_v32")
+    assert "NextN" in unsupported_reason("sglang-0.5.9", v32) and "NextN" in unsupported_reason("sglang-0.5.10", v32)
+    assert unsupported_reason("sglang-0.5.11", v32) is None
+    sglang = [r for p in all_profiles(v32) if p.engine == "sglang" for r in p.read]
+    assert sglang[0] == "0.5.12" and "0.5.11" not in sglang
+    assert [r for p in all_profiles("deepseek_v3") if p.engine == "sglang" for r in p.read][0] == "0.5.9"
+    with pytest.raises(ConfigError, match="sglang 0.5.9 do\\(es\\) not build deepseek_v32 models \\(its ModelConfig"):
+        select("sglang==0.5.9", v32)
+    with pytest.raises(ConfigError, match="0.5.11 do\\(es\\) not build deepseek_v32"):
+        select("sglang==0.5.11", v32)
+    picked = {r for s in select("sglang", v32) for r in s.releases}
+    assert "0.5.12" in picked and not picked & {"0.5.9", "0.5.10", "0.5.11"}
+    with pytest.raises(ConfigError, match="does not build deepseek_v32"):
+        load_profile("sglang-0.5.10", v32)
     with pytest.raises(ConfigError, match="unknown model family"):
         load_profile(profile_names()[0], "no_such_family")

@@ -18,6 +18,7 @@ from mxforge.safetensors_io import PlannedTensor
 from mxforge.tensor_kinds import kind_of
 
 Spec = tuple[str, tuple[int, ...], str]  # layer-relative name, shape, dtype
+NORM_RE = re.compile(r"norm\.(weight|bias)$")
 
 # Fields every family of the lineage reads (a family's REQUIRED_FIELDS adds its attention's).
 LINEAGE_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
@@ -34,6 +35,7 @@ class MoeLayout:
     family: ClassVar[Any] = None
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_FIELDS
     OPTIONAL_INT_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_OPTIONAL_INT_FIELDS
+    NORM_DTYPE: ClassVar[str] = "BF16"         # how the published checkpoint stores its norms (DeepSeek-V3.2: F32)
 
     def __post_init__(self):
         missing = [k for k in self.REQUIRED_FIELDS if k not in self.config]
@@ -111,7 +113,10 @@ class MoeLayout:
             out += mlp_tensors("mlp.", h, int(c["intermediate_size"]))
         if self.is_mtp(layer):
             out += self.mtp_head_tensors()
-        return [PlannedTensor(p + name, dtype, shape) for name, shape, dtype in out]
+        return [PlannedTensor(p + name, self._dtype(name, dtype), shape) for name, shape, dtype in out]
+
+    def _dtype(self, name: str, dtype: str) -> str:
+        return self.NORM_DTYPE if NORM_RE.search(name) else dtype
 
     def mtp_head_tensors(self) -> list[Spec]:
         """The MTP layer's own head after its block (shared_head.norm; a family may add shared_head.head, embed_tokens)."""
@@ -123,7 +128,7 @@ class MoeLayout:
         out = [PlannedTensor("model.embed_tokens.weight", "BF16", (v, h))]
         for layer in range(self.num_hidden_layers):
             out += self.layer_tensors(layer)
-        out.append(PlannedTensor("model.norm.weight", "BF16", (h,)))
+        out.append(PlannedTensor("model.norm.weight", self.NORM_DTYPE, (h,)))
         if not self.config.get("tie_word_embeddings", False):
             out.append(PlannedTensor("lm_head.weight", "BF16", (v, h)))
         for layer in self.mtp_layers:

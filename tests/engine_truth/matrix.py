@@ -190,12 +190,14 @@ def request(profile: EngineProfile, case: Case, loaded) -> dict:
 
 
 def _form(decision: str) -> str:
-    return decision if decision in (probe_io.MXFP4, probe_io.BF16) else decision.split(":", 1)[0]
+    return decision if decision in (probe_io.MXFP4, probe_io.BF16, probe_io.REQUANTIZED) else decision.split(":", 1)[0]
 
 
 def _mine(view: EngineView, module) -> str:
-    form = decide(view, module).form
-    return {MXFP4: probe_io.MXFP4, BF16: probe_io.BF16, None: "error", OTHER: "other"}[form]
+    verdict = decide(view, module)
+    if verdict.requantized:
+        return probe_io.REQUANTIZED
+    return {MXFP4: probe_io.MXFP4, BF16: probe_io.BF16, None: "error", OTHER: "other"}[verdict.form]
 
 
 def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:
