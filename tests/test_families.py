@@ -123,3 +123,22 @@ def test_run_end_to_end_per_family(family, tmp_path):
     assert state["inputs"]["recipe"] == family.default_recipe
     validate = run_cli("validate", str(tmp_path / "out" / "mxfp4"), "--json")
     assert validate.returncode == 0, validate.stdout + validate.stderr
+
+
+def test_vllm_0_30_requantizing_deepseek_attention_is_a_warning_not_a_failure(tmp_path):
+    """vLLM 0.30.0 loads a DeepSeek-family MXFP4 checkpoint's excluded attention bf16 and re-quantizes it to MXFP4
+    (measured by the conformance suite): validate passes, and warns for that release alone; GLM-5 is not affected."""
+    from mxforge.fixups.validate import validate_checkpoint
+    from mxforge.quantize.run import quantize_checkpoint
+
+    for family, expect in (("deepseek_v3", {"vllm-0.30.0"}), ("glm_moe_dsa", set())):
+        write_fixture(tmp_path / family, "tiny", family=family, quiet=True)
+        quantize_checkpoint(tmp_path / family, tmp_path / f"{family}-q", None, workers=1, quiet=True)
+        report = validate_checkpoint(tmp_path / f"{family}-q")
+        warned = {w.engine for w in report.warnings if "re-quantizes" in w.message}
+        assert warned == expect, (family, [w.format() for w in report.warnings])
+        assert all(report.engine_ok(s.profile.name) for s in report.selections if s.profile.engine == "vllm")
+        if expect:
+            layers = json.loads((tmp_path / family / "config.json").read_text())["num_hidden_layers"] + 1
+            assert report.checked["engines"]["vllm-0.30.0"]["requantized_at_load"] == 4 * layers
+            assert report.checked["engines"]["vllm-0.31.0"]["requantized_at_load"] == 0
