@@ -73,9 +73,16 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
     if excluded:
         entry = role.entries.matching_entry(module.runtime)
         why = f"exclude entry {entry!r} matches it" if entry else "its exclude entries match it"
-        if profile.requantizes(module.runtime, role.global_config):
-            return Verdict(module, BF16, why + f"; {profile.name} loads it bf16 and re-quantizes it to MXFP4", requantized=True)
-        return Verdict(module, BF16, why)
+        if not profile.requantizes(module.runtime, role.global_config):
+            return Verdict(module, BF16, why)
+        try:  # re-quantized with the scheme its layer config names, which must be MXFP4
+            requant = is_mxfp4_config(profile, module_config(profile, role, module.runtime, module.is_experts))
+        except SchemeError as e:
+            return Verdict(module, None, f"the engine raises: {e}")
+        if not requant:
+            return Verdict(module, None, why + f", but {profile.name} re-quantizes it with its layer config, which is not "
+                                              "an MXFP4 scheme: the engine raises \"No quark compatible scheme\"")
+        return Verdict(module, BF16, why + f"; {profile.name} loads it bf16 and re-quantizes it to MXFP4", requantized=True)
     try:
         config = module_config(profile, role, module.runtime, module.is_experts)
     except SchemeError as e:

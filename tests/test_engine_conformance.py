@@ -154,7 +154,8 @@ PERTURBATIONS = {
 
 
 # One release of each behaviour a perturbation flips.
-PINNING_RELEASES = [("sglang-0.5.9", "0.5.9"), ("sglang-0.5.10", "0.5.10"), ("sglang-0.5.11", "0.5.15.post1"),
+PINNING_RELEASES = [("sglang-0.5.9", "0.5.9"), ("sglang-0.5.10", "0.5.10"), ("sglang-0.5.11", "0.5.14"),
+                    ("sglang-0.5.15", "0.5.15.post1"),
                     ("sglang-0.5.16", "0.5.16"), ("sglang-0.5.18", "0.5.18"), ("sglang-0.5.21", "0.5.21"),
                     ("sglang-0.5.22", "0.5.23"), ("vllm-0.30.0", "0.30.0"), ("vllm-0.31.0", "0.33.0")]
 
