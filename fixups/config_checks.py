@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import MoeLayout
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
 from mxforge.tensor_kinds import layer_of
 
@@ -69,7 +69,7 @@ def check_quant_config(qc: Mapping | None, has_uint8: bool) -> list[Problem]:
     return problems
 
 
-def check_layout(layout: GlmLayout, planned: list[PlannedTensor], stored: Mapping[str, Stored],
+def check_layout(layout: MoeLayout, planned: list[PlannedTensor], stored: Mapping[str, Stored],
                  infos: Mapping[str, TensorInfo], skip: frozenset[str]) -> tuple[list[Problem], dict]:
     """Every tensor config.json implies is stored (a linear as bf16 or MXFP4); the MTP layer is complete.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import MoeLayout
 from mxforge.safetensors_io import TensorInfo
 
 from .config_checks import exclude_entries
@@ -13,7 +13,7 @@ from .modules import LayerLinears
 from .tensor_forms import BF16, MXFP4, Stored
 
 
-def diagnose(layout: GlmLayout, linears: dict[int | None, LayerLinears], stored: Mapping[str, Stored],
+def diagnose(layout: MoeLayout, linears: dict[int | None, LayerLinears], stored: Mapping[str, Stored],
              infos: Mapping[str, TensorInfo], qc: Mapping | None) -> list[str]:
     """Sentences describing the export: exclude style (exact / glob / regex) and the MTP layer's state."""
     notes = []

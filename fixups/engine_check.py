@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from mxforge.errors import ConfigError
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import MoeLayout
 
 from .loaded import LoadedCheckpoint
 from .matching import (DRAFT, TARGET, RoleView, SchemeError, ShardsDisagree, engine_excludes, fuses_shared_experts,
@@ -28,6 +28,7 @@ class Verdict:
     form: str | None                 # MXFP4 / BF16 / OTHER (a scheme mxforge never writes); None when the engine raises
     reason: str                      # why: the matching entry, "never quantized", "not excluded", the error ...
     disagree: ShardsDisagree | None = None
+    requantized: bool = False        # loaded as `form` (bf16), then re-quantized to MXFP4 by the engine
 
 
 @dataclass
@@ -41,7 +42,7 @@ class EngineView:
     modules: list[EngineModule] = field(default_factory=list)
 
 
-def engine_view(profile: EngineProfile, layout: GlmLayout, linears: dict[int | None, LayerLinears],
+def engine_view(profile: EngineProfile, layout: MoeLayout, linears: dict[int | None, LayerLinears],
                 exclude: list[str], qc: dict | None = None) -> EngineView:
     """`profile`'s release reading `exclude` (and the per-layer configs of `qc`, the quantization_config)."""
     roles = role_views(profile, exclude, layout, qc)
@@ -49,7 +50,7 @@ def engine_view(profile: EngineProfile, layout: GlmLayout, linears: dict[int | N
     return EngineView(profile, roles, fused, engine_modules(profile, layout, linears, fused))
 
 
-def without_fusion(view: EngineView, layout: GlmLayout, linears: dict[int | None, LayerLinears]) -> EngineView:
+def without_fusion(view: EngineView, layout: MoeLayout, linears: dict[int | None, LayerLinears]) -> EngineView:
     """The same release served with its shared-expert fusion switched off (the server flag)."""
     return EngineView(view.profile, view.roles, frozenset(), engine_modules(view.profile, layout, linears))
 
@@ -71,7 +72,17 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         return Verdict(module, None, "shards disagree", e)
     if excluded:
         entry = role.entries.matching_entry(module.runtime)
-        return Verdict(module, BF16, f"exclude entry {entry!r} matches it" if entry else "its exclude entries match it")
+        why = f"exclude entry {entry!r} matches it" if entry else "its exclude entries match it"
+        if not profile.requantizes(module.runtime, role.global_config):
+            return Verdict(module, BF16, why)
+        try:  # re-quantized with the scheme its layer config names, which must be MXFP4
+            requant = is_mxfp4_config(profile, module_config(profile, role, module.runtime, module.is_experts))
+        except SchemeError as e:
+            return Verdict(module, None, f"the engine raises: {e}")
+        if not requant:
+            return Verdict(module, None, why + f", but {profile.name} re-quantizes it with its layer config, which is not "
+                                              "an MXFP4 scheme: the engine raises \"No quark compatible scheme\"")
+        return Verdict(module, BF16, why + f"; {profile.name} loads it bf16 and re-quantizes it to MXFP4", requantized=True)
     try:
         config = module_config(profile, role, module.runtime, module.is_experts)
     except SchemeError as e:
@@ -197,6 +208,7 @@ def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exc
             unfused = without_fusion(view, loaded.layout, loaded.linears)
             found = [p for p in found if p.server_flag] + check_engine(unfused, loaded.stored, quantized, loaded.unreadable)
         problems += found
+        requantized = [m.runtime for m in view.modules if decide(view, m, quantized).requantized]
         checked[profile.name] = {"modules": len(view.modules), "problems": len(found),
-                                 "fused_shared_experts": sorted(view.fused)}
+                                 "fused_shared_experts": sorted(view.fused), "requantized_at_load": len(requantized)}
     return problems, checked

@@ -20,7 +20,7 @@ from pathlib import Path
 from mxforge.cli_support import invocation
 from mxforge.checkpoint import CONFIG_BACKUP_NAME, INDEX_NAME, Checkpoint, CheckpointSource, LocalDir, load_json
 from mxforge.errors import CheckpointError, ConfigError
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import layout_of
 from mxforge.safetensors_io import copy_atomic, write_json_atomic
 
 from .config_checks import exclude_entries
@@ -29,7 +29,7 @@ from .matching import DRAFT, is_glob
 from .modules import EngineModule
 from .integrity import TOTAL_SIZE
 from .mtp_inject import backup_index
-from .profiles import EngineProfile, select
+from .profiles import EngineProfile, check_engine_items, select
 from .report import MAX_LISTED, Problem
 from .tensor_forms import BF16, MXFP4
 from .loaded import LoadedCheckpoint, load_checkpoint
@@ -172,13 +172,14 @@ def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[
 
     Raises:
         CheckpointError: not a checkpoint directory, or a file cannot be written.
-        ConfigError: unknown engine selection or recipe, or config.json is not a GlmMoeDsaForCausalLM config.
+        ConfigError: unknown engine selection or recipe, or config.json is not of a supported model family (mxforge.models).
         NonFiniteWeightError: a source MTP weight to quantize holds NaN/Inf.
     """
-    profiles = [sel.profile for sel in select(engines)]
+    check_engine_items(engines)
     command = command or invocation()
     ckpt = Checkpoint.open(root)
     dry_run = dry_run or ckpt.source.local_root is None
+    profiles = [sel.profile for sel in select(engines, layout_of(ckpt.config).family)]
     _check_exclude_form(ckpt)
     record = None if dry_run else load_fixups_record(ckpt.root)
     injected, note = _maybe_inject(ckpt, mtp_from, recipe, dry_run, quiet)
@@ -274,11 +275,11 @@ def _maybe_inject(ckpt: Checkpoint, mtp_from, recipe: str | None, dry_run: bool,
 
     from .mtp_inject import held_mtp_layers, inject_mtp, plan_mtp_injection
 
-    layers = held_mtp_layers(ckpt.weight_map, GlmLayout(ckpt.config))
+    layers = held_mtp_layers(ckpt.weight_map, layout_of(ckpt.config))
     if layers:
         return None, f"--mtp-from: the checkpoint already holds MTP layer(s) {layers}; nothing injected"
     if dry_run:
-        plan = plan_mtp_injection(ckpt, Checkpoint.open(mtp_from), load_recipe(recipe))
+        plan = plan_mtp_injection(ckpt, Checkpoint.open(mtp_from), load_recipe(recipe, ckpt.config))
         return {"fixup": "mtp_inject", "layers": plan.layers, "source": str(mtp_from), "quantized": len(plan.quantize),
                 "why": "the export shipped without its MTP layer (dry run: not written)"}, None
     return inject_mtp(ckpt, mtp_from, recipe, quiet=quiet), None

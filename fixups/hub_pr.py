@@ -21,6 +21,7 @@ from mxforge.errors import MxforgeError
 from mxforge.hub_errors import raise_as_hub_error
 from mxforge.hub_session import HubLimits
 from mxforge.hub_source import HubSource
+from mxforge.models import layout_of
 
 from .fixup import FIXUPS_NAME, FixupResult, add_to_record, fixup_checkpoint, read_fixups_record
 from .profiles import select
@@ -114,11 +115,11 @@ def create_fixup_pr(repo_id: str, revision: str | None = None, engines=None, *, 
         raise MxforgeError(f"{repo_id}: --revision {revision} is a pull request; open the fix against a branch "
                            "(default main)")
     source = HubSource(repo_id, revision, limits)
-    selections = select(engines)
+    ckpt = Checkpoint.open(source)
+    selections = select(engines, layout_of(ckpt.config).family)
     labels = {s.profile.name: s.label for s in selections}
     fixup = fixup_checkpoint(source, engines, dry_run=True, command=command)
     fixup.dry_run = dry_run
-    ckpt = Checkpoint.open(source)
     before = validate_checkpoint(ckpt, engines)
     result = PrResult(repo_id, revision, source.commit, fixup, before.as_dict())
     if fixup.new_config is None:

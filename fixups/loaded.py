@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mxforge.checkpoint import Checkpoint
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import layout_of, MoeLayout
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
 
 from .integrity import check_index_and_shards
@@ -19,7 +19,7 @@ class LoadedCheckpoint:
     """A checkpoint's config, layout and tensor headers, read once for every check."""
 
     ckpt: Checkpoint
-    layout: GlmLayout
+    layout: MoeLayout
     planned: list[PlannedTensor]   # every tensor config.json implies, bf16 shapes
     linears: dict[int | None, LayerLinears]
     infos: dict[str, TensorInfo]
@@ -33,10 +33,10 @@ def load_checkpoint(root: str | Path | Checkpoint) -> tuple[LoadedCheckpoint, li
 
     Raises:
         CheckpointError: not a checkpoint directory (no config.json, no index).
-        ConfigError: config.json is not a GlmMoeDsaForCausalLM config.
+        ConfigError: config.json is not of a supported model family (mxforge.models).
     """
     ckpt = root if isinstance(root, Checkpoint) else Checkpoint.open(root)
-    layout = GlmLayout(ckpt.config)
+    layout = layout_of(ckpt.config)
     problems, warnings, counts, headers = check_index_and_shards(ckpt)
     infos, unreadable = {}, set()
     for name, shard in ckpt.weight_map.items():

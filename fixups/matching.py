@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import MoeLayout
 
 from .profiles import EngineProfile
 
@@ -119,7 +119,7 @@ class RoleView:
     global_config: dict | None = None
 
 
-def role_views(profile: EngineProfile, exclude: list[str], layout: GlmLayout,
+def role_views(profile: EngineProfile, exclude: list[str], layout: MoeLayout,
                qc: dict | None = None) -> dict[str, RoleView]:
     """The target's and the draft's view of `exclude` (and of the per-layer configs of `qc`) in `profile`'s release."""
     qc = qc or {}
@@ -218,7 +218,7 @@ def _draft_name(profile: EngineProfile, name: str, layer: int) -> str:
     return profile.mtp_runtime_name(layer, name[len(prefix):]) if name.startswith(prefix) else name
 
 
-def fuses_shared_experts(profile: EngineProfile, role: str, layout: GlmLayout, gate_entries: ExcludeList) -> bool:
+def fuses_shared_experts(profile: EngineProfile, role: str, layout: MoeLayout, gate_entries: ExcludeList) -> bool:
     """Whether `profile`'s release appends the shared expert to the routed-expert bank in `role`'s model
     (AMD gfx950, default server flags)."""
     rule = profile.fusion

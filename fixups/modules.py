@@ -1,6 +1,6 @@
 """Every module an engine builds from config.json, with the checkpoint tensors it loads.
 
-The checkpoint's linear weights come from `GlmLayout` (config.json alone); the engine profile says how
+The checkpoint's linear weights come from `MoeLayout` (config.json alone); the engine profile says how
 they are grouped (fused modules, routed experts as one module) and named (the MTP layer).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import MoeLayout
 from mxforge.safetensors_io import PlannedTensor
 from mxforge.tensor_kinds import LAYER_RE
 
@@ -55,7 +55,7 @@ class LayerLinears:
     others: dict[str, Linear]
 
 
-def checkpoint_linears(layout: GlmLayout, planned: list[PlannedTensor] | None = None) -> dict[int | None, LayerLinears]:
+def checkpoint_linears(layout: MoeLayout, planned: list[PlannedTensor] | None = None) -> dict[int | None, LayerLinears]:
     """The checkpoint's linear weights by layer (None: global modules, by full name), from config.json."""
     out: dict[int | None, LayerLinears] = {None: LayerLinears([], {})}
     for layer in layout.all_layers:
@@ -81,7 +81,7 @@ def all_linears(linears: dict[int | None, LayerLinears]) -> list[Linear]:
     return [lin for group in linears.values() for lin in (*group.experts, *group.others.values())]
 
 
-def engine_modules(profile: EngineProfile, layout: GlmLayout, linears: dict[int | None, LayerLinears] | None = None,
+def engine_modules(profile: EngineProfile, layout: MoeLayout, linears: dict[int | None, LayerLinears] | None = None,
                    fused_roles: frozenset[str] = frozenset()) -> list[EngineModule]:
     """Every module `profile`'s engine builds, with the checkpoint linears each one loads; in the roles
     (target / draft) listed in `fused_roles` the shared expert is loaded into the routed-expert bank."""

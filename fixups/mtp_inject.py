@@ -13,7 +13,7 @@ from typing import Iterable
 
 from mxforge.checkpoint import INDEX_BACKUP_NAME, INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import layout_of, MoeLayout
 from mxforge.progress import byte_progress
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, copy_atomic, write_json_atomic
 from mxforge.tensor_kinds import layer_of
@@ -54,7 +54,7 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
     if mismatched:
         raise ConfigError(f"{src.root}: config.json differs from {ckpt.root}'s in {mismatched}; "
                           "--mtp-from needs the bf16 source this export was made from")
-    layout = GlmLayout({**ckpt.config, "num_nextn_predict_layers": _nextn(ckpt.config) or _nextn(src.config)})
+    layout = layout_of({**ckpt.config, "num_nextn_predict_layers": _nextn(ckpt.config) or _nextn(src.config)})
     if not layout.mtp_layers:
         raise ConfigError(f"{src.root}: num_nextn_predict_layers is 0 in both configs: there is no MTP layer to inject")
     present = mtp_tensors(ckpt.weight_map, layout)
@@ -72,17 +72,17 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
                    sum(i.nbytes for i in infos.values()))
 
 
-def mtp_tensors(names: Iterable[str], layout: GlmLayout) -> list[str]:
+def mtp_tensors(names: Iterable[str], layout: MoeLayout) -> list[str]:
     """Those of `names` that belong to an MTP layer (per config.json), in order."""
     return [n for n in names if layer_of(n) in layout.mtp_layers]
 
 
-def held_mtp_layers(names: Iterable[str], layout: GlmLayout) -> list[int]:
+def held_mtp_layers(names: Iterable[str], layout: MoeLayout) -> list[int]:
     """MTP layers (per config.json) of which `names` hold any tensor."""
     return sorted({layer_of(n) for n in mtp_tensors(names, layout)})
 
 
-def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name: str, quiet: bool = False) -> dict:
+def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name: str | None, quiet: bool = False) -> dict:
     """Write the MTP layer(s) from `src_root` into checkpoint `root` (a path, or one already open); returns
     the record of what was done.
 
@@ -97,8 +97,8 @@ def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name:
     from mxforge.quantize.mxfp4 import quantize_mxfp4
     from mxforge.quantize.recipe import load_recipe
 
-    recipe = load_recipe(recipe_name)
     ckpt = root if isinstance(root, Checkpoint) else Checkpoint.open(root)
+    recipe = load_recipe(recipe_name, ckpt.config)
     src = Checkpoint.open(src_root)
     plan = plan_mtp_injection(ckpt, src, recipe)
     if (ckpt.root / MTP_SHARD).exists() and MTP_SHARD in ckpt.shard_names:
@@ -157,4 +157,4 @@ def _update_config(ckpt: Checkpoint, src: Checkpoint, plan: MtpPlan) -> None:
 
 def _nextn(config: dict) -> int:
     """How many MTP layers config.json declares."""
-    return len(GlmLayout(config).mtp_layers)
+    return len(layout_of(config).mtp_layers)

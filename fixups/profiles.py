@@ -1,9 +1,12 @@
 """Engine profiles: how each range of engine releases names, fuses, excludes and fuses shared experts.
 
 One TOML file per release range in `manifests/engines/` (a profile may `extend` an older one and state
-only what changed). Every value was measured by executing that range's releases' own code from their
-wheels (tests/engine_truth/); this module only gives the data types and answers which releases a
-`--engines` selection means.
+only what changed). What the release decides for every model sits at the top level; what its model classes
+decide for one model family (packed and fused modules, the MTP draft, shared-expert fusion) sits under
+`[family.<name>]` and is overlaid on it: a profile is always read for one family (mxforge/models/), and a
+release without that family's table does not build that family. Every value was measured by executing
+that range's releases' own code from their wheels (tests/engine_truth/); this module only gives the data
+types and answers which releases a `--engines` selection means.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from packaging.version import InvalidVersion, Version
 
 from mxforge.errors import ConfigError
 from mxforge.manifest_io import load_manifest
+from mxforge.models import Family, family_named
 
 ENGINES = ("sglang", "vllm")
 VETOES = ("none", "shared-expert-entry", "shared-expert-entry-outside-draft")
@@ -60,6 +64,7 @@ class Anchor:
 @dataclass(frozen=True)
 class EngineProfile:
     name: str                                   # e.g. "sglang-0.5.16": engine and first release of the range
+    family: str                                 # the model family it was read for (mxforge/models/)
     engine: str
     releases: SpecifierSet
     read: tuple[str, ...]                       # the releases whose wheels were read and are tested
@@ -73,6 +78,9 @@ class EngineProfile:
     layer_config_match: str                     # how layer_quant_config keys match: "fnmatch", "substring-or-fnmatch"
     fused: dict[str, tuple[str, ...]]           # fused module -> the checkpoint linears it is built from
     never_quantized: frozenset[str]             # layer-relative or global module names built unquantized
+    # Excluded linears whose name contains one of these are loaded bf16, then re-quantized to MXFP4 after
+    # loading when the checkpoint's global weight dtype is fp4 (vLLM 0.30.0's dynamic_mxfp4_quant for DeepSeek).
+    requantized_when_excluded: tuple[str, ...]
     draft: DraftRule
     fusion: FusionRule
     serve_command: str
@@ -84,6 +92,12 @@ class EngineProfile:
         outer = any(m in local for m in self.draft.outer_modules)  # the engines' own substring test
         prefix = self.draft.outer_prefix if outer else self.draft.block_prefix
         return f"{prefix.format(layer=layer)}.{local}"
+
+    def requantizes(self, runtime: str, global_config: dict | None) -> bool:
+        """Whether this release re-quantizes excluded module `runtime` to MXFP4 after loading it in bf16."""
+        weight = (global_config or {}).get("weight")
+        return (isinstance(weight, dict) and weight.get("dtype") == "fp4"
+                and any(s in runtime for s in self.requantized_when_excluded))
 
     def quantizable(self, local: str, is_mtp: bool) -> bool:
         """Whether this engine builds module `local` with the checkpoint's quantization method at all."""
@@ -110,19 +124,41 @@ def profile_names() -> tuple[str, ...]:
                                               else len(ENGINES), Version(n.split("-", 1)[1]))))
 
 
-def load_profile(name: str) -> EngineProfile:
-    """The profile manifests/engines/<name>.toml.
+def _family_name(family: Family | str) -> str:
+    return family.name if isinstance(family, Family) else family_named(family).name
+
+
+def unsupported_reason(name: str, family: Family | str) -> str | None:
+    """Why profile `name`'s releases do not build `family` (None: they do).
 
     Raises:
-        ConfigError: unknown profile, or a manifest with a missing or bad field.
+        ConfigError: unknown profile or family.
     """
     if name not in profile_names():
         raise ConfigError(f"unknown engine profile {name!r}; choose from {', '.join(profile_names())}")
-    return _load(name)
+    key = _family_name(family)
+    table = _raw(name).get("family", {}).get(key)
+    if table is None:
+        return f"manifests/engines/{name}.toml has no [family.{key}] table: these releases were not read for it"
+    return table.get("unsupported")
 
 
-def all_profiles() -> list[EngineProfile]:
-    return [load_profile(n) for n in profile_names()]
+def load_profile(name: str, family: Family | str) -> EngineProfile:
+    """The profile manifests/engines/<name>.toml as read for model family `family`.
+
+    Raises:
+        ConfigError: unknown profile or family, a release range that does not build the family, or a manifest
+            with a missing or bad field.
+    """
+    reason = unsupported_reason(name, family)
+    if reason:
+        raise ConfigError(f"engine profile {name}: does not build {_family_name(family)} ({reason})")
+    return _load(name, _family_name(family))
+
+
+def all_profiles(family: Family | str) -> list[EngineProfile]:
+    """Every profile whose releases build `family`, oldest release first within each engine."""
+    return [load_profile(n, family) for n in profile_names() if not unsupported_reason(n, family)]
 
 
 @lru_cache(maxsize=None)
@@ -135,6 +171,9 @@ def _raw(name: str, seen: tuple[str, ...] = ()) -> dict:
         raise ConfigError(f"manifests/engines/{name}.toml: extends {parent!r}, which is unknown or circular")
     base = _raw(parent, seen + (name,))
     merged = _merge(base, data)
+    for key, table in data.get("family", {}).items():
+        if "unsupported" in table or "unsupported" in base.get("family", {}).get(key, {}):
+            merged["family"][key] = table  # a family (un)supported from this range on: stated whole, not merged
     merged["anchor"] = base.get("anchor", []) + data.get("anchor", [])  # anchors accumulate
     return merged
 
@@ -147,19 +186,24 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 @lru_cache(maxsize=None)
-def _load(name: str) -> EngineProfile:
-    where = f"manifests/engines/{name}.toml"
-    data = _raw(name)
+def _load(name: str, family: str) -> EngineProfile:
+    where = f"manifests/engines/{name}.toml [family.{family}]"
+    raw = _raw(name)
+    data = _merge({k: v for k, v in raw.items() if k != "family"}, raw["family"][family])
+    first = data.pop("first_release", None)  # the range's releases before it do not build this family
+    if first is not None:
+        data["read"] = [r for r in data["read"] if Version(r) >= Version(first)]
     try:
         ex, mod, dr, fu, sv = data["exclude"], data["modules"], data["draft"], data["fusion"], data["serve"]
         sc = data["schemes"]
         profile = EngineProfile(
-            name=name, engine=data["engine"], releases=SpecifierSet(data["releases"]), read=tuple(data["read"]),
+            name=name, family=family, engine=data["engine"], releases=SpecifierSet(data["releases"]), read=tuple(data["read"]),
             summary=data["summary"], exclude_source=ex["source"], fused_name_first=bool(ex["fused_name_first"]),
             expert_child_entries=bool(ex["expert_child_entries"]), packed=frozenset(ex["packed"]),
             mxfp4_needs_fp4_inputs=bool(sc["mxfp4_needs_fp4_inputs"]), expert_layer_configs=bool(sc["expert_layer_configs"]),
             layer_config_match=sc.get("layer_config_match", "fnmatch"),
             fused={k: tuple(v) for k, v in mod["fused"].items()}, never_quantized=frozenset(mod["never_quantized"]),
+            requantized_when_excluded=tuple(mod.get("requantized_when_excluded", ())),
             draft=DraftRule(dr["class"], dr["block_prefix"], dr["outer_prefix"], tuple(dr["outer_modules"]),
                             bool(dr["eh_proj_quantizable"]), tuple(tuple(p) for p in dr["name_mapper"]),
                             bool(dr["remap_mtp_entries"]), bool(dr["whole_draft_switch"])),
@@ -171,18 +215,18 @@ def _load(name: str) -> EngineProfile:
         raise ConfigError(f"{where}: missing field {e}") from None
     except (InvalidSpecifier, TypeError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
-    _check(profile, where)
+    _check(profile, where, first is not None)
     return profile
 
 
-def _check(p: EngineProfile, where: str) -> None:
+def _check(p: EngineProfile, where: str, family_from_later_release: bool = False) -> None:
     if p.engine not in ENGINES or not p.name.startswith(p.engine + "-"):
         raise ConfigError(f"{where}: engine {p.engine!r} must be one of {ENGINES} and prefix the file name")
     if p.exclude_source not in SOURCES or p.fusion.veto not in VETOES or p.layer_config_match not in LAYER_CONFIG_MATCHES:
         raise ConfigError(f"{where}: exclude.source must be one of {SOURCES}, fusion.veto one of {VETOES}, "
                           f"schemes.layer_config_match one of {LAYER_CONFIG_MATCHES}")
     outside = [v for v in p.read if Version(v) not in p.releases]
-    if not p.read or outside or p.read[0] != p.name.split("-", 1)[1]:
+    if not p.read or outside or (p.read[0] != p.name.split("-", 1)[1] and not family_from_later_release):
         raise ConfigError(f"{where}: `read` must list the releases read, all inside {p.releases}, starting with the "
                           f"release the file is named after (outside the range: {outside})")
     unknown = p.packed - set(p.fused)
@@ -216,22 +260,52 @@ def release_runs(selections: list[Selection], key) -> list[tuple[str, object, li
             for k, group in runs]
 
 
-def select(text: str | list[str] | None) -> list[Selection]:
-    """Profiles and releases for `--engines`: None / "all" (every supported release), engine names ("vllm"),
-    profile names ("sglang-0.5.16"), or an engine with version specifiers ("sglang==0.5.15.post1",
+@dataclass(frozen=True)
+class ReleaseRange:
+    """A profile's name, engine and releases read: what `--engines` items are resolved against, for any family."""
+
+    name: str
+    engine: str
+    read: tuple[str, ...]
+
+
+def release_ranges() -> list[ReleaseRange]:
+    out = []
+    for name in profile_names():
+        data = _raw(name)
+        out.append(ReleaseRange(name, data.get("engine", name.split("-", 1)[0]), tuple(data.get("read", ()))))
+    return out
+
+
+def select(text: str | list[str] | None, family: Family | str) -> list[Selection]:
+    """Profiles (read for `family`) and releases for `--engines`: None / "all" (every supported release), engine
+    names ("vllm"), profile names ("sglang-0.5.16"), or an engine with version specifiers ("sglang==0.5.15.post1",
     "vllm>=0.32", "sglang>=0.5.16,<0.5.21"); several, separated by spaces or ";" or commas between items.
+    Releases that do not build `family` are left out; an item that names only such releases is an error.
 
     Raises:
-        ConfigError: an item names no known engine, profile or supported release.
+        ConfigError: an item names no known engine, profile or supported release, or only releases that do not
+            build `family`; or no selected release builds it.
     """
     items = _split(text) if isinstance(text, str) else list(text or [])
-    profiles = all_profiles()
+    ranges = release_ranges()
+    builds = {p.name: set(p.read) for p in all_profiles(family)}
     chosen: dict[str, set[str]] = {}
     for item in items or ["all"]:
-        hits = _releases_for(item, profiles)
-        for profile, release in hits:
-            chosen.setdefault(profile.name, set()).add(release)
-    return [Selection(p, tuple(r for r in p.read if r in chosen[p.name])) for p in profiles if p.name in chosen]
+        hits = _releases_for(item, ranges)
+        usable = [(r, v) for r, v in hits if v in builds.get(r.name, ())]
+        if not usable and item not in ("all",) + ENGINES:
+            r = hits[0][0]
+            why = unsupported_reason(r.name, family) or "a later release of its range is the first to build it"
+            raise ConfigError(f"--engines: {item!r}: {r.engine} {', '.join(v for _, v in hits)} do(es) not build "
+                              f"{_family_name(family)} models ({why})")
+        for r, release in usable:
+            chosen.setdefault(r.name, set()).add(release)
+    if not chosen:
+        raise ConfigError(f"--engines: no selected engine release builds {_family_name(family)} models; "
+                          f"releases that do: {', '.join(p.name for p in all_profiles(family)) or 'none read yet'}")
+    return [Selection(p, tuple(r for r in p.read if r in chosen[p.name])) for p in all_profiles(family)
+            if p.name in chosen]
 
 
 ENGINES_HELP = ("engine releases to fix up and validate for: engine names (sglang, vllm), profiles (sglang-0.5.16) or "
@@ -248,8 +322,19 @@ def parse_engines_arg(text: str | None) -> list[str] | None:
     if not text or not text.strip():
         return None
     items = _split(text)
-    select(items)
+    check_engine_items(items)
     return items
+
+
+def check_engine_items(text: str | list[str] | None) -> None:
+    """Check `--engines` items against the releases read, before any checkpoint (and its family) is known.
+
+    Raises:
+        ConfigError: an item names no known engine, profile or supported release.
+    """
+    ranges = release_ranges()
+    for item in (_split(text) if isinstance(text, str) else list(text or [])):
+        _releases_for(item, ranges)
 
 
 def _split(text: str) -> list[str]:
@@ -258,7 +343,7 @@ def _split(text: str) -> list[str]:
     return [p.strip().rstrip(",") for p in parts if p and p.strip().rstrip(",")]
 
 
-def _releases_for(item: str, profiles: list[EngineProfile]) -> list[tuple[EngineProfile, str]]:
+def _releases_for(item: str, profiles: list[ReleaseRange]) -> list[tuple[ReleaseRange, str]]:
     everything = [(p, r) for p in profiles for r in p.read]
     if item == "all":
         return everything

@@ -11,8 +11,8 @@ from .deep_checks import check_sha256, scan_scales
 from .doctor import diagnose
 from .engine_check import engine_problems
 from .loaded import LoadedCheckpoint, load_checkpoint
-from .profiles import EngineProfile, select
-from .report import ValidationReport
+from .profiles import EngineProfile, check_engine_items, select
+from .report import Problem, ValidationReport
 from .serve import serving_commands
 from .tensor_forms import MXFP4
 
@@ -28,6 +28,19 @@ def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile]
     return problems + found, {"linears": forms, "engines": engines}
 
 
+def requantization_warnings(selections, checked: dict) -> list[Problem]:
+    """Releases that load some bf16 modules and re-quantize them to MXFP4 (they load, but compute differently)."""
+    out = []
+    for s in selections:
+        n = checked.get("engines", {}).get(s.profile.name, {}).get("requantized_at_load", 0)
+        if n:
+            out.append(Problem("engine", s.profile.name, f"{s.label} loads {n} excluded attention module(s) bf16 and "
+                               "re-quantizes them to MXFP4 after loading (dynamic_mxfp4_quant): the checkpoint loads, "
+                               "but those modules do not compute in bf16 there", "serve with a later release to keep "
+                               "them bf16", s.profile.name))
+    return out
+
+
 def validate_checkpoint(root: str | Path | CheckpointSource | Checkpoint, engines: str | list[str] | None = None, *, deep: bool = False,
                         quiet: bool = True) -> ValidationReport:
     """Check integrity, quantization_config, layout/MTP completeness and, per engine release, loadability.
@@ -40,16 +53,18 @@ def validate_checkpoint(root: str | Path | CheckpointSource | Checkpoint, engine
 
     Raises:
         CheckpointError: the checkpoint cannot be checked at all (not a directory, no config.json, no index).
-        ConfigError: an unknown engine selection, or config.json is not a GlmMoeDsaForCausalLM config.
+        ConfigError: an unknown engine selection, or config.json is not of a supported model family (mxforge.models).
     """
-    selections = select(engines)
+    check_engine_items(engines)
     loaded, problems, warnings, counts = load_checkpoint(root)
+    selections = select(engines, loaded.layout.family)
     report = ValidationReport(loaded.ckpt.label, selections, problems, warnings)
     report.checked["integrity"] = counts
     qc = loaded.ckpt.quantization_config
     found, checked = loadability_problems(loaded, [s.profile for s in selections], qc)
     report.add(found)
     report.checked.update(checked)
+    report.warnings += requantization_warnings(selections, checked)
     if deep:
         scale_problems, scale_bytes = scan_scales(loaded.ckpt.root, loaded.ckpt.weight_map, loaded.infos, quiet)
         hash_problems, hashed = check_sha256(loaded.ckpt.root, quiet)

@@ -1,8 +1,9 @@
-"""GLM-5.2-shaped bf16 checkpoints built on the spot: the test and benchmark inputs.
+"""bf16 checkpoints of a model family built on the spot: the test and benchmark inputs.
 
-Layout (names, shapes, dtypes, shard order, index) follows the real checkpoint; dimensions shrink per
-preset (manifests/fixtures.toml). Weights are deterministic for a seed and drawn like trained weights:
-a small Gaussian with rare large outliers, so quantization error measured on them means something.
+Layout (names, shapes, dtypes, shard order, index) follows the family's real checkpoint (mxforge/models/);
+dimensions shrink per preset (the family's fixture presets in manifests/models/). Weights are deterministic
+for a seed and drawn like trained weights: a small Gaussian with rare large outliers, so quantization error
+measured on them means something.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError, MxforgeError
-from .glm_layout import GlmLayout
-from .manifest_io import glm52_config, load_manifest
+from .models import layout_of
+from .models import DEFAULT_FAMILY, Family, family_named
 from .progress import byte_progress
 from .safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
 from .checkpoint import write_index
@@ -27,27 +28,31 @@ OUTLIER_RATE = 1e-3
 class FixtureResult:
     out: Path
     preset: str
+    family: str
     tensors: int
     shards: int
     total_size: int
     seed: int
 
     def as_dict(self) -> dict:
-        return {"stage": "fixture", "out": str(self.out), "preset": self.preset, "tensors": self.tensors,
+        return {"stage": "fixture", "out": str(self.out), "preset": self.preset, "family": self.family, "tensors": self.tensors,
                 "shards": self.shards, "total_size": self.total_size, "seed": self.seed}
 
 
-def preset_config(preset: str, gib: float | None = None) -> tuple[dict, dict]:
-    """(config.json dict, preset settings) for a preset; `gib` sizes the bench preset.
+def preset_config(preset: str, gib: float | None = None, family: Family | str | None = None) -> tuple[dict, dict]:
+    """(config.json dict, preset settings) for a preset of `family` (default: DEFAULT_FAMILY); `gib` sizes
+    the bench preset.
 
     Raises:
-        ConfigError: unknown preset, or --gib given for a preset other than bench.
+        ConfigError: unknown family or preset, or --gib given for a preset other than bench.
     """
-    presets = load_manifest("fixtures.toml")
+    family = _family(family)
+    presets = family.fixture_presets()
     if preset not in presets:
         raise ConfigError(f"unknown fixture preset {preset!r}; choose one of {', '.join(presets)}")
     settings = presets[preset]
-    config = glm52_config()
+    config = family.reference()
+    config.pop("quantization_config", None)  # fixtures are bf16, whatever precision the family publishes in
     config.update(settings.get("config", {}))
     if gib is not None and "default_gib" not in settings:
         raise ConfigError(f"--gib applies to the bench preset only, not {preset!r}")
@@ -57,10 +62,16 @@ def preset_config(preset: str, gib: float | None = None) -> tuple[dict, dict]:
     return config, settings
 
 
+def _family(family: Family | str | None) -> Family:
+    if family is None:
+        return DEFAULT_FAMILY
+    return family if isinstance(family, Family) else family_named(family)
+
+
 def _experts_for_size(config: dict, target_bytes: float) -> int:
     """Routed-expert count that brings the checkpoint closest to target_bytes (at least 1)."""
     def size(n: int) -> int:
-        return sum(t.nbytes for t in GlmLayout({**config, "n_routed_experts": n}).tensors())
+        return sum(t.nbytes for t in layout_of({**config, "n_routed_experts": n}).tensors())
     base, per_expert = size(1), size(2) - size(1)
     return max(1, round((target_bytes - base) / per_expert) + 1)
 
@@ -134,21 +145,22 @@ SIDE_FILES = {
 
 
 def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float | None = None,
-                  quiet: bool = False, overrides: dict | None = None) -> FixtureResult:
-    """Write a GLM-5.2-shaped bf16 checkpoint to `out` (created; must be empty or absent); `overrides` change
-    config fields after the preset's (e.g. `n_routed_experts`).
+                  quiet: bool = False, overrides: dict | None = None, family: Family | str | None = None) -> FixtureResult:
+    """Write a bf16 checkpoint of `family` (default: DEFAULT_FAMILY) to `out` (created; must be empty or absent);
+    `overrides` change config fields after the preset's (e.g. `n_routed_experts`).
 
     Raises:
-        ConfigError: unknown preset or bad size.
+        ConfigError: unknown family or preset, or bad size.
         MxforgeError: `out` exists and is not empty.
         CheckpointError: a shard could not be written (nothing half-written is left under a final name).
     """
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MxforgeError(f"{out}: exists and is not an empty directory; choose a new output directory")
-    config, settings = preset_config(preset, gib)
+    family = _family(family)
+    config, settings = preset_config(preset, gib, family)
     config.update(overrides or {})
-    layout = GlmLayout(config)
+    layout = layout_of(config)
     tensors = layout.tensors()
     shards = plan_shards(tensors, settings.get("shards"), settings.get("shard_bytes"))
     sparse = bool(settings.get("sparse", False))
@@ -170,4 +182,4 @@ def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float
     for fname, make in SIDE_FILES.items():
         write_json_atomic(out / fname, make(config))
     write_json_atomic(out / "config.json", config)
-    return FixtureResult(out, preset, len(tensors), len(shards), total, seed)
+    return FixtureResult(out, preset, family.name, len(tensors), len(shards), total, seed)

@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .checkpoint import Checkpoint, CheckpointSource
-from .glm_layout import GlmLayout
+from .models import layout_of
 from .errors import ConfigError
 from .tensor_kinds import kind_of, layer_of
 
@@ -21,17 +21,18 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
     ckpt = Checkpoint.open(root)
     infos = ckpt.tensor_infos()
     try:
-        layout = GlmLayout(ckpt.config)
+        layout = layout_of(ckpt.config)
         mtp_layers = set(layout.mtp_layers)
         num_hidden = layout.num_hidden_layers
     except ConfigError:
         layout, mtp_layers, num_hidden = None, set(), None
+    classify = layout.kind_of if layout is not None else kind_of
     by_kind: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": defaultdict(int)})
     by_dtype: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
     layers: dict[int, dict] = defaultdict(lambda: {"experts": set(), "dense_mlp": False, "indexer": False, "tensors": 0})
     for name, info in infos.items():
         layer = layer_of(name)
-        kind = "mtp" if layer in mtp_layers else kind_of(name)
+        kind = "mtp" if layer in mtp_layers else classify(name)
         for bucket in (by_kind[kind],):
             bucket["tensors"] += 1
             bucket["bytes"] += info.nbytes
@@ -41,7 +42,7 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
         if layer is not None:
             entry = layers[layer]
             entry["tensors"] += 1
-            local_kind = kind_of(name)
+            local_kind = classify(name)
             if local_kind == "experts":
                 entry["experts"].add(int(name.split(".mlp.experts.")[1].split(".")[0]))
             entry["dense_mlp"] |= local_kind == "dense_mlp"
@@ -69,6 +70,7 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
         "stage": "inspect",
         "path": ckpt.label,
         "architecture": (ckpt.config.get("architectures") or [None])[0],
+        "family": layout.family.title if layout is not None else None,
         "tensors": len(infos),
         "bytes": sum(i.nbytes for i in infos.values()),
         "shards": len(ckpt.shard_names),
@@ -101,7 +103,8 @@ def summarize_quant_config(qc: dict | None) -> dict | None:
 
 def format_inspect(report: dict) -> str:
     gb = lambda n: f"{n / 1e9:,.3f} GB"
-    lines = [f"{report['path']}: {report['architecture']}, {report['tensors']:,} tensors, "
+    family = f" ({report['family']})" if report.get("family") else " (no supported model family)"
+    lines = [f"{report['path']}: {report['architecture']}{family}, {report['tensors']:,} tensors, "
              f"{gb(report['bytes'])} in {report['shards']} shard(s)"]
     lines.append(f"  {'kind':<16}{'tensors':>9}{'bytes':>16}  dtypes")
     for kind, v in report["by_kind"].items():

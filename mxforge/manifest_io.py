@@ -34,7 +34,3 @@ def load_manifest(relpath: str) -> Any:
     except (ValueError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"manifests/{relpath}: malformed ({e})") from None
 
-
-def glm52_config() -> dict:
-    """The real GLM-5.2 config.json fields."""
-    return load_manifest("models/glm-5.2.config.json")

@@ -17,7 +17,7 @@ from .checkpoint import Checkpoint
 from .errors import ConfigError
 from .file_hashes import FileHash
 from .fixups.fixup import FIXUPS_NAME
-from .glm_layout import GlmLayout
+from .models import family_of, layout_of
 from .hub_download import SOURCE_NAME
 from .quantize.error_report import markdown_table
 from .quantize.state import PROVENANCE_NAME
@@ -46,9 +46,16 @@ def read_provenance(root: Path, name: str) -> dict | None:
 
 def _mtp_layers(config: dict) -> set[int]:
     try:
-        return set(GlmLayout(config).mtp_layers)
+        return set(layout_of(config).mtp_layers)
     except (ConfigError, KeyError, TypeError, ValueError):
         return set()
+
+
+def _family_title(config: dict) -> str | None:
+    try:
+        return family_of(config).title
+    except ConfigError:
+        return None
 
 
 def precision_table(ckpt: Checkpoint) -> dict[str, Counter]:
@@ -183,7 +190,9 @@ def render_model_card(ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], 
     arch = (ckpt.config.get("architectures") or ["?"])[0]
     what = ("MXFP4 weights in AMD Quark's format, with the MTP layer kept loadable in sglang and vLLM"
             if quantized else "weights as stored, not quantized")
-    out = front + [CARD_MARKER, f"# {repo_id.split('/')[-1]}", "", f"`{arch}` checkpoint published by mxforge: {what}.", ""]
+    family = _family_title(ckpt.config)
+    out = front + [CARD_MARKER, f"# {repo_id.split('/')[-1]}", "",
+                   f"`{arch}`{f' ({family})' if family else ''} checkpoint published by mxforge: {what}.", ""]
     out += ["## Source", ""]
     if source:
         out += [f"- repo: `{source.get('repo_id', NOT_RECORDED)}`", f"- revision: `{source.get('revision', NOT_RECORDED)}`",

@@ -57,10 +57,24 @@ class RunOptions:
         """What each stage's output depends on; a change reruns the stages that depend on it."""
         from .quantize.recipe import load_recipe
 
-        recipe = load_recipe(self.recipe)
-        return {"source": self.source, "revision": self.revision, "recipe": recipe.name,
-                "recipe_sha256": recipe.sha256, "scale_rule": self.scale_rule or recipe.scale_rule,
+        config = self._local_config() if self.recipe is None else None
+        if self.recipe is None and config is None:  # a Hub source: its family's default recipe, once downloaded
+            recipe_name, recipe_sha, scale_rule = None, None, self.scale_rule
+        else:
+            recipe = load_recipe(self.recipe, config)
+            recipe_name, recipe_sha, scale_rule = recipe.name, recipe.sha256, self.scale_rule or recipe.scale_rule
+        return {"source": self.source, "revision": self.revision, "recipe": recipe_name,
+                "recipe_sha256": recipe_sha, "scale_rule": scale_rule,
                 "engines": sorted(self.engines) if self.engines else None, "push_repo": self.push_repo}
+
+    def _local_config(self) -> dict | None:
+        """config.json of a local SOURCE (None for a Hub repo, or one that cannot be read yet: quantize says why)."""
+        from .checkpoint import Checkpoint
+
+        try:
+            return Checkpoint.open(self.source, self.follow_symlinks).config if Path(self.source).is_dir() else None
+        except (MxforgeError, OSError):
+            return None
 
 
 # Which stages must run again when one of the run's inputs changes.

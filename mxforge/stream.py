@@ -237,9 +237,9 @@ class StreamRun:
         o = self.o
         started = time.monotonic()
         self.commit = None
-        recipe = load_recipe(o.recipe).with_scale_rule(o.scale_rule)
-        self.recipe = recipe
         ckpt, remote, commit = self._open_source()
+        recipe = load_recipe(o.recipe, ckpt.config).with_scale_rule(o.scale_rule)  # None: the family's default
+        self.recipe = recipe
         plan = plan_checkpoint(ckpt, recipe)
         to_copy = side_files(o.bf16_dir)
         check_out_dir(o.bf16_dir, o.mxfp4_dir, STATE_NAME, "quantize")

@@ -1,4 +1,9 @@
-"""Classify checkpoint tensor names into the kinds users reason about (experts, attention, MTP, ...)."""
+"""Classify checkpoint tensor names into the kinds users reason about (experts, attention, MTP, ...).
+
+The kinds are one vocabulary (recipes select by them); which names fall into which kind is a model
+family's data (`Family.kind_rules`, mxforge/models/); `LINEAGE_KIND_RULES` are those of the
+DeepSeek-V3 lineage (DeepSeek, GLM), which names its modules alike.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,20 @@ import re
 
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
+KINDS = ("experts", "shared_experts", "router", "dense_mlp", "indexer", "norms", "attention", "mtp_proj",
+         "embeddings", "other")
+
+
+def compile_rules(rules: tuple[tuple[str, str], ...]) -> tuple[tuple[str, re.Pattern], ...]:
+    """(kind, regex) pairs, compiled; every kind must be in KINDS."""
+    unknown = [k for k, _ in rules if k not in KINDS]
+    if unknown:
+        raise ValueError(f"unknown tensor kinds {unknown}")
+    return tuple((kind, re.compile(p)) for kind, p in rules)
+
+
 # First match wins; patterns apply to the name after `model.layers.N.` (or the whole name for globals).
-KIND_RULES: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)) for kind, p in (
+LINEAGE_KIND_RULES = compile_rules((
     ("experts", r"^mlp\.experts\."),
     ("shared_experts", r"^mlp\.shared_experts\."),
     ("router", r"^mlp\.gate\.(weight|e_score_correction_bias)$"),
@@ -18,7 +35,6 @@ KIND_RULES: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)) for
     ("mtp_proj", r"^eh_proj\."),
     ("embeddings", r"^(model\.embed_tokens|lm_head)\."),
 ))
-KINDS = tuple(k for k, _ in KIND_RULES) + ("other",)
 
 
 def layer_of(name: str) -> int | None:
@@ -26,12 +42,12 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def kind_of(name: str) -> str:
-    """The kind of a tensor (scales such as `X.weight_scale` take their weight's kind)."""
+def kind_of(name: str, rules: tuple[tuple[str, re.Pattern], ...] = LINEAGE_KIND_RULES) -> str:
+    """The kind of a tensor under `rules` (scales such as `X.weight_scale` take their weight's kind)."""
     m = LAYER_RE.match(name)
     local = name[m.end():] if m else name
     local = re.sub(r"\.weight_scale$", ".weight", local)
-    for kind, pattern in KIND_RULES:
+    for kind, pattern in rules:
         if pattern.search(local):
             return kind
     return "other"

@@ -13,7 +13,7 @@ from typing import Literal
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import MoeLayout, layout_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, safetensors_order
 
 from .mxfp4 import packed_shapes
@@ -66,7 +66,7 @@ class ShardPlan:
 
 @dataclass
 class QuantizePlan:
-    layout: GlmLayout
+    layout: MoeLayout
     shards: list[ShardPlan]
 
     def tensors(self) -> list[TensorPlan]:
@@ -86,7 +86,7 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
     Raises:
         CheckpointError: a shard is missing/corrupt, the index lists a tensor twice, the index and the
             shard headers disagree.
-        ConfigError: not a GLM-MoE-DSA config, a recipe rule matches nothing, or a weight the recipe
+        ConfigError: not a supported model family's config, a recipe rule matches nothing, or a weight the recipe
             selects cannot be packed (odd in-dimension).
     """
     if ckpt.duplicate_index_keys:
@@ -94,7 +94,7 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
         raise CheckpointError(f"{ckpt.root / INDEX_NAME}: weight_map lists tensor {first!r} more than once "
                               f"({len(ckpt.duplicate_index_keys)} such key(s)); keep one entry per tensor (the shard "
                               "that holds it) or re-download the index")
-    layout = GlmLayout(ckpt.config)
+    layout = layout_of(ckpt.config)
     infos = ckpt.tensor_infos()
     for shard, header in ckpt.headers.items():
         orphans = [n for n in header.tensors if ckpt.weight_map.get(n) != shard]
@@ -115,7 +115,7 @@ def is_quantizable(info: TensorInfo) -> bool:
     return len(info.shape) == 2 and info.dtype in QUANTIZABLE_DTYPES and is_linear_weight_name(info.name)
 
 
-def tensor_fate(info: TensorInfo, recipe: Recipe, layout: GlmLayout) -> Fate:
+def tensor_fate(info: TensorInfo, recipe: Recipe, layout: MoeLayout) -> Fate:
     """What the recipe does with one source tensor.
 
     Raises:

@@ -22,14 +22,14 @@ from typing import Iterable, Literal
 import tomllib
 
 from mxforge.errors import ConfigError
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
 from mxforge.manifest_io import manifest_text
-from mxforge.tensor_kinds import KINDS, kind_of, layer_of
+from mxforge.tensor_kinds import KINDS, layer_of
 
 from .scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, get_scale_rule
 
 Decision = Literal["quantize", "keep"]
-DEFAULT_RECIPE = "glm-5.2-mxfp4"
+DEFAULT_RECIPE = DEFAULT_FAMILY.default_recipe  # with no checkpoint to ask; else its family's default
 SCHEMES = {"mxfp4": True, "w_mxfp4": False}  # scheme -> are dynamic MXFP4 activations declared?
 LAYER_SCOPES = ("all", "decoder", "mtp")
 TOP_KEYS = {"name", "description", "scheme", "quantize", "keep", "scale_rule"}
@@ -51,8 +51,8 @@ class Rule:
     layers: str
     names: tuple[re.Pattern, ...]
 
-    def matches(self, tensor_name: str, layout: GlmLayout) -> bool:
-        if self.kinds and kind_of(tensor_name) not in self.kinds:
+    def matches(self, tensor_name: str, layout: MoeLayout) -> bool:
+        if self.kinds and layout.kind_of(tensor_name) not in self.kinds:
             return False
         layer = layer_of(tensor_name)
         if self.layers == "decoder" and (layer is None or layout.is_mtp(layer)):
@@ -78,7 +78,7 @@ class Recipe:
     sha256: str  # of the recipe file's bytes
     scale_rule: str = DEFAULT_SCALE_RULE
 
-    def decide(self, tensor_name: str, layout: GlmLayout) -> Decision:
+    def decide(self, tensor_name: str, layout: MoeLayout) -> Decision:
         """"quantize" or "keep" for a tensor name; non-weights, norms and embeddings are always kept.
 
         The caller keeps tensors that are not 2-D floating point whatever this says.
@@ -86,7 +86,7 @@ class Recipe:
         rule = self.matching_rule(tensor_name, layout)
         return "quantize" if rule is not None and rule.action == "quantize" else "keep"
 
-    def matching_rule(self, tensor_name: str, layout: GlmLayout) -> Rule | None:
+    def matching_rule(self, tensor_name: str, layout: MoeLayout) -> Rule | None:
         if not is_linear_weight_name(tensor_name):
             return None
         for rule in self.rules:  # keep rules first
@@ -94,7 +94,7 @@ class Recipe:
                 return rule
         return None
 
-    def check_matches(self, candidate_names: Iterable[str], layout: GlmLayout, where: str) -> None:
+    def check_matches(self, candidate_names: Iterable[str], layout: MoeLayout, where: str) -> None:
         """Every rule must select at least one of the 2-D weights in `candidate_names` (keep rules: at all).
 
         Raises:
@@ -140,8 +140,9 @@ class Recipe:
         return config
 
 
-def load_recipe(name_or_path: str | Path | None = None) -> Recipe:
-    """Load and validate a recipe: a path to a TOML file, or the bare name of one shipped in manifests/.
+def load_recipe(name_or_path: str | Path | None = None, config: dict | None = None) -> Recipe:
+    """Load and validate a recipe: a path to a TOML file, or the bare name of one shipped in manifests/;
+    None: the default recipe of `config`'s model family (no config: of the default family).
 
     A value with a '/' or a .toml suffix is a path and must be an existing file; anything else is a
     shipped recipe's name. So a mistyped path never falls back to a shipped recipe of the same file name.
@@ -149,7 +150,7 @@ def load_recipe(name_or_path: str | Path | None = None) -> Recipe:
     Raises:
         ConfigError: not found (or a directory), malformed TOML, unknown keys, bad scheme/kind/layer scope/regex.
     """
-    value = str(name_or_path or DEFAULT_RECIPE)
+    value = str(name_or_path or (family_of(config).default_recipe if config is not None else DEFAULT_RECIPE))
     if "/" not in value and not value.endswith(".toml"):
         try:
             raw, source = manifest_text(f"{value}.toml").encode(), f"manifests/{value}.toml"

@@ -65,11 +65,12 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
         DirectoryInUse: another mxforge process works in OUT.
     """
     src, out = Path(src), Path(out)
-    recipe = (recipe if isinstance(recipe, Recipe) else load_recipe(recipe)).with_scale_rule(scale_rule)
+    recipe = recipe if isinstance(recipe, Recipe) or recipe is None else load_recipe(recipe)
     _check_device(device)
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     ckpt = Checkpoint.open(src, follow_symlinks)
+    recipe = (recipe or load_recipe(None, ckpt.config)).with_scale_rule(scale_rule)  # None: the family's default
     to_copy = side_files(src)
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     plan = plan_checkpoint(ckpt, recipe)

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from mxforge.fixture import write_fixture
+from mxforge.models import family_named
+
+GLM5 = family_named("glm_moe_dsa")  # the family the shared fixtures below belong to
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,19 +98,30 @@ def one_error_line(proc, code: int = 2) -> str:
 
 
 @pytest.fixture(scope="session")
-def conformance_cases(tmp_path_factory) -> dict:
-    """The engine-conformance matrix (tests/engine_truth/matrix.py: every export style at 6 and 256 routed
-    experts, before and after fixup) plus the real pipeline's output per recipe and scale rule, built once per
-    session for every test that judges them (engine truth, local-vs-remote)."""
+def family_cases(tmp_path_factory):
+    """The engine-conformance matrix of one model family, built on first use and once per session for every
+    suite that judges it (engine truth, local-vs-remote): tests/engine_truth/matrix.py's export styles at 6
+    routed experts and at the family's real layout, before and after fixup, plus the real pipeline's output
+    per recipe (and the mse scale rule, whose record in quantization_config every release must accept).
+    Returns get(family_name) -> {case name: Case}."""
     from engine_truth import matrix
 
-    root = tmp_path_factory.mktemp("conformance")
-    srcs = matrix.sources(root)
-    out = {c.name: c for c in matrix.export_cases(root, srcs)}
-    # The real pipeline, quantize included; the mse scale rule adds its record to quantization_config, which
-    # every release's own config reader must accept.
-    for recipe, rule in (("glm-5.2-mxfp4", "quark"), ("glm-5.2-mxfp4-mtp-bf16", "quark"), ("glm-5.2-mxfp4", "mse")):
-        name = f"run-{recipe}" + ("" if rule == "quark" else f"-{rule}")
-        run_cli("run", str(srcs["e6"]), str(root / name), "--recipe", recipe, "--scale-rule", rule, "--quiet", check=True)
-        out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
-    return out
+    from mxforge.models import family_named
+
+    built: dict[str, dict] = {}
+
+    def get(family_name: str) -> dict:
+        if family_name not in built:
+            family = family_named(family_name)
+            root = tmp_path_factory.mktemp(f"conformance-{family_name}")
+            srcs = matrix.sources(root, family)
+            out = {c.name: c for c in matrix.export_cases(root, srcs, family)}
+            runs = [(recipe, "quark") for recipe in family.recipes] + [(family.recipes[0], "mse")]
+            for recipe, rule in runs:
+                name = f"run-{recipe}" + ("" if rule == "quark" else f"-{rule}")
+                run_cli("run", str(srcs["e6"]), str(root / name), "--recipe", recipe, "--scale-rule", rule, "--quiet",
+                        check=True)
+                out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
+            built[family_name] = out
+        return built[family_name]
+    return get

@@ -3,9 +3,10 @@
 Each supported release's wheel is fetched from PyPI (only the few .py files needed, cached under the user
 cache dir) and executed in a subprocess with inert stand-ins for GPU-only imports (tests/engine_truth/).
 For every checkpoint of the matrix (mxforge's recipes, Quark-style exports with exact names, globs, `re:`
-entries and the whole MTP layer in bf16, each before and after `mxforge fixup`, at 6 and at GLM-5.2's 256
-routed experts), mxforge's decision for every module of the target model and the MTP draft must equal the
-release's. Needs the package registry (as pip does); deselect offline with `-m "not engines"`.
+entries and the whole MTP layer in bf16, each before and after `mxforge fixup`, at 6 routed experts and at
+the family's real layout), mxforge's decision for every module of the target model and the MTP draft must
+equal the release's. The matrix runs for every model family (mxforge/models/) in every release whose profile
+builds it. Needs the package registry (as pip does); deselect offline with `-m "not engines"`.
 """
 
 from __future__ import annotations
@@ -17,61 +18,74 @@ import pytest
 from engine_truth import matrix, probe_io
 from engine_truth.wheels import Release, available_versions
 from mxforge.fixups.matching import DRAFT, TARGET
-from mxforge.fixups.profiles import all_profiles, load_profile
+from mxforge.fixups.profiles import all_profiles, load_profile, release_ranges
 from mxforge.fixups.validate import validate_checkpoint
+from mxforge.models import FAMILIES
 
 
 pytestmark = pytest.mark.engines
 
-RELEASES = [(p.name, r) for p in all_profiles() for r in p.read]
+RELEASES = [(f.name, p.name, r) for f in FAMILIES for p in all_profiles(f) for r in p.read]
+IDS = [f"{f}-{p.split('-')[0]}=={r}" for f, p, r in RELEASES]
 
 
 @pytest.fixture(scope="session")
-def cases(conformance_cases) -> dict[str, matrix.Case]:
-    return conformance_cases
-
-
-@pytest.fixture(scope="session")
-def loaded(cases):
-    return {name: c.load() for name, c in cases.items()}
-
-
-@pytest.fixture(scope="session")
-def reports(cases):
-    """validate's report on the pipeline outputs, every release range at once."""
-    return {name: validate_checkpoint(c.path) for name, c in cases.items() if "/run-" in name or
-            name.endswith("recipe-default/fixed")}
-
-
-@pytest.fixture(scope="session")
-def answers(cases, loaded):
-    """The release's own answers for every case (one probe process per release, run on first use)."""
+def family_loaded(family_cases):
     cache: dict[str, dict] = {}
 
-    def get(profile_name: str, release: str) -> dict:
-        if release not in cache:
-            profile = load_profile(profile_name)
-            requests = [matrix.request(profile, c, loaded[name]) for name, c in cases.items()]
-            cache[release] = probe_io.run_probe(profile.engine, release, requests)
-        return cache[release]
+    def get(family_name: str) -> dict:
+        if family_name not in cache:
+            cache[family_name] = {name: c.load() for name, c in family_cases(family_name).items()}
+        return cache[family_name]
     return get
 
 
-@pytest.mark.parametrize("profile_name,release", RELEASES, ids=[f"{e}=={r}" for e, r in RELEASES])
-def test_profile_decides_every_module_as_the_release_does(profile_name, release, cases, loaded, answers):
-    profile, found = load_profile(profile_name), answers(profile_name, release)
+@pytest.fixture(scope="session")
+def family_reports(family_cases):
+    """validate's report on the pipeline outputs, every release range at once."""
+    cache: dict[str, dict] = {}
+
+    def get(family_name: str) -> dict:
+        if family_name not in cache:
+            cache[family_name] = {name: validate_checkpoint(c.path) for name, c in family_cases(family_name).items()
+                                  if "/run-" in name or name.endswith("recipe-default/fixed")}
+        return cache[family_name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def answers(family_cases, family_loaded):
+    """The release's own answers for every case of a family (one probe process per release and family)."""
+    cache: dict[tuple[str, str], dict] = {}
+
+    def get(family_name: str, profile_name: str, release: str) -> dict:
+        if (family_name, release) not in cache:
+            profile = load_profile(profile_name, family_name)
+            loaded = family_loaded(family_name)
+            requests = [matrix.request(profile, c, loaded[name]) for name, c in family_cases(family_name).items()]
+            cache[family_name, release] = probe_io.run_probe(profile.engine, release, requests)
+        return cache[family_name, release]
+    return get
+
+
+@pytest.mark.parametrize("family_name,profile_name,release", RELEASES, ids=IDS)
+def test_profile_decides_every_module_as_the_release_does(family_name, profile_name, release, family_cases,
+                                                          family_loaded, answers):
+    profile, found = load_profile(profile_name, family_name), answers(family_name, profile_name, release)
+    cases, loaded = family_cases(family_name), family_loaded(family_name)
     wrong = {name: matrix.mismatches(profile, loaded[name], found[name]) for name in cases}
     wrong = {name: m for name, m in wrong.items() if m}
     assert not wrong, "\n".join(f"{name}: {len(m)} mismatch(es): " + "; ".join(m[:4]) for name, m in wrong.items())
 
 
-@pytest.mark.parametrize("profile_name,release", RELEASES, ids=[f"{e}=={r}" for e, r in RELEASES])
-def test_pipeline_output_loads_in_the_release(profile_name, release, loaded, answers, reports):
-    """`mxforge run` output (and its 256-expert counterpart) loads per the release's own decisions: every module
+@pytest.mark.parametrize("family_name,profile_name,release", RELEASES, ids=IDS)
+def test_pipeline_output_loads_in_the_release(family_name, profile_name, release, family_loaded, answers,
+                                              family_reports):
+    """`mxforge run` output (and its full-layout counterpart) loads per the release's own decisions: every module
     it builds, served with the flags validate names, finds its tensors stored as it allocates them."""
-    profile = load_profile(profile_name)
-    for name, report in reports.items():
-        ckpt, found = loaded[name], answers(profile_name, release)[name]
+    profile, loaded = load_profile(profile_name, family_name), family_loaded(family_name)
+    for name, report in family_reports(family_name).items():
+        ckpt, found = loaded[name], answers(family_name, profile_name, release)[name]
         assert report.engine_ok(profile_name), report.format()
         flag = profile.fusion.server_flag in report.flags(profile_name)  # served with fusion off
         view = matrix.views(profile, ckpt)[-1 if flag else 0]
@@ -82,7 +96,7 @@ def test_pipeline_output_loads_in_the_release(profile_name, release, loaded, ans
                     continue
                 if fused and ".shared_experts." in m.runtime:
                     continue  # loaded into the bank: checked with the experts below
-                engine_form = found[role]["decisions"][m.runtime]
+                engine_form = probe_io.allocated(found[role]["decisions"][m.runtime])
                 stored = {ckpt.stored[lin.name].form for lin in m.shards}
                 if m.is_experts and fused:
                     shared = [lin for local, lin in ckpt.linears[int(m.checkpoint.split(".")[2])].others.items()
@@ -118,26 +132,32 @@ PERTURBATIONS = {
 
 
 # One release of each behaviour a perturbation flips.
-PINNING_RELEASES = [("sglang-0.5.9", "0.5.9"), ("sglang-0.5.10", "0.5.10"), ("sglang-0.5.11", "0.5.15.post1"),
+PINNING_RELEASES = [("sglang-0.5.9", "0.5.9"), ("sglang-0.5.10", "0.5.10"), ("sglang-0.5.11", "0.5.14"),
+                    ("sglang-0.5.15", "0.5.15.post1"),
                     ("sglang-0.5.16", "0.5.16"), ("sglang-0.5.18", "0.5.18"), ("sglang-0.5.21", "0.5.21"),
                     ("sglang-0.5.22", "0.5.23"), ("vllm-0.30.0", "0.30.0"), ("vllm-0.31.0", "0.33.0")]
 
 
+@pytest.mark.parametrize("family_name", [f.name for f in FAMILIES])
 @pytest.mark.parametrize("what", PERTURBATIONS)
-def test_a_profile_edited_wrong_fails_conformance(what, cases, loaded, answers):
+def test_a_profile_edited_wrong_fails_conformance(what, family_name, family_cases, family_loaded, answers):
     """Each field of a profile is pinned by the matrix: flipping it makes some release disagree."""
     caught = []
+    cases, loaded = family_cases(family_name), family_loaded(family_name)
+    builds = {(p.name, r) for p in all_profiles(family_name) for r in p.read}
     for profile_name, release in PINNING_RELEASES:
-        wrong = PERTURBATIONS[what](load_profile(profile_name))
-        found = answers(profile_name, release)
+        if (profile_name, release) not in builds:
+            continue
+        wrong = PERTURBATIONS[what](load_profile(profile_name, family_name))
+        found = answers(family_name, profile_name, release)
         caught += [(release, name) for name in cases if matrix.mismatches(wrong, loaded[name], found[name])]
     assert caught, f"editing '{what}' went unnoticed by every case"
 
 
-@pytest.mark.parametrize("profile_name,release", RELEASES, ids=[f"{e}=={r}" for e, r in RELEASES])
-def test_anchors_and_serving_flags_exist_in_the_release(profile_name, release):
+@pytest.mark.parametrize("family_name,profile_name,release", RELEASES, ids=IDS)
+def test_anchors_and_serving_flags_exist_in_the_release(family_name, profile_name, release):
     """What is read, not executed, must still be in the release's source: a vanished anchor fails loudly."""
-    profile = load_profile(profile_name)
+    profile = load_profile(profile_name, family_name)
     rel = Release(profile.engine, release)
     for anchor in profile.anchors:
         module = anchor.file[:-3].replace("/", ".")
@@ -151,9 +171,9 @@ def test_anchors_and_serving_flags_exist_in_the_release(profile_name, release):
         assert name in sources or name.lstrip("-").replace("-", "_") in sources, f"{release}: no server argument {flag}"
 
 
-@pytest.mark.parametrize("engine", sorted({p.engine for p in all_profiles()}))
+@pytest.mark.parametrize("engine", sorted({r.engine for r in release_ranges()}))
 def test_every_release_in_the_supported_span_is_read(engine):
     """No gap: every release on PyPI from the first to the newest read is covered by a profile that read it."""
-    read = [r for p in all_profiles() if p.engine == engine for r in p.read]
+    read = [r for p in release_ranges() if p.engine == engine for r in p.read]
     span = available_versions(engine, read[0], read[-1])
     assert span == read, f"{engine}: releases on PyPI not read by any profile: {sorted(set(span) - set(read))}"

@@ -15,15 +15,15 @@ from mxforge.fixups.profiles import all_profiles, parse_engines_arg, select
 from mxforge.fixups.quark_like import write_quark_like
 from mxforge.fixups.validate import validate_checkpoint
 
-from conftest import AMD, BASE, MTP
+from conftest import GLM5, AMD, BASE, MTP
 
-PROFILES = [p.name for p in all_profiles()]
+PROFILES = [p.name for p in all_profiles(GLM5)]
 # sglang before GLM's own draft class (0.5.16): MTP exclusions written as model.layers.N.* never reach the draft.
-BEFORE_GLM_DRAFT = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11"}
+BEFORE_GLM_DRAFT = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}
 # Releases whose draft builds eh_proj as a plain nn.Linear: never quantized.
 EH_PROJ_LINEAR = {"sglang-0.5.9", "sglang-0.5.10", "vllm-0.30.0", "vllm-0.31.0"}
 # Releases without the "any <layer>.mlp.experts.* entry excludes the experts" rule.
-NO_EXPERT_CHILD_RULE = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.16", "sglang-0.5.18", "sglang-0.5.19"}
+NO_EXPERT_CHILD_RULE = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15", "sglang-0.5.16", "sglang-0.5.18", "sglang-0.5.19"}
 
 
 @pytest.fixture
@@ -238,14 +238,14 @@ def test_shared_expert_fusion_at_256_experts(full_layout_ckpt, tmp_path):
     write_quark_like(full_layout_ckpt, ckpt, BASE + [f"*layers.{mtp}.mlp.shared_experts*", f"*layers.{mtp}.eh_proj"])
     report = validate_checkpoint(ckpt)
     fused = {p.engine for p in report.requirements if "shared-expert fusion" in p.message}
-    assert fused == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.22"}
+    assert fused == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15", "sglang-0.5.22"}
     assert "serve with --disable-shared-experts-fusion (no exclude entry" in next(
         p.remedy for p in report.requirements if p.engine == "sglang-0.5.11")
     fixup_checkpoint(ckpt)
     report = validate_checkpoint(ckpt)
     assert report.ok, report.format()
     # An exclusion now vetoes the fusion from 0.5.18 on; before that only the server flag avoids it.
-    assert {p.engine for p in report.requirements} == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11"}
+    assert {p.engine for p in report.requirements} == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}
     assert "sglang 0.5.9-0.5.15.post1 (with --disable-shared-experts-fusion)" in report.verdict()
     serve = {s["releases"]: s for s in report.serve}
     assert serve["sglang 0.5.9-0.5.15.post1"]["command"].endswith(" --disable-shared-experts-fusion")
@@ -268,18 +268,18 @@ def test_index_total_size_is_a_warning_that_fixup_repairs(export):
 
 def test_engines_selection_by_name_range_and_version():
     def picked(text):
-        return {(s.profile.name, r) for s in select(text) for r in s.releases}
+        return {(s.profile.name, r) for s in select(text, GLM5) for r in s.releases}
 
-    assert picked("sglang==0.5.15.post1") == {("sglang-0.5.11", "0.5.15.post1")}
+    assert picked("sglang==0.5.15.post1") == {("sglang-0.5.15", "0.5.15.post1")}
     assert {p for p, _ in picked("sglang>=0.5.16,<0.5.21")} == {"sglang-0.5.16", "sglang-0.5.18", "sglang-0.5.19"}
     assert picked("vllm>=0.32") == {("vllm-0.31.0", "0.32.0"), ("vllm-0.31.0", "0.33.0")}
     assert picked("sglang-0.5.22, vllm") == picked("sglang-0.5.22 vllm") == picked("sglang==0.5.22 sglang==0.5.23 vllm")
-    assert len(picked(None)) == sum(len(p.read) for p in all_profiles())
+    assert len(picked(None)) == sum(len(p.read) for p in all_profiles(GLM5))
     assert parse_engines_arg("sglang,vllm") == ["sglang", "vllm"]
     for bad, says in (("sglang==0.5.24", "matches no supported sglang release"), ("trt-llm", "is not an engine"),
                       ("sglang>>1", "not a version specifier")):
         with pytest.raises(ConfigError, match=says):
-            select(bad)
+            select(bad, GLM5)
 
 
 def test_an_entry_that_would_harm_a_right_decision_is_detected(export):
@@ -290,6 +290,6 @@ def test_an_entry_that_would_harm_a_right_decision_is_detected(export):
     loaded = load_checkpoint(export(AMD))[0]
     qc = loaded.ckpt.quantization_config
     before = qc["exclude"]
-    harmed = harmed_modules(loaded, all_profiles(), before, before + ["model.layers.3.mlp.experts"], qc)
+    harmed = harmed_modules(loaded, all_profiles(GLM5), before, before + ["model.layers.3.mlp.experts"], qc)
     assert {profile for profile, module in harmed if module == "model.layers.3.mlp.experts"} == set(PROFILES)
-    assert not harmed_modules(loaded, all_profiles(), before, before + ["model.decoder.self_attn.o_proj"], qc)
+    assert not harmed_modules(loaded, all_profiles(GLM5), before, before + ["model.decoder.self_attn.o_proj"], qc)

@@ -7,8 +7,7 @@ from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.fixture import plan_shards, write_fixture
-from mxforge.glm_layout import GlmLayout
-from mxforge.manifest_io import glm52_config
+from mxforge.models import family_named, layout_of
 from mxforge.safetensors_io import PlannedTensor
 from mxforge.tensor_kinds import layer_of
 
@@ -22,7 +21,7 @@ def _headers(ckpt):
 
 def test_tiny_matches_layout_and_index(tiny_ckpt):
     ckpt, infos = _headers(tiny_ckpt)
-    layout = GlmLayout(ckpt.config)
+    layout = layout_of(ckpt.config)
     expected = {t.name: t for t in layout.tensors()}
     assert set(infos) == set(expected)
     for name, info in infos.items():
@@ -35,7 +34,7 @@ def test_tiny_matches_layout_and_index(tiny_ckpt):
 
 def test_tiny_covers_every_layer_kind(tiny_ckpt):
     ckpt, infos = _headers(tiny_ckpt)
-    layout = GlmLayout(ckpt.config)
+    layout = layout_of(ckpt.config)
     decoder = range(layout.num_hidden_layers)
     assert any(not layout.is_moe(i) for i in decoder) and any(layout.is_moe(i) for i in decoder)
     kinds = {(layout.is_moe(i), layout.has_indexer(i)) for i in decoder}
@@ -53,20 +52,20 @@ def test_indexshare_schedule_matches_transformers_and_storage(tiny_ckpt):
     from transformers import GlmMoeDsaConfig
 
     ckpt, infos = _headers(tiny_ckpt)
-    layout = GlmLayout(ckpt.config)
+    layout = layout_of(ckpt.config)
     assert layout.indexer_types() == GlmMoeDsaConfig(**ckpt.config).indexer_types
     for i in layout.all_layers:
         has = f"model.layers.{i}.self_attn.indexer.wk.weight" in infos
         assert has == layout.has_indexer(i), i
     # GLM-5.2 itself: full on 0, 1, 2, 6, 10, ..., 74 (21 layers), shared on the other 57
-    real = GlmLayout(glm52_config()).indexer_types()
+    real = layout_of(family_named("glm_moe_dsa").reference()).indexer_types()
     full = [i for i, t in enumerate(real) if t == "full"]
     assert full == [0, 1, 2] + list(range(6, 78, 4)) and len(full) == 21
 
 
 def test_mtp_layer_sits_in_the_last_shards(tiny_ckpt):
     ckpt, _ = _headers(tiny_ckpt)
-    mtp = GlmLayout(ckpt.config).num_hidden_layers
+    mtp = layout_of(ckpt.config).num_hidden_layers
     order = ckpt.shard_names
     mtp_shards = {ckpt.weight_map[n] for n in ckpt.weight_map if layer_of(n) == mtp}
     other_shards = {ckpt.weight_map[n] for n in ckpt.weight_map if layer_of(n) != mtp}

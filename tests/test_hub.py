@@ -398,7 +398,7 @@ def test_quark_file_to_file_export_of_the_published_recipe_is_fixed_then_pushed(
     report = validate_checkpoint(ckpt)
     # Quark's index counts whole files in total_size: a warning no engine cares about, not a failure.
     assert [w.subject for w in report.warnings] == ["model.safetensors.index.json:metadata.total_size"]
-    assert {r["profile"] for r in report.releases() if not r["ok"]} == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11"}
+    assert {r["profile"] for r in report.releases() if not r["ok"]} == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}
     assert {p.check for p in report.problems} == {"engine"}
 
     proc = run_cli("fixup", str(ckpt))

@@ -9,13 +9,13 @@ import pytest
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import ConfigError
-from mxforge.glm_layout import GlmLayout
+from mxforge.models import MoeLayout, layout_of
 from mxforge.quantize.recipe import load_recipe
 
 
-def _decisions(recipe_name: str, ckpt_dir: Path) -> tuple[GlmLayout, dict[str, str]]:
+def _decisions(recipe_name: str, ckpt_dir: Path) -> tuple[MoeLayout, dict[str, str]]:
     ckpt = Checkpoint.open(ckpt_dir)
-    layout = GlmLayout(ckpt.config)
+    layout = layout_of(ckpt.config)
     recipe = load_recipe(recipe_name)
     return layout, {n: recipe.decide(n, layout) for n in ckpt.weight_map}
 
@@ -43,7 +43,7 @@ def test_mtp_bf16_recipe_keeps_the_whole_mtp_layer(tiny_ckpt):
 
 def test_mtp_layer_comes_from_config_not_a_constant(tiny_ckpt):
     recipe = load_recipe("glm-5.2-mxfp4")
-    layout = GlmLayout({**Checkpoint.open(tiny_ckpt).config, "num_hidden_layers": 5})
+    layout = layout_of({**Checkpoint.open(tiny_ckpt).config, "num_hidden_layers": 5})
     # with 5 decoder layers, layer 5 is the MTP layer: its shared expert is kept
     assert recipe.decide("model.layers.5.mlp.shared_experts.up_proj.weight", layout) == "keep"
     assert recipe.decide("model.layers.4.mlp.shared_experts.up_proj.weight", layout) == "quantize"
@@ -105,7 +105,7 @@ def test_rule_matching_nothing_is_an_error(tiny_ckpt, tmp_path):
     recipe = load_recipe(path)
     ckpt = Checkpoint.open(tiny_ckpt)
     with pytest.raises(ConfigError, match=r"\[\[quantize\]\] rule 1 .* matches no 2-D weight"):
-        recipe.check_matches(ckpt.weight_map, GlmLayout(ckpt.config), str(tiny_ckpt))
+        recipe.check_matches(ckpt.weight_map, layout_of(ckpt.config), str(tiny_ckpt))
 
 
 def test_quantization_config_is_quarks(tiny_ckpt):

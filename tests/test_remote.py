@@ -19,6 +19,7 @@ from mxforge.checkpoint import INDEX_NAME
 from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.fixups.quark_like import write_quark_like
 from mxforge.fixups.validate import validate_checkpoint
+from mxforge.models import FAMILIES
 
 from conftest import AMD, REPO, one_error_line, run_cli
 
@@ -262,14 +263,16 @@ def _comparable(report: dict) -> dict:
         {"checked": {k: v for k, v in report["checked"].items() if k != "fetched"}}
 
 
-def test_remote_and_local_agree_on_every_conformance_case(conformance_cases, hub, tmp_path):
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+def test_remote_and_local_agree_on_every_conformance_case(family, family_cases, hub, tmp_path):
     """validate and fixup through the Hub give the very verdicts, problems and fixes of the local path, for every
-    case of the engine conformance suite (tests/engine_truth/matrix.py at 6 and 256 experts, before and after
-    fixup, and the pipeline's own outputs); the session builds the cases once for both suites."""
-    cases = list(conformance_cases.values())
+    case of the engine conformance suite of each model family (tests/engine_truth/matrix.py at 6 routed experts
+    and the family's real layout, before and after fixup, and the pipeline's own outputs); the session builds
+    the cases once for both suites."""
+    cases = list(family_cases(family).values())
     repos = {}
     for case in cases:
-        repo = "m/" + case.name.replace("/", "-")
+        repo = f"m/{family}-" + case.name.replace("/", "-")
         hub.add_repo_from_dir(repo, case.path)
         repos[repo] = case
     proc = subprocess.run([sys.executable, "-c", REMOTE_VALIDATE, json.dumps(list(repos))], capture_output=True,
@@ -282,4 +285,4 @@ def test_remote_and_local_agree_on_every_conformance_case(conformance_cases, hub
         fix = fixup_checkpoint(case.path, dry_run=True, command="conformance")
         assert remote[repo]["fixup"]["applied"] == fix.applied and remote[repo]["config"] == fix.new_config, case.name
         assert remote[repo]["report"]["checked"]["fetched"]["fraction"] < 0.02, case.name
-    assert len(repos) == len(cases) >= 51
+    assert len(repos) == len(cases) >= 48

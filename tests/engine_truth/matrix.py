@@ -24,6 +24,7 @@ from mxforge.fixups.matching import DRAFT, TARGET
 from mxforge.fixups.profiles import EngineProfile
 from mxforge.fixups.quark_like import write_quark_like
 from mxforge.fixups.tensor_forms import BF16, MXFP4
+from mxforge.models import Family
 
 from . import probe_io
 
@@ -32,7 +33,7 @@ BASE_GLOBS = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up
 # A layer config that quantizes nothing (Quark's QLayerConfig() as exported).
 NULL_LAYER_CONFIG = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
 SIZES = {"e6": ("tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}),  # a small replica
-         "e256": ("full-layout", {})}                                          # GLM-5.2's real layout
+         "e256": ("full-layout", {})}                                          # the family's real layout
 
 
 @dataclass
@@ -45,12 +46,12 @@ class Case:
         return loaded
 
 
-def sources(root: Path) -> dict[str, Path]:
-    """The bf16 checkpoints the exports are made from: a 6-expert replica and the full 256-expert layout."""
+def sources(root: Path, family: Family) -> dict[str, Path]:
+    """The bf16 checkpoints of `family` the exports are made from: a 6-expert replica and the full layout."""
     out = {}
     for size, (preset, overrides) in SIZES.items():
         out[size] = root / f"bf16-{size}"
-        write_fixture(out[size], preset, quiet=True, overrides=overrides)
+        write_fixture(out[size], preset, quiet=True, overrides=overrides, family=family)
     return out
 
 
@@ -64,15 +65,16 @@ def recipe_export(src: Path, out: Path, recipe: str) -> None:
     write_quark_like(src, out, kept)
 
 
-def export_cases(root: Path, srcs: dict[str, Path]) -> list[Case]:
+def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case]:
     """Every export style of the issue, at both sizes, before and after `mxforge fixup`."""
     cases = []
+    default, mtp_bf16 = family.recipes[0], family.recipes[1]
     for size, src in srcs.items():
         n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
         mtp = f"*layers.{n}."
         styles = {
-            "recipe-default": lambda out: recipe_export(src, out, "glm-5.2-mxfp4"),
-            "recipe-mtp-bf16": lambda out: recipe_export(src, out, "glm-5.2-mxfp4-mtp-bf16"),
+            "recipe-default": lambda out: recipe_export(src, out, default),
+            "recipe-mtp-bf16": lambda out: recipe_export(src, out, mtp_bf16),
             # Quark resolves its globs into exact names on export; here the whole MTP layer stays bf16.
             "amd-whole-mtp": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "*"]),
             # The same exclusions written as globs, as hand-edited exports carry them.
@@ -85,13 +87,13 @@ def export_cases(root: Path, srcs: dict[str, Path]) -> list[Case]:
             # The MTP layer's bf16 modules given a layer config that quantizes nothing, not an exclude entry.
             "lqc-mtp": lambda out: _layer_config_mtp(src, out, n),
             # The recipe's output declaring MXFP4 weights without MXFP4 activations (scheme w_mxfp4).
-            "weights-only": lambda out: _weights_only(src, out),
+            "weights-only": lambda out: _weights_only(src, out, default),
             # Hand-written exports: fused modules named by their fused names (each engine's), not their shards.
             "fused-names": lambda out: _fused_names(src, out),
             # One decoder layer's routed experts kept bf16, excluded expert by expert (Quark's exact names).
             "experts-bf16": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "*", "*layers.3.mlp.experts.*"]),
             # Layer 3's experts pinned to MXFP4 expert by expert in layer_quant_config; the global config weights-only.
-            "lqc-experts": lambda out: _pinned_experts(src, out),
+            "lqc-experts": lambda out: _pinned_experts(src, out, default),
             # The MTP layer excluded by its bare layer name as well.
             "layer-entry": lambda out: _layer_entry(src, out, n),
         }
@@ -149,8 +151,8 @@ def _layer_entry(src: Path, out: Path, n: int) -> None:
     _edit_qc(out, lambda qc: qc["exclude"].append(f"model.layers.{n}"))
 
 
-def _pinned_experts(src: Path, out: Path) -> None:
-    recipe_export(src, out, "glm-5.2-mxfp4")
+def _pinned_experts(src: Path, out: Path, recipe: str) -> None:
+    recipe_export(src, out, recipe)
     experts = int(json.loads((src / "config.json").read_text())["n_routed_experts"])
 
     def edit(qc: dict) -> None:
@@ -161,8 +163,8 @@ def _pinned_experts(src: Path, out: Path) -> None:
     _edit_qc(out, edit)
 
 
-def _weights_only(src: Path, out: Path) -> None:
-    recipe_export(src, out, "glm-5.2-mxfp4")
+def _weights_only(src: Path, out: Path, recipe: str) -> None:
+    recipe_export(src, out, recipe)
     _edit_qc(out, lambda qc: qc["global_quant_config"].update(input_tensors=None))
 
 
@@ -188,12 +190,14 @@ def request(profile: EngineProfile, case: Case, loaded) -> dict:
 
 
 def _form(decision: str) -> str:
-    return decision if decision in (probe_io.MXFP4, probe_io.BF16) else decision.split(":", 1)[0]
+    return decision if decision in (probe_io.MXFP4, probe_io.BF16, probe_io.REQUANTIZED) else decision.split(":", 1)[0]
 
 
 def _mine(view: EngineView, module) -> str:
-    form = decide(view, module).form
-    return {MXFP4: probe_io.MXFP4, BF16: probe_io.BF16, None: "error", OTHER: "other"}[form]
+    verdict = decide(view, module)
+    if verdict.requantized:
+        return probe_io.REQUANTIZED
+    return {MXFP4: probe_io.MXFP4, BF16: probe_io.BF16, None: "error", OTHER: "other"}[verdict.form]
 
 
 def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:

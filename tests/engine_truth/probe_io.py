@@ -4,7 +4,8 @@ Request (JSON on stdin): {"version": V, "cases": [{"name", "config": config.json
 "target": [[runtime prefix, kind], ...], "draft": [[runtime prefix, kind], ...]}]}, kind "linear" or
 "experts"; a case may add "env": {name: value}, the server's environment variables (probes that model
 none ignore it). Answer (JSON written to the path given as argv[2]): {"version", "cases": {name: answer or
-{"error": traceback}}}. A decision is "mxfp4", "bf16", "other:<scheme class>" or "error:<message>".
+{"error": traceback}}}. A decision is "mxfp4", "bf16", "bf16>mxfp4" (loaded bf16, re-quantized to MXFP4 after
+loading), "other:<scheme class>" or "error:<message>".
 A probe may add keys of its own to an answer (the vLLM probe: "unbuilt", "loader_fuses_shared_experts").
 """
 
@@ -15,6 +16,12 @@ import sys
 import traceback
 
 MXFP4, BF16, OTHER, ERROR = "mxfp4", "bf16", "other:", "error:"
+REQUANTIZED = "bf16>mxfp4"  # allocated and loaded bf16, re-quantized to MXFP4 after loading
+
+
+def allocated(decision: str) -> str:
+    """What the release allocates (and so must be stored) for a decision."""
+    return BF16 if decision == REQUANTIZED else decision
 LINEAR, EXPERTS = "linear", "experts"
 
 

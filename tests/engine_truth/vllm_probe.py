@@ -305,7 +305,7 @@ def decide(mods: dict, qc, prefix: str, layer) -> str:
     dtype = getattr(scheme, "weight_dtype", None)
     name = type(scheme).__name__
     if name in ("QuarkOCP_MX", "QuarkOCP_MX_MoEMethod") and dtype == "mxfp4":
-        return probe_io.MXFP4
+        return probe_io.REQUANTIZED if getattr(scheme, "dynamic_mxfp4_quant", False) else probe_io.MXFP4
     return f"{probe_io.OTHER}{name}" + (f":{dtype}" if isinstance(dtype, str) else "")
 
 

@@ -1,0 +1,57 @@
+"""DeepSeek-V3 / R1 / V3.1: `DeepseekV3ForCausalLM` (model_type deepseek_v3).
+
+MLA attention (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj), no indexer; layers below
+`first_k_dense_replace` (3) dense; one MTP layer stored as `model.layers.61` (num_hidden_layers), which
+also carries its own copies of the embedding (`embed_tokens`) and output head (`shared_head.head`).
+
+Where the numbers come from: the config is deepseek-ai/DeepSeek-V3's published config.json (R1 and V3.1
+publish the same shapes); the tensor names and the MTP layer's contents are those of transformers'
+deepseek_v3 modeling code and of the published FP8 release, whose inventory (91,991 tensors,
+684,531,386,000 elements, 163 shards, of which 45,808 are `weight_scale_inv`) was read from its
+model.safetensors shard headers (a public dump of deepseek-ai/DeepSeek-R1); README_WEIGHTS.md of
+deepseek-ai/DeepSeek-V3 documents the MTP module and the 128x128 FP8 block scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mxforge.tensor_kinds import LINEAGE_KIND_RULES, compile_rules
+
+from .family import Family
+from .layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors
+
+
+@dataclass(frozen=True)
+class DeepseekV3Layout(MoeLayout):
+    REQUIRED_FIELDS = LINEAGE_FIELDS + MLA_FIELDS
+
+    def attention_tensors(self, layer: int) -> list[Spec]:
+        return mla_tensors(self.config)
+
+    def mtp_head_tensors(self) -> list[Spec]:
+        """The MTP module's shared_head (norm and its own output head) and its own copy of the embedding."""
+        h, v = int(self.config["hidden_size"]), int(self.config["vocab_size"])
+        return [("shared_head.norm.weight", (h,), "BF16"), ("shared_head.head.weight", (v, h), "BF16"),
+                ("embed_tokens.weight", (v, h), "BF16")]
+
+
+# The MTP layer's embedding and output head are embeddings, as the model's own are.
+KIND_RULES = compile_rules((("embeddings", r"^(embed_tokens|shared_head\.head)\."),)) + LINEAGE_KIND_RULES
+
+FAMILY = Family(
+    name="deepseek_v3",
+    title="DeepSeek-V3 / R1 / V3.1",
+    architectures=("DeepseekV3ForCausalLM",),
+    model_types=("deepseek_v3",),
+    layout=DeepseekV3Layout,
+    reference_config="models/deepseek-v3.config.json",
+    fixtures="models/deepseek-v3.fixtures.toml",
+    recipes=("deepseek-v3-mxfp4", "deepseek-v3-mxfp4-mtp-bf16"),
+    kind_rules=KIND_RULES,
+    inventory_source="deepseek-ai/DeepSeek-V3 config.json; shard headers of the FP8 release (deepseek-ai/DeepSeek-R1 "
+                     "dump); README_WEIGHTS.md",
+    published=(("tensors", 91991), ("parameters", 684531386000), ("shards", 163), ("precision", "fp8-block")),
+    fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|shared_head\.head)\.weight$",
+)
+DeepseekV3Layout.family = FAMILY

@@ -1,0 +1,56 @@
+"""GLM-5 / 5.1 / 5.2: `GlmMoeDsaForCausalLM` (model_type glm_moe_dsa).
+
+MLA attention with DeepSeek's sparse-attention indexer on "full" IndexShare layers only (transformers'
+`indexer_types`); MTP layer(s) at `num_hidden_layers` (GLM-5.2: layer 78). Inventory figures:
+/work/shared/reference/glm-5.2.md (zai-org/GLM-5.2 config.json and model.safetensors.index.json).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mxforge.tensor_kinds import LINEAGE_KIND_RULES
+
+from .family import Family
+from .layout import (DSA_FIELDS, LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MLA_FIELDS, MoeLayout, Spec,
+                     dsa_indexer_tensors, mla_tensors)
+
+
+@dataclass(frozen=True)
+class GlmMoeDsaLayout(MoeLayout):
+    REQUIRED_FIELDS = LINEAGE_FIELDS + MLA_FIELDS + DSA_FIELDS
+    OPTIONAL_INT_FIELDS = LINEAGE_OPTIONAL_INT_FIELDS + ("index_topk_freq", "index_skip_topk_offset")
+
+    def indexer_types(self) -> list[str]:
+        """"full" or "shared" per decoder layer, as transformers derives it (explicit list, pattern, or schedule)."""
+        explicit = self.config.get("indexer_types")
+        if explicit:
+            return list(explicit)
+        pattern = self.config.get("index_topk_pattern")
+        if pattern is not None:
+            return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        freq = max(int(self.config.get("index_topk_freq", 1) or 1), 1)
+        offset = int(self.config.get("index_skip_topk_offset", 2))
+        return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(self.num_hidden_layers)]
+
+    def has_indexer(self, layer: int) -> bool:
+        """Full IndexShare layers store indexer tensors; shared ones do not; MTP layers always do."""
+        return self.is_mtp(layer) or self.indexer_types()[layer] == "full"
+
+    def attention_tensors(self, layer: int) -> list[Spec]:
+        return mla_tensors(self.config) + (dsa_indexer_tensors(self.config) if self.has_indexer(layer) else [])
+
+
+FAMILY = Family(
+    name="glm_moe_dsa",
+    title="GLM-5 / 5.1 / 5.2",
+    architectures=("GlmMoeDsaForCausalLM",),
+    model_types=("glm_moe_dsa",),
+    layout=GlmMoeDsaLayout,
+    reference_config="models/glm-5.2.config.json",
+    fixtures="models/glm-5.2.fixtures.toml",
+    recipes=("glm-5.2-mxfp4", "glm-5.2-mxfp4-mtp-bf16"),
+    kind_rules=LINEAGE_KIND_RULES,
+    inventory_source="zai-org/GLM-5.2 config.json and model.safetensors.index.json (59,585 tensors, 282 shards)",
+)
+GlmMoeDsaLayout.family = FAMILY

@@ -1,0 +1,199 @@
+"""The checkpoint layout shared by the DeepSeek-V3 lineage (DeepSeek-V3/R1/V3.1/V3.2, GLM-4.5-4.7, GLM-5.x),
+derived from config.json alone.
+
+Decoder layers `model.layers.0 .. num_hidden_layers-1`, then `num_nextn_predict_layers` MTP ("next-n")
+layers stored as `model.layers.{num_hidden_layers + k}`; each layer is dense (an MLP) or MoE (router,
+routed experts, shared experts) per `first_k_dense_replace` / `moe_layer_freq` (or an explicit
+`mlp_layer_types`). A family's subclass supplies its attention (and indexer) tensors and required fields.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+from mxforge.errors import ConfigError
+from mxforge.safetensors_io import PlannedTensor
+from mxforge.tensor_kinds import kind_of
+
+Spec = tuple[str, tuple[int, ...], str]  # layer-relative name, shape, dtype
+NORM_RE = re.compile(r"norm\.(weight|bias)$")
+
+# Fields every family of the lineage reads (a family's REQUIRED_FIELDS adds its attention's).
+LINEAGE_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
+                  "n_routed_experts", "num_attention_heads", "vocab_size", "first_k_dense_replace")
+LINEAGE_OPTIONAL_INT_FIELDS = ("num_nextn_predict_layers", "n_shared_experts", "moe_layer_freq")
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Per-layer structure of a checkpoint of the lineage; `family` is set by each subclass."""
+
+    config: Mapping[str, Any]
+
+    family: ClassVar[Any] = None
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_FIELDS
+    OPTIONAL_INT_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_OPTIONAL_INT_FIELDS
+    NORM_DTYPE: ClassVar[str] = "BF16"         # how the published checkpoint stores its norms (DeepSeek-V3.2: F32)
+
+    def __post_init__(self):
+        missing = [k for k in self.REQUIRED_FIELDS if k not in self.config]
+        if missing:
+            raise ConfigError(f"config.json lacks {self.family.title} fields {missing}; is this a "
+                              f"{'/'.join(self.family.architectures)} checkpoint?")
+        for key in self.REQUIRED_FIELDS + self.OPTIONAL_INT_FIELDS:
+            value = self.config.get(key)
+            if (key in self.REQUIRED_FIELDS or value is not None) and (isinstance(value, bool) or not isinstance(value, int)):
+                digits = value.strip() if isinstance(value, str) and value.strip().isdigit() else "<integer>"
+                raise ConfigError(f"config.json: {key} is {value!r} ({type(value).__name__}), not a whole number; "
+                                  f"write it as a JSON integer (\"{key}\": {digits}, no quotes)")
+
+    def __getitem__(self, key: str) -> Any:
+        return self.config[key]
+
+    def kind_of(self, name: str) -> str:
+        """The kind of tensor `name` (mxforge.tensor_kinds.KINDS) under this family's rules."""
+        return kind_of(name, self.family.kind_rules)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def mtp_layers(self) -> range:
+        """Layer indices of the MTP layers: num_hidden_layers .. + num_nextn_predict_layers - 1."""
+        n = int(self.config.get("num_nextn_predict_layers", 0) or 0)
+        return range(self.num_hidden_layers, self.num_hidden_layers + n)
+
+    @property
+    def all_layers(self) -> range:
+        return range(self.num_hidden_layers + len(self.mtp_layers))
+
+    def is_mtp(self, layer: int) -> bool:
+        return layer in self.mtp_layers
+
+    def is_moe(self, layer: int) -> bool:
+        """MoE unless listed dense (`mlp_layer_types`), before `first_k_dense_replace` or off the `moe_layer_freq`
+        stride (the engines' test); MTP layers are MoE."""
+        if self.is_mtp(layer):
+            return True
+        types = self.config.get("mlp_layer_types")
+        if types:
+            return types[layer] == "sparse"
+        freq = int(self.config.get("moe_layer_freq", 1) or 1)
+        return layer >= int(self.config["first_k_dense_replace"]) and layer % freq == 0
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether the layer stores DSA indexer tensors (families without an indexer: never)."""
+        return False
+
+    def attention_tensors(self, layer: int) -> list[Spec]:
+        raise NotImplementedError
+
+    def layer_tensors(self, layer: int) -> list[PlannedTensor]:
+        c = self.config
+        h = int(c["hidden_size"])
+        p = f"model.layers.{layer}."
+        out: list[Spec] = []
+        if self.is_mtp(layer):
+            out += [("enorm.weight", (h,), "BF16"), ("hnorm.weight", (h,), "BF16"), ("eh_proj.weight", (h, 2 * h), "BF16")]
+        out.append(("input_layernorm.weight", (h,), "BF16"))
+        out += self.attention_tensors(layer)
+        out.append(("post_attention_layernorm.weight", (h,), "BF16"))
+        if self.is_moe(layer):
+            e, inter = int(c["n_routed_experts"]), int(c["moe_intermediate_size"])
+            out += [("mlp.gate.weight", (e, h), "BF16"), ("mlp.gate.e_score_correction_bias", (e,), "F32")]
+            for j in range(e):
+                out += mlp_tensors(f"mlp.experts.{j}.", h, inter)
+            n_shared = int(c.get("n_shared_experts", 1) or 0)
+            if n_shared:
+                out += mlp_tensors("mlp.shared_experts.", h, inter * n_shared)
+        else:
+            out += mlp_tensors("mlp.", h, int(c["intermediate_size"]))
+        if self.is_mtp(layer):
+            out += self.mtp_head_tensors()
+        return [PlannedTensor(p + name, self._dtype(name, dtype), shape) for name, shape, dtype in out]
+
+    def _dtype(self, name: str, dtype: str) -> str:
+        return self.NORM_DTYPE if NORM_RE.search(name) else dtype
+
+    def mtp_head_tensors(self) -> list[Spec]:
+        """The MTP layer's own head after its block (shared_head.norm; a family may add shared_head.head, embed_tokens)."""
+        return [("shared_head.norm.weight", (int(self.config["hidden_size"]),), "BF16")]
+
+    def tensors(self) -> list[PlannedTensor]:
+        """Every tensor of the bf16 checkpoint in storage order: embeddings, decoder layers, head, MTP layers last."""
+        h, v = int(self.config["hidden_size"]), int(self.config["vocab_size"])
+        out = [PlannedTensor("model.embed_tokens.weight", "BF16", (v, h))]
+        for layer in range(self.num_hidden_layers):
+            out += self.layer_tensors(layer)
+        out.append(PlannedTensor("model.norm.weight", self.NORM_DTYPE, (h,)))
+        if not self.config.get("tie_word_embeddings", False):
+            out.append(PlannedTensor("lm_head.weight", "BF16", (v, h)))
+        for layer in self.mtp_layers:
+            out += self.layer_tensors(layer)
+        return out
+
+
+def mlp_tensors(prefix: str, hidden: int, inter: int) -> list[Spec]:
+    return [
+        (prefix + "gate_proj.weight", (inter, hidden), "BF16"),
+        (prefix + "up_proj.weight", (inter, hidden), "BF16"),
+        (prefix + "down_proj.weight", (hidden, inter), "BF16"),
+    ]
+
+
+def mla_tensors(c: Mapping[str, Any]) -> list[Spec]:
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-5): low-rank q and kv projections."""
+    h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    q_rank, kv_rank = int(c["q_lora_rank"]), int(c["kv_lora_rank"])
+    nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
+    return [
+        ("self_attn.q_a_proj.weight", (q_rank, h), "BF16"),
+        ("self_attn.q_a_layernorm.weight", (q_rank,), "BF16"),
+        ("self_attn.q_b_proj.weight", (heads * (nope + rope), q_rank), "BF16"),
+        ("self_attn.kv_a_proj_with_mqa.weight", (kv_rank + rope, h), "BF16"),
+        ("self_attn.kv_a_layernorm.weight", (kv_rank,), "BF16"),
+        ("self_attn.kv_b_proj.weight", (heads * (nope + v), kv_rank), "BF16"),
+        ("self_attn.o_proj.weight", (h, heads * v), "BF16"),
+    ]
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def dsa_indexer_tensors(c: Mapping[str, Any]) -> list[Spec]:
+    """DeepSeek sparse attention's lightning indexer (DeepSeek-V3.2, GLM-5)."""
+    h, q_rank = int(c["hidden_size"]), int(c["q_lora_rank"])
+    ih, ihd = int(c["index_n_heads"]), int(c["index_head_dim"])
+    return [
+        ("self_attn.indexer.wq_b.weight", (ih * ihd, q_rank), "BF16"),
+        ("self_attn.indexer.wk.weight", (ihd, h), "BF16"),
+        ("self_attn.indexer.k_norm.weight", (ihd,), "BF16"),
+        ("self_attn.indexer.k_norm.bias", (ihd,), "BF16"),
+        ("self_attn.indexer.weights_proj.weight", (ih, h), "BF16"),
+    ]
+
+
+DSA_FIELDS = ("index_n_heads", "index_head_dim")
+
+
+FP8_BLOCK = 128
+
+
+def fp8_block_inventory(tensors: list[PlannedTensor], bf16_weights: str) -> list[PlannedTensor]:
+    """The same checkpoint as a DeepSeek-style FP8 release stores it: every 2-D `.weight` not matching
+    `bf16_weights` is F8_E4M3 followed by its F32 `weight_scale_inv` of shape [ceil(out/128), ceil(in/128)]
+    (README_WEIGHTS.md of deepseek-ai/DeepSeek-V3: 128x128 blocks, the last ones zero-padded)."""
+    keep = re.compile(bf16_weights)
+    out = []
+    for t in tensors:
+        if len(t.shape) == 2 and t.name.endswith(".weight") and not keep.search(t.name):
+            rows, cols = t.shape
+            out.append(PlannedTensor(t.name, "F8_E4M3", t.shape))
+            out.append(PlannedTensor(t.name + "_scale_inv", "F32",
+                                     (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))))
+        else:
+            out.append(t)
+    return out
