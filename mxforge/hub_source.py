@@ -15,7 +15,7 @@ Limits (a Hub is not trusted to behave):
   `HubLimits.no_progress_deadline` is given up;
 - the token goes only to HF_ENDPOINT's exact origin (hub_session), also across a redirect to a CDN.
 
-What was read is cached by commit sha under `$MXFORGE_CACHE/hub-headers` (default ~/.cache/mxforge): a
+What was read is cached by commit sha under `<cache>/hub-headers` (cache_dir.cache_root: $MXFORGE_CACHE, else the user cache dir): a
 commit's files never change, so a second validate or fixup of the same commit fetches nothing. Names from
 the server become cache paths only through safe_paths.remote_path.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import struct
 import sys
@@ -38,6 +37,7 @@ import httpx
 from huggingface_hub import HfApi, hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
+from .cache_dir import cache_root
 from .checkpoint import CheckpointSource
 from .errors import CheckpointError, MxforgeError
 from .hub_errors import HubError, check_repo_id, hub_endpoint, raise_as_hub_error
@@ -49,15 +49,9 @@ from .safetensors_io import ShardHeader, header_length, parse_header, write_byte
 
 MAX_JSON_BYTES = 64 << 20  # config.json / the index (GLM-5.2's index: 6 MB)
 CHUNK = 64 << 10           # read granularity: what a Range-ignoring server can make us read past the wanted bytes
-CACHE_ENV = "MXFORGE_CACHE"
 PARALLEL_READS = 8         # header reads in flight at once (each is two round trips, more behind a CDN redirect)
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
-
-
-def cache_root() -> Path:
-    """mxforge's cache directory: $MXFORGE_CACHE, else ~/.cache/mxforge."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mxforge")
 
 
 class _ShortRead(Exception):

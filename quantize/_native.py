@@ -27,9 +27,9 @@ def bf16_kernel():
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return None
-    from .quark_ref import _cache_dir
+    from mxforge.cache_dir import cache_root
 
-    lib = _cache_dir() / f"mxfp4_bf16-{_build_key(compiler)}.so"
+    lib = cache_root() / f"mxfp4_bf16-{_build_key(compiler)}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_name(f"{lib.name}.{os.getpid()}.partial")

@@ -13,6 +13,8 @@ import os
 from importlib import metadata
 from pathlib import Path
 
+from mxforge.cache_dir import cache_root
+
 os.environ.setdefault("QUARK_LOG_LEVEL", "warning")  # Quark's import logs at INFO to the terminal otherwise
 
 
@@ -51,7 +53,7 @@ def cached_quantization_config(exclude: list[str], quantize_inputs: bool = True)
     (MXFORGE_CACHE, else $XDG_CACHE_HOME/mxforge or ~/.cache/mxforge); `exclude` is the only part that
     varies, and Quark writes it as the sorted list, which is what is substituted here.
     """
-    path = _cache_dir() / f"quark-config-{_cache_key(quantize_inputs)}.json"
+    path = cache_root() / f"quark-config-{_cache_key(quantize_inputs)}.json"
     try:
         template = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -65,12 +67,6 @@ def cached_quantization_config(exclude: list[str], quantize_inputs: bool = True)
             pass  # no cache: Quark is simply imported again next time
     template["exclude"] = sorted(exclude)
     return template
-
-
-def _cache_dir() -> Path:
-    if os.environ.get("MXFORGE_CACHE"):
-        return Path(os.environ["MXFORGE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mxforge"
 
 
 def _cache_key(quantize_inputs: bool) -> str:

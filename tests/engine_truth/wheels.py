@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import time
 import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
+
+from mxforge.cache_dir import cache_root as mxforge_cache_root
 
 SIMPLE = "https://pypi.org/simple"  # PEP 691 JSON; what pip reads, so reachable wherever pip is
 TIMEOUT_S = 60
@@ -28,8 +29,7 @@ class FetchError(RuntimeError):
 
 
 def cache_root() -> Path:
-    base = os.environ.get("MXFORGE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mxforge")
-    return Path(base) / "engine-wheels"
+    return mxforge_cache_root() / "engine-wheels"
 
 
 def _get(url: str, headers: dict | None = None) -> bytes:
