@@ -24,7 +24,7 @@ from .dir_lock import check_out_dir, directory_lock
 from .errors import CheckpointError
 from .progress import byte_progress
 from .quantize.mxfp4 import dequantize_rows
-from .quantize.run import drop_quantization_config
+from .quantize.run import drop_quantization_config, side_files
 from .safe_paths import refuse_links_leaving
 from .safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
@@ -72,8 +72,7 @@ def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None 
     pairs = mxfp4_pairs(infos)
     if not pairs:
         raise CheckpointError(f"{src}: holds no MXFP4 weight (uint8 X.weight with X.weight_scale): nothing to dequantize")
-    to_copy = [p.name for p in sorted(src.iterdir()) if p.is_file() and p.suffix != ".safetensors"
-               and p.name not in NOT_COPIED and not p.name.startswith(".") and not p.name.endswith(".partial")]
+    to_copy = side_files(src, NOT_COPIED)
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     check_out_dir(src, out, REPORT_NAME, "dequantize")
     out.mkdir(parents=True, exist_ok=True)
