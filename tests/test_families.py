@@ -17,7 +17,7 @@ from mxforge.quantize.plan import plan_checkpoint
 from mxforge.quantize.recipe import load_recipe
 from mxforge.tensor_kinds import layer_of
 
-from conftest import run_cli
+from conftest import hub_env, run_cli, serve_tiny
 
 PUBLISHED = [f for f in FAMILIES if f.published]
 
@@ -150,11 +150,28 @@ def test_default_recipe_keeps_what_the_policy_keeps(family, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_run_end_to_end_per_family(family, tmp_path):
-    """`mxforge run` on the family's tiny fixture, default recipe: quantize, fixup, validate for every release."""
+    """`mxforge run` from the family's tiny bf16 fixture on a loopback Hub to a push there, default recipe: download,
+    quantize, fixup, validate for every release that builds the family, push; the card names the family."""
+    from huggingface_hub import HfApi
+
     write_fixture(tmp_path / "src", "tiny", family=family, quiet=True)
-    run_cli("run", str(tmp_path / "src"), str(tmp_path / "out"), "--quiet", check=True)
-    state = json.loads((tmp_path / "out" / "mxforge_run.json").read_text())
-    assert state["inputs"]["recipe"] == family.default_recipe
+    token = "hf_mxforgeFamilyRunToken"
+    serving = serve_tiny(tmp_path, tmp_path / "src", token)
+    hub = next(serving)
+    try:
+        proc = run_cli("run", "zai/glm-tiny", str(tmp_path / "out"), "--push", f"alice/{family.name}-mxfp4", "--quiet",
+                       "--json", "-", env=hub_env(hub, tmp_path, token))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        stages = json.loads(proc.stdout)["stages"]
+        assert all(stages[s]["status"] == "done" for s in ("download", "quantize", "fixup", "validate", "push")), stages
+        assert stages["push"]["report"]["remote_hashes_match"] is True
+        card = HfApi(endpoint=hub.endpoint, token=token).hf_hub_download(f"alice/{family.name}-mxfp4", "README.md",
+                                                                         cache_dir=tmp_path / "dl")
+        assert family.title in open(card).read()
+    finally:
+        next(serving, None)
+    quantized = json.loads((tmp_path / "out" / "mxfp4" / "mxforge_quantize.json").read_text())
+    assert quantized["recipe"]["name"] == family.default_recipe
     validate = run_cli("validate", str(tmp_path / "out" / "mxfp4"), "--json")
     assert validate.returncode == 0, validate.stdout + validate.stderr
 
