@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .deepseek_v3 import KIND_RULES
 from .family import Family
-from .layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec
+from .layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec, mtp_own_head_tensors
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,7 @@ class Glm4MoeLayout(MoeLayout):
 
     def mtp_head_tensors(self) -> list[Spec]:
         """The MTP layer's shared_head (norm and its own output head) and its own copy of the embedding."""
-        h, v = int(self.config["hidden_size"]), int(self.config["vocab_size"])
-        return [("shared_head.norm.weight", (h,), "BF16"), ("shared_head.head.weight", (v, h), "BF16"),
-                ("embed_tokens.weight", (v, h), "BF16")]
+        return mtp_own_head_tensors(self.config)
 
 
 FAMILY = Family(
