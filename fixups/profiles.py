@@ -248,11 +248,16 @@ class Selection:
 
 def release_runs(selections: list[Selection], key) -> list[tuple[str, object, list[Selection]]]:
     """Consecutive selections of one engine for which `key(selection)` is equal, merged: (label, key, selections),
-    e.g. ("sglang 0.5.16-0.5.23", ..., [...])."""
+    e.g. ("sglang 0.5.16-0.5.23", ..., [...]); releases left out between two selections (not selected, or not
+    building the family) break the run, so a label never spans a release it does not cover."""
+    order = {(r.engine, v): i for i, (r, v) in enumerate((r, v) for r in release_ranges() for v in r.read)}
     runs: list[tuple[object, list[Selection]]] = []
     for s in selections:
         k = key(s)
-        if runs and runs[-1][0] == k and runs[-1][1][-1].profile.engine == s.profile.engine:
+        last = runs[-1][1][-1] if runs else None
+        adjacent = last is not None and last.profile.engine == s.profile.engine and \
+            order[s.profile.engine, s.releases[0]] == order[last.profile.engine, last.releases[-1]] + 1
+        if runs and runs[-1][0] == k and adjacent:
             runs[-1][1].append(s)
         else:
             runs.append((k, [s]))

@@ -17,7 +17,7 @@ from mxforge.quantize.plan import plan_checkpoint
 from mxforge.quantize.recipe import load_recipe
 from mxforge.tensor_kinds import layer_of
 
-from conftest import run_cli
+from conftest import hub_env, run_cli, serve_tiny
 
 PUBLISHED = [f for f in FAMILIES if f.published]
 
@@ -37,8 +37,12 @@ def test_full_layout_reproduces_the_published_inventory(family, tmp_path):
     stored = [t for t in layout.tensors()]
     if published["precision"] == "fp8-block":
         stored = fp8_block_inventory(stored, family.fp8_bf16_weights)
-    assert len(stored) == published["tensors"]
-    assert sum(math.prod(t.shape) for t in stored) == published["parameters"]
+    parameters = sum(math.prod(t.shape) for t in stored)
+    if "parameters_b" in published:  # only the Hub's rounded count is published (GLM-4.5)
+        assert round(parameters / 1e9, 2) == published["parameters_b"]
+    else:
+        assert len(stored) == published["tensors"]
+        assert parameters == published["parameters"]
 
 
 def test_deepseek_v3_figures():
@@ -78,7 +82,37 @@ def test_deepseek_v32_figures():
                                        "model.layers.5.self_attn.indexer.k_norm.bias")} == {"F32"}
 
 
-@pytest.mark.parametrize("family_name,model", [("deepseek_v3", "DeepseekV3"), ("deepseek_v32", "DeepseekV32")])
+def test_glm4_moe_figures():
+    """GLM-4.5's inventory, derived from its config: 44,691 bf16 tensors, 358,337,791,296 parameters (the Hub's 358.34 B
+    for zai-org/GLM-4.5 and GLM-4.7), 716,675,611,392 bytes; without the MTP layer's own embed_tokens and
+    shared_head.head it would be 356.79 B, so the published count confirms them. GLM-4.5-Air (its config's
+    differences applied): 110,468,824,832 parameters, the Hub's 110.47 B."""
+    family = family_named("glm4_moe")
+    from mxforge.fixture import preset_config
+
+    layout = layout_of(preset_config("full-layout", family=family)[0])
+    tensors = layout.tensors()
+    by_name = {t.name: t for t in tensors}
+    assert (len(tensors), sum(math.prod(t.shape) for t in tensors), sum(t.nbytes for t in tensors)) == \
+        (44691, 358337791296, 716675611392)
+    assert by_name["model.layers.0.self_attn.q_proj.weight"].shape == (12288, 5120)
+    assert by_name["model.layers.0.self_attn.k_proj.bias"].shape == (1024,)
+    assert by_name["model.layers.91.self_attn.k_norm.weight"].shape == (128,)
+    assert by_name["model.layers.92.eh_proj.weight"].shape == (5120, 10240)
+    assert by_name["model.layers.92.shared_head.head.weight"].shape == (151552, 5120)
+    assert "model.layers.2.mlp.down_proj.weight" in by_name and "model.layers.3.mlp.experts.159.down_proj.weight" in by_name
+    assert by_name["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == "F32"
+    assert not any("o_proj.bias" in n or "q_a_proj" in n or ".indexer." in n for n in by_name)
+    air = dict(family.reference(), num_hidden_layers=46, first_k_dense_replace=1, n_routed_experts=128, hidden_size=4096,
+               intermediate_size=10944, moe_intermediate_size=1408, use_qk_norm=False)
+    air_tensors = layout_of(air).tensors()
+    assert round(sum(math.prod(t.shape) for t in air_tensors) / 1e9, 2) == 110.47
+    assert "model.layers.46.eh_proj.weight" in {t.name for t in air_tensors}
+    assert not any("q_norm" in t.name for t in air_tensors)
+
+
+@pytest.mark.parametrize("family_name,model", [("deepseek_v3", "DeepseekV3"), ("deepseek_v32", "DeepseekV32"),
+                                               ("glm4_moe", "Glm4Moe")])
 def test_tiny_matches_what_transformers_saves(family_name, model, tmp_path):
     """Non-MTP names and shapes equal what transformers' own model class writes for the same config."""
     import transformers
@@ -116,11 +150,28 @@ def test_default_recipe_keeps_what_the_policy_keeps(family, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_run_end_to_end_per_family(family, tmp_path):
-    """`mxforge run` on the family's tiny fixture, default recipe: quantize, fixup, validate for every release."""
+    """`mxforge run` from the family's tiny bf16 fixture on a loopback Hub to a push there, default recipe: download,
+    quantize, fixup, validate for every release that builds the family, push; the card names the family."""
+    from huggingface_hub import HfApi
+
     write_fixture(tmp_path / "src", "tiny", family=family, quiet=True)
-    run_cli("run", str(tmp_path / "src"), str(tmp_path / "out"), "--quiet", check=True)
-    state = json.loads((tmp_path / "out" / "mxforge_run.json").read_text())
-    assert state["inputs"]["recipe"] == family.default_recipe
+    token = "hf_mxforgeFamilyRunToken"
+    serving = serve_tiny(tmp_path, tmp_path / "src", token)
+    hub = next(serving)
+    try:
+        proc = run_cli("run", "zai/glm-tiny", str(tmp_path / "out"), "--push", f"alice/{family.name}-mxfp4", "--quiet",
+                       "--json", "-", env=hub_env(hub, tmp_path, token))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        stages = json.loads(proc.stdout)["stages"]
+        assert all(stages[s]["status"] == "done" for s in ("download", "quantize", "fixup", "validate", "push")), stages
+        assert stages["push"]["report"]["remote_hashes_match"] is True
+        card = HfApi(endpoint=hub.endpoint, token=token).hf_hub_download(f"alice/{family.name}-mxfp4", "README.md",
+                                                                         cache_dir=tmp_path / "dl")
+        assert family.title in open(card).read()
+    finally:
+        next(serving, None)
+    quantized = json.loads((tmp_path / "out" / "mxfp4" / "mxforge_quantize.json").read_text())
+    assert quantized["recipe"]["name"] == family.default_recipe
     validate = run_cli("validate", str(tmp_path / "out" / "mxfp4"), "--json")
     assert validate.returncode == 0, validate.stdout + validate.stderr
 

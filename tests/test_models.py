@@ -91,3 +91,18 @@ def test_releases_that_do_not_build_a_family_are_left_out_and_say_why():
         load_profile("sglang-0.5.10", v32)
     with pytest.raises(ConfigError, match="unknown model family"):
         load_profile(profile_names()[0], "no_such_family")
+
+
+def test_glm4_moe_is_not_vouched_for_on_sglang_0_5_10_and_labels_skip_it():
+    """sglang 0.5.10 builds GLM-4.5's MTP draft unquantized unless told otherwise (not modelled): left out, and a run of
+    equal verdicts around it is reported as two ranges, never as "0.5.9-0.5.23"."""
+    from mxforge.fixups.profiles import release_runs
+
+    glm4 = family_named("glm4_moe")
+    assert "unquantized" in unsupported_reason("sglang-0.5.10", glm4)
+    selections = [s for s in select("sglang", glm4)]
+    assert {r for s in selections for r in s.releases} >= {"0.5.9", "0.5.11", "0.5.23"}
+    assert "0.5.10" not in {r for s in selections for r in s.releases}
+    assert [label for label, _, _ in release_runs(selections, lambda s: 0)] == ["sglang 0.5.9", "sglang 0.5.11-0.5.23"]
+    with pytest.raises(ConfigError, match="0.5.10 do\\(es\\) not build glm4_moe"):
+        select("sglang==0.5.10", glm4)

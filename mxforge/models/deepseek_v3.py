@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from mxforge.tensor_kinds import LINEAGE_KIND_RULES, compile_rules
 
 from .family import Family
-from .layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors
+from .layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors, mtp_own_head_tensors
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,7 @@ class DeepseekV3Layout(MoeLayout):
 
     def mtp_head_tensors(self) -> list[Spec]:
         """The MTP module's shared_head (norm and its own output head) and its own copy of the embedding."""
-        h, v = int(self.config["hidden_size"]), int(self.config["vocab_size"])
-        return [("shared_head.norm.weight", (h,), "BF16"), ("shared_head.head.weight", (v, h), "BF16"),
-                ("embed_tokens.weight", (v, h), "BF16")]
+        return mtp_own_head_tensors(self.config)
 
 
 # The MTP layer's embedding and output head are embeddings, as the model's own are.

@@ -25,7 +25,8 @@ class Family:
     kind_rules: tuple[tuple[str, re.Pattern], ...]  # tensor kinds, first match wins (mxforge.tensor_kinds)
     inventory_source: str = ""                 # where the published inventory figures come from
     # The published checkpoint's inventory, for the full-layout fixture to reproduce: tensors, parameters
-    # (elements), shards, and its precision ("bf16", or "fp8-block" for 128x128 block-scaled e4m3).
+    # (elements), shards, and its precision ("bf16", or "fp8-block" for 128x128 block-scaled e4m3); where only
+    # the Hub's rounded figure is known, "parameters_b" (billions, to 0.01) instead of "parameters".
     published: tuple[tuple[str, object], ...] = ()
     # fp8-block releases: the 2-D weights kept bf16 (a regex on the tensor name); every other 2-D linear weight
     # is e4m3 with a float32 `weight_scale_inv` of one scale per 128x128 block.

@@ -136,6 +136,14 @@ class MoeLayout:
         return out
 
 
+def mtp_own_head_tensors(c: Mapping[str, Any]) -> list[Spec]:
+    """An MTP layer with its own output head and embedding (DeepSeek-V3, GLM-4.5): shared_head.norm, shared_head.head
+    and embed_tokens, after its block."""
+    h, v = int(c["hidden_size"]), int(c["vocab_size"])
+    return [("shared_head.norm.weight", (h,), "BF16"), ("shared_head.head.weight", (v, h), "BF16"),
+            ("embed_tokens.weight", (v, h), "BF16")]
+
+
 def mlp_tensors(prefix: str, hidden: int, inter: int) -> list[Spec]:
     return [
         (prefix + "gate_proj.weight", (inter, hidden), "BF16"),

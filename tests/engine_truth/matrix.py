@@ -132,10 +132,10 @@ def _layer_config_mtp(src: Path, out: Path, n: int) -> None:
 
 
 def _fused_names(src: Path, out: Path) -> None:
-    """Every excluded shard pair replaced by the fused module's names (sglang's and vLLM's)."""
+    """Every excluded shard group replaced by the fused module's names (sglang's and vLLM's)."""
     write_quark_like(src, out, BASE_GLOBS)
     fused = {"q_a_proj": ["fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj"], "kv_a_proj_with_mqa": [],
-             "gate_proj": ["gate_up_proj"], "up_proj": []}
+             "q_proj": ["qkv_proj"], "k_proj": [], "v_proj": [], "gate_proj": ["gate_up_proj"], "up_proj": []}
 
     def edit(qc: dict) -> None:
         entries = []

@@ -26,11 +26,15 @@ from engine_truth.wheels import Release  # noqa: E402
 PKG = "sglang.srt."
 MODULES = [PKG + m for m in (
     "layers.quantization.base_config", "layers.quantization.quark.utils", "layers.quantization.quark.quark", "models.utils",
-    "models.deepseek_v2", "models.deepseek_nextn", "models.glm4_moe", "models.deepseek_common.utils",
+    "models.deepseek_v2", "models.deepseek_nextn", "models.glm4_moe", "models.glm4_moe_nextn", "models.deepseek_common.utils",
     "configs.model_config", "model_loader.loader", "model_loader.weight_utils", "layers.moe.utils", "configs.shared_experts",
 )]
 UTILS = PKG + "utils.common"
-MODEL_MODULES = ("models.glm4_moe", "models.deepseek_nextn", "models.deepseek_v2")
+MODEL_MODULES = ("models.glm4_moe", "models.glm4_moe_nextn", "models.deepseek_nextn", "models.deepseek_v2")
+# The layer stack each model class builds, recorded instead of built: (module, class) where its constructor looks
+# it up; a model uses one of them (DeepSeek / GLM-5: deepseek_v2's; GLM-4.5: glm4_moe's).
+TARGET_STACKS = (("models.deepseek_v2", "DeepseekV2Model"), ("models.glm4_moe", "Glm4MoeModel"))
+DRAFT_BLOCKS = (("models.deepseek_nextn", "DeepseekV2DecoderLayer"), ("models.glm4_moe_nextn", "Glm4MoeDecoderLayer"))
 AMD_MI355X = (9, 5)
 PLATFORM = {name: (lambda value: (lambda *a, **k: value))(value) for name, value in {
     "is_hip": True, "is_cuda": False, "is_npu": False, "is_cpu": False, "is_xpu": False, "is_musa": False,
@@ -102,14 +106,17 @@ def amd_device():
         yield
 
 
-def build(mods: dict, cls: type, hf, qc, recorded: tuple[str, str]):
+def build(mods: dict, cls: type, hf, qc, recorded: tuple[tuple[str, str], ...]):
     """The loader's `_initialize_model` (shared-expert fusion gate, then the constructor), with the model's
-    layer stack (`recorded`: module and class name) recorded instead of built."""
+    layer stack (`recorded`: (module, class name) pairs, those the release has) recorded instead of built."""
     loader = mods["model_loader.loader"]
-    module, name = recorded
     model_config = stubs.Namespace(quantization="quark", hf_config=hf, hf_text_config=hf, model_path="/nonexistent")
-    with amd_device(), mock.patch.object(mods[module], name, Recorder), \
-            mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(amd_device())
+        for module, name in recorded:
+            if module in mods and hasattr(mods[module], name):
+                stack.enter_context(mock.patch.object(mods[module], name, Recorder))
+        stack.enter_context(mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)))
         return loader._initialize_model(model_config, stubs.Namespace(), qc)
 
 
@@ -149,14 +156,14 @@ def probe_case(mods: dict, case: dict) -> dict:
     hf = probe_io.hf_config(case["config"])
     target_cls = model_class(mods, hf.architectures[0])
     target_qc = quant_config(mods, target_cls, hf, is_draft=False)
-    target_model = build(mods, target_cls, hf, target_qc, ("models.deepseek_v2", "DeepseekV2Model"))
+    target_model = build(mods, target_cls, hf, target_qc, TARGET_STACKS)
     target = {"class": target_cls.__name__, "packed_modules_mapping": dict(target_qc.packed_modules_mapping),
               "fused_shared_experts": fused_shared_experts(target_model),
               "decisions": {p: decide(mods, target_qc, p, k) for p, k in case["target"]}}
     draft_hf = probe_io.hf_config(case["config"])
     draft_cls = model_class(mods, draft_architecture(mods, draft_hf))
     draft_qc = quant_config(mods, draft_cls, draft_hf, is_draft=True)
-    draft_model = build(mods, draft_cls, draft_hf, draft_qc, ("models.deepseek_nextn", "DeepseekV2DecoderLayer"))
+    draft_model = build(mods, draft_cls, draft_hf, draft_qc, DRAFT_BLOCKS)
     block, eh = draft_model.model.decoder, draft_model.model.eh_proj
     eh_kwargs = getattr(eh, "_stub_kwargs", {})
     draft = {"class": draft_cls.__name__, "packed_modules_mapping": dict(draft_qc.packed_modules_mapping),

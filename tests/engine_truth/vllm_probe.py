@@ -49,7 +49,10 @@ MODULES = [
     MODELS + "registry", MODELS + "utils", MODELS + "interfaces", MODELS + "deepseek_v2", MODELS + "deepseek_mtp",
     "vllm.models.deepseek_v32", "vllm.models.deepseek_v32.attention", "vllm.models.deepseek_v32.amd",
     "vllm.models.deepseek_v32.amd.model", "vllm.models.deepseek_v32.amd.mtp", "vllm.models.deepseek_v32.amd.rocm",
+    MODELS + "glm4_moe", MODELS + "glm4_moe_mtp",
 ]
+# The MoE blocks whose shared-expert fusion the probe reads: (module, class), those the release has.
+MOE_BLOCKS = ((MODELS + "deepseek_v2", "DeepseekV2MoE"), (MODELS + "glm4_moe", "Glm4MoE"))
 REQUIRED = MODULES[:18]  # the rest: whatever the release has (the platform entry point picks among them)
 OPTIONAL = [MODELS + "expert_substitution", "vllm.model_executor.layers.fused_moe.expert_substitution"]
 SOURCE_ONLY = (  # methods of pydantic config classes (their modules cannot be imported with stubs)
@@ -328,20 +331,24 @@ def walk(obj, path: str = "", seen=None):
 def fused_shared_experts(mods: dict, model) -> int | str:
     """Shared experts the built MoE blocks append to their routed-expert bank (DeepseekV2MoE's per-layer
     decision, the fusion gate); "mixed:k/n" when only k of n MoE blocks fuse."""
-    moe_cls = mods[MODELS + "deepseek_v2"].DeepseekV2MoE
+    moe_cls = moe_classes(mods)
     blocks = [m for _, m in walk(model) if isinstance(m, moe_cls)]
     if not blocks and getattr(model.config, "n_routed_experts", None):
-        raise LookupError(f"{type(model).__name__} built no DeepseekV2MoE: this release decides fusion elsewhere")
+        raise LookupError(f"{type(model).__name__} built none of {MOE_BLOCKS}: this release decides fusion elsewhere")
     fused = [int(m.n_shared_experts or 0) if m.is_fused_shared_expert_enabled else 0 for m in blocks]
     if len(set(fused)) > 1:
         return f"mixed:{sum(1 for f in fused if f)}/{len(fused)}"
     return fused[0] if fused else 0
 
 
+def moe_classes(mods: dict) -> tuple[type, ...]:
+    return tuple(getattr(mods[m], name) for m, name in MOE_BLOCKS if m in mods and hasattr(mods[m], name))
+
+
 def loader_fuses(mods: dict, model) -> bool | None:
     """The model-level flag the release's weight loader reads to route shared experts into the bank (None: the
     model has no such flag, its loader never does)."""
-    moe_cls = mods[MODELS + "deepseek_v2"].DeepseekV2MoE
+    moe_cls = moe_classes(mods)
     flags = [m.__dict__["is_fused_shared_expert_enabled"] for _, m in walk(model)
              if "is_fused_shared_expert_enabled" in getattr(m, "__dict__", {}) and not isinstance(m, moe_cls)]
     return bool(flags[0]) if flags else None
