@@ -261,7 +261,7 @@ def test_deepseek_v32_draft_decides_its_own_fusion_from_sglang_0_5_18(tmp_path):
     src, ckpt, mtp = tmp_path / "v32", tmp_path / "q", 61
     write_fixture(src, "full-layout", quiet=True, family="deepseek_v32")
     shared = f"*layers.{mtp}.mlp.shared_experts*"
-    write_quark_like(src, ckpt, BASE + [shared, f"*layers.{mtp}.eh_proj"])
+    write_quark_like(src, ckpt, BASE + [shared, f"*layers.{mtp}.eh_proj", "*embed_tokens", "*shared_head.head"])
     config = json.loads((ckpt / "config.json").read_text())
     qc = config["quantization_config"]
     qc["exclude"] = [e for e in qc["exclude"] if ".shared_experts." not in e]
