@@ -52,6 +52,9 @@ class FusionRule:
     n_routed_experts: tuple[int, ...]
     veto: str
     server_flag: str
+    # The target model, built first in the same process, refusing fusion switches it off for the draft too (the
+    # refusal is written where the draft's gate reads the server's setting, not kept to the target's own build).
+    target_refusal_reaches_draft: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,7 @@ def _load(name: str, family: str) -> EngineProfile:
                             bool(dr["eh_proj_quantizable"]), tuple(tuple(p) for p in dr["name_mapper"]),
                             bool(dr["remap_mtp_entries"]), bool(dr["whole_draft_switch"])),
             fusion=FusionRule(bool(fu["target"]), bool(fu["draft"]), tuple(fu["n_routed_experts"]), fu["veto"],
-                              fu["server_flag"]),
+                              fu["server_flag"], bool(fu.get("target_refusal_reaches_draft", False))),
             serve_command=sv["command"], serve_source=tuple(sv["source"]),
             anchors=tuple(Anchor(a["rule"], a["file"], a["contains"]) for a in data.get("anchor", [])))
     except KeyError as e:

@@ -154,6 +154,28 @@ def test_a_profile_edited_wrong_fails_conformance(what, family_name, family_case
     assert caught, f"editing '{what}' went unnoticed by every case"
 
 
+# Releases on either side of the change in sglang 0.5.18 (the draft's fusion gate no longer reads the target's refusal).
+REFUSAL_RELEASES = [("sglang-0.5.11", "0.5.14"), ("sglang-0.5.15", "0.5.15"), ("sglang-0.5.16", "0.5.17"),
+                    ("sglang-0.5.18", "0.5.18"), ("sglang-0.5.19", "0.5.20"), ("sglang-0.5.22", "0.5.22")]
+
+
+@pytest.mark.parametrize("profile_name,release", REFUSAL_RELEASES, ids=[r for _, r in REFUSAL_RELEASES])
+def test_whether_the_target_refusal_reaches_the_draft_is_pinned(profile_name, release, family_cases, family_loaded,
+                                                                answers):
+    """DeepSeek-V3.2's target never fuses its shared expert while its draft's own gate would, so its draft tells
+    whether a target's refusal reaches the draft: flipping `fusion.target_refusal_reaches_draft` makes the release
+    disagree, where it does (before 0.5.18) and where it does not. (In the other families the target fuses whenever
+    the draft could, so they cannot tell.)"""
+    family_name = "deepseek_v32"
+    cases, loaded = family_cases(family_name), family_loaded(family_name)
+    profile = load_profile(profile_name, family_name)
+    flipped = not profile.fusion.target_refusal_reaches_draft
+    wrong = dataclasses.replace(profile, fusion=dataclasses.replace(profile.fusion, target_refusal_reaches_draft=flipped))
+    found = answers(family_name, profile_name, release)
+    caught = [name for name in cases if matrix.mismatches(wrong, loaded[name], found[name])]
+    assert caught, f"{release}: target_refusal_reaches_draft = {flipped} went unnoticed by every case"
+
+
 @pytest.mark.parametrize("family_name,profile_name,release", RELEASES, ids=IDS)
 def test_anchors_and_serving_flags_exist_in_the_release(family_name, profile_name, release):
     """What is read, not executed, must still be in the release's source: a vanished anchor fails loudly."""

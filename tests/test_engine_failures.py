@@ -10,6 +10,7 @@ import json
 import pytest
 
 from mxforge.errors import ConfigError
+from mxforge.fixture import write_fixture
 from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.fixups.profiles import all_profiles, parse_engines_arg, select
 from mxforge.fixups.quark_like import write_quark_like
@@ -250,6 +251,30 @@ def test_shared_expert_fusion_at_256_experts(full_layout_ckpt, tmp_path):
     serve = {s["releases"]: s for s in report.serve}
     assert serve["sglang 0.5.9-0.5.15.post1"]["command"].endswith(" --disable-shared-experts-fusion")
     assert "--disable-shared-experts-fusion" not in serve["sglang 0.5.16-0.5.23"]["command"]
+
+
+def test_deepseek_v32_draft_decides_its_own_fusion_from_sglang_0_5_18(tmp_path):
+    """DeepSeek-V3.2's target never fuses its shared expert. Up to sglang 0.5.17 that refusal reaches its draft (built
+    next, in the same process); from 0.5.18 the draft's own gate decides, and at 256 experts it appends the MTP shared
+    expert to the routed-expert bank unless an exclude entry vetoes it. An export that keeps the MTP shared expert bf16
+    through layer_quant_config (no exclude entry names it) needs the flag there; fixup's entries veto the fusion."""
+    src, ckpt, mtp = tmp_path / "v32", tmp_path / "q", 61
+    write_fixture(src, "full-layout", quiet=True, family="deepseek_v32")
+    shared = f"*layers.{mtp}.mlp.shared_experts*"
+    write_quark_like(src, ckpt, BASE + [shared, f"*layers.{mtp}.eh_proj", "*embed_tokens", "*shared_head.head"])
+    config = json.loads((ckpt / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["exclude"] = [e for e in qc["exclude"] if ".shared_experts." not in e]
+    qc["layer_quant_config"] = {shared: {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None}}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    report = validate_checkpoint(ckpt, "sglang")
+    fused = {p.engine for p in report.requirements if "shared-expert fusion" in p.message}
+    assert fused == {"sglang-0.5.18", "sglang-0.5.19", "sglang-0.5.21", "sglang-0.5.22"}, report.format()
+    fixup_checkpoint(ckpt)
+    report = validate_checkpoint(ckpt, "sglang")
+    assert report.ok and not report.requirements, report.format()
+    assert any(e.startswith("model.decoder.mlp.shared_experts.") for e in
+               json.loads((ckpt / "config.json").read_text())["quantization_config"]["exclude"])
 
 
 def test_index_total_size_is_a_warning_that_fixup_repairs(export):

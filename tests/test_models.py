@@ -77,9 +77,9 @@ def test_releases_that_do_not_build_a_family_are_left_out_and_say_why():
     assert unsupported_reason("sglang-0.5.11", v32) is None
     sglang = [r for p in all_profiles(v32) if p.engine == "sglang" for r in p.read]
     assert sglang[0] == "0.5.12" and "0.5.11" not in sglang
-    # 0.5.18-0.5.22: the draft's fusion decision is not modelled for V3.2 yet, so they are not vouched for
-    assert "fusion" in unsupported_reason("sglang-0.5.18", v32) and "fusion" in unsupported_reason("sglang-0.5.21", v32)
-    assert sglang[-1] == "0.5.23" and not {"0.5.18", "0.5.20", "0.5.22"} & set(sglang)
+    # every release from 0.5.12 on builds it (0.5.18-0.5.22 included: their draft's fusion rule is measured)
+    assert all(unsupported_reason(p.name, v32) is None for p in all_profiles(v32))
+    assert sglang[-1] == "0.5.23" and {"0.5.18", "0.5.20", "0.5.22"} <= set(sglang)
     assert [r for p in all_profiles("deepseek_v3") if p.engine == "sglang" for r in p.read][0] == "0.5.9"
     with pytest.raises(ConfigError, match="sglang 0.5.9 do\\(es\\) not build deepseek_v32 models \\(its ModelConfig"):
         select("sglang==0.5.9", v32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import sys
 import types
 from pathlib import Path
@@ -59,8 +60,56 @@ def load(version: str) -> dict[str, types.ModuleType]:
     release = Release("sglang", version)
     sources = release.fetch(MODULES + release.package_modules(PKG + "layers.quantization.quark.schemes"))
     utils = {**PLATFORM, **stubs.functions_from_source(release.fetch([UTILS])[UTILS], ("add_prefix",))}
-    stubs.install("sglang", sources, overrides={PKG + "utils": utils, UTILS: utils})  # aiter (ROCm kernels) is present, as on an AMD host: a stub
+    declare = {"declare_load_time_override": load_time_override(release)}
+    stubs.install("sglang", sources, overrides={PKG + "utils": utils, UTILS: utils, OVERRIDES: declare})  # aiter (ROCm kernels) is present, as on an AMD host: a stub
     return {m[len(PKG):]: importlib.import_module(m) for m in MODULES if m in sources}
+
+
+# arg_groups/overrides.py::declare_load_time_override (0.5.15 - 0.5.17: how a model that refuses shared-expert
+# fusion records the refusal) writes through runtime_context and server_args, too heavy to import here. Where its
+# writes land is read from its source: each form below names a text of its body and the stores it writes (stubs.py).
+OVERRIDES = PKG + "arg_groups.overrides"
+DECLARE_WRITES = (
+    ("setattr(ctx.server_args, field, value)", "server_args"),  # 0.5.15: onto the published server arguments ...
+    ("ctx.record_runtime_overrides(", "flags"),                 # ... then the flags tier is re-resolved from them
+    ('getattr(server_args, "override", None)', "server_args"),  # 0.5.16: ServerArgs.override
+    ("context.override(source, **declared)", "bag"),            # 0.5.17: RuntimeContext.override, into the field's
+)                                                               # config bag (its NS("...") namespace in server_args.py)
+
+
+def load_time_override(release: Release):
+    """A stand-in for the release's declare_load_time_override that writes where the release's own body writes:
+    into the process-wide stores a model built later in the same process (the MTP draft) reads."""
+    def declare_load_time_override(source: str, declared: dict) -> None:
+        path = release.fetch([OVERRIDES]).get(OVERRIDES)
+        text = path.read_text() if path else ""
+        start = text.find("def declare_load_time_override(")
+        body = text[start:text.find("\ndef ", start + 1)] if start >= 0 else ""
+        stores = [store for form, store in DECLARE_WRITES if form in body]
+        if not stores:  # a release that writes elsewhere: fail loudly rather than guess
+            raise LookupError(f"sglang {release.version}: {OVERRIDES}.declare_load_time_override writes none of the "
+                              f"known ways (engine_truth/sglang_probe.py DECLARE_WRITES); read it again")
+        for field, value in declared.items():
+            for store in stores:
+                if store != "bag":
+                    setattr(stubs.server_state(store), field, value)
+                    continue
+                namespace = config_namespace(release, field)
+                bag = stubs.server_state(namespace[0])
+                for part in namespace[1:]:
+                    bag = getattr(bag, part)
+                setattr(bag, field, value)
+    return declare_load_time_override
+
+
+def config_namespace(release: Release, field: str) -> list[str]:
+    """The config bag of a server argument: its `NS("exec.moe")` in the release's server_args.py, split."""
+    text = release.source(PKG + "server_args") or ""
+    m = re.search(rf"\n    {re.escape(field)}: A\[(.*?)\n    \] = ", text, re.S)
+    ns = re.search(r'NS\("([\w.]+)"\)', m.group(1)) if m else None
+    if ns is None:
+        raise LookupError(f"sglang {release.version}: server_args.py declares no NS(...) namespace for {field}")
+    return ns.group(1).split(".")
 
 
 def model_class(mods: dict, arch: str) -> type:
@@ -151,7 +200,7 @@ def decide(mods: dict, qc, prefix: str, kind: str) -> str:
 def probe_case(mods: dict, case: dict) -> dict:
     """One checkpoint config, as one server process sees it: target first, then the draft (server state is
     shared between them, as in the release, and starts fresh for every case)."""
-    stubs.SERVER_STATE.__dict__.clear()
+    stubs.SERVER_STATE.clear()
     stubs.restore_packed_mappings(mods["_pristine"])
     hf = probe_io.hf_config(case["config"])
     target_cls = model_class(mods, hf.architectures[0])

@@ -177,7 +177,7 @@ class StubModule(types.ModuleType):
         if full in self._real_children:
             value = importlib.import_module(full)
         elif name in STATE_ACCESSORS:
-            value = _server_state
+            value = _accessor(STATE_ACCESSORS[name])
         else:
             value = stub_class(full)
         setattr(self, name, value)
@@ -319,12 +319,23 @@ class State(StubBase):
         self.__dict__[name] = value
 
 
-SERVER_STATE = State()
-STATE_ACCESSORS = ("get_flags", "get_exec", "get_global_server_args", "get_parallel", "get_spec", "get_model")
+# The engine's process-wide state, one store per kind, kept apart as the releases keep them: the published server
+# arguments (get_global_server_args, get_server_args), the runtime-flags tier (get_flags), each resolved-config bag
+# (get_exec, get_model, get_spec: snapshots of the server arguments taken at publish, not written through afterwards)
+# and the parallel topology (get_parallel). One store for all would let a value the engine writes into one (a model's
+# fusion decision, a runtime flag) be read back from another (the user's configured intent), as no release does.
+STATE_ACCESSORS = {"get_global_server_args": "server_args", "get_server_args": "server_args", "get_flags": "flags",
+                   "get_exec": "exec", "get_model": "model", "get_spec": "spec", "get_parallel": "parallel"}
+SERVER_STATE: dict[str, State] = {}
 
 
-def _server_state(*args, **kwargs) -> State:
-    return SERVER_STATE
+def server_state(kind: str) -> State:
+    """The store of one kind (a key of SERVER_STATE: "server_args", "flags", "exec", ...), created unset."""
+    return SERVER_STATE.setdefault(kind, State())
+
+
+def _accessor(kind: str):
+    return lambda *args, **kwargs: server_state(kind)
 
 
 class Namespace(types.SimpleNamespace):
