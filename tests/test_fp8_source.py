@@ -221,3 +221,47 @@ def test_fp8_block_quantize_round_trips_within_e4m3_precision():
     step = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300] * 2 ** -9  # e4m3's subnormal step
     assert bool(((back - w.float()).abs() <= w.float().abs() * 2 ** -3 + step).all())
     assert float(back.abs().max()) == pytest.approx(float(w.float().abs().max()), rel=2 ** -3)
+
+
+def _move_scale_to_next_shard(src: Path, dst: Path) -> str:
+    """A copy of FP8 checkpoint `src` with one weight's scales moved into the next shard (as a release split at a
+    shard boundary stores them); returns that weight's name."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    shards = sorted(dst.glob("*.safetensors"))
+    first, second = _tensors_of(shards[0]), _tensors_of(shards[1])
+    scale = next(n for n in sorted(first) if n.endswith("_scale_inv"))
+    second[scale] = first.pop(scale)
+    save_file(first, shards[0], metadata={"format": "pt"})
+    save_file(second, shards[1], metadata={"format": "pt"})
+    index["weight_map"][scale] = shards[1].name
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return scale.removesuffix("_scale_inv")
+
+
+def _tensors_of(shard: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(shard)
+
+
+def test_scales_in_another_shard_are_read_from_it_and_a_stream_refuses_them(fp8_tiny, tmp_path):
+    weight = _move_scale_to_next_shard(fp8_tiny, tmp_path / "split")
+    quantize_checkpoint(fp8_tiny, tmp_path / "a", quiet=True)
+    quantize_checkpoint(tmp_path / "split", tmp_path / "b", quiet=True)
+    for p in sorted((tmp_path / "a").glob("*.safetensors")):
+        assert p.read_bytes() == (tmp_path / "b" / p.name).read_bytes(), p.name
+    proc = run_cli("run", str(tmp_path / "split"), str(tmp_path / "s"), "--stream", "--quiet")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"FP8 weight {weight!r} has its block scales in model-00002-of-00003.safetensors" in proc.stderr
+
+
+def test_mtp_from_an_fp8_source_is_refused_with_what_to_do(fp8_tiny):
+    from mxforge.fixups.mtp_inject import plan_mtp_injection
+    from mxforge.quantize.recipe import load_recipe
+
+    ckpt = Checkpoint.open(fp8_tiny)
+    with pytest.raises(ConfigError, match="is an FP8 checkpoint; --mtp-from reads a bf16 source"):
+        plan_mtp_injection(ckpt, ckpt, load_recipe(None, ckpt.config))
