@@ -265,3 +265,22 @@ def test_mtp_from_an_fp8_source_is_refused_with_what_to_do(fp8_tiny):
     ckpt = Checkpoint.open(fp8_tiny)
     with pytest.raises(ConfigError, match="is an FP8 checkpoint; --mtp-from reads a bf16 source"):
         plan_mtp_injection(ckpt, ckpt, load_recipe(None, ckpt.config))
+
+
+# The official FP8 releases' inventories: (tensors, bytes, shards or None where not known here). Sources: glm-5.2.md
+# (zai-org/GLM-5.2-FP8; its shard count is not recorded there), and the DeepSeek families' FP8 shard headers
+# (mxforge/models/deepseek_v3.py, deepseek_v32.py).
+FP8_RELEASES = {"glm_moe_dsa": (118629, 755617140416, None), "deepseek_v3": (91991, 688574839360, 163),
+                "deepseek_v32": (92425, 689471107200, 163)}
+
+
+@pytest.mark.parametrize("family", sorted(FP8_RELEASES))
+def test_full_layout_fp8_fixture_reproduces_the_fp8_release(family, tmp_path):
+    tensors, nbytes, shards = FP8_RELEASES[family]
+    result = write_fixture(tmp_path / "fl", "full-layout", quiet=True, family=family, precision="fp8")
+    ckpt = Checkpoint.open(tmp_path / "fl")
+    infos = ckpt.tensor_infos()
+    assert (result.tensors, len(infos), result.total_size, sum(i.nbytes for i in infos.values())) == \
+        (tensors, tensors, nbytes, nbytes)
+    assert shards is None or len(ckpt.shard_names) == shards
+    assert ckpt.config["quantization_config"] == FP8_QUANTIZATION_CONFIG
