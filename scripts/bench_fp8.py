@@ -31,17 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quantize  # noqa: E402
 from bench_quantize import run_measured, warm, weight_bytes  # noqa: E402
 
-QUARK_FP8_SNIPPET = """
-import json, sys, time
-from quark.torch import ModelQuantizer
-from mxforge.quantize.quark_ref import mxfp4_qconfig
-src, dst, exclude = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
-quantizer = ModelQuantizer(mxfp4_qconfig(exclude))
-print("READY", flush=True)
-t = time.monotonic()
-quantizer.direct_quantize_checkpoint(src, dst, device="cpu")
-print("SECONDS", time.monotonic() - t, flush=True)
-"""
+QUARK_FP8_SNIPPET = bench_quantize.QUARK_SNIPPET  # the same file-to-file call, on the FP8 source
 
 
 def reference_bf16(q, s):
