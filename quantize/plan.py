@@ -141,6 +141,8 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
     scales = fp8_scales(ckpt, infos, precision)
     recipe.check_matches([n for n, i in infos.items() if is_quantizable(i) or n in scales], layout, str(ckpt.root))
     consumed = {s.info.name for s in scales.values()}
+    if not scales:  # e.g. fp8_cast_bf16.py's output, which keeps the release's FP8 quantization_config
+        precision = BF16
     shards = []
     for shard in ckpt.shard_names:
         header = ckpt.headers[shard]
@@ -159,7 +161,10 @@ def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: Source
             dtype or shape do not fit the weight and the config's weight_block_size.
     """
     fp8 = {n: i for n, i in infos.items() if i.dtype == FP8_DTYPE}
-    where = lambda name: ckpt.root / ckpt.weight_map[name]  # noqa: E731
+
+    def where(name: str):
+        return ckpt.root / ckpt.weight_map[name]
+
     if fp8 and not precision.is_fp8:
         name = next(iter(fp8))
         raise CheckpointError(f"{where(name)}: tensor {name!r} is {FP8_DTYPE} but config.json has no FP8 "

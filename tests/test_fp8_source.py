@@ -284,3 +284,17 @@ def test_full_layout_fp8_fixture_reproduces_the_fp8_release(family, tmp_path):
         (tensors, tensors, nbytes, nbytes)
     assert shards is None or len(ckpt.shard_names) == shards
     assert ckpt.config["quantization_config"] == FP8_QUANTIZATION_CONFIG
+
+
+def test_bf16_weights_under_an_fp8_config_are_a_bf16_source(tiny_ckpt, tmp_path):
+    """DeepSeek's fp8_cast_bf16.py writes bf16 shards and leaves the FP8 quantization_config in config.json: that is
+    a bf16 source (and said so), quantized exactly as without the stale config."""
+    src = tmp_path / "cast"
+    shutil.copytree(tiny_ckpt, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QUANTIZATION_CONFIG}))
+    stale = quantize_checkpoint(src, tmp_path / "a", quiet=True)
+    assert stale["source_precision"] == "bf16"
+    quantize_checkpoint(tiny_ckpt, tmp_path / "b", quiet=True)
+    for p in sorted((tmp_path / "b").glob("*.safetensors")) + [tmp_path / "b" / "config.json"]:
+        assert p.read_bytes() == (tmp_path / "a" / p.name).read_bytes(), p.name
