@@ -10,7 +10,7 @@ FP8 source: it dequantizes FP8 with a Triton kernel (`_weight_dequant_fp8`), so 
 GPU) is; the script says so when it cannot. Quark also quantizes the float32 product without the bf16 rounding;
 the script measures how many MXFP4 codes and scales that choice changes on this content.
 
-    .venv/bin/python scripts/bench_fp8.py [--gib 1] [--family glm_moe_dsa] [--workdir DIR] [--repeat 2] [--json OUT]
+    .venv/bin/python scripts/bench_fp8.py [--gib 1] [--family F] [--workdir DIR] [--repeat 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def fp32_vs_bf16_numerics(src: Path, limit: int = 24) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="size of the bf16 it stands for (the FP8 source is ~half)")
-    ap.add_argument("--family", default="glm_moe_dsa")
+    ap.add_argument("--family", default=None, help="model family (mxforge fixture --family; default: its default)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=2)
@@ -124,6 +124,9 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mxforge-bench-fp8-"))
     work.mkdir(parents=True, exist_ok=True)
     mxforge = [sys.executable, "-m", "mxforge.cli"]
+    from mxforge.models import DEFAULT_FAMILY
+
+    args.family = args.family or DEFAULT_FAMILY.name
     fp8 = work / f"fp8-{args.family}-{args.gib:g}gib"
     bf16 = work / f"bf16-of-fp8-{args.family}-{args.gib:g}gib"
     if not (fp8 / "config.json").exists():
