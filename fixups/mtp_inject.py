@@ -48,8 +48,12 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
         ConfigError: the source's config does not match the export's, or neither declares MTP layers.
         CheckpointError: the export already holds MTP tensors, or the source lacks them.
     """
+    from mxforge.quantize.fp8_source import source_precision
     from mxforge.quantize.plan import TensorPlan, tensor_fate
 
+    if source_precision(src.config, str(src.root / "config.json")).is_fp8:
+        raise ConfigError(f"{src.root}: is an FP8 checkpoint; --mtp-from reads a bf16 source. Re-run `mxforge quantize` "
+                          "(or `mxforge run`) from the FP8 checkpoint instead: it keeps the MTP layer")
     mismatched = [f for f in SHAPE_FIELDS if ckpt.config.get(f) != src.config.get(f)]
     if mismatched:
         raise ConfigError(f"{src.root}: config.json differs from {ckpt.root}'s in {mismatched}; "

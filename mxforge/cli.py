@@ -31,8 +31,9 @@ from .quantize import cli as quantize_cli
 def register_fixture(sub) -> argparse.ArgumentParser:
     from .models import DEFAULT_FAMILY, FAMILIES
 
-    p = sub.add_parser("fixture", help="write a model family's bf16 checkpoint (tests, benchmarks, demos)",
-                       description="Write a bf16 checkpoint of a model family laid out like its real one. Presets: "
+    p = sub.add_parser("fixture", help="write a model family's bf16 or FP8 checkpoint (tests, benchmarks, demos)",
+                       description="Write a bf16 (or, --precision fp8, block-FP8) checkpoint of a model family laid "
+                       "out like its real one. Presets: "
                        "tiny (seconds, a few MB, every layer kind and the MTP layer); bench (real expert shapes, "
                        "--gib sets the size); full-layout (the real model's every tensor and shard, e.g. GLM-5.2's "
                        "59,585 tensors in 282 shards, 1.5 TB apparent, as sparse files: real headers, but every "
@@ -42,8 +43,12 @@ def register_fixture(sub) -> argparse.ArgumentParser:
     p.add_argument("--family", choices=[f.name for f in FAMILIES], default=DEFAULT_FAMILY.name,
                    help="model family: " + "; ".join(f"{f.name} ({f.title})" for f in FAMILIES)
                    + f" (default {DEFAULT_FAMILY.name})")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                   help="bf16 (default), or fp8: the layout of the family's official FP8 release (F8_E4M3 weights with "
+                   "F32 128x128 block scales `weight_scale_inv`, the same bf16 content quantized as DeepSeek's "
+                   "block FP8, and its quantization_config)")
     p.add_argument("--seed", type=int, default=0, help="weights are deterministic for a seed (default 0)")
-    p.add_argument("--gib", type=float, default=None, help="bench only: approximate size in GiB (default 2)")
+    p.add_argument("--gib", type=float, default=None, help="bench only: approximate size in GiB of the bf16 layout (default 2; FP8 is about 0.6x)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_json_option(p)
     return p
@@ -54,8 +59,9 @@ def run_fixture(args) -> int:
 
     if args.gib is not None and args.gib <= 0:
         raise MxforgeError(f"--gib must be positive, got {args.gib}")
-    result = write_fixture(args.out, args.preset, seed=args.seed, gib=args.gib, quiet=args.quiet, family=args.family)
-    emit(result.as_dict(), args.json, f"wrote {result.family} {result.preset} fixture to {result.out}: {result.tensors:,} tensors, "
+    result = write_fixture(args.out, args.preset, seed=args.seed, gib=args.gib, quiet=args.quiet, family=args.family,
+                           precision=args.precision)
+    emit(result.as_dict(), args.json, f"wrote {result.family} {result.precision} {result.preset} fixture to {result.out}: {result.tensors:,} tensors, "
          f"{result.shards} shards, total_size {result.total_size:,} bytes (seed {result.seed})")
     return EXIT_OK
 

@@ -1,9 +1,13 @@
-"""bf16 checkpoints of a model family built on the spot: the test and benchmark inputs.
+"""bf16 or FP8 checkpoints of a model family built on the spot: the test and benchmark inputs.
 
 Layout (names, shapes, dtypes, shard order, index) follows the family's real checkpoint (mxforge/models/);
 dimensions shrink per preset (the family's fixture presets in manifests/models/). Weights are deterministic
 for a seed and drawn like trained weights: a small Gaussian with rare large outliers, so quantization error
 measured on them means something.
+
+`precision="fp8"` writes the layout of the family's official FP8 release (mxforge.models.layout.fp8_block_inventory):
+the same bf16 weights quantized to F8_E4M3 per 128x128 block with scale amax/448 (DeepSeek's block FP8), each with
+its float32 `weight_scale_inv`, and the release's `quantization_config`; a weight and its scales share a shard.
 """
 
 from __future__ import annotations
@@ -16,11 +20,17 @@ from pathlib import Path
 from .errors import ConfigError, MxforgeError
 from .models import layout_of
 from .models import DEFAULT_FAMILY, Family, family_named
+from .models.layout import FP8_BLOCK, fp8_block_inventory
 from .progress import byte_progress
 from .safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
 from .checkpoint import write_index
 
 PRESETS = ("tiny", "bench", "full-layout")
+PRECISIONS = ("bf16", "fp8")
+# The FP8 releases' quantization_config (deepseek-ai/DeepSeek-V3's config.json; GLM-5.x FP8 read the same way)
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+E4M3_MAX = 448.0
 OUTLIER_RATE = 1e-3
 
 
@@ -33,9 +43,11 @@ class FixtureResult:
     shards: int
     total_size: int
     seed: int
+    precision: str = "bf16"
 
     def as_dict(self) -> dict:
-        return {"stage": "fixture", "out": str(self.out), "preset": self.preset, "family": self.family, "tensors": self.tensors,
+        return {"stage": "fixture", "out": str(self.out), "preset": self.preset, "family": self.family,
+                "precision": self.precision, "tensors": self.tensors,
                 "shards": self.shards, "total_size": self.total_size, "seed": self.seed}
 
 
@@ -85,7 +97,7 @@ def plan_shards(tensors: list[PlannedTensor], shards: int | None = None, shard_b
         out: list[list[PlannedTensor]] = [[]]
         size = 0
         for t in tensors:
-            if out[-1] and size + t.nbytes > cap:
+            if out[-1] and size + t.nbytes > cap and not t.name.endswith("_scale_inv"):  # scales stay with their weight
                 out.append([])
                 size = 0
             out[-1].append(t)
@@ -133,6 +145,45 @@ def synth_weight(t: PlannedTensor, seed: int):
     return x.to(dtype).reshape(t.shape)
 
 
+def fp8_block_quantize(w):
+    """(F8_E4M3 weight, float32 scale_inv per 128x128 block) of a 2-D bf16 weight: scale = block amax / 448 (1 for an
+    all-zero block), weight = (w / scale) cast to float8_e4m3fn, so that w ~ weight * scale_inv."""
+    import torch
+
+    rows, cols = w.shape
+    br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    x = torch.nn.functional.pad(w.float(), (0, bc * FP8_BLOCK - cols, 0, br * FP8_BLOCK - rows))
+    blocks = x.reshape(br, FP8_BLOCK, bc, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(br * FP8_BLOCK, bc * FP8_BLOCK)[:rows, :cols].contiguous(), scale.contiguous()
+
+
+def _fp8_data(seed: int, bf16_shapes: dict[str, tuple[int, ...]]):
+    """Each tensor's data for an FP8 fixture: a weight and its scale_inv come from one quantization of the bf16
+    fixture's weight (whichever is written first computes both; safetensors order puts F32 scales first)."""
+    import torch
+
+    pending: dict[str, object] = {}
+
+    def data(t: PlannedTensor):
+        if t.dtype != "F8_E4M3" and not t.name.endswith("_scale_inv"):
+            return synth_weight(t, seed)
+        if t.name in pending:
+            return pending.pop(t.name)
+        weight = t.name.removesuffix("_scale_inv")
+        q, scale = fp8_block_quantize(synth_weight(PlannedTensor(weight, "BF16", bf16_shapes[weight]), seed))
+        q = q.view(torch.uint8)
+        if t.name == weight:
+            pending[weight + "_scale_inv"] = scale
+            return q
+        pending[weight] = q
+        return scale
+
+    return data
+
+
 SIDE_FILES = {
     "generation_config.json": lambda c: {"_from_model_config": True, "eos_token_id": c.get("eos_token_id"),
                                          "pad_token_id": c.get("pad_token_id"), "transformers_version": "5.6.0"},
@@ -145,12 +196,14 @@ SIDE_FILES = {
 
 
 def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float | None = None,
-                  quiet: bool = False, overrides: dict | None = None, family: Family | str | None = None) -> FixtureResult:
-    """Write a bf16 checkpoint of `family` (default: DEFAULT_FAMILY) to `out` (created; must be empty or absent);
-    `overrides` change config fields after the preset's (e.g. `n_routed_experts`).
+                  quiet: bool = False, overrides: dict | None = None, family: Family | str | None = None,
+                  precision: str = "bf16") -> FixtureResult:
+    """Write a bf16 (or `precision="fp8"`: block-FP8, as the family's FP8 release) checkpoint of `family` (default:
+    DEFAULT_FAMILY) to `out` (created; must be empty or absent); `overrides` change config fields after the preset's
+    (e.g. `n_routed_experts`).
 
     Raises:
-        ConfigError: unknown family or preset, or bad size.
+        ConfigError: unknown family, preset or precision, or bad size.
         MxforgeError: `out` exists and is not empty.
         CheckpointError: a shard could not be written (nothing half-written is left under a final name).
     """
@@ -158,10 +211,17 @@ def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MxforgeError(f"{out}: exists and is not an empty directory; choose a new output directory")
     family = _family(family)
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     config, settings = preset_config(preset, gib, family)
     config.update(overrides or {})
     layout = layout_of(config)
     tensors = layout.tensors()
+    data = lambda t: synth_weight(t, seed)  # noqa: E731
+    if precision == "fp8":
+        data = _fp8_data(seed, {t.name: t.shape for t in tensors})
+        tensors = fp8_block_inventory(tensors, family.fp8_bf16_weights)
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     shards = plan_shards(tensors, settings.get("shards"), settings.get("shard_bytes"))
     sparse = bool(settings.get("sparse", False))
     out.mkdir(parents=True, exist_ok=True)
@@ -175,11 +235,11 @@ def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float
                     writer.skip_to_end()
                 else:
                     for t in writer.order:
-                        writer.write(t.name, synth_weight(t, seed))
+                        writer.write(t.name, data(t))
                         bar.update(t.nbytes)
             weight_map.update({t.name: name for t in shard})
     write_index(out, weight_map, total)
     for fname, make in SIDE_FILES.items():
         write_json_atomic(out / fname, make(config))
     write_json_atomic(out / "config.json", config)
-    return FixtureResult(out, preset, family.name, len(tensors), len(shards), total, seed)
+    return FixtureResult(out, preset, family.name, len(tensors), len(shards), total, seed, precision)

@@ -71,6 +71,8 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
         "path": ckpt.label,
         "architecture": (ckpt.config.get("architectures") or [None])[0],
         "family": layout.family.title if layout is not None else None,
+        "default_recipe": layout.family.default_recipe if layout is not None else None,
+        "precision": checkpoint_precision(ckpt.quantization_config),
         "tensors": len(infos),
         "bytes": sum(i.nbytes for i in infos.values()),
         "shards": len(ckpt.shard_names),
@@ -82,6 +84,23 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
         "quantization": summarize_quant_config(ckpt.quantization_config),
         **({"fetched": ckpt.source.stats()} if ckpt.source.stats() is not None else {}),
     }
+
+
+def checkpoint_precision(qc: dict | None) -> str:
+    """What the weights are stored as, from quantization_config: bf16 (none), fp8 (a source mxforge reads, with its
+    block shape), mxfp4 (Quark's), or the quant_method as named."""
+    if not qc:
+        return "bf16"
+    if qc.get("quant_method") == "quark":
+        weight = ((qc.get("global_quant_config") or {}).get("weight") or {})
+        return f"Quark {weight.get('dtype')} group {weight.get('group_size')} (MXFP4 when fp4 / group 32)"
+    from .errors import ConfigError
+    from .quantize.fp8_source import source_precision
+
+    try:
+        return source_precision({"quantization_config": qc}).describe()
+    except ConfigError:
+        return f"{qc.get('quant_method')} (not a source mxforge reads)"
 
 
 def summarize_quant_config(qc: dict | None) -> dict | None:
@@ -105,7 +124,9 @@ def format_inspect(report: dict) -> str:
     gb = lambda n: f"{n / 1e9:,.3f} GB"
     family = f" ({report['family']})" if report.get("family") else " (no supported model family)"
     lines = [f"{report['path']}: {report['architecture']}{family}, {report['tensors']:,} tensors, "
-             f"{gb(report['bytes'])} in {report['shards']} shard(s)"]
+             f"{gb(report['bytes'])} in {report['shards']} shard(s)",
+             f"  precision: {report['precision']}"
+             + (f"; default recipe: {report['default_recipe']}" if report.get("default_recipe") else "")]
     lines.append(f"  {'kind':<16}{'tensors':>9}{'bytes':>16}  dtypes")
     for kind, v in report["by_kind"].items():
         dtypes = ", ".join(f"{d}:{n}" for d, n in sorted(v["dtypes"].items()))
@@ -122,7 +143,9 @@ def format_inspect(report: dict) -> str:
     else:
         lines.append("  MTP: none declared (num_nextn_predict_layers is 0 or absent)")
     q = report["quantization"]
-    if q:
+    if q and q["weight_dtype"] is None:
+        lines.append(f"  quantization_config: {report['precision']}")
+    elif q:
         lines.append(f"  quantization_config: {q['quant_method']} {q['weight_dtype']} group {q['group_size']} "
                      f"scales {q['scale_format']}, {q['exclude_entries']} exclude entries "
                      f"({q['exclude_regex_entries']} re:, {q['exclude_glob_entries']} glob)")

@@ -120,12 +120,17 @@ def _quantize_lines(q: dict | None) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in (q.get("tool_versions") or {}).items())
     lines = [f"- recipe: `{recipe.get('name', NOT_RECORDED)}` ({recipe.get('source', NOT_RECORDED)}), "
              f"scheme `{recipe.get('scheme', NOT_RECORDED)}`, sha256 `{recipe.get('sha256', NOT_RECORDED)}`",
+             f"- source precision: {q.get('source_precision', 'bf16')} (model family: "
+             f"{q.get('family') or NOT_RECORDED})",
              f"- scale rule: `{recipe.get('scale_rule', 'quark')}`" + (" (Quark 0.13's exponent: bit-identical to Quark)"
                                                                       if recipe.get('scale_rule', 'quark') == 'quark' else
                                                                       " (same format; recorded in quantization_config.mxforge)")]
     if counts:
+        kept = "kept in source precision" if q.get("source_precision", "bf16") == "bf16" else "kept as their dequantized bf16"
         lines.append(f"- tensors: {counts.get('quantized', 0):,} quantized to MXFP4, {counts.get('kept', 0):,} 2-D weights "
-                     f"kept in source precision, {counts.get('copied', 0):,} other tensors copied")
+                     f"{kept}, {counts.get('copied', 0):,} other tensors copied"
+                     + (f", {q['fp8_scales_consumed']:,} FP8 block scales folded into their weights"
+                        if q.get("fp8_scales_consumed") else ""))
     if q.get("mtp_layers") is not None:
         lines.append(f"- MTP layer(s): {q['mtp_layers']} ({q.get('mtp_tensors', NOT_RECORDED)} tensors)")
     lines.append(f"- tools: {versions or NOT_RECORDED}")

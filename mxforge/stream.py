@@ -241,6 +241,7 @@ class StreamRun:
         recipe = load_recipe(o.recipe, ckpt.config).with_scale_rule(o.scale_rule)  # None: the family's default
         self.recipe = recipe
         plan = plan_checkpoint(ckpt, recipe)
+        plan.refuse_cross_shard_scales("a streamed run deletes each source shard once it is quantized")
         to_copy = side_files(o.bf16_dir)
         check_out_dir(o.bf16_dir, o.mxfp4_dir, STATE_NAME, "quantize")
         o.mxfp4_dir.mkdir(parents=True, exist_ok=True)
@@ -511,6 +512,7 @@ class StreamRun:
             "stage": "stream", "source": o.source, "commit": self.commit, "out": str(o.mxfp4_dir),
             "push_target": f"{o.push_repo}@{o.branch}" if o.push_repo else None,
             "recipe": {"name": recipe.name, "sha256": recipe.sha256},
+            "source_precision": plan.precision.describe(),
             "workers": workers, "downloads": o.downloads, "uploads": o.uploads, "in_flight": in_flight,
             "shards": {"total": len(shards), "streamed_now": len(todo), "done_earlier": len(shards) - len(todo),
                        "quantized_earlier": len(shards) - self.clocks["quantize"].shards},

@@ -3,6 +3,9 @@
 An output shard keeps its source shard's name and holds, in safetensors order, every tensor of that
 shard: kept ones unchanged, each quantized `X.weight` as U8 codes `X.weight` plus U8 `X.weight_scale`.
 Headers carry no `__metadata__`, as Quark's file-to-file writes them.
+
+FP8 sources (fp8_source.py): an F8_E4M3 weight is read as the bf16 its block scales make of it, so it is
+quantized from that bf16, or kept as that bf16; its `weight_scale_inv` is consumed (fate "scale"), not written.
 """
 
 from __future__ import annotations
@@ -16,26 +19,45 @@ from mxforge.errors import CheckpointError, ConfigError
 from mxforge.models import MoeLayout, layout_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, safetensors_order
 
+from .fp8_source import BF16, FP8_DTYPE, SCALE_DTYPES, SCALE_SUFFIX, SourcePrecision, source_precision
 from .mxfp4 import packed_shapes
 from .recipe import Recipe, is_linear_weight_name
 
-Fate = Literal["quantized", "kept", "copied"]
+Fate = Literal["quantized", "kept", "copied", "scale"]
 QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
 SHARD_METADATA: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
+class Fp8Scale:
+    """Where an FP8 weight's block scales are: the shard holding them (maybe another one) and their header entry."""
+
+    shard: str
+    info: TensorInfo
+    block: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class TensorPlan:
-    """One source tensor: `quantized` (MXFP4), `kept` (a 2-D linear weight left as is, listed in `exclude`)
-    or `copied` (anything else, byte for byte)."""
+    """One source tensor: `quantized` (MXFP4), `kept` (a 2-D linear weight left as is, listed in `exclude`;
+    an FP8 one as its dequantized bf16), `copied` (anything else, byte for byte) or `scale` (an FP8 weight's
+    block scales, consumed by dequantization and not written)."""
 
     source: TensorInfo
     fate: Fate
+    fp8_scale: Fp8Scale | None = None  # set for an F8_E4M3 weight: read as bf16 through these scales
+
+    @property
+    def read_dtype(self) -> str:
+        """The dtype the weight is quantized or kept from: BF16 for an FP8 weight (dequantized), else as stored."""
+        return "BF16" if self.fp8_scale else self.source.dtype
 
     def outputs(self) -> list[PlannedTensor]:
         s = self.source
+        if self.fate == "scale":
+            return []
         if self.fate != "quantized":
-            return [PlannedTensor(s.name, s.dtype, s.shape)]
+            return [PlannedTensor(s.name, self.read_dtype, s.shape)]
         codes, scales = packed_shapes(s.shape)
         return [PlannedTensor(s.name, "U8", codes), PlannedTensor(s.name + "_scale", "U8", scales)]
 
@@ -68,12 +90,26 @@ class ShardPlan:
 class QuantizePlan:
     layout: MoeLayout
     shards: list[ShardPlan]
+    precision: SourcePrecision = BF16  # the source's (fp8_source.py)
 
     def tensors(self) -> list[TensorPlan]:
         return [t for s in self.shards for t in s.tensors]
 
     def names(self, fate: Fate) -> list[str]:
         return sorted(t.source.name for t in self.tensors() if t.fate == fate)
+
+    def refuse_cross_shard_scales(self, why: str) -> None:
+        """Refuse an FP8 source whose block scales lie in another shard than their weight, for a run that cannot
+        read both shards at once (`why`).
+
+        Raises:
+            ConfigError: names the first such weight.
+        """
+        split = [(s.name, t) for s in self.shards for t in s.tensors if t.fp8_scale and t.fp8_scale.shard != s.name]
+        if split:
+            shard, t = split[0]
+            raise ConfigError(f"{shard}: FP8 weight {t.source.name!r} has its block scales in {t.fp8_scale.shard} "
+                              f"({len(split)} such weight(s)); {why}: download the checkpoint, then quantize it")
 
     def excluded_modules(self) -> list[str]:
         """Kept 2-D linear weights as module names: Quark's resolved `exclude` list."""
@@ -95,33 +131,72 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
                               f"({len(ckpt.duplicate_index_keys)} such key(s)); keep one entry per tensor (the shard "
                               "that holds it) or re-download the index")
     layout = layout_of(ckpt.config)
+    precision = source_precision(ckpt.config, str(ckpt.root / "config.json"))
     infos = ckpt.tensor_infos()
     for shard, header in ckpt.headers.items():
         orphans = [n for n in header.tensors if ckpt.weight_map.get(n) != shard]
         if orphans:
             raise CheckpointError(f"{ckpt.root / shard}: holds tensor {orphans[0]!r} that the index does not map to it "
                                   f"({len(orphans)} such); the index is stale: rebuild or re-download it")
-    recipe.check_matches([n for n, i in infos.items() if is_quantizable(i)], layout, str(ckpt.root))
+    scales = fp8_scales(ckpt, infos, precision)
+    recipe.check_matches([n for n, i in infos.items() if is_quantizable(i) or n in scales], layout, str(ckpt.root))
+    consumed = {s.info.name for s in scales.values()}
+    if not scales:  # e.g. fp8_cast_bf16.py's output, which keeps the release's FP8 quantization_config
+        precision = BF16
     shards = []
     for shard in ckpt.shard_names:
         header = ckpt.headers[shard]
-        plans = [TensorPlan(info, tensor_fate(info, recipe, layout)) for info in header.tensors.values()]
+        plans = [TensorPlan(info, "scale") if info.name in consumed else
+                 TensorPlan(info, tensor_fate(info, recipe, layout, info.name in scales), scales.get(info.name))
+                 for info in header.tensors.values()]
         shards.append(ShardPlan(shard, plans, header.file_size))
-    return QuantizePlan(layout, shards)
+    return QuantizePlan(layout, shards, precision)
+
+
+def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: SourcePrecision) -> dict[str, Fp8Scale]:
+    """Each FP8 weight's block scales (empty for a bf16 source), checked against the weight they scale.
+
+    Raises:
+        CheckpointError: an F8_E4M3 tensor in a bf16 source, an FP8 weight without its scales, or scales whose
+            dtype or shape do not fit the weight and the config's weight_block_size.
+    """
+    fp8 = {n: i for n, i in infos.items() if i.dtype == FP8_DTYPE}
+
+    def where(name: str):
+        return ckpt.root / ckpt.weight_map[name]
+
+    if fp8 and not precision.is_fp8:
+        name = next(iter(fp8))
+        raise CheckpointError(f"{where(name)}: tensor {name!r} is {FP8_DTYPE} but config.json has no FP8 "
+                              "quantization_config; restore the release's config.json (it says how to scale the weights)")
+    out = {}
+    for name, info in fp8.items():
+        scale = infos.get(name + SCALE_SUFFIX)
+        if len(info.shape) != 2 or not is_linear_weight_name(name) or scale is None:
+            raise CheckpointError(f"{where(name)}: FP8 tensor {name!r} {list(info.shape)} has no {name + SCALE_SUFFIX!r} "
+                                  "block scales (or is not a 2-D linear weight); the checkpoint is incomplete or not a "
+                                  "block-scaled FP8 release: re-download it")
+        expected = precision.scale_shape(info.shape)
+        if scale.dtype not in SCALE_DTYPES or scale.shape != expected:
+            raise CheckpointError(f"{where(scale.name)}: {scale.name!r} is {scale.dtype}{list(scale.shape)}, expected "
+                                  f"F32{list(expected)} for {name!r} {list(info.shape)} with weight_block_size "
+                                  f"{list(precision.block)}; the shard or config.json is not from the same release")
+        out[name] = Fp8Scale(ckpt.weight_map[scale.name], scale, precision.block)
+    return out
 
 
 def is_quantizable(info: TensorInfo) -> bool:
-    """A 2-D float linear weight: the only tensors a recipe decides on."""
+    """A 2-D float linear weight: the only tensors a recipe decides on (FP8 weights: see fp8_scales)."""
     return len(info.shape) == 2 and info.dtype in QUANTIZABLE_DTYPES and is_linear_weight_name(info.name)
 
 
-def tensor_fate(info: TensorInfo, recipe: Recipe, layout: MoeLayout) -> Fate:
-    """What the recipe does with one source tensor.
+def tensor_fate(info: TensorInfo, recipe: Recipe, layout: MoeLayout, fp8_weight: bool = False) -> Fate:
+    """What the recipe does with one source tensor (`fp8_weight`: an F8_E4M3 weight with its block scales).
 
     Raises:
         ConfigError: the recipe selects a weight whose odd in-dimension cannot be packed (says how to keep it).
     """
-    if not is_quantizable(info):
+    if not (fp8_weight or is_quantizable(info)):
         return "copied"
     if recipe.decide(info.name, layout) == "keep":
         return "kept"

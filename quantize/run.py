@@ -259,7 +259,7 @@ def start_worker_pool(workers: int, jobs: list[ShardJob]):
         # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
         from .mxfp4 import warm_cpu_kernel
 
-        warm_cpu_kernel({t.source.dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
+        warm_cpu_kernel({t.read_dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
         ctx = mp.get_context("fork")
     counter = ctx.Value("q", 0)
     return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,)), counter
@@ -281,7 +281,7 @@ def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
     Raises:
         CheckpointError: a tensor is missing or differs from the plan; the MTP layer is named first.
     """
-    counts = {"quantized": 0, "kept": 0, "copied": 0, "mtp_tensors": 0}
+    counts = {"quantized": 0, "kept": 0, "copied": 0, "scale": 0, "mtp_tensors": 0}
     mtp_prefixes = tuple(f"model.layers.{i}." for i in plan.layout.mtp_layers)
     for shard in plan.shards:
         header = read_header(out / shard.name)
@@ -354,11 +354,14 @@ def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: st
         "out": str(out.resolve()),
         "recipe": {"name": recipe.name, "sha256": recipe.sha256, "source": recipe.source, "scheme": recipe.scheme,
                    "scale_rule": recipe.scale_rule},
+        "source_precision": plan.precision.describe(),
+        "family": plan.layout.family.title,
         "device": device,
         "workers": workers,
         "shards": {"total": len(plan.shards), "quantized_now": done, "skipped_complete": skipped},
         "shards_sha256_from_download": sha256_from_download,  # download's verified hash reused, not recomputed
         "counts": {k: accounted[k] for k in ("quantized", "kept", "copied")},
+        "fp8_scales_consumed": accounted["scale"],  # FP8 sources: block scales folded into the weights, not written
         "mtp_layers": list(plan.layout.mtp_layers),
         "mtp_tensors": accounted["mtp_tensors"],
         "bytes_in": sum(s.source_size for s in plan.shards),

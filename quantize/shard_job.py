@@ -2,6 +2,9 @@
 output tensor at its planned offset of `NAME.partial`, then fsync and rename.
 
 Memory stays at one chunk of rows (CHUNK_BYTES) plus its outputs, whatever the shard or tensor size.
+FP8 sources: each F8_E4M3 weight's block scales (small) are read first, outside the hashed sequence and from
+whichever shard holds them; each chunk of rows is dequantized to bf16 (fp8_source.py) before it is quantized
+or written.
 Runs in worker processes: it imports numpy and the compiled kernel, and torch only for a non-CPU device
 or for non-finite weights that the user allowed.
 """
@@ -22,6 +25,7 @@ import numpy as np
 from mxforge.errors import CheckpointError, MxforgeError
 from mxforge.safetensors_io import partial_path
 
+from .fp8_source import dequantize_rows, scales_as_f32
 from .plan import ShardPlan, TensorPlan
 
 CHUNK_BYTES = 16 << 20
@@ -238,10 +242,17 @@ def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], N
         data_start = tensors[0].source.start if tensors else plan.source_size
         for pos in range(0, data_start, CHUNK_BYTES):
             reader.read(pos, min(CHUNK_BYTES, data_start - pos))
+        scales = _read_fp8_scales(reader, job)
         errors = {}
         for t in tensors:
             if t.fate == "quantized":
-                errors[t.source.name] = _quantize_tensor(reader, out_fd, t, job, progress)
+                errors[t.source.name] = _quantize_tensor(reader, out_fd, t, job, progress, scales.get(t.source.name))
+            elif t.fate == "scale":  # folded into its weight: read (and hashed) only
+                for pos in range(t.source.start, t.source.end, CHUNK_BYTES):
+                    progress(len(reader.read(pos, min(CHUNK_BYTES, t.source.end - pos))))
+            elif t.fp8_scale is not None:
+                _dequantize_tensor(reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job),
+                                   scales[t.source.name])
             else:
                 _copy_tensor(reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job))
             _start_writeback(out_fd)
@@ -262,6 +273,48 @@ def _out_path(job: ShardJob) -> Path:
     return Path(job.out_dir) / job.plan.name
 
 
+def _read_fp8_scales(reader: _HashingReader, job: ShardJob) -> dict[str, np.ndarray]:
+    """float32 block scales of every FP8 weight of the shard, read out of the hashed sequence (their own bytes are
+    hashed where they lie in the file); scales in another shard are read from that shard.
+
+    Raises:
+        CheckpointError: the other shard is missing (a streamed run deletes shards it is done with) or too short.
+    """
+    out = {}
+    for t in job.plan.tensors:
+        sc = t.fp8_scale
+        if sc is None:
+            continue
+        if sc.shard == job.plan.name:
+            raw = reader.reread(sc.info.start, sc.info.nbytes)
+        else:
+            other = Path(job.src_dir) / sc.shard
+            try:
+                with open(other, "rb") as f:
+                    raw = os.pread(f.fileno(), sc.info.nbytes, sc.info.start)
+            except OSError as e:
+                raise CheckpointError(f"{other}: cannot read {sc.info.name!r}, the block scales of {t.source.name!r} "
+                                      f"in {job.plan.name}: {e.strerror or e}; a streamed run needs each FP8 weight's "
+                                      "scales in its own shard: quantize the downloaded checkpoint instead") from None
+        if len(raw) != sc.info.nbytes:
+            raise CheckpointError(f"{Path(job.src_dir) / sc.shard}: truncated at {sc.info.name!r}; re-download it")
+        out[t.source.name] = scales_as_f32(raw, sc.info.dtype, sc.info.shape)
+    return out
+
+
+def _dequantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, dest: int, progress, where: Path,
+                       scales: np.ndarray) -> None:
+    """An FP8 weight the recipe keeps: written as its dequantized bf16, in row chunks."""
+    s = t.source
+    rows, inner = s.shape
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, inner))
+    for r0 in range(0, rows, rows_per_chunk):
+        n = min(rows_per_chunk, rows - r0)
+        x = dequantize_rows(reader.read(s.start + r0 * inner, n * inner), scales, r0, inner, t.fp8_scale.block)
+        _pwrite_all(out_fd, x.data, dest + r0 * inner * 2, where)
+        progress(n * inner)
+
+
 def _copy_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, dest: int, progress, where: Path) -> None:
     s = t.source
     for pos in range(s.start, s.end, CHUNK_BYTES):
@@ -270,8 +323,10 @@ def _copy_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, dest: int, 
         progress(n)
 
 
-def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, progress) -> dict:
-    """Quantize one tensor in row chunks; returns its error sums (error_report.tensor_record)."""
+def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, progress,
+                     fp8_scales: np.ndarray | None = None) -> dict:
+    """Quantize one tensor in row chunks (an FP8 one from its dequantized bf16, through `fp8_scales`); returns its
+    error sums (error_report.tensor_record)."""
     from .error_report import ERROR_STATS, tensor_record
 
     s = t.source
@@ -287,15 +342,17 @@ def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: Sh
     stats = np.zeros(ERROR_STATS, dtype=np.float64) if job.measure_errors else None
     for r0 in range(0, rows, rows_per_chunk):
         n = min(rows_per_chunk, rows - r0)
-        x = _as_rows(reader.read(s.start + r0 * row_bytes, n * row_bytes), s.dtype, n, inner)
+        raw = reader.read(s.start + r0 * row_bytes, n * row_bytes)
+        x = (_as_rows(raw, s.dtype, n, inner) if fp8_scales is None
+             else dequantize_rows(raw, fp8_scales, r0, inner, t.fp8_scale.block))
         codes = codes_buf[:n * (inner // 2)].reshape(n, inner // 2)
         scales = scales_buf[:n * nblocks].reshape(n, nblocks)
-        nonfinite += _quantize_rows(x, codes, scales, s.dtype, job, stats)
+        nonfinite += _quantize_rows(x, codes, scales, t.read_dtype, job, stats)
         _pwrite_all(out_fd, codes.data, codes_at + r0 * (inner // 2), _out_path(job))
         _pwrite_all(out_fd, scales.data, scales_at + r0 * nblocks, _out_path(job))
         progress(n * row_bytes)
     if nonfinite:
-        _handle_nonfinite(reader, out_fd, t, job, nonfinite, codes_at, scales_at)
+        _handle_nonfinite(reader, out_fd, t, job, nonfinite, codes_at, scales_at, fp8_scales)
         return tensor_record(np.zeros(ERROR_STATS), 0) | {"nonfinite": nonfinite}  # encoded as Quark does: not measured
     return tensor_record(stats, s.numel) if stats is not None else tensor_record(np.zeros(ERROR_STATS), 0)
 
@@ -325,7 +382,8 @@ def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: 
     return _quantize_torch(w, codes_t, scales_t, torch.device(job.device), job.scale_offsets, stats)
 
 
-def _handle_nonfinite(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, count: int, codes_at: int, scales_at: int) -> None:
+def _handle_nonfinite(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, count: int, codes_at: int,
+                      scales_at: int, fp8_scales: np.ndarray | None = None) -> None:
     """Refuse, or (when allowed) redo the tensor with Quark's own kernel, which encodes NaN blocks as +6.0."""
     from .mxfp4 import NonFiniteWeightError, _quark_reference
 
@@ -342,8 +400,10 @@ def _handle_nonfinite(reader: _HashingReader, out_fd: int, t: TensorPlan, job: S
     import torch
 
     raw = reader.reread(s.start, s.nbytes)
-    w = torch.from_numpy(_as_rows(raw, s.dtype, *s.shape).copy())
-    codes, scales = _quark_reference(w.view(torch.bfloat16) if s.dtype == "BF16" else w)
+    rows = (_as_rows(raw, s.dtype, *s.shape) if fp8_scales is None
+            else dequantize_rows(raw, fp8_scales, 0, s.shape[1], t.fp8_scale.block))
+    w = torch.from_numpy(rows.copy())
+    codes, scales = _quark_reference(w.view(torch.bfloat16) if t.read_dtype == "BF16" else w)
     _pwrite_all(out_fd, codes.numpy().data, codes_at, _out_path(job))
     _pwrite_all(out_fd, scales.numpy().data, scales_at, _out_path(job))
 

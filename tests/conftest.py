@@ -102,7 +102,8 @@ def family_cases(tmp_path_factory):
     """The engine-conformance matrix of one model family, built on first use and once per session for every
     suite that judges it (engine truth, local-vs-remote): tests/engine_truth/matrix.py's export styles at 6
     routed experts and at the family's real layout, before and after fixup, plus the real pipeline's output
-    per recipe (and the mse scale rule, whose record in quantization_config every release must accept).
+    per recipe (and the mse scale rule, whose record in quantization_config every release must accept), and the
+    real pipeline's output from the same replica as the family's FP8 release stores it (--precision fp8).
     Returns get(family_name) -> {case name: Case}."""
     from engine_truth import matrix
 
@@ -122,6 +123,11 @@ def family_cases(tmp_path_factory):
                 run_cli("run", str(srcs["e6"]), str(root / name), "--recipe", recipe, "--scale-rule", rule, "--quiet",
                         check=True)
                 out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
+            fp8, name = root / "fp8-e6", f"run-fp8-{family.recipes[0]}"
+            write_fixture(fp8, matrix.SIZES["e6"][0], quiet=True, overrides=matrix.SIZES["e6"][1], family=family,
+                          precision="fp8")
+            run_cli("run", str(fp8), str(root / name), "--quiet", check=True)
+            out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
             built[family_name] = out
         return built[family_name]
     return get

@@ -3,6 +3,11 @@
 MLA attention with DeepSeek's sparse-attention indexer on "full" IndexShare layers only (transformers'
 `indexer_types`); MTP layer(s) at `num_hidden_layers` (GLM-5.2: layer 78). Inventory figures:
 /work/shared/reference/glm-5.2.md (zai-org/GLM-5.2 config.json and model.safetensors.index.json).
+
+The FP8 release (zai-org/GLM-5.2-FP8: 118,629 tensors, 755,617,140,416 bytes, same reference) is DeepSeek-style
+128x128 block FP8 (`weight_scale_inv`, as GLM-5-FP8 loaders read it): the layout reproduces both figures exactly
+when every 2-D weight is F8_E4M3 with its F32 scales except the router (`mlp.gate`), `eh_proj`, the embedding,
+`lm_head` and the indexer's `weights_proj` (bf16), and no other choice of bf16 weights does (tests/test_fp8_source.py).
 """
 
 from __future__ import annotations
@@ -52,5 +57,6 @@ FAMILY = Family(
     recipes=("glm-5.2-mxfp4", "glm-5.2-mxfp4-mtp-bf16"),
     kind_rules=LINEAGE_KIND_RULES,
     inventory_source="zai-org/GLM-5.2 config.json and model.safetensors.index.json (59,585 tensors, 282 shards)",
+    fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|indexer\.weights_proj)\.weight$",
 )
 GlmMoeDsaLayout.family = FAMILY
