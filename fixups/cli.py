@@ -6,7 +6,7 @@ import argparse
 
 # mxforge.cli imports this module to build its COMMANDS table, so its helpers are imported inside the
 # functions below (at call time), never at import time.
-from .profiles import ENGINES_HELP, parse_engines_arg
+from mxforge.validation.profiles import ENGINES_HELP, parse_engines_arg
 
 
 def _add_common_options(p: argparse.ArgumentParser) -> None:
@@ -57,7 +57,7 @@ def register_validate(sub) -> argparse.ArgumentParser:
 def run_validate(args) -> int:
     from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit
 
-    from .validate import validate_checkpoint
+    from mxforge.validation.validate import validate_checkpoint
 
     from mxforge.errors import MxforgeError
 
@@ -95,7 +95,7 @@ def register_fixup(sub) -> argparse.ArgumentParser:
 
 
 def run_fixup(args) -> int:
-    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit
+    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit, invocation
     from mxforge.errors import ConfigError
 
     from .fixup import fixup_checkpoint
@@ -106,7 +106,7 @@ def run_fixup(args) -> int:
     if args.create_pr or source.local_root is None:
         return _run_remote_fixup(args, source)
     result = fixup_checkpoint(source, _engines(args), dry_run=args.dry_run, mtp_from=args.mtp_from,
-                              recipe=args.recipe, quiet=args.quiet)
+                              recipe=args.recipe, quiet=args.quiet, command=invocation())
     emit(result.as_dict(), args.json, result.format())
     return EXIT_OK if not result.remaining else EXIT_PROBLEMS
 
@@ -114,7 +114,7 @@ def run_fixup(args) -> int:
 def _run_remote_fixup(args, source) -> int:
     """fixup of a Hub repo: --create-pr (or --dry-run) only; a repo cannot be edited in place."""
     from mxforge.checkpoint import is_local_source
-    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit, hub_limits
+    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit, hub_limits, invocation
     from mxforge.errors import MxforgeError
 
     from .fixup import fixup_checkpoint
@@ -126,12 +126,13 @@ def _run_remote_fixup(args, source) -> int:
             raise MxforgeError(f"{args.ckpt}: --create-pr takes a Hub repo id (owner/name), not a directory")
         from .hub_pr import create_fixup_pr
 
-        pr = create_fixup_pr(args.ckpt, args.revision, _engines(args), dry_run=args.dry_run, limits=hub_limits(args))
+        pr = create_fixup_pr(args.ckpt, args.revision, _engines(args), dry_run=args.dry_run, limits=hub_limits(args),
+                             command=invocation())
         emit(pr.as_dict(), args.json, pr.format())
         return EXIT_OK if not pr.fixup.remaining else EXIT_PROBLEMS
     if not args.dry_run:
         raise MxforgeError(f"{args.ckpt}: a Hub repo cannot be edited in place: pass --create-pr to propose the fix "
                            "as a pull request, or --dry-run to see it")
-    result = fixup_checkpoint(source, _engines(args), dry_run=True)
+    result = fixup_checkpoint(source, _engines(args), dry_run=True, command=invocation())
     emit(result.as_dict(), args.json, result.format())
     return EXIT_OK if not result.remaining else EXIT_PROBLEMS

@@ -23,7 +23,7 @@ from .cli_support import (  # noqa: F401 (EXIT_* re-exported)
 )
 from .errors import MxforgeError
 from .fixups import cli as fixups_cli
-from .fixups.profiles import ENGINES_HELP
+from .validation.profiles import ENGINES_HELP
 from .quantize import cli as quantize_cli
 
 
@@ -141,7 +141,7 @@ def register_run(sub) -> argparse.ArgumentParser:
 
 
 def run_run(args) -> int:
-    from .fixups.profiles import parse_engines_arg
+    from .validation.profiles import parse_engines_arg
     from .pipeline import Pipeline, RunOptions, ValidationFailed, format_run_summary
 
     opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe, scale_rule=args.scale_rule,

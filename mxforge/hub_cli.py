@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 # cli_support is light; heavy modules (huggingface_hub, hub I/O) are imported inside the functions, at call time.
-from .cli_support import EXIT_OK, add_follow_symlinks_option, add_hub_options, add_json_option, emit, hub_limits
-from .fixups.profiles import ENGINES_HELP
+from .cli_support import (EXIT_OK, add_follow_symlinks_option, add_hub_options, add_json_option, emit, hub_limits,
+                          invocation)
+from .validation.profiles import ENGINES_HELP
 
 
 def _check_workers(workers: int) -> None:
@@ -51,7 +52,7 @@ def run_download(args) -> int:
     _check_workers(args.workers)
     _quiet_hub(args.quiet)
     r = download(args.repo_id, args.dest, revision=args.revision, include=args.include, exclude=args.exclude,
-                 workers=args.workers, quiet=args.quiet, limits=hub_limits(args))
+                 workers=args.workers, quiet=args.quiet, limits=hub_limits(args), command=invocation())
     report = r.as_dict()
     emit(report, args.json, f"downloaded {r.repo_id}@{r.revision} (commit {r.commit}) to {r.dest}: {report['files']} files, "
          f"{report['bytes']:,} bytes, every hash verified against the Hub")
@@ -80,11 +81,11 @@ def run_push(args) -> int:
 
     _check_workers(args.workers)
     _quiet_hub(args.quiet)
-    from .fixups.profiles import parse_engines_arg
+    from .validation.profiles import parse_engines_arg
 
     engines = parse_engines_arg(args.engines)
     r = push(args.ckpt, args.repo_id, private=args.private, branch=args.branch, force=args.force, engines=engines,
-             workers=args.workers, quiet=args.quiet, follow_symlinks=args.follow_symlinks, limits=hub_limits(args))
+             workers=args.workers, quiet=args.quiet, follow_symlinks=args.follow_symlinks, limits=hub_limits(args), command=invocation())
     forced = " (FORCED past failed validation)" if r.forced else ""
     emit(r.as_dict(), args.json, f"pushed {args.ckpt} to {r.endpoint}/{r.repo_id} branch {r.branch} (commit {r.commit}){forced}: "
          f"{len(r.files)} files, every remote sha256 matches the local one")
