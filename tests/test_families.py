@@ -17,7 +17,7 @@ from mxforge.quantize.plan import plan_checkpoint
 from mxforge.quantize.recipe import load_recipe
 from mxforge.tensor_kinds import layer_of
 
-from conftest import run_cli
+from helpers import run_cli
 
 PUBLISHED = [f for f in FAMILIES if f.published]
 
@@ -128,7 +128,7 @@ def test_run_end_to_end_per_family(family, tmp_path):
 def test_vllm_0_30_requantizing_deepseek_attention_is_a_warning_not_a_failure(tmp_path):
     """vLLM 0.30.0 loads a DeepSeek-family MXFP4 checkpoint's excluded attention bf16 and re-quantizes it to MXFP4
     (measured by the conformance suite): validate passes, and warns for that release alone; GLM-5 is not affected."""
-    from mxforge.fixups.validate import validate_checkpoint
+    from mxforge.validation.validate import validate_checkpoint
     from mxforge.quantize.run import quantize_checkpoint
 
     for family, expect in (("deepseek_v3", {"vllm-0.30.0"}), ("glm_moe_dsa", set())):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mxforge.errors import ConfigError
-from mxforge.fixups.profiles import all_profiles, load_profile, profile_names, select, unsupported_reason
+from mxforge.validation.profiles import all_profiles, load_profile, profile_names, select, unsupported_reason
 from mxforge.models import FAMILIES, family_named, family_of, layout_of
 
 REPO = Path(__file__).resolve().parents[1]
