@@ -21,14 +21,15 @@ def free_space(path: str | Path) -> tuple[Path, int]:
     return where, shutil.disk_usage(where).free
 
 
-def require_free_space(path: str | Path, need: int, what: str, remedy: str) -> int:
+def require_free_space(path: str | Path, need: int, what: str, remedy: str, detail: str = "") -> int:
     """The free bytes at `path`; refuse when fewer than `need`.
 
     Raises:
-        DiskSpaceError: "<path>: <what> need <bytes> but the filesystem of <dir> has only <bytes> free: <remedy>".
+        DiskSpaceError: "<path>: <what> need <bytes> but the filesystem of <dir> has only <bytes> free<detail>:
+            <remedy>".
     """
     where, free = free_space(path)
     if need > free:
         raise DiskSpaceError(f"{path}: {what} need {format_bytes(need)} but the filesystem of {where} has only "
-                             f"{format_bytes(free)} free: {remedy}")
+                             f"{format_bytes(free)} free{detail}: {remedy}")
     return free

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 
 # cli_support is light; heavy modules (huggingface_hub, hub I/O) are imported inside the functions, at call time.
-from .cli_support import (EXIT_OK, add_follow_symlinks_option, add_hub_options, add_json_option, emit, hub_limits,
-                          invocation)
-from .validation.profiles import ENGINES_HELP
+from .cli_support import (EXIT_OK, add_engines_option, add_follow_symlinks_option, add_hub_options, add_json_option, emit,
+                          engines_arg, hub_limits, invocation)
 
 
 def _check_workers(workers: int) -> None:
@@ -70,7 +69,7 @@ def register_push(sub) -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--branch", default=None, help="push to this branch (created from main if missing; default main)")
     p.add_argument("--force", action="store_true", help="push even though validate fails (the card says so)")
-    p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
+    add_engines_option(p)
     add_follow_symlinks_option(p, "and upload files of CKPT")
     _add_common_options(p, "hash threads")
     return p
@@ -81,9 +80,7 @@ def run_push(args) -> int:
 
     _check_workers(args.workers)
     _quiet_hub(args.quiet)
-    from .validation.profiles import parse_engines_arg
-
-    engines = parse_engines_arg(args.engines)
+    engines = engines_arg(args)
     r = push(args.ckpt, args.repo_id, private=args.private, branch=args.branch, force=args.force, engines=engines,
              workers=args.workers, quiet=args.quiet, follow_symlinks=args.follow_symlinks, limits=hub_limits(args), command=invocation())
     forced = " (FORCED past failed validation)" if r.forced else ""

@@ -108,8 +108,8 @@ def check_disk_space(dest: Path, files: list[RemoteFile]) -> int:
     needed = sum(f.size for f in missing)
     if missing:
         largest = max(missing, key=lambda f: f.size)
-        require_free_space(dest, needed, f"{len(missing)} file(s) (largest: {largest.name}, {format_bytes(largest.size)})",
-                           "free space or choose another DEST; nothing was downloaded")
+        require_free_space(dest, needed, f"{len(missing)} file(s)", "free space or choose another DEST; nothing was downloaded",
+                           f" (largest: {largest.name}, {format_bytes(largest.size)})")
     return needed
 
 

@@ -15,7 +15,8 @@ from helpers import REPO
 # Source folder -> the package it installs as (pyproject.toml's package-dir).
 PACKAGES = {"mxforge": "mxforge", "quantize": "mxforge.quantize", "fixups": "mxforge.fixups",
             "validation": "mxforge.validation"}
-CLI_MODULES = {"mxforge.cli", "mxforge.cli_support", "mxforge.hub_cli", "mxforge.quantize.cli", "mxforge.fixups.cli"}
+CLI_MODULES = {"mxforge.cli", "mxforge.cli_support", "mxforge.hub_cli", "mxforge.quantize.cli", "mxforge.fixups.cli",
+               "mxforge.validation.cli"}
 # Modules the stages build on; they must not reach up into a stage (download, quantize, fixup, push, run).
 CORE = ("mxforge.checkpoint", "mxforge.file_hashes", "mxforge.model_card", "mxforge.provenance",
         "mxforge.safetensors_io", "mxforge.safe_paths", "mxforge.disk_space", "mxforge.models", "mxforge.validation")
@@ -143,3 +144,16 @@ def test_quantizer_and_checkers_load_without_a_hub_client():
              "'mxforge.cli_support') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_no_test_file_imports_another():
+    """Tests share code through helpers.py (and fixtures through conftest.py), never by importing a test file."""
+    offenders = {}
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad = [n for n in names if n.split(".")[-1] == "conftest" or n.split(".")[-1].startswith("test_")]
+            if bad:
+                offenders.setdefault(path.relative_to(REPO).as_posix(), []).extend(bad)
+    assert offenders == {}

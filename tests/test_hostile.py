@@ -308,7 +308,7 @@ def test_hostile_os_failures_are_one_line_and_exit_2(hub, tmp_path, tiny_ckpt, r
     args, words = OS_CASES[case]
     if case == "fixup-readonly":
         from quark_like import write_quark_like
-        from test_engine_failures import AMD
+        from helpers import AMD
 
         write_quark_like(tiny_ckpt, tmp_path / "q", AMD)  # a checkpoint fixup has to edit
         tiny = tmp_path / "q"
@@ -421,7 +421,7 @@ def test_hostile_fixup_record_survives_an_interruption_between_its_two_writes(ti
     kill -9 between the two writes leaves: the other file written or not, this one not. The rerun must
     end with every exclude entry fixup added recorded exactly once."""
     from quark_like import write_quark_like
-    from test_engine_failures import AMD
+    from helpers import AMD
 
     ckpt = tmp_path / "q"
     write_quark_like(tiny_ckpt, ckpt, AMD)

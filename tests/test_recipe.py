@@ -77,7 +77,7 @@ def test_bad_recipes_are_clear_errors(tmp_path, body, message):
 
 
 def test_scale_rule_from_the_recipe_is_used_and_recorded_and_the_flag_wins(tiny_ckpt, tmp_path):
-    from conftest import REPO, run_cli
+    from helpers import REPO, run_cli
 
     path = tmp_path / "mse.toml"
     shipped = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
