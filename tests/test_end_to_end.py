@@ -15,6 +15,8 @@ from mxforge.quantize.run import quantize_checkpoint
 
 from helpers import GLM5, BASE, MTP, run_cli
 
+pytestmark = pytest.mark.slow  # the real quantizer's output, fixed up and validated
+
 
 @pytest.fixture(scope="session")
 def quantized_tiny(tiny_ckpt, tmp_path_factory):

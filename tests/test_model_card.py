@@ -15,6 +15,8 @@ from mxforge.provenance import CONFIG_BACKUP_NAME
 
 from helpers import TOKEN, hub_env, run_cli
 
+pytestmark = pytest.mark.slow  # a full run --push to build the card it reads
+
 SOURCE_CARD = """---
 license: apache-2.0
 pipeline_tag: text-generation

@@ -19,6 +19,8 @@ from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
 
 from helpers import run_cli
 
+pytestmark = pytest.mark.slow  # quantize runs killed and resumed
+
 
 @pytest.fixture(scope="module")
 def multi_shard_ckpt(tmp_path_factory) -> Path:

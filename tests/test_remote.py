@@ -249,6 +249,7 @@ def _comparable(report: dict) -> dict:
         {"checked": {k: v for k, v in report["checked"].items() if k != "fetched"}}
 
 
+@pytest.mark.slow  # builds and runs the whole conformance matrix of each family
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_remote_and_local_agree_on_every_conformance_case(family, family_cases, hub, tmp_path):
     """validate and fixup through the Hub give the very verdicts, problems and fixes of the local path, for every

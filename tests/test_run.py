@@ -19,6 +19,8 @@ from mxforge.provenance import PUBLISHED_RECORDS, QUANTIZE_STATE_NAME as QUANTIZ
 
 from helpers import REPO, TOKEN, hub_env, run_cli
 
+pytestmark = pytest.mark.slow  # the whole pipeline from the loopback Hub, with kills and resumes
+
 
 def _env(hub, tmp_path) -> dict:
     return hub_env(hub, tmp_path)

@@ -18,6 +18,8 @@ from mxforge.stream import choose_stream, plan_disk
 
 from helpers import hub_env, run_cli
 
+pytestmark = pytest.mark.slow  # streamed and Ray runs end to end, with real kills
+
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 # Provenance records the command line that made them; everything else must be the same bytes.
 PROVENANCE = {*PUBLISHED_RECORDS, "README.md"}
