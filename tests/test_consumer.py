@@ -30,6 +30,8 @@ from safetensors.torch import save_file
 from helpers import run_cli
 from ocp_mx import decode_checkpoint, decode_mxfp4, e2m1_value, e8m0_table
 
+pytestmark = pytest.mark.slow  # quantizes and runs the model through transformers (a minute a setup)
+
 SCALE_RULES = [None, "mse"]  # None: Quark's rule (the default); others go to `mxforge quantize --scale-rule RULE`
 
 BATCH, SEQ = 8, 64  # 512 positions; SEQ > the tiny fixture's index_topk (16), so DSA's top-k selection acts

@@ -163,6 +163,7 @@ def test_hostile_wrong_hashes_from_the_hub(hub, tmp_path):
     assert not (dest / ONE).exists() and not (dest / "mxforge_source.json").exists()
 
 
+@pytest.mark.slow
 def test_hostile_stalls_at_every_endpoint_end_in_one_line(tmp_path, tiny_ckpt):
     """One stalled endpoint per hub, all at once (stalls cost no CPU, so the test takes as long as the
     slowest: huggingface_hub retries a stalled preupload 5 times with backoff). The timeouts come from
