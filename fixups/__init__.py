@@ -1,1 +1,2 @@
-"""Engine-aware quantization_config fixups and pre-upload validation."""
+"""The writers that fix a checkpoint for the engines: the exclude aliases (fixup), a re-injected MTP layer
+(mtp_inject), a pull request with the fix (hub_pr). The checks they rely on are in validation/."""

@@ -1,4 +1,4 @@
-"""`mxforge validate` and `mxforge fixup`: argument parsing and output (the work is in validate.py / fixup.py)."""
+"""`mxforge fixup`: argument parsing and output (the work is in fixup.py, mtp_inject.py, hub_pr.py)."""
 
 from __future__ import annotations
 
@@ -6,68 +6,7 @@ import argparse
 
 # mxforge.cli imports this module to build its COMMANDS table, so its helpers are imported inside the
 # functions below (at call time), never at import time.
-from .profiles import ENGINES_HELP, parse_engines_arg
-
-
-def _add_common_options(p: argparse.ArgumentParser) -> None:
-    from mxforge.cli_support import add_json_option
-
-    p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
-    add_json_option(p)
-
-
-def add_remote_options(p: argparse.ArgumentParser) -> None:
-    """--revision and the Hub limits, for commands that take a Hub repo id where a checkpoint directory goes."""
-    from mxforge.cli_support import add_hub_options
-
-    p.add_argument("--revision", default=None, metavar="R", help="with a Hub repo id: branch, tag, commit or "
-                   "refs/pr/N (default main). Only config.json, the index and shard headers are fetched (ranged "
-                   "reads, cached by commit under $MXFORGE_CACHE or ~/.cache/mxforge)")
-    add_hub_options(p)
-
-
-def open_checkpoint_arg(args):
-    """The checkpoint an argument names: a directory, or a Hub repo id at --revision (a CheckpointSource)."""
-    from mxforge.cli_support import hub_limits
-    from mxforge.hub_source import open_source
-
-    return open_source(args.ckpt, args.revision, hub_limits(args))
-
-
-def _engines(args) -> list[str] | None:
-    """The --engines items (None: every supported release). Raises ConfigError for an unknown one."""
-    return parse_engines_arg(args.engines)
-
-
-def register_validate(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("validate", help="check, before upload, that the checkpoint is intact and loads in each engine",
-                       description="Check index/shard integrity, quantization_config, that every tensor config.json "
-                       "implies is stored (MTP layer included) and, per engine profile, that every module the engine "
-                       "builds finds the dtype and shape it allocates. Reads headers only. "
-                       "Exit 0 clean, 1 problems found, 2 could not run.")
-    p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
-    p.add_argument("--deep", action="store_true", help="also read every MXFP4 scale (255 = NaN) and check files "
-                   "against the download's sha256 manifest (reads data: minutes on a full checkpoint)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar (--deep)")
-    add_remote_options(p)
-    _add_common_options(p)
-    return p
-
-
-def run_validate(args) -> int:
-    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit
-
-    from .validate import validate_checkpoint
-
-    from mxforge.errors import MxforgeError
-
-    source = open_checkpoint_arg(args)
-    if args.deep and source.local_root is None:
-        raise MxforgeError(f"{args.ckpt}: --deep reads every MXFP4 scale and hashes every file, i.e. the whole "
-                           "checkpoint: mxforge download it first, then validate the directory with --deep")
-    report = validate_checkpoint(source, _engines(args), deep=args.deep, quiet=args.quiet)
-    emit(report.as_dict(), args.json, report.format())
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+from mxforge.cli_support import add_engines_option, add_json_option, add_remote_options, engines_arg, open_checkpoint_arg
 
 
 def register_fixup(sub) -> argparse.ArgumentParser:
@@ -87,15 +26,16 @@ def register_fixup(sub) -> argparse.ArgumentParser:
     p.add_argument("--mtp-from", metavar="BF16_SRC", default=None,
                    help="first re-inject a missing MTP layer from this bf16 checkpoint (a new shard; index and config updated)")
     p.add_argument("--recipe", default=None, help="with --mtp-from: the quantization recipe for the MTP layer "
-                   "(name in manifests/ or a TOML path; default: the quantizer's default)")
+                   "(name in manifests/recipes/ or a TOML path; default: the quantizer's default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (--mtp-from)")
     add_remote_options(p)
-    _add_common_options(p)
+    add_engines_option(p)
+    add_json_option(p)
     return p
 
 
 def run_fixup(args) -> int:
-    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit
+    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit, invocation
     from mxforge.errors import ConfigError
 
     from .fixup import fixup_checkpoint
@@ -105,8 +45,8 @@ def run_fixup(args) -> int:
     source = open_checkpoint_arg(args) if not args.create_pr else None
     if args.create_pr or source.local_root is None:
         return _run_remote_fixup(args, source)
-    result = fixup_checkpoint(source, _engines(args), dry_run=args.dry_run, mtp_from=args.mtp_from,
-                              recipe=args.recipe, quiet=args.quiet)
+    result = fixup_checkpoint(source, engines_arg(args), dry_run=args.dry_run, mtp_from=args.mtp_from,
+                              recipe=args.recipe, quiet=args.quiet, command=invocation())
     emit(result.as_dict(), args.json, result.format())
     return EXIT_OK if not result.remaining else EXIT_PROBLEMS
 
@@ -114,7 +54,7 @@ def run_fixup(args) -> int:
 def _run_remote_fixup(args, source) -> int:
     """fixup of a Hub repo: --create-pr (or --dry-run) only; a repo cannot be edited in place."""
     from mxforge.checkpoint import is_local_source
-    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit, hub_limits
+    from mxforge.cli_support import EXIT_OK, EXIT_PROBLEMS, emit, hub_limits, invocation
     from mxforge.errors import MxforgeError
 
     from .fixup import fixup_checkpoint
@@ -126,12 +66,13 @@ def _run_remote_fixup(args, source) -> int:
             raise MxforgeError(f"{args.ckpt}: --create-pr takes a Hub repo id (owner/name), not a directory")
         from .hub_pr import create_fixup_pr
 
-        pr = create_fixup_pr(args.ckpt, args.revision, _engines(args), dry_run=args.dry_run, limits=hub_limits(args))
+        pr = create_fixup_pr(args.ckpt, args.revision, engines_arg(args), dry_run=args.dry_run, limits=hub_limits(args),
+                             command=invocation())
         emit(pr.as_dict(), args.json, pr.format())
         return EXIT_OK if not pr.fixup.remaining else EXIT_PROBLEMS
     if not args.dry_run:
         raise MxforgeError(f"{args.ckpt}: a Hub repo cannot be edited in place: pass --create-pr to propose the fix "
                            "as a pull request, or --dry-run to see it")
-    result = fixup_checkpoint(source, _engines(args), dry_run=True)
+    result = fixup_checkpoint(source, engines_arg(args), dry_run=True, command=invocation())
     emit(result.as_dict(), args.json, result.format())
     return EXIT_OK if not result.remaining else EXIT_PROBLEMS

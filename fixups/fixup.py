@@ -17,26 +17,23 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mxforge.cli_support import invocation
-from mxforge.checkpoint import CONFIG_BACKUP_NAME, INDEX_NAME, Checkpoint, CheckpointSource, LocalDir, load_json
-from mxforge.errors import CheckpointError, ConfigError
+from mxforge.checkpoint import INDEX_NAME, Checkpoint, CheckpointSource, LocalDir, load_json
+from mxforge.errors import ConfigError
 from mxforge.models import layout_of
-from mxforge.safetensors_io import copy_atomic, write_json_atomic
+from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, keep_original, read_fixups_record, recorded_command
+from mxforge.safetensors_io import write_json_atomic
 
-from .config_checks import exclude_entries
-from .engine_check import check_engine, decide, engine_view, without_fusion
-from .matching import DRAFT, is_glob
-from .modules import EngineModule
-from .integrity import TOTAL_SIZE
-from .mtp_inject import backup_index
-from .profiles import EngineProfile, check_engine_items, select
-from .report import MAX_LISTED, Problem
-from .tensor_forms import BF16, MXFP4
-from .loaded import LoadedCheckpoint, load_checkpoint
-from .validate import loadability_problems
+from mxforge.validation.config_checks import exclude_entries
+from mxforge.validation.engine_check import check_engine, decide, engine_view, without_fusion
+from mxforge.validation.matching import DRAFT, is_glob
+from mxforge.validation.modules import EngineModule
+from mxforge.validation.integrity import TOTAL_SIZE
+from mxforge.validation.profiles import EngineProfile, check_engine_items, select
+from mxforge.validation.report import MAX_LISTED, Problem
+from mxforge.validation.tensor_forms import BF16, MXFP4
+from mxforge.validation.loaded import LoadedCheckpoint, load_checkpoint
+from mxforge.validation.validate import loadability_problems
 
-FIXUPS_NAME = "mxforge_fixups.json"
-BACKUP_NAME = CONFIG_BACKUP_NAME
 
 
 @dataclass
@@ -176,7 +173,7 @@ def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[
         NonFiniteWeightError: a source MTP weight to quantize holds NaN/Inf.
     """
     check_engine_items(engines)
-    command = command or invocation()
+    command = recorded_command(command)
     ckpt = Checkpoint.open(root)
     dry_run = dry_run or ckpt.source.local_root is None
     profiles = [sel.profile for sel in select(engines, layout_of(ckpt.config).family)]
@@ -231,9 +228,9 @@ def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[
         return result
     root = loaded.ckpt.root
     if new_config:
-        backup_config(root)
+        keep_original(root, "config.json")
     if index_fix:
-        backup_index(root)
+        keep_original(root, INDEX_NAME)
     # The record next: a kill between the writes leaves fixups recorded but not yet applied, which the
     # rerun applies (and records once); never changes on disk that no record mentions.
     record_fixups(root, record, [a for a in result.applied if a["fixup"] != "mtp_inject"], result.engines, command)
@@ -285,17 +282,6 @@ def _maybe_inject(ckpt: Checkpoint, mtp_from, recipe: str | None, dry_run: bool,
     return inject_mtp(ckpt, mtp_from, recipe, quiet=quiet), None
 
 
-def backup_config(root: Path) -> None:
-    """Keep the original config.json as config.json.orig (first change only; copied atomically).
-
-    Raises:
-        CheckpointError: the copy cannot be written; nothing is left behind.
-    """
-    backup = root / BACKUP_NAME
-    if not backup.exists():
-        copy_atomic(root / "config.json", backup)
-
-
 def load_fixups_record(root: Path) -> dict:
     """The existing mxforge_fixups.json, or a fresh record when there is none.
 
@@ -307,26 +293,11 @@ def load_fixups_record(root: Path) -> dict:
     return read_fixups_record(LocalDir(root))
 
 
-def read_fixups_record(source: CheckpointSource) -> dict:
-    """The checkpoint's mxforge_fixups.json (a directory's, or a Hub repo's), or a fresh record when it has none.
-
-    Raises:
-        CheckpointError: the record exists but is not valid JSON or not a fixup record.
-    """
-    if not source.exists(FIXUPS_NAME):
-        return {"stage": "fixup", "fixups": [], "runs": []}
-    record = source.read_json(FIXUPS_NAME, "fixup record")
-    if not (isinstance(record, dict) and isinstance(record.get("fixups"), list) and isinstance(record.get("runs"), list)):
-        raise CheckpointError(f"{source.where(FIXUPS_NAME)}: not a fixup record (an object with 'fixups' and 'runs' "
-                              "lists); move it aside and re-run mxforge fixup")
-    return record
-
-
 def add_to_record(record: dict, applied: list[dict], engines: list[str], command: str) -> dict:
     """`record` (from read_fixups_record) with one more run that applied `applied`; each fixup listed once."""
     record["fixups"] += [a for a in applied if a not in record["fixups"]]  # a rerun after a kill: recorded once
     record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
-    record.update({"engines": engines, "config_backup": BACKUP_NAME, "command": command})
+    record.update({"engines": engines, "config_backup": CONFIG_BACKUP_NAME, "command": command})
     return record
 
 

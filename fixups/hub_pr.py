@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from huggingface_hub import CommitOperationAdd
 
 from mxforge.checkpoint import Checkpoint
-from mxforge.cli_support import invocation
 from mxforge.errors import MxforgeError
 from mxforge.hub_errors import raise_as_hub_error
 from mxforge.hub_session import HubLimits
 from mxforge.hub_source import HubSource
 from mxforge.models import layout_of
+from mxforge.provenance import FIXUPS_NAME, read_fixups_record, recorded_command
+from mxforge.validation.profiles import select
+from mxforge.validation.validate import validate_checkpoint
 
-from .fixup import FIXUPS_NAME, FixupResult, add_to_record, fixup_checkpoint, read_fixups_record
-from .profiles import select
-from .validate import validate_checkpoint
+from .fixup import FixupResult, add_to_record, fixup_checkpoint
 
 PR_TITLE = "mxforge fixup: quantization_config.exclude entries every engine release needs"
 MAX_DESCRIBED = 200  # entries listed in the description; the record in the PR holds every one
@@ -96,7 +96,7 @@ def describe(fixup: FixupResult, labels: dict[str, str], before: str, after: str
     if len(fixup.applied) > len(shown):
         lines.append(f"| ... | {len(fixup.applied) - len(shown)} more | | all of them in `mxforge_fixups.json` |")
     lines += [f"- warning: {w}" for w in fixup.warnings]
-    lines += ["", f"Command: `{command}`"]
+    lines += ["", f"Command: `{command}`"] if command else []
     return "\n".join(lines)
 
 
@@ -109,7 +109,7 @@ def create_fixup_pr(repo_id: str, revision: str | None = None, engines=None, *, 
         HubError: the repo or revision cannot be read, or the Hub refuses the pull request (no write access...).
         MxforgeError: `revision` is a pull request (open the fix against a branch), or fixup cannot run.
     """
-    command = command or invocation()
+    command = recorded_command(command)
     revision = revision or "main"
     if revision.startswith("refs/pr/"):
         raise MxforgeError(f"{repo_id}: --revision {revision} is a pull request; open the fix against a branch "

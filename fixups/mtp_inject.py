@@ -11,21 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from mxforge.checkpoint import INDEX_BACKUP_NAME, INDEX_NAME, Checkpoint, write_index
+from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.models import layout_of, MoeLayout
 from mxforge.progress import byte_progress
-from mxforge.safetensors_io import PlannedTensor, ShardWriter, copy_atomic, write_json_atomic
+from mxforge.provenance import keep_original
+from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
 from mxforge.tensor_kinds import layer_of
 
 MTP_SHARD = "model-mtp.safetensors"
-INDEX_BACKUP = INDEX_BACKUP_NAME
 
 
-def backup_index(root: Path) -> None:
-    """Keep the original index as model.safetensors.index.json.orig (first change only; copied atomically)."""
-    if not (root / INDEX_BACKUP).exists():
-        copy_atomic(root / INDEX_NAME, root / INDEX_BACKUP)
 # config.json fields that must agree between the export and the bf16 source for its MTP layer to fit.
 SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_routed_experts", "q_lora_rank",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_attention_heads",
@@ -138,7 +134,7 @@ def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name:
 
 
 def _update_index(ckpt: Checkpoint, plan: MtpPlan) -> None:
-    backup_index(ckpt.root)
+    keep_original(ckpt.root, INDEX_NAME)
     weight_map = dict(ckpt.weight_map)
     weight_map.update({t.name: MTP_SHARD for t in plan.tensors})
     total = int(ckpt.index_metadata.get("total_size", 0)) + sum(t.nbytes for t in plan.tensors)
@@ -146,9 +142,7 @@ def _update_index(ckpt: Checkpoint, plan: MtpPlan) -> None:
 
 
 def _update_config(ckpt: Checkpoint, src: Checkpoint, plan: MtpPlan) -> None:
-    from .fixup import backup_config
-
-    backup_config(ckpt.root)
+    keep_original(ckpt.root, "config.json")
     config = dict(ckpt.config)
     if not _nextn(config):
         config["num_nextn_predict_layers"] = _nextn(src.config)

@@ -20,8 +20,6 @@ from .safetensors_io import ShardHeader, TensorInfo, read_header, write_json_ato
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # fixup's backups of the files it rewrites: kept on the machine that made them, never published
-CONFIG_BACKUP_NAME = "config.json.orig"
-INDEX_BACKUP_NAME = INDEX_NAME + ".orig"
 
 
 def write_index(root: Path, weight_map: dict[str, str], total_size: int, metadata: dict | None = None) -> None:

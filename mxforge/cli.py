@@ -19,12 +19,12 @@ from typing import Callable
 from . import __version__, hub_cli
 from .cli_support import (  # noqa: F401 (EXIT_* re-exported)
     EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEMS, add_follow_symlinks_option, add_hub_options, add_json_option,
-    emit, hub_limits, invocation,
+    add_engines_option, add_remote_options, emit, engines_arg, hub_limits, invocation, open_checkpoint_arg,
 )
 from .errors import MxforgeError
 from .fixups import cli as fixups_cli
-from .fixups.profiles import ENGINES_HELP
 from .quantize import cli as quantize_cli
+from .validation import cli as validation_cli
 
 
 # --- fixture ---------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def register_inspect(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="summarize a checkpoint: tensor kinds, dtypes, layers, MTP, quantization_config",
                        description="Summarize a checkpoint from its headers alone (no tensor data is read).")
     p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
-    fixups_cli.add_remote_options(p)
+    add_remote_options(p)
     add_json_option(p)
     return p
 
@@ -79,7 +79,7 @@ def register_inspect(sub) -> argparse.ArgumentParser:
 def run_inspect(args) -> int:
     from .inspect_ckpt import format_inspect, inspect_checkpoint
 
-    report = inspect_checkpoint(fixups_cli.open_checkpoint_arg(args))
+    report = inspect_checkpoint(open_checkpoint_arg(args))
     emit(report, args.json, format_inspect(report))
     return EXIT_OK
 
@@ -122,7 +122,7 @@ def register_run(sub) -> argparse.ArgumentParser:
     p.add_argument("out", help="working directory (created; rerun with the same one to resume)")
     p.add_argument("--recipe", default=None, help="recipe TOML path or shipped name (default glm-5.2-mxfp4)")
     quantize_cli.add_scale_rule_option(p)
-    p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
+    add_engines_option(p)
     p.add_argument("--push", metavar="REPO_ID", default=None, help="push the validated checkpoint to this Hub repo")
     p.add_argument("--private", action="store_true", help="with --push: create the repo private")
     p.add_argument("--revision", default="main", help="revision of SOURCE when it is a Hub repo (default main)")
@@ -147,11 +147,10 @@ def register_run(sub) -> argparse.ArgumentParser:
 
 
 def run_run(args) -> int:
-    from .fixups.profiles import parse_engines_arg
     from .pipeline import Pipeline, RunOptions, ValidationFailed, format_run_summary
 
     opts = RunOptions(source=args.source, out=args.out, recipe=args.recipe, scale_rule=args.scale_rule,
-                      engines=parse_engines_arg(args.engines), push_repo=args.push,
+                      engines=engines_arg(args), push_repo=args.push,
                       revision=args.revision, private=args.private, workers=args.workers, quiet=args.quiet,
                       command=invocation(), follow_symlinks=args.follow_symlinks, hub_limits=hub_limits(args),
                       stream=args.stream, in_flight=args.in_flight, executor=args.executor,
@@ -176,7 +175,7 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
     "quantize": (quantize_cli.register_quantize, quantize_cli.run_quantize),
     "dequantize": (register_dequantize, run_dequantize),
     "fixup": (fixups_cli.register_fixup, fixups_cli.run_fixup),
-    "validate": (fixups_cli.register_validate, fixups_cli.run_validate),
+    "validate": (validation_cli.register_validate, validation_cli.run_validate),
     "push": (hub_cli.register_push, hub_cli.run_push),
     "run": (register_run, run_run),
 }

@@ -25,6 +25,38 @@ def add_hub_options(p: argparse.ArgumentParser) -> None:
                    help="attempts at a file that bring no new byte before giving up (default: MXFORGE_HUB_RETRIES, else 5)")
 
 
+def add_remote_options(p: argparse.ArgumentParser) -> None:
+    """--revision and the Hub limits, for commands that take a Hub repo id where a checkpoint directory goes."""
+    p.add_argument("--revision", default=None, metavar="R", help="with a Hub repo id: branch, tag, commit or "
+                   "refs/pr/N (default main). Only config.json, the index and shard headers are fetched (ranged "
+                   "reads, cached by commit under $MXFORGE_CACHE or ~/.cache/mxforge)")
+    add_hub_options(p)
+
+
+def open_checkpoint_arg(args):
+    """The checkpoint an argument names: a directory, or a Hub repo id at --revision (a CheckpointSource)."""
+    from .hub_source import open_source
+
+    return open_source(args.ckpt, args.revision, hub_limits(args))
+
+
+def add_engines_option(p: argparse.ArgumentParser) -> None:
+    from .validation.profiles import ENGINES_HELP
+
+    p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
+
+
+def engines_arg(args) -> list[str] | None:
+    """The --engines items (None: every supported release).
+
+    Raises:
+        ConfigError: an item names no known engine, profile or supported release.
+    """
+    from .validation.profiles import parse_engines_arg
+
+    return parse_engines_arg(args.engines)
+
+
 def add_follow_symlinks_option(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--follow-symlinks", action="store_true",
                    help=f"read {what} through symlinks that lead outside it (default: refuse them)")

@@ -19,21 +19,19 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import INDEX_NAME, Checkpoint, write_index
-from .cli_support import invocation
 from .dir_lock import check_out_dir, directory_lock
 from .errors import CheckpointError
 from .progress import byte_progress
+from .provenance import DEQUANTIZE_NAME, WRITTEN_FILES, recorded_command
 from .quantize.mxfp4 import dequantize_rows
 from .quantize.run import drop_quantization_config, side_files
 from .safe_paths import refuse_links_leaving
 from .safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
-REPORT_NAME = "mxforge_dequantize.json"
 CHUNK_BYTES = 16 << 20
 SCALE_SUFFIX = "_scale"
 # Not carried over: what describes the MXFP4 checkpoint (its provenance, state, backups, card), not this one.
-NOT_COPIED = {INDEX_NAME, "config.json", "README.md", "mxforge_quantize.json", "mxforge_quantize.state.json",
-              "mxforge_fixups.json", "config.json.orig", INDEX_NAME + ".orig", REPORT_NAME}
+NOT_COPIED = {INDEX_NAME, "config.json", "README.md", *WRITTEN_FILES}
 
 
 def mxfp4_pairs(infos: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
@@ -74,13 +72,13 @@ def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None 
         raise CheckpointError(f"{src}: holds no MXFP4 weight (uint8 X.weight with X.weight_scale): nothing to dequantize")
     to_copy = side_files(src, NOT_COPIED)
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
-    check_out_dir(src, out, REPORT_NAME, "dequantize")
+    check_out_dir(src, out, DEQUANTIZE_NAME, "dequantize")
     out.mkdir(parents=True, exist_ok=True)
     scales = {s.name for s in pairs.values()}
     total = sum(i.nbytes for i in infos.values())
     weight_map, bytes_out, index_total = {}, 0, 0
     with directory_lock(out):
-        write_json_atomic(out / REPORT_NAME, {"stage": "dequantize", "status": "running", "source": str(src.resolve())})
+        write_json_atomic(out / DEQUANTIZE_NAME, {"stage": "dequantize", "status": "running", "source": str(src.resolve())})
         with byte_progress(total, "dequantize", disable=quiet) as bar:
             for shard in ckpt.shard_names:
                 header = ckpt.headers[shard]
@@ -110,8 +108,8 @@ def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None 
                   "copied": len(infos) - len(pairs) - len(scales), "scales_dropped": len(scales),
                   "bytes_in": total, "bytes_out": bytes_out, "seconds": round(seconds, 3),
                   "gb_per_s": round(total / seconds / 1e9, 4) if seconds > 0 else None,
-                  "command": command or invocation()}
-        write_json_atomic(out / REPORT_NAME, report)
+                  "command": recorded_command(command)}
+        write_json_atomic(out / DEQUANTIZE_NAME, report)
     return report
 
 

@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CONFIG_BACKUP_NAME, INDEX_BACKUP_NAME
-from .quantize.state import STATE_NAME as QUANTIZE_STATE_NAME
 from .progress import byte_progress
+from .provenance import LOCAL_ONLY_FILES
 from .safe_paths import refuse_links_leaving
 from .safetensors_io import write_json_atomic
 
@@ -30,21 +29,46 @@ class FileHash:
     git_sha1: str   # git blob id of the content (compared with the Hub's blobId for non-LFS files)
 
 
-def hash_file(path: Path, progress=None) -> tuple[str, str]:
-    """(sha256, git blob sha1) of a file in one read pass.
+class FileDigest:
+    """sha256 and git blob sha1 of a file of `size` bytes, fed chunk by chunk: as it is read, or as it is
+    written (a download verifies with no second read)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.reset()
+
+    def reset(self) -> None:
+        self.sha256, self.sha1, self.nbytes = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % self.size), 0
+
+    def update(self, chunk: bytes) -> None:
+        self.sha256.update(chunk)
+        self.sha1.update(chunk)
+        self.nbytes += len(chunk)
+
+    def catch_up(self, path: Path, upto: int, progress=None) -> None:
+        """Make the digest cover exactly the first `upto` bytes of path (after a resume or restart)."""
+        if self.nbytes == upto:
+            return
+        self.reset()
+        with open(path, "rb") as f:
+            while self.nbytes < upto and (chunk := f.read(min(CHUNK, upto - self.nbytes))):
+                self.update(chunk)
+                if progress is not None:
+                    progress.update(len(chunk))
+
+    def file_hash(self, name: str) -> "FileHash":
+        return FileHash(name, self.size, self.sha256.hexdigest(), self.sha1.hexdigest())
+
+
+def file_hash(path: Path, name: str, progress=None) -> FileHash:
+    """The FileHash of the file at `path` (recorded as `name`), in one read pass.
 
     Raises:
         OSError: the file cannot be read.
     """
-    size = path.stat().st_size
-    sha256, sha1 = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % size)
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            sha256.update(chunk)
-            sha1.update(chunk)
-            if progress is not None:
-                progress.update(len(chunk))
-    return sha256.hexdigest(), sha1.hexdigest()
+    digest = FileDigest(path.stat().st_size)
+    digest.catch_up(path, digest.size, progress)
+    return digest.file_hash(name)
 
 
 class HashCache:
@@ -107,8 +131,7 @@ def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = 
     total = sum((root / n).stat().st_size for n in todo)
     with byte_progress(total, desc, disable=quiet or not todo) as bar:
         def one(name: str) -> FileHash:
-            sha256, sha1 = hash_file(root / name, bar)
-            fh = FileHash(name, (root / name).stat().st_size, sha256, sha1)
+            fh = file_hash(root / name, name, bar)
             if cache is not None:
                 cache.put(fh)
             return fh
@@ -124,7 +147,6 @@ def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = 
 # Bookkeeping that stays on the machine that made it: quantize's resume state is meaningless elsewhere, and
 # fixup's backups of config.json and the index are for undoing a fixup here, not for publishing (push,
 # validate's integrity and hash checks all list files through checkpoint_files, so they agree).
-LOCAL_ONLY_FILES = (QUANTIZE_STATE_NAME, CONFIG_BACKUP_NAME, INDEX_BACKUP_NAME)
 
 
 def checkpoint_files(root: Path, follow_symlinks: bool = False) -> list[str]:

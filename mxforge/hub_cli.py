@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 # cli_support is light; heavy modules (huggingface_hub, hub I/O) are imported inside the functions, at call time.
-from .cli_support import EXIT_OK, add_follow_symlinks_option, add_hub_options, add_json_option, emit, hub_limits
-from .fixups.profiles import ENGINES_HELP
+from .cli_support import (EXIT_OK, add_engines_option, add_follow_symlinks_option, add_hub_options, add_json_option, emit,
+                          engines_arg, hub_limits, invocation)
 
 
 def _check_workers(workers: int) -> None:
@@ -51,7 +51,7 @@ def run_download(args) -> int:
     _check_workers(args.workers)
     _quiet_hub(args.quiet)
     r = download(args.repo_id, args.dest, revision=args.revision, include=args.include, exclude=args.exclude,
-                 workers=args.workers, quiet=args.quiet, limits=hub_limits(args))
+                 workers=args.workers, quiet=args.quiet, limits=hub_limits(args), command=invocation())
     report = r.as_dict()
     emit(report, args.json, f"downloaded {r.repo_id}@{r.revision} (commit {r.commit}) to {r.dest}: {report['files']} files, "
          f"{report['bytes']:,} bytes, every hash verified against the Hub")
@@ -69,7 +69,7 @@ def register_push(sub) -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--branch", default=None, help="push to this branch (created from main if missing; default main)")
     p.add_argument("--force", action="store_true", help="push even though validate fails (the card says so)")
-    p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
+    add_engines_option(p)
     add_follow_symlinks_option(p, "and upload files of CKPT")
     _add_common_options(p, "hash threads")
     return p
@@ -80,11 +80,9 @@ def run_push(args) -> int:
 
     _check_workers(args.workers)
     _quiet_hub(args.quiet)
-    from .fixups.profiles import parse_engines_arg
-
-    engines = parse_engines_arg(args.engines)
+    engines = engines_arg(args)
     r = push(args.ckpt, args.repo_id, private=args.private, branch=args.branch, force=args.force, engines=engines,
-             workers=args.workers, quiet=args.quiet, follow_symlinks=args.follow_symlinks, limits=hub_limits(args))
+             workers=args.workers, quiet=args.quiet, follow_symlinks=args.follow_symlinks, limits=hub_limits(args), command=invocation())
     forced = " (FORCED past failed validation)" if r.forced else ""
     emit(r.as_dict(), args.json, f"pushed {args.ckpt} to {r.endpoint}/{r.repo_id} branch {r.branch} (commit {r.commit}){forced}: "
          f"{len(r.files)} files, every remote sha256 matches the local one")

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,22 +22,18 @@ from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 
 from .dir_lock import directory_lock
+from .disk_space import require_free_space
 from .errors import MxforgeError
-from .file_hashes import FileHash, HashCache, hash_file, hash_files
+from .file_hashes import FileHash, HashCache, file_hash, hash_files
 from .hub_transfer import CANCEL, PARTIAL_DIR, fetch_file, kept_partial_bytes
-from .cli_support import invocation
 from .hub_errors import HubVerificationError, check_repo_id, hub_endpoint, raise_as_hub_error, redact
 from .hub_session import HubLimits, use_hub_limits
 from .progress import byte_progress, format_bytes
+from .provenance import SOURCE_NAME, recorded_command
 from .safe_paths import check_remote_name, remote_path
 from .safetensors_io import write_json_atomic
 
-SOURCE_NAME = "mxforge_source.json"
 HF_DOWNLOAD_DIR = Path(".cache") / "huggingface" / "download"
-
-
-class DiskSpaceError(MxforgeError):
-    """DEST's filesystem cannot hold the files to download."""
 
 
 @dataclass(frozen=True)
@@ -100,13 +95,6 @@ def select(files: list[RemoteFile], include: list[str] | None, exclude: list[str
     return [f for f in files if f.name in names]
 
 
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
 def check_disk_space(dest: Path, files: list[RemoteFile]) -> int:
     """Bytes still to download; refuse when DEST's filesystem has less free space than that.
 
@@ -118,14 +106,10 @@ def check_disk_space(dest: Path, files: list[RemoteFile]) -> int:
     """
     missing = [f for f in files if not _is_full_size(dest, f)]
     needed = sum(f.size for f in missing)
-    where = _existing_ancestor(dest)
-    free = shutil.disk_usage(where).free
-    if needed > free:
+    if missing:
         largest = max(missing, key=lambda f: f.size)
-        raise DiskSpaceError(
-            f"{dest}: {len(missing)} file(s) need {format_bytes(needed)} but the filesystem of {where} has only "
-            f"{format_bytes(free)} free (largest: {largest.name}, {format_bytes(largest.size)}): free space or "
-            "choose another DEST; nothing was downloaded")
+        require_free_space(dest, needed, f"{len(missing)} file(s)", "free space or choose another DEST; nothing was downloaded",
+                           f" (largest: {largest.name}, {format_bytes(largest.size)})")
     return needed
 
 
@@ -236,7 +220,7 @@ def fetch_verified(api: HfApi, repo_id: str, commit: str, dest: Path, f: RemoteF
         _raise_download_failure(repo_id, commit, dest, f, e)
     path = remote_path(dest, f.name)
     if got is None:
-        got = FileHash(f.name, path.stat().st_size, *hash_file(path))
+        got = file_hash(path, f.name)
     why = _mismatch(f, got)
     if why is not None:
         path.unlink(missing_ok=True)
@@ -347,5 +331,5 @@ def write_source_record(dest: Path, repo_id: str, revision: str, commit: str, fi
     write_json_atomic(dest / SOURCE_NAME, {
         "repo_id": repo_id, "revision": revision, "commit": commit, "endpoint": hub_endpoint(),
         "include": include or [], "exclude": exclude or [], "files": files,
-        "command": redact(command) if command is not None else invocation(),
+        "command": recorded_command(command),
     })

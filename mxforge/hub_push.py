@@ -25,8 +25,8 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from .checkpoint import Checkpoint
 from .dir_lock import directory_lock
 from .errors import CheckpointError, MxforgeError
-from .file_hashes import FileHash, FileStamp, checkpoint_files, hash_file, hash_files, snapshot
-from .cli_support import invocation
+from .file_hashes import FileHash, FileStamp, checkpoint_files, file_hash, hash_files, snapshot
+from .provenance import recorded_command
 from .hub_errors import HubError, HubVerificationError, as_hub_error, check_repo_id, hub_endpoint, raise_as_hub_error, redact
 from .hub_session import HubLimits, use_hub_limits
 from .model_card import CARD_MARKER, CARD_NAME, SOURCE_CARD_NAME, render_model_card
@@ -64,7 +64,7 @@ def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> 
         PushRefused: validation failed and force is False.
         CheckpointError: the checkpoint cannot be validated at all.
     """
-    from .fixups.validate import validate_checkpoint
+    from .validation.validate import validate_checkpoint
 
     report = validate_checkpoint(ckpt, engines)
     root = ckpt.root
@@ -107,8 +107,7 @@ def write_model_card(ckpt: Path, names: list[str], repo_id: str, validation: dic
     text = render_model_card(Checkpoint.open(ckpt, follow_symlinks), repo_id=repo_id, files=list(hashes.values()),
                              validation=validation, forced=forced, push_command=command)
     write_text_atomic(card, redact(text))
-    sha256, git_sha1 = hash_file(card)
-    return [*hashes.values(), FileHash(CARD_NAME, card.stat().st_size, sha256, git_sha1)]
+    return [*hashes.values(), file_hash(card, CARD_NAME)]
 
 
 class CheckpointChanged(MxforgeError):
@@ -259,7 +258,7 @@ def push(ckpt: str | Path, repo_id: str, *, private: bool = False, branch: str |
     check_repo_id(repo_id)
     if not ckpt.is_dir():
         raise CheckpointError(f"{ckpt}: not a directory; pass the checkpoint directory to push")
-    command = redact(command) if command is not None else invocation()
+    command = recorded_command(command)
     with directory_lock(ckpt):
         moved = keep_source_card(ckpt)
         if validation is None or not validation.get("ok") or validated_files is None:

@@ -29,7 +29,7 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 from huggingface_hub.utils._runtime import is_xet_available
 
 from .errors import MxforgeError
-from .file_hashes import FileHash
+from .file_hashes import FileDigest, FileHash
 from .hub_errors import HubError
 from .hub_session import HubLimits
 from .progress import format_bytes
@@ -56,31 +56,6 @@ class _Cancelled(Exception):
 def partial_path(dest: Path, name: str, etag: str) -> Path:
     """Where a file is streamed until complete; the ETag (the Hub's, untrusted) only as a hash."""
     return remote_path(dest / PARTIAL_DIR, f"{name}.{hashlib.sha256(etag.encode()).hexdigest()[:16]}.partial")
-
-
-class _StreamHash:
-    """sha256 and git blob sha1 of a file as it is written, so verifying needs no second read."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.reset()
-
-    def reset(self) -> None:
-        self.sha256, self.sha1, self.nbytes = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % self.size), 0
-
-    def update(self, chunk: bytes) -> None:
-        self.sha256.update(chunk)
-        self.sha1.update(chunk)
-        self.nbytes += len(chunk)
-
-    def catch_up(self, path: Path, upto: int) -> None:
-        """Make the hash cover exactly the first `upto` bytes of path (after a resume or restart)."""
-        if self.nbytes == upto:
-            return
-        self.reset()
-        with open(path, "rb") as f:
-            while self.nbytes < upto and (chunk := f.read(min(8 << 20, upto - self.nbytes))):
-                self.update(chunk)
 
 
 def fetch_file(repo_id: str, name: str, commit: str, size: int, dest: Path, *, endpoint: str, token,
@@ -114,21 +89,21 @@ def fetch_file(repo_id: str, name: str, commit: str, size: int, dest: Path, *, e
         partial.unlink()  # not ours to continue: longer than the file can be
     kept = partial.stat().st_size if partial.exists() else 0
     bar.update(kept)  # bytes kept from an earlier run
-    digest = _StreamHash(size)
+    digest = FileDigest(size)
     stream = _Stream(name, size, partial, meta.location or url, build_hf_headers(token=token), limits, bar, digest)
     stream.run()
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(partial, "rb+") as f:  # durable before its streamed hash is trusted by reruns and by quantize
         os.fsync(f.fileno())
     os.replace(partial, target)
-    return FileHash(name, size, digest.sha256.hexdigest(), digest.sha1.hexdigest())
+    return digest.file_hash(name)
 
 
 class _Stream:
     """The attempts at one file's bytes, within `limits`, appending to `partial` until it holds `size` bytes."""
 
     def __init__(self, name: str, size: int, partial: Path, location: str, headers: dict, limits: HubLimits,
-                 bar, digest: _StreamHash):
+                 bar, digest: FileDigest):
         self.name, self.size, self.partial, self.location, self.headers = name, size, partial, location, headers
         self.limits, self.bar, self.digest = limits, bar, digest
         self.last_growth = time.monotonic()

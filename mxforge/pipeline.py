@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Callable
 from .errors import MxforgeError
 from .checkpoint import is_local_source
 from .quantize.error_report import summary_line
+from .provenance import RUN_STATE_NAME, STREAM_STATE_NAME
 from .quantize.scale_rules import DEFAULT_SCALE_RULE
 from .safetensors_io import write_json_atomic
 
 if TYPE_CHECKING:  # hub_session imports huggingface_hub: only when a stage talks to the Hub
     from .hub_session import HubLimits
 
-STATE_NAME = "mxforge_run.json"
 STAGES = ("download", "quantize", "stream", "fixup", "validate", "push")  # stream: download + quantize, overlapped
 
 
@@ -96,7 +96,7 @@ class Pipeline:
     def __init__(self, opts: RunOptions):
         self.opts = opts
         self.out = Path(opts.out)
-        self.state_path = self.out / STATE_NAME
+        self.state_path = self.out / RUN_STATE_NAME
         self.local = is_local_source(opts.source)
         self.bf16_dir = Path(opts.source) if self.local else self.out / "bf16"
         self.mxfp4_dir = self.out / "mxfp4"
@@ -202,10 +202,9 @@ class Pipeline:
             return earlier or asked
         if self.local:
             return "sequential"
-        import shutil
-
         from huggingface_hub import HfApi
 
+        from .disk_space import free_space
         from .hub_download import remote_files
         from .hub_session import HubLimits, use_hub_limits
         from .stream import choose_stream
@@ -214,7 +213,7 @@ class Pipeline:
         _, files = remote_files(HfApi(), o.source, o.revision)
         source = sum(f.size for f in files)
         self.out.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.out).free
+        _, free = free_space(self.out)
         mode = "stream" if choose_stream(source, free) else "sequential"
         if not o.quiet:
             import sys
@@ -270,7 +269,7 @@ class Pipeline:
 
     def _stream(self) -> dict:
         from .hub_session import HubLimits
-        from .stream import STREAM_STATE_NAME, StreamOptions, StreamRun
+        from .stream import StreamOptions, StreamRun
 
         o = self.opts
         return StreamRun(StreamOptions(
@@ -297,7 +296,7 @@ class Pipeline:
 
     def _validate(self) -> dict:
         from .file_hashes import checkpoint_files, snapshot
-        from .fixups.validate import validate_checkpoint
+        from .validation.validate import validate_checkpoint
 
         files = checkpoint_files(self.mxfp4_dir)
         self.validated_files = snapshot(self.mxfp4_dir, files)  # push commits only these, unchanged

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import MxforgeError
-from .file_hashes import FileHash, hash_file
+from .file_hashes import file_hash
 
 TASK_RETRIES = 3  # Ray reruns a task whose worker process or node died this many times
 HUB_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_XET", "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_ETAG_TIMEOUT",
@@ -59,8 +59,8 @@ def run_shard_task(task: ShardTask) -> dict:
 
     from .hub_download import fetch_verified
     from .hub_session import use_hub_limits
+    from .quantize.plan import check_planned_header
     from .quantize.shard_job import ShardJob, run_shard
-    from .stream import check_planned_header
 
     use_hub_limits(task.limits)
     api = HfApi()
@@ -83,7 +83,7 @@ def run_shard_task(task: ShardTask) -> dict:
 
         times["upload"] = [time.time()]
         path = Path(task.out_dir) / task.plan.name
-        fh = FileHash(task.plan.name, path.stat().st_size, *hash_file(path))
+        fh = file_hash(path, task.plan.name)
         preupload_file(api, Path(task.out_dir), task.push_repo, task.branch, fh)
         times["upload"].append(time.time())
     return {"result": result, "file": fh, "times": times, "node": os.uname().nodename}

@@ -18,7 +18,6 @@ Peak disk: the output plus at most `in_flight` source shards (and their partial 
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -28,17 +27,14 @@ from pathlib import Path
 
 from .checkpoint import INDEX_NAME, Checkpoint
 from .dir_lock import check_out_dir
+from .disk_space import free_space, require_free_space
 from .errors import CheckpointError, MxforgeError
-from .file_hashes import FileHash, HashCache, hash_file
+from .file_hashes import FileHash, HashCache, file_hash
 from .progress import byte_progress, format_bytes
+from .provenance import QUANTIZE_STATE_NAME
 from .safetensors_io import partial_path, read_header, write_json_atomic
 
-STREAM_STATE_NAME = "mxforge_stream.json"
 STREAM_STATE_FORMAT = 1
-
-
-class DiskPlanError(MxforgeError):
-    """The streamed run's peak disk does not fit the free space."""
 
 
 @dataclass
@@ -129,21 +125,6 @@ class _State:
         write_json_atomic(self.path, self.data)
 
 
-def check_planned_header(path: Path, plan) -> None:
-    """The downloaded shard's own header must be the one its plan was made from (read from the Hub by byte
-    range before the download): a Hub that serves other bytes for a range than for the file is refused.
-
-    Raises:
-        CheckpointError: the headers differ (the shard is deleted, so a rerun fetches it again).
-    """
-    planned = {t.source.name: t.source for t in plan.tensors}
-    if read_header(path).tensors != planned:
-        path.unlink(missing_ok=True)
-        raise CheckpointError(f"{path}: its header differs from the one the Hub served by byte range when the run was "
-                              "planned; the shard was deleted. Rerun; if it happens again, the Hub or a proxy serves "
-                              "inconsistent bytes")
-
-
 def plan_disk(output_bytes: int, source_sizes: list[int], in_flight: int) -> int:
     """Peak bytes a streamed run adds to disk: the whole output plus the `in_flight` largest source shards."""
     return output_bytes + sum(sorted(source_sizes, reverse=True)[:in_flight])
@@ -225,14 +206,14 @@ class StreamRun:
         """Stream every shard not yet done, then write the index, side files and config.json; returns the report.
 
         Raises:
-            DiskPlanError: the output plus the in-flight source shards cannot fit (before any shard is fetched).
+            DiskSpaceError: the output plus the in-flight source shards cannot fit (before any shard is fetched).
             MxforgeError: any stage's error (download, verify, quantize, pre-upload), unchanged; finished
                 shards stay recorded for the rerun.
         """
         from .quantize.plan import plan_checkpoint
         from .quantize.recipe import load_recipe
         from .quantize.run import _remove_strays, default_workers, finish_checkpoint, side_files, write_provenance
-        from .quantize.state import STATE_NAME, ResumeState, tool_versions
+        from .quantize.state import ResumeState, tool_versions
 
         o = self.o
         started = time.monotonic()
@@ -243,7 +224,7 @@ class StreamRun:
         plan = plan_checkpoint(ckpt, recipe)
         plan.refuse_cross_shard_scales("a streamed run deletes each source shard once it is quantized")
         to_copy = side_files(o.bf16_dir)
-        check_out_dir(o.bf16_dir, o.mxfp4_dir, STATE_NAME, "quantize")
+        check_out_dir(o.bf16_dir, o.mxfp4_dir, QUANTIZE_STATE_NAME, "quantize")
         o.mxfp4_dir.mkdir(parents=True, exist_ok=True)
         qstate = ResumeState(o.mxfp4_dir, recipe.sha256, tool_versions(), recipe.scale_rule)
         state = _State.load(o.state_path, o.source, commit)
@@ -322,17 +303,15 @@ class StreamRun:
                          in_flight)
         have = sum((o.mxfp4_dir / s.plan.name).stat().st_size for s in shards if s.step in ("upload", "done")) \
             + (0 if o.local else sum(s.plan.source_size for s in shards if s.verified))
-        free = shutil.disk_usage(o.mxfp4_dir).free
+        _, free = free_space(o.mxfp4_dir)
         source = sum(s.plan.source_size for s in shards)
         self.disk_plan = {"source_bytes": source, "output_bytes": output, "in_flight_source_shards": in_flight,
                           "peak_bytes": peak, "on_disk_bytes": have, "free_bytes": free}
         self._say(f"streaming {len(shards)} shard(s), at most {in_flight} bf16 shard(s) on disk at once: peak disk "
                   f"{format_bytes(peak)} (output {format_bytes(output)} + source shards in flight), against "
                   f"{format_bytes(source)} of source; {format_bytes(free)} free")
-        if peak - have > free:
-            raise DiskPlanError(f"{o.mxfp4_dir}: a streamed run needs {format_bytes(peak - have)} more disk (output "
-                                f"{format_bytes(output)} + {in_flight} source shard(s)) but {format_bytes(free)} is free: "
-                                "free space, or lower --in-flight")
+        require_free_space(o.mxfp4_dir, peak - have, f"the streamed run's output ({format_bytes(output)}) and "
+                           f"{in_flight} source shard(s) in flight", "free space, or lower --in-flight")
 
     # --- 2: the overlapped stages -------------------------------------------------------------------
     def _stream(self, todo: list[_Shard], workers: int, in_flight: int, qstate, state: _State) -> None:
@@ -476,6 +455,7 @@ class StreamRun:
 
     def _download(self, s: _Shard, bar) -> tuple[int, int]:
         from .hub_download import fetch_verified
+        from .quantize.plan import check_planned_header
 
         fetch_verified(self.api, self.o.source, self.commit, self.o.bf16_dir, s.remote, self.o.limits, bar)
         check_planned_header(self.o.bf16_dir / s.plan.name, s.plan)
@@ -486,7 +466,7 @@ class StreamRun:
         from .hub_push import preupload_file
 
         path = self.o.mxfp4_dir / s.plan.name
-        fh = FileHash(s.plan.name, path.stat().st_size, *hash_file(path))
+        fh = file_hash(path, s.plan.name)
         preupload_file(self.api_for_push(), self.o.mxfp4_dir, self.o.push_repo, self.o.branch, fh)
         return fh
 

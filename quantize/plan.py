@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.models import MoeLayout, layout_of
-from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, safetensors_order
+from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, read_header, safetensors_order
 
 from .fp8_source import BF16, FP8_DTYPE, SCALE_DTYPES, SCALE_SUFFIX, SourcePrecision, source_precision
 from .mxfp4 import packed_shapes
@@ -204,3 +205,18 @@ def tensor_fate(info: TensorInfo, recipe: Recipe, layout: MoeLayout, fp8_weight:
         raise ConfigError(f"tensor {info.name!r} {list(info.shape)}: the recipe selects it, but MXFP4 packs two "
                           "codes per byte and its in-dimension is odd; keep it with a [[keep]] rule")
     return "quantized"
+
+
+def check_planned_header(path: Path, plan: "ShardPlan") -> None:
+    """The downloaded shard's own header must be the one its plan was made from (read from the Hub by byte
+    range before the download): a Hub that serves other bytes for a range than for the file is refused.
+
+    Raises:
+        CheckpointError: the headers differ (the shard is deleted, so a rerun fetches it again).
+    """
+    planned = {t.source.name: t.source for t in plan.tensors}
+    if read_header(path).tensors != planned:
+        path.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: its header differs from the one the Hub served by byte range when the run was "
+                              "planned; the shard was deleted. Rerun; if it happens again, the Hub or a proxy serves "
+                              "inconsistent bytes")

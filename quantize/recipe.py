@@ -1,4 +1,4 @@
-"""Quantization recipes: which weights become MXFP4, as data (manifests/*.toml), validated on load.
+"""Quantization recipes: which weights become MXFP4, as data (manifests/recipes/*.toml), validated on load.
 
 A recipe names a scheme and ordered rules. `[[keep]]` rules win over `[[quantize]]` rules; a weight no
 rule matches is kept. A rule selects 2-D linear weights by tensor kind (`mxforge.tensor_kinds`: experts,
@@ -29,6 +29,7 @@ from mxforge.tensor_kinds import KINDS, layer_of
 from .scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, get_scale_rule
 
 Decision = Literal["quantize", "keep"]
+RECIPES_DIR = "recipes"  # shipped recipes: manifests/recipes/<name>.toml
 DEFAULT_RECIPE = DEFAULT_FAMILY.default_recipe  # with no checkpoint to ask; else its family's default
 SCHEMES = {"mxfp4": True, "w_mxfp4": False}  # scheme -> are dynamic MXFP4 activations declared?
 LAYER_SCOPES = ("all", "decoder", "mtp")
@@ -141,7 +142,7 @@ class Recipe:
 
 
 def load_recipe(name_or_path: str | Path | None = None, config: dict | None = None) -> Recipe:
-    """Load and validate a recipe: a path to a TOML file, or the bare name of one shipped in manifests/;
+    """Load and validate a recipe: a path to a TOML file, or the bare name of one shipped in manifests/recipes/;
     None: the default recipe of `config`'s model family (no config: of the default family).
 
     A value with a '/' or a .toml suffix is a path and must be an existing file; anything else is a
@@ -153,9 +154,9 @@ def load_recipe(name_or_path: str | Path | None = None, config: dict | None = No
     value = str(name_or_path or (family_of(config).default_recipe if config is not None else DEFAULT_RECIPE))
     if "/" not in value and not value.endswith(".toml"):
         try:
-            raw, source = manifest_text(f"{value}.toml").encode(), f"manifests/{value}.toml"
+            raw, source = manifest_text(f"{RECIPES_DIR}/{value}.toml").encode(), f"manifests/{RECIPES_DIR}/{value}.toml"
         except ConfigError:
-            raise ConfigError(f"recipe {value!r}: no such file manifests/{value}.toml shipped; pass a shipped name such "
+            raise ConfigError(f"recipe {value!r}: no such file manifests/{RECIPES_DIR}/{value}.toml shipped; pass a shipped name such "
                               f"as {DEFAULT_RECIPE!r}, or a recipe TOML by its path (e.g. ./{value}.toml)") from None
     else:
         path = Path(value)

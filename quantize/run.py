@@ -11,18 +11,17 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
-import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from mxforge.cli_support import invocation
-from mxforge.checkpoint import INDEX_NAME, Checkpoint, load_json, write_index
+from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.dir_lock import check_out_dir, directory_lock
+from mxforge.disk_space import require_free_space
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
-from mxforge.hub_download import SOURCE_NAME
-from mxforge.progress import byte_progress, format_bytes
+from mxforge.progress import byte_progress
+from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME, recorded_command, source_hashes
 from mxforge.safe_paths import refuse_links_leaving
 from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
 
@@ -30,9 +29,9 @@ from .plan import QuantizePlan, ShardPlan, plan_checkpoint
 from .error_report import error_report
 from .recipe import Recipe, load_recipe
 from .shard_job import ShardJob, ShardResult, finish_shard, run_shard
-from .state import PROVENANCE_NAME, STATE_NAME, ResumeState, tool_versions
+from .state import ResumeState, tool_versions
 
-NOT_COPIED = {INDEX_NAME, STATE_NAME, PROVENANCE_NAME, "config.json"}  # config.json is rewritten
+NOT_COPIED = {INDEX_NAME, QUANTIZE_STATE_NAME, QUANTIZE_NAME, "config.json"}  # config.json is rewritten
 
 
 def default_workers(shards: int) -> int:
@@ -74,7 +73,7 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     to_copy = side_files(src)
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     plan = plan_checkpoint(ckpt, recipe)
-    check_out_dir(src, out, STATE_NAME, "quantize")
+    check_out_dir(src, out, QUANTIZE_STATE_NAME, "quantize")
     with directory_lock(out):
         return _quantize_into(src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command,
                               measure_errors)
@@ -93,7 +92,7 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
     state.save()  # marks OUT as ours before any shard is written, so a rerun after a kill may resume into it
     _remove_strays(out, plan)
     _check_free_space(out, todo)
-    expected = _expected_sha256(src)
+    expected = source_hashes(src)
     verified = _download_verified(src, expected)
     jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name),
                      recipe.scale_offsets, measure_errors) for s in sorted(todo, key=lambda s: -s.source_size)]
@@ -144,21 +143,8 @@ def _remove_strays(out: Path, plan: QuantizePlan) -> None:
 
 
 def _check_free_space(out: Path, todo: list[ShardPlan]) -> None:
-    need = sum(s.output_size for s in todo)
-    free = shutil.disk_usage(out).free
-    if need > free:
-        raise CheckpointError(f"{out}: needs {format_bytes(need)} for the remaining output shards but only "
-                              f"{format_bytes(free)} is free; free space or choose another OUT")
-
-
-def _expected_sha256(src: Path) -> dict[str, str]:
-    """Shard sha256 recorded by `mxforge download`, if the source has that provenance."""
-    path = src / SOURCE_NAME
-    if not path.exists():
-        return {}
-    data = load_json(path, SOURCE_NAME)
-    files = data.get("files", []) if isinstance(data, dict) else []
-    return {f["name"]: f["sha256"] for f in files if isinstance(f, dict) and f.get("sha256") and f.get("name")}
+    require_free_space(out, sum(s.output_size for s in todo), "the remaining output shards",
+                       "free space or choose another OUT")
 
 
 def _download_verified(src: Path, expected: dict[str, str]) -> dict[str, tuple[int, int]]:
@@ -334,13 +320,13 @@ def drop_quantization_config(config: dict) -> None:
 def write_provenance(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: str, workers: int,
                      state: ResumeState, done: int, skipped: int, bytes_read: int, elapsed: float, accounted: dict,
                      command: str | None, sha256_from_download: int, measure_errors: bool = True) -> dict:
-    """The quantize report, with the error report of every shard in `state`, written to OUT/PROVENANCE_NAME
+    """The quantize report, with the error report of every shard in `state`, written to OUT/QUANTIZE_NAME
     (the sequential and the streamed run both end here); returns it."""
     report = _report(src, out, recipe, plan, device, workers, state.versions, done, skipped, bytes_read, elapsed,
                      accounted, command, sha256_from_download)
     report["error"] = error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers,
                                    recipe.scale_rule) if measure_errors else None
-    write_json_atomic(out / PROVENANCE_NAME, report)
+    write_json_atomic(out / QUANTIZE_NAME, report)
     return report
 
 
@@ -370,6 +356,6 @@ def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: st
         "seconds": round(elapsed, 3),
         "gb_per_s": round(bytes_read / elapsed / 1e9, 4) if elapsed > 0 else None,
         "tool_versions": versions,
-        "command": command or invocation(),
+        "command": recorded_command(command),
         "tensors": {fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
     }

@@ -9,20 +9,19 @@ rewritten atomically after each shard, so a SIGKILL at any moment leaves either 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mxforge.file_hashes import file_hash
+from mxforge.provenance import QUANTIZE_STATE_NAME
 from mxforge.safetensors_io import write_json_atomic
 
 if TYPE_CHECKING:  # the state file's name is imported by hub I/O, which must not pull in the shard workers
     from .shard_job import ShardResult
 
-STATE_NAME = "mxforge_quantize.state.json"
-PROVENANCE_NAME = "mxforge_quantize.json"
 STATE_FORMAT = 1
 VERSIONED_PACKAGES = ("mxforge", "amd-quark", "torch", "numba", "numpy")
 
@@ -37,19 +36,11 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 class ResumeState:
     """The state file of one OUT directory for one (recipe, tool versions) pair."""
 
     def __init__(self, out: Path, recipe_sha256: str, versions: dict[str, str], scale_rule: str = "quark"):
-        self.path = out / STATE_NAME
+        self.path = out / QUANTIZE_STATE_NAME
         self.recipe_sha256 = recipe_sha256
         self.scale_rule = scale_rule
         self.versions = versions
@@ -90,7 +81,7 @@ class ResumeState:
         if src.st_size != entry["source_size"]:
             return False
         if src.st_mtime_ns != entry["source_mtime_ns"]:  # touched: same only if the bytes are the same
-            return file_sha256(src_dir / name) == entry["source_sha256"]
+            return file_hash(src_dir / name, name).sha256 == entry["source_sha256"]
         return True
 
     def output_done(self, name: str, out_dir: Path, header_sha256: str, source_sha256: str) -> bool:

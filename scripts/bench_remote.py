@@ -27,8 +27,8 @@ from bench_validate import AMD_WITH_MTP  # noqa: E402
 from loopback_hub import LoopbackHub  # noqa: E402
 
 from mxforge.fixture import write_fixture  # noqa: E402
-from mxforge.fixups.quark_like import write_quark_like  # noqa: E402
-from mxforge.fixups.validate import validate_checkpoint  # noqa: E402
+from quark_like import write_quark_like  # noqa: E402
+from mxforge.validation.validate import validate_checkpoint  # noqa: E402
 from mxforge.progress import format_bytes  # noqa: E402
 
 REPO_ID = "amd-like/glm-5.2-mxfp4"

@@ -25,9 +25,11 @@ import threading
 import time
 from pathlib import Path
 
+from mxforge.provenance import PUBLISHED_RECORDS
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 TOKEN = "hf_benchStreamToken"
-PROVENANCE = {"README.md", "mxforge_source.json", "mxforge_quantize.json", "mxforge_fixups.json"}
+PROVENANCE = {"README.md", *PUBLISHED_RECORDS}
 
 
 def disk_bytes(root: Path) -> int:

@@ -27,8 +27,9 @@ from pathlib import Path
 from mxforge.checkpoint import Checkpoint
 from mxforge.fixture import write_fixture
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.fixups.quark_like import write_quark_like
-from mxforge.fixups.validate import validate_checkpoint
+from quark_like import write_quark_like
+from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME
+from mxforge.validation.validate import validate_checkpoint
 from mxforge.safetensors_io import read_header
 
 TARGET_S = 2.0
@@ -87,7 +88,7 @@ def main() -> int:
 
     def fixup_fresh() -> None:
         (globbed / "config.json").write_text(original)
-        for leftover in ("config.json.orig", "mxforge_fixups.json"):
+        for leftover in (CONFIG_BACKUP_NAME, FIXUPS_NAME):
             (globbed / leftover).unlink(missing_ok=True)
         result = fixup_checkpoint(globbed, command="bench_validate.py")
         assert result.changed and not result.remaining

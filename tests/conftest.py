@@ -1,25 +1,18 @@
-"""Shared fixtures: GLM-5.2-shaped checkpoints built once per test session."""
+"""Shared fixtures: GLM-5.2-shaped checkpoints built once per test session, and the loopback test Hub.
+Shared constants and helpers are in helpers.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from mxforge.fixture import write_fixture
-from mxforge.models import family_named
 
-GLM5 = family_named("glm_moe_dsa")  # the family the shared fixtures below belong to
+from helpers import OTHER_TOKEN, REPO, TOKEN, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
-
-MTP = 7  # the tiny fixture's num_hidden_layers: its MTP layer
-# AMD's published GLM-5.2 MXFP4 exclusions (glm-5.2.md): attention, routers, lm_head, dense MLPs ...
-BASE = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj"]
-AMD = BASE + [f"*layers.{MTP}.*"]  # ... and the whole MTP layer
+sys.path.insert(0, str(REPO / "scripts"))  # the test Hub (loopback_hub) and the Quark-style writer (quark_like)
 
 
 @pytest.fixture(scope="session")
@@ -38,63 +31,19 @@ def full_layout_ckpt(tmp_path_factory) -> Path:
     return out
 
 
-def serve_tiny(tmp_path: Path, tiny_ckpt: Path, token: str):
-    """A loopback Hub (scripts/loopback_hub.py) serving the tiny fixture as zai/glm-tiny, `token` for user alice;
-    a generator for fixtures: `yield from serve_tiny(...)` stops it afterwards."""
-    sys.path.insert(0, str(REPO / "scripts"))
+@pytest.fixture
+def hub(tmp_path, tiny_ckpt):
+    """A loopback Hub (scripts/loopback_hub.py) serving the tiny fixture as zai/glm-tiny, and as zai/glm-gated
+    (gated, granted to alice); alice holds TOKEN, bob OTHER_TOKEN. A test file may extend it (a fixture `hub`
+    that takes this one and adds repos)."""
     from loopback_hub import LoopbackHub
 
-    hub = LoopbackHub(tmp_path / "hub", tokens={token: "alice"})
-    hub.add_repo_from_dir("zai/glm-tiny", tiny_ckpt)
-    hub.start()
-    yield hub
-    hub.stop()
-
-
-def hub_env(hub, tmp_path: Path, token: str) -> dict:
-    """The environment that points the mxforge command (huggingface_hub) at a loopback Hub."""
-    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
-            "HF_TOKEN": token, "HF_HUB_DISABLE_TELEMETRY": "1"}
-
-
-def _without_root_overrides() -> None:
-    """As root, give up the capabilities that ignore file permissions, so that a read-only directory is
-    read-only to this process as it is to a user (a no-op for a normal user)."""
-    if os.geteuid() == 0:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
-            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP: gone for the program exec'd next
-                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-
-
-def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: float = 600,
-            as_user: bool = False) -> subprocess.CompletedProcess:
-    """Run the installed `mxforge` entry point (via this interpreter) as a user would.
-
-    `as_user`: file permissions apply even when the tests run as root."""
-    proc = subprocess.run([sys.executable, "-m", "mxforge.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout,
-                          preexec_fn=_without_root_overrides if as_user else None)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"mxforge {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
-    """Start `mxforge` in the background (for signals and concurrent runs); read it with communicate()."""
-    return subprocess.Popen([sys.executable, "-m", "mxforge.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-
-
-def one_error_line(proc, code: int = 2) -> str:
-    """The single `mxforge ...` line of a run that failed with `code` and no traceback."""
-    assert proc.returncode == code, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("mxforge ")]
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
+    h = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice", OTHER_TOKEN: "bob"})
+    h.add_repo_from_dir("zai/glm-tiny", tiny_ckpt)
+    h.add_repo_from_dir("zai/glm-gated", tiny_ckpt, gated=True, granted={"alice"})
+    h.start()
+    yield h
+    h.stop()
 
 
 @pytest.fixture(scope="session")

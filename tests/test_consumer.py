@@ -27,8 +27,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import run_cli
+from helpers import run_cli
 from ocp_mx import decode_checkpoint, decode_mxfp4, e2m1_value, e8m0_table
+
+pytestmark = pytest.mark.slow  # quantizes and runs the model through transformers (a minute a setup)
 
 SCALE_RULES = [None, "mse"]  # None: Quark's rule (the default); others go to `mxforge quantize --scale-rule RULE`
 

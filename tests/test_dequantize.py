@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import one_error_line, run_cli
+from helpers import one_error_line, run_cli
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
-from mxforge.dequantize import REPORT_NAME
+from mxforge.provenance import DEQUANTIZE_NAME
 from mxforge.quantize.quark_ref import quark_dequantize_weight
 
 
@@ -60,7 +60,7 @@ def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouch
     index = json.loads((bf16 / INDEX_NAME).read_text())
     assert set(index["weight_map"]) == set(unpacked)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in unpacked.values())
-    report = json.loads((bf16 / REPORT_NAME).read_text())
+    report = json.loads((bf16 / DEQUANTIZE_NAME).read_text())
     assert report["status"] == "done" and report["dequantized"] == len(scales)
     assert not list(bf16.glob("*.partial")) and (bf16 / "tokenizer.json").read_bytes() == (mxfp4 / "tokenizer.json").read_bytes()
 

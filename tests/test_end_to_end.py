@@ -8,12 +8,14 @@ import torch
 from safetensors import safe_open
 
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.fixups.profiles import all_profiles
-from mxforge.fixups.quark_like import write_quark_like
-from mxforge.fixups.validate import validate_checkpoint
+from mxforge.validation.profiles import all_profiles
+from quark_like import write_quark_like
+from mxforge.validation.validate import validate_checkpoint
 from mxforge.quantize.run import quantize_checkpoint
 
-from conftest import GLM5, BASE, MTP, run_cli
+from helpers import GLM5, BASE, MTP, run_cli
+
+pytestmark = pytest.mark.slow  # the real quantizer's output, fixed up and validated
 
 
 @pytest.fixture(scope="session")

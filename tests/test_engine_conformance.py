@@ -17,9 +17,9 @@ import pytest
 
 from engine_truth import matrix, probe_io
 from engine_truth.wheels import Release, available_versions
-from mxforge.fixups.matching import DRAFT, TARGET
-from mxforge.fixups.profiles import all_profiles, load_profile, release_ranges
-from mxforge.fixups.validate import validate_checkpoint
+from mxforge.validation.matching import DRAFT, TARGET
+from mxforge.validation.profiles import all_profiles, load_profile, release_ranges
+from mxforge.validation.validate import validate_checkpoint
 from mxforge.models import FAMILIES
 
 

@@ -12,19 +12,13 @@ import pytest
 from mxforge.errors import ConfigError
 from mxforge.fixture import write_fixture
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.fixups.profiles import all_profiles, parse_engines_arg, select
-from mxforge.fixups.quark_like import write_quark_like
-from mxforge.fixups.validate import validate_checkpoint
+from mxforge.validation.profiles import all_profiles, parse_engines_arg, select
+from quark_like import write_quark_like
+from mxforge.validation.validate import validate_checkpoint
 
-from conftest import GLM5, AMD, BASE, MTP
+from helpers import AMD, BASE, BEFORE_GLM_DRAFT, EH_PROJ_LINEAR, GLM5, MTP, NO_EXPERT_CHILD_RULE
 
 PROFILES = [p.name for p in all_profiles(GLM5)]
-# sglang before GLM's own draft class (0.5.16): MTP exclusions written as model.layers.N.* never reach the draft.
-BEFORE_GLM_DRAFT = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}
-# Releases whose draft builds eh_proj as a plain nn.Linear: never quantized.
-EH_PROJ_LINEAR = {"sglang-0.5.9", "sglang-0.5.10", "vllm-0.30.0", "vllm-0.31.0"}
-# Releases without the "any <layer>.mlp.experts.* entry excludes the experts" rule.
-NO_EXPERT_CHILD_RULE = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15", "sglang-0.5.16", "sglang-0.5.18", "sglang-0.5.19"}
 
 
 @pytest.fixture
@@ -310,7 +304,7 @@ def test_engines_selection_by_name_range_and_version():
 def test_an_entry_that_would_harm_a_right_decision_is_detected(export):
     """fixup's guard: an entry that makes any release build an MXFP4-stored module bf16 is named."""
     from mxforge.fixups.fixup import harmed_modules
-    from mxforge.fixups.loaded import load_checkpoint
+    from mxforge.validation.loaded import load_checkpoint
 
     loaded = load_checkpoint(export(AMD))[0]
     qc = loaded.ckpt.quantization_config

@@ -17,7 +17,7 @@ from mxforge.quantize.plan import plan_checkpoint
 from mxforge.quantize.recipe import load_recipe
 from mxforge.tensor_kinds import layer_of
 
-from conftest import hub_env, run_cli, serve_tiny
+from helpers import TOKEN, hub_env, run_cli
 
 PUBLISHED = [f for f in FAMILIES if f.published]
 
@@ -148,28 +148,31 @@ def test_default_recipe_keeps_what_the_policy_keeps(family, tmp_path):
         assert (t.fate == "quantized") == want, (name, t.fate)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_run_end_to_end_per_family(family, tmp_path):
     """`mxforge run` from the family's tiny bf16 fixture on a loopback Hub to a push there, default recipe: download,
     quantize, fixup, validate for every release that builds the family, push; the card names the family."""
     from huggingface_hub import HfApi
 
+    from loopback_hub import LoopbackHub
+
     write_fixture(tmp_path / "src", "tiny", family=family, quiet=True)
-    token = "hf_mxforgeFamilyRunToken"
-    serving = serve_tiny(tmp_path, tmp_path / "src", token)
-    hub = next(serving)
+    hub = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
+    hub.add_repo_from_dir(f"zai/{family.name}-tiny", tmp_path / "src")
+    hub.start()
     try:
-        proc = run_cli("run", "zai/glm-tiny", str(tmp_path / "out"), "--push", f"alice/{family.name}-mxfp4", "--quiet",
-                       "--json", "-", env=hub_env(hub, tmp_path, token))
+        proc = run_cli("run", f"zai/{family.name}-tiny", str(tmp_path / "out"), "--push", f"alice/{family.name}-mxfp4",
+                       "--quiet", "--json", "-", env=hub_env(hub, tmp_path))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         stages = json.loads(proc.stdout)["stages"]
         assert all(stages[s]["status"] == "done" for s in ("download", "quantize", "fixup", "validate", "push")), stages
         assert stages["push"]["report"]["remote_hashes_match"] is True
-        card = HfApi(endpoint=hub.endpoint, token=token).hf_hub_download(f"alice/{family.name}-mxfp4", "README.md",
+        card = HfApi(endpoint=hub.endpoint, token=TOKEN).hf_hub_download(f"alice/{family.name}-mxfp4", "README.md",
                                                                          cache_dir=tmp_path / "dl")
         assert family.title in open(card).read()
     finally:
-        next(serving, None)
+        hub.stop()
     quantized = json.loads((tmp_path / "out" / "mxfp4" / "mxforge_quantize.json").read_text())
     assert quantized["recipe"]["name"] == family.default_recipe
     validate = run_cli("validate", str(tmp_path / "out" / "mxfp4"), "--json")
@@ -179,7 +182,7 @@ def test_run_end_to_end_per_family(family, tmp_path):
 def test_vllm_0_30_requantizing_deepseek_attention_is_a_warning_not_a_failure(tmp_path):
     """vLLM 0.30.0 loads a DeepSeek-family MXFP4 checkpoint's excluded attention bf16 and re-quantizes it to MXFP4
     (measured by the conformance suite): validate passes, and warns for that release alone; GLM-5 is not affected."""
-    from mxforge.fixups.validate import validate_checkpoint
+    from mxforge.validation.validate import validate_checkpoint
     from mxforge.quantize.run import quantize_checkpoint
 
     for family, expect in (("deepseek_v3", {"vllm-0.30.0"}), ("glm_moe_dsa", set())):

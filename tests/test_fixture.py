@@ -11,7 +11,7 @@ from mxforge.models import family_named, layout_of
 from mxforge.safetensors_io import PlannedTensor
 from mxforge.tensor_kinds import layer_of
 
-from conftest import run_cli
+from helpers import run_cli
 
 
 def _headers(ckpt):

@@ -2,9 +2,9 @@
 
 import json
 
-from mxforge.fixups.quark_like import write_quark_like
+from quark_like import write_quark_like
 
-from conftest import AMD, MTP, run_cli
+from helpers import AMD, MTP, run_cli
 
 
 def test_validate_fixup_validate(tiny_ckpt, tmp_path):

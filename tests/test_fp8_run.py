@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from mxforge.fixture import write_fixture
-from mxforge.fixups.validate import validate_checkpoint
+from mxforge.validation.validate import validate_checkpoint
 from mxforge.models import FAMILIES
 
-from conftest import REPO, hub_env, run_cli
+from helpers import REPO, hub_env, run_cli
 
 TOKEN = "hf_mxforgeFp8RunTestTokenNeverLogged5"
 PROVENANCE = {"mxforge_source.json", "mxforge_quantize.json", "mxforge_fixups.json", "README.md"}

@@ -22,7 +22,7 @@ from mxforge.quantize.fp8_source import dequantize_rows, source_precision
 from mxforge.quantize.mxfp4 import quantize_rows_cpu
 from mxforge.quantize.run import quantize_checkpoint
 
-from conftest import run_cli
+from helpers import run_cli
 
 
 def _bf16_bits(t: torch.Tensor) -> np.ndarray:

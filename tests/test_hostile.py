@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -19,34 +18,28 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conftest import REPO, one_error_line, run_cli, start_cli
+from loopback_hub import LoopbackHub
 
-sys.path.insert(0, str(REPO / "scripts"))
-from loopback_hub import LoopbackHub  # noqa: E402
+from helpers import TOKEN, hub_env, one_error_line, run_cli, start_cli
 
-TOKEN = "hf_hostileTestTokenMustNotTravel0123"
 SHARD = "model-00002-of-00003.safetensors"
 ONE = "w.safetensors"  # the only weight file of the repo zai/one
 FAST = {"MXFORGE_HUB_TIMEOUT": "1", "MXFORGE_HUB_RETRIES": "1"}  # every Hub wait and retry loop ends in seconds
 
 
 @pytest.fixture
-def hub(tmp_path, tiny_ckpt):
-    h = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
-    h.add_repo_from_dir("zai/glm-tiny", tiny_ckpt)
+def hub(hub, tmp_path):
+    """The shared test Hub (conftest.py), plus zai/one: one 4 MB weight file."""
     one = tmp_path / "one-src"
     one.mkdir()
     save_file({"w": np.random.default_rng(1).standard_normal(1_000_000).astype(np.float32)}, str(one / ONE))
     (one / "config.json").write_text("{}")
-    h.add_repo_from_dir("zai/one", one)
-    h.start()
-    yield h
-    h.stop()
+    hub.add_repo_from_dir("zai/one", one)
+    return hub
 
 
 def _env(hub, tmp_path, **extra) -> dict:
-    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
-            "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
+    return hub_env(hub, tmp_path, **extra)
 
 
 def _mx(hub, tmp_path, *args, timeout: float = 60, **env):
@@ -170,6 +163,7 @@ def test_hostile_wrong_hashes_from_the_hub(hub, tmp_path):
     assert not (dest / ONE).exists() and not (dest / "mxforge_source.json").exists()
 
 
+@pytest.mark.slow
 def test_hostile_stalls_at_every_endpoint_end_in_one_line(tmp_path, tiny_ckpt):
     """One stalled endpoint per hub, all at once (stalls cost no CPU, so the test takes as long as the
     slowest: huggingface_hub retries a stalled preupload 5 times with backoff). The timeouts come from
@@ -314,8 +308,8 @@ OS_CASES = {  # id: (arguments, with RO = a read-only directory, LONG = a 300-ch
 def test_hostile_os_failures_are_one_line_and_exit_2(hub, tmp_path, tiny_ckpt, readonly, case):
     args, words = OS_CASES[case]
     if case == "fixup-readonly":
-        from mxforge.fixups.quark_like import write_quark_like
-        from test_engine_failures import AMD
+        from quark_like import write_quark_like
+        from helpers import AMD
 
         write_quark_like(tiny_ckpt, tmp_path / "q", AMD)  # a checkpoint fixup has to edit
         tiny = tmp_path / "q"
@@ -417,7 +411,7 @@ def test_hostile_recipe_paths_must_exist(tiny_ckpt, tmp_path):
         load_recipe(tmp_path / "adir.toml")
     with pytest.raises(ConfigError, match="no such file"):
         load_recipe("glm-5.2-mxfp4.toml")  # not a bare name: a path, relative to the working directory
-    assert load_recipe("glm-5.2-mxfp4").source == "manifests/glm-5.2-mxfp4.toml"
+    assert load_recipe("glm-5.2-mxfp4").source == "manifests/recipes/glm-5.2-mxfp4.toml"
     line = one_error_line(run_cli("quantize", str(tiny_ckpt), str(tmp_path / "out"), "--recipe", str(missing)))
     assert str(missing) in line and not (tmp_path / "out").exists()
 
@@ -427,8 +421,8 @@ def test_hostile_fixup_record_survives_an_interruption_between_its_two_writes(ti
     """Each write is atomic (temporary name, then rename), so a run that cannot write FAILS leaves what a
     kill -9 between the two writes leaves: the other file written or not, this one not. The rerun must
     end with every exclude entry fixup added recorded exactly once."""
-    from mxforge.fixups.quark_like import write_quark_like
-    from test_engine_failures import AMD
+    from quark_like import write_quark_like
+    from helpers import AMD
 
     ckpt = tmp_path / "q"
     write_quark_like(tiny_ckpt, ckpt, AMD)

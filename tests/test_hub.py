@@ -9,39 +9,21 @@ import hashlib
 import json
 import shutil
 import socket
-import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from mxforge.fixups.validate import validate_checkpoint
+from mxforge.validation.validate import validate_checkpoint
 
-from conftest import BASE, MTP, REPO, one_error_line as _one_line_error, run_cli
-
-sys.path.insert(0, str(REPO / "scripts"))
-from loopback_hub import LoopbackHub  # noqa: E402
-
-TOKEN = "hf_mxforgeTESTtokenDoNotLeak0123456789"
-OTHER_TOKEN = "hf_otherUserToken9876543210"
+from helpers import BASE, MTP, OTHER_TOKEN, TOKEN, hub_env, one_error_line as _one_line_error, run_cli
 SHARD = "model-00002-of-00003.safetensors"
 BIG = "big.safetensors"
 
 
-@pytest.fixture
-def hub(tmp_path, tiny_ckpt):
-    h = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice", OTHER_TOKEN: "bob"})
-    h.add_repo_from_dir("zai/glm-tiny", tiny_ckpt)
-    h.add_repo_from_dir("zai/glm-gated", tiny_ckpt, gated=True, granted={"alice"})
-    h.start()
-    yield h
-    h.stop()
-
-
 def _env(hub, tmp_path, token: str | None = TOKEN) -> dict:
-    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
-            "HF_TOKEN": token or "", "HF_HUB_DISABLE_TELEMETRY": "1",
-            "MXFORGE_HUB_RETRIES": "2"}  # a file that stops progressing fails after 0.5 + 1 s of backoff
+    # A file that stops progressing fails after 0.5 + 1 s of backoff.
+    return hub_env(hub, tmp_path, token, MXFORGE_HUB_RETRIES="2")
 
 
 def _mx(hub, tmp_path, *args, token: str | None = TOKEN):
@@ -220,11 +202,11 @@ def downloaded(hub, tmp_path):
 
 
 def test_push_refused_when_validate_fails_before_any_network_call(hub, tmp_path, downloaded):
-    from mxforge.fixups.quark_like import quark_quantization_config
+    from mxforge.quantize.quark_ref import cached_quantization_config
 
     config_path = downloaded / "config.json"  # a quantization_config on bf16 weights: every engine would quantize
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = quark_quantization_config([])
+    config["quantization_config"] = cached_quantization_config([])
     config_path.write_text(json.dumps(config))
     hub.requests.clear()
     line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--quiet"))

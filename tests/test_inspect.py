@@ -1,7 +1,7 @@
 import json
 import shutil
 
-from conftest import run_cli
+from helpers import run_cli
 
 
 def test_inspect_json_report(tiny_ckpt):

@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import pytest
+from loopback_hub import LoopbackHub
 
-from conftest import REPO, run_cli
-from mxforge.checkpoint import CONFIG_BACKUP_NAME
+from mxforge.provenance import CONFIG_BACKUP_NAME
 
-sys.path.insert(0, str(REPO / "scripts"))
-from loopback_hub import LoopbackHub  # noqa: E402
+from helpers import TOKEN, hub_env, run_cli
 
-TOKEN = "hf_mxforgeCardTestTokenNeverLogged7"
+pytestmark = pytest.mark.slow  # a full run --push to build the card it reads
+
 SOURCE_CARD = """---
 license: apache-2.0
 pipeline_tag: text-generation
@@ -40,8 +39,7 @@ def pushed(tiny_ckpt, tmp_path_factory):
     hub = LoopbackHub(work / "hub", tokens={TOKEN: "alice"})
     hub.add_repo_from_dir("zai/glm-tiny", src)
     hub.start()
-    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(work / "hf_home"), "HF_HUB_DISABLE_XET": "1",
-           "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = hub_env(hub, work)
     try:
         out = work / "run"
         args = ("run", "zai/glm-tiny", str(out), "--scale-rule", "mse", "--push", "alice/glm-tiny-mxfp4", "--quiet")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mxforge.errors import ConfigError
-from mxforge.fixups.profiles import all_profiles, load_profile, profile_names, select, unsupported_reason
+from mxforge.validation.profiles import all_profiles, load_profile, profile_names, select, unsupported_reason
 from mxforge.models import FAMILIES, family_named, family_of, layout_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_releases_that_do_not_build_a_family_are_left_out_and_say_why():
 def test_glm4_moe_is_not_vouched_for_on_sglang_0_5_10_and_labels_skip_it():
     """sglang 0.5.10 builds GLM-4.5's MTP draft unquantized unless told otherwise (not modelled): left out, and a run of
     equal verdicts around it is reported as two ranges, never as "0.5.9-0.5.23"."""
-    from mxforge.fixups.profiles import release_runs
+    from mxforge.validation.profiles import release_runs
 
     glm4 = family_named("glm4_moe")
     assert "unquantized" in unsupported_reason("sglang-0.5.10", glm4)

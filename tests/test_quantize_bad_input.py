@@ -3,6 +3,7 @@ that looks complete (no config.json, no index, no .partial files)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import resource
 import shutil
@@ -15,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
+from helpers import run_cli
 from mxforge.checkpoint import INDEX_NAME
 from mxforge.file_hashes import hash_files
-from mxforge.quantize.state import STATE_NAME, file_sha256
+from mxforge.provenance import QUANTIZE_STATE_NAME
 
 
 @pytest.fixture
@@ -81,7 +82,7 @@ def test_header_sizes_that_lie(src, tmp_path):
 
 def test_corrupt_data_caught_by_download_provenance(src, tmp_path):
     shards = sorted(src.glob("*.safetensors"))
-    files = [{"name": p.name, "size": p.stat().st_size, "sha256": file_sha256(p)} for p in shards]
+    files = [{"name": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in shards]
     (src / "mxforge_source.json").write_text(json.dumps({"repo_id": "t/tiny", "files": files}))
     raw = bytearray(shards[1].read_bytes())
     raw[-5] ^= 0xFF  # a flipped bit deep in the data: the header still parses
@@ -94,13 +95,13 @@ def test_download_verified_sha256_reused_until_the_shard_changes(src, tiny_ckpt,
     """What download leaves (mxforge_source.json + its hash cache) spares quantize the sha256 pass while the
     shards keep their size and mtime; a shard rewritten since is hashed again, and corruption is caught."""
     shards = sorted(src.glob("*.safetensors"))
-    files = [{"name": p.name, "size": p.stat().st_size, "sha256": file_sha256(p)} for p in shards]
+    files = [{"name": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in shards]
     (src / "mxforge_source.json").write_text(json.dumps({"repo_id": "t/tiny", "files": files}))
     hash_files(src, [p.name for p in shards], quiet=True)  # download's verified hashes, by size and mtime
     out, report = tmp_path / "out", tmp_path / "report.json"
     run_cli("quantize", str(src), str(out), "--quiet", "--json", str(report), check=True)
     assert json.loads(report.read_text())["shards_sha256_from_download"] == len(shards)
-    state = json.loads((out / STATE_NAME).read_text())["shards"]
+    state = json.loads((out / QUANTIZE_STATE_NAME).read_text())["shards"]
     assert {n: e["source_sha256"] for n, e in state.items()} == {f["name"]: f["sha256"] for f in files}
     plain = tmp_path / "plain"
     run_cli("quantize", str(tiny_ckpt), str(plain), "--quiet", check=True)
@@ -128,6 +129,7 @@ def test_index_names_missing_shard(src, tmp_path):
     _fails(src, tmp_path / "out", match="model-00009-of-00009.safetensors")
 
 
+@pytest.mark.slow
 def test_nan_in_a_weight_to_quantize_is_refused_with_count(src, tmp_path):
     name = "model.layers.7.mlp.experts.3.down_proj.weight"  # the MTP layer's routed expert
     shard = _shard_holding(src, name)

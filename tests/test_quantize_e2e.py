@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_cli
+from helpers import run_cli
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
-from mxforge.fixups.validate import validate_checkpoint
+from mxforge.validation.validate import validate_checkpoint
 from mxforge.quantize.mxfp4 import quantize_mxfp4
 from mxforge.quantize.run import quantize_checkpoint
-from mxforge.quantize.state import PROVENANCE_NAME, STATE_NAME
+from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
 
 
 def _files(d: Path) -> dict[str, bytes]:
-    skip = {PROVENANCE_NAME, STATE_NAME}  # timings, worker counts, mtimes
+    skip = {QUANTIZE_NAME, QUANTIZE_STATE_NAME}  # timings, worker counts, mtimes
     return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file() and p.name not in skip}  # not .cache/
 
 
@@ -101,7 +101,7 @@ def test_every_source_tensor_accounted_for(tiny_ckpt, quantized_tiny):
 
 def test_provenance_and_side_files(tiny_ckpt, quantized_tiny):
     out, _ = quantized_tiny
-    prov = json.loads((out / PROVENANCE_NAME).read_text())
+    prov = json.loads((out / QUANTIZE_NAME).read_text())
     assert prov["recipe"]["name"] == "glm-5.2-mxfp4" and len(prov["recipe"]["sha256"]) == 64
     assert prov["source"] == str(tiny_ckpt.resolve()) and prov["command"].startswith("mxforge quantize ")
     assert prov["tool_versions"]["amd-quark"] == "0.13"

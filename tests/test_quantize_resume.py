@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from mxforge.fixture import write_fixture
-from mxforge.quantize.state import PROVENANCE_NAME, STATE_NAME
+from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
 
-from conftest import run_cli
+from helpers import run_cli
+
+pytestmark = pytest.mark.slow  # quantize runs killed and resumed
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def uninterrupted(multi_shard_ckpt, tmp_path_factory) -> Path:
 
 def _outputs(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())  # files only: OUT/.cache holds the lock
-            if p.is_file() and p.name not in (PROVENANCE_NAME, STATE_NAME)}
+            if p.is_file() and p.name not in (QUANTIZE_NAME, QUANTIZE_STATE_NAME)}
 
 
 def _start(src: Path, out: Path) -> subprocess.Popen:
@@ -63,7 +65,7 @@ def _kill_group_when(proc: subprocess.Popen, ready, timeout: float = 300) -> boo
 
 def _finished_shards(out: Path) -> int:
     try:
-        return len(json.loads((out / STATE_NAME).read_text())["shards"])
+        return len(json.loads((out / QUANTIZE_STATE_NAME).read_text())["shards"])
     except (OSError, ValueError, KeyError):
         return 0
 
@@ -77,7 +79,7 @@ def test_sigkill_then_rerun_is_byte_identical(multi_shard_ckpt, uninterrupted, t
     else:
         ready = lambda: _finished_shards(out) >= 1
     assert _kill_group_when(proc, ready), "the run finished before the kill could land"
-    assert not (out / "config.json").exists() and not (out / PROVENANCE_NAME).exists()
+    assert not (out / "config.json").exists() and not (out / QUANTIZE_NAME).exists()
     rerun = run_cli("quantize", str(multi_shard_ckpt), str(out), "--quiet", "--json", "-", check=True)
     report = json.loads(rerun.stdout)
     if moment == "after_first_shard":
@@ -91,7 +93,7 @@ def test_kill_during_the_first_state_write_still_resumes(tiny_ckpt, tmp_path):
     """A kill can land while OUT holds nothing but the state file's unfinished `.partial`: still ours."""
     out = tmp_path / "out"
     out.mkdir()
-    (out / (STATE_NAME + ".partial")).write_text('{"format": 1, "sha')
+    (out / (QUANTIZE_STATE_NAME + ".partial")).write_text('{"format": 1, "sha')
     run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", check=True)
     reference = tmp_path / "ref"
     run_cli("quantize", str(tiny_ckpt), str(reference), "--quiet", check=True)
@@ -103,6 +105,6 @@ def test_state_file_of_the_wrong_shape_means_redo_everything(tiny_ckpt, tmp_path
     out = tmp_path / "out"
     run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", check=True)
     reference = _outputs(out)
-    (out / STATE_NAME).write_text("[1, 2, 3]")
+    (out / QUANTIZE_STATE_NAME).write_text("[1, 2, 3]")
     rerun = json.loads(run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", "--json", "-", check=True).stdout)
     assert rerun["shards"]["skipped_complete"] == 0 and _outputs(out) == reference

@@ -35,7 +35,7 @@ def test_default_recipe_selects_experts_and_decoder_shared_experts(tiny_ckpt):
 
 
 def test_mtp_bf16_recipe_keeps_the_whole_mtp_layer(tiny_ckpt):
-    layout, decisions = _decisions("manifests/glm-5.2-mxfp4-mtp-bf16.toml", tiny_ckpt)
+    layout, decisions = _decisions("manifests/recipes/glm-5.2-mxfp4-mtp-bf16.toml", tiny_ckpt)
     mtp = f"model.layers.{layout.num_hidden_layers}."
     assert all(d == "keep" for n, d in decisions.items() if n.startswith(mtp))
     assert decisions["model.layers.5.mlp.experts.7.down_proj.weight"] == "quantize"
@@ -51,7 +51,7 @@ def test_mtp_layer_comes_from_config_not_a_constant(tiny_ckpt):
 
 def test_recipe_hash_and_name():
     recipe = load_recipe("glm-5.2-mxfp4")
-    text = Path(__file__).resolve().parents[1].joinpath("manifests/glm-5.2-mxfp4.toml").read_bytes()
+    text = Path(__file__).resolve().parents[1].joinpath("manifests/recipes/glm-5.2-mxfp4.toml").read_bytes()
     import hashlib
 
     assert recipe.name == "glm-5.2-mxfp4" and recipe.sha256 == hashlib.sha256(text).hexdigest()
@@ -77,10 +77,10 @@ def test_bad_recipes_are_clear_errors(tmp_path, body, message):
 
 
 def test_scale_rule_from_the_recipe_is_used_and_recorded_and_the_flag_wins(tiny_ckpt, tmp_path):
-    from conftest import REPO, run_cli
+    from helpers import REPO, run_cli
 
     path = tmp_path / "mse.toml"
-    shipped = (REPO / "manifests" / "glm-5.2-mxfp4.toml").read_text()
+    shipped = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
     path.write_text(shipped.replace('scheme = "mxfp4"', 'scheme = "mxfp4"\nscale_rule = "mse"'))
     recipe = load_recipe(path)
     assert recipe.scale_rule == "mse" and load_recipe("glm-5.2-mxfp4").scale_rule == "quark"

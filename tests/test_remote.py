@@ -17,16 +17,12 @@ import pytest
 
 from mxforge.checkpoint import INDEX_NAME
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.fixups.quark_like import write_quark_like
-from mxforge.fixups.validate import validate_checkpoint
+from mxforge.validation.validate import validate_checkpoint
 from mxforge.models import FAMILIES
+from quark_like import write_quark_like
 
-from conftest import AMD, REPO, one_error_line, run_cli
+from helpers import AMD, TOKEN, hub_env, one_error_line, run_cli
 
-sys.path.insert(0, str(REPO / "scripts"))
-from loopback_hub import LoopbackHub  # noqa: E402
-
-TOKEN = "hf_remoteDoctorTESTtoken0123456789"
 SHARD = "model-00002-of-00003.safetensors"
 # The Quark-style exports of the issue: MTP exclusions as globs, or as Quark's exact model.layers.N.* names only.
 EXPORTS = {"globs": dict(patterns=AMD, glob_exclude=True), "layer-names": dict(patterns=AMD)}
@@ -42,22 +38,12 @@ def exports(tmp_path_factory, tiny_ckpt) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture
-def hub(tmp_path):
-    h = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "me"})
-    h.start()
-    yield h
-    h.stop()
-
-
-def _env(hub, tmp_path) -> dict:
-    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
-            "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1", "MXFORGE_CACHE": str(tmp_path / "cache"),
-            "MXFORGE_HUB_RETRIES": "1"}
+def _env(hub, tmp_path, token: str | None = TOKEN) -> dict:
+    return hub_env(hub, tmp_path, token, MXFORGE_CACHE=str(tmp_path / "cache"), MXFORGE_HUB_RETRIES="1")
 
 
 def _mx(hub, tmp_path, *args, token: str = TOKEN) -> subprocess.CompletedProcess:
-    return run_cli(*args, env={**_env(hub, tmp_path), "HF_TOKEN": token}, timeout=300)
+    return run_cli(*args, env=_env(hub, tmp_path, token), timeout=300)
 
 
 def _json(proc) -> dict:
@@ -82,7 +68,7 @@ def _linked_copy(src: Path, dst: Path) -> Path:
 def test_remote_doctor_validate_fix_by_pr_and_revalidate(export, exports, hub, tmp_path):
     """The issue's done-when: validate names the failing releases from under 2% of the repo's bytes; fixup
     --create-pr opens one PR changing only config.json and the record; the PR passes for every release;
-    a second --create-pr opens nothing new. The repo is someone else's (amd/): the user (me) may only propose."""
+    a second --create-pr opens nothing new. The repo is someone else's (amd/): the user (alice) may only propose."""
     src = exports[export]
     hub.add_repo_from_dir("amd/glm-mxfp4", src)
     base = hub.repos["amd/glm-mxfp4"].branches["main"]
@@ -154,7 +140,7 @@ def test_pull_request_endpoints_speak_the_clients_api(exports, hub, tmp_path):
     assert _mx(hub, tmp_path, "fixup", "amd/glm-mxfp4", "--create-pr").returncode == 0
     api = HfApi(endpoint=hub.endpoint)
     prs = list(api.get_repo_discussions("amd/glm-mxfp4", discussion_type="pull_request", discussion_status="open"))
-    assert [(p.num, p.author, p.is_pull_request, p.git_reference) for p in prs] == [(1, "me", True, "refs/pr/1")]
+    assert [(p.num, p.author, p.is_pull_request, p.git_reference) for p in prs] == [(1, "alice", True, "refs/pr/1")]
     details = api.get_discussion_details("amd/glm-mxfp4", 1)
     assert details.target_branch == "refs/heads/main" and details.events[0].content.startswith("This pull request")
     assert "+++ b/config.json" in details.diff and "+++ b/mxforge_fixups.json" in details.diff
@@ -246,7 +232,7 @@ def test_hostile_index_naming_a_shard_outside_the_repo_is_refused_unread(exports
 REMOTE_VALIDATE = """
 import json, sys
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.fixups.validate import validate_checkpoint
+from mxforge.validation.validate import validate_checkpoint
 from mxforge.hub_source import HubSource
 out = {}
 for repo in json.loads(sys.argv[1]):
@@ -263,6 +249,7 @@ def _comparable(report: dict) -> dict:
         {"checked": {k: v for k, v in report["checked"].items() if k != "fetched"}}
 
 
+@pytest.mark.slow  # builds and runs the whole conformance matrix of each family
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_remote_and_local_agree_on_every_conformance_case(family, family_cases, hub, tmp_path):
     """validate and fixup through the Hub give the very verdicts, problems and fixes of the local path, for every

@@ -14,27 +14,21 @@ from pathlib import Path
 import pytest
 
 from mxforge.fixture import write_fixture
-from mxforge.fixups.validate import validate_checkpoint
-from mxforge.pipeline import STATE_NAME
-from mxforge.quantize.state import STATE_NAME as QUANTIZE_STATE
+from mxforge.validation.validate import validate_checkpoint
+from mxforge.provenance import PUBLISHED_RECORDS, QUANTIZE_STATE_NAME as QUANTIZE_STATE, RUN_STATE_NAME
 
-from conftest import REPO, hub_env, run_cli, serve_tiny
+from helpers import REPO, TOKEN, hub_env, run_cli
 
-TOKEN = "hf_mxforgeRunTestTokenNeverLogged42"
-
-
-@pytest.fixture
-def hub(tmp_path, tiny_ckpt):
-    yield from serve_tiny(tmp_path, tiny_ckpt, TOKEN)
+pytestmark = pytest.mark.slow  # the whole pipeline from the loopback Hub, with kills and resumes
 
 
 def _env(hub, tmp_path) -> dict:
-    return hub_env(hub, tmp_path, TOKEN)
+    return hub_env(hub, tmp_path)
 
 
 def _product(out: Path) -> dict[str, bytes]:
     """The checkpoint's files (not provenance records, which hold paths and timings)."""
-    skip = {QUANTIZE_STATE, "mxforge_quantize.json", "mxforge_fixups.json", "mxforge_source.json", "README.md"}
+    skip = {QUANTIZE_STATE, *PUBLISHED_RECORDS, "README.md"}
     return {p.name: p.read_bytes() for p in sorted((out / "mxfp4").iterdir()) if p.is_file() and p.name not in skip}
 
 
@@ -71,7 +65,7 @@ def test_run_human_summary_and_local_source(tiny_ckpt, tmp_path):
     for text in ("download  skipped", "quantize  done", "engines: loads: sglang 0.5.9-0.5.23, vllm 0.30.0-0.33.0",
                  "132 MXFP4", "MTP layer(s) [7]"):
         assert text in proc.stdout, proc.stdout
-    state = json.loads((tmp_path / "run" / STATE_NAME).read_text())
+    state = json.loads((tmp_path / "run" / RUN_STATE_NAME).read_text())
     assert state["inputs"]["recipe"] == "glm-5.2-mxfp4"
 
 
@@ -87,7 +81,7 @@ def test_run_refuses_another_source_in_the_same_out(tiny_ckpt, tmp_path):
 def test_run_stops_before_push_when_validation_fails(hub, tmp_path, tiny_ckpt):
     """A recipe that quantizes eh_proj cannot load in vLLM: run exits 1 and pushes nothing."""
     recipe = tmp_path / "bad.toml"
-    text = (REPO / "manifests" / "glm-5.2-mxfp4.toml").read_text()
+    text = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
     recipe.write_text(text + '\n[[quantize]]\nkinds = ["mtp_proj"]\nlayers = "mtp"\n')
     out = tmp_path / "run"
     proc = run_cli("run", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--push", "alice/never", "--quiet",
@@ -119,7 +113,7 @@ def test_sigkill_during_quantize_then_rerun_is_byte_identical(bench_src, tmp_pat
         time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    state = json.loads((out / STATE_NAME).read_text())
+    state = json.loads((out / RUN_STATE_NAME).read_text())
     assert state["stages"]["quantize"]["status"] == "running"
     assert not (mxfp4 / "config.json").exists()
     rerun = run_cli("run", str(bench_src), str(out), "--quiet", "--workers", "2", "--json", "-", check=True)
@@ -139,13 +133,13 @@ def test_run_unreachable_hub_is_one_line_and_recorded(tmp_path):
                    env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("mxforge run: error:") == 1 and "cannot reach the Hub" in proc.stderr
-    state = json.loads((out / STATE_NAME).read_text())
+    state = json.loads((out / RUN_STATE_NAME).read_text())
     assert state["stages"]["download"]["status"] == "failed" and "cannot reach" in state["stages"]["download"]["error"]
 
 
 def test_run_state_file_of_the_wrong_shape_is_one_line(tiny_ckpt, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / STATE_NAME).write_text('{"inputs": [1, 2], "stages": 3}')
+    (out / RUN_STATE_NAME).write_text('{"inputs": [1, 2], "stages": 3}')
     proc = run_cli("run", str(tiny_ckpt), str(out), "--quiet")
     assert proc.returncode == 2 and "state file is corrupt" in proc.stderr and "Traceback" not in proc.stderr

@@ -155,7 +155,7 @@ def test_report_aggregates_pooled_sums_and_names_the_worst():
 
 
 def test_resume_keeps_the_error_report_and_a_new_scale_rule_redoes_every_shard(tiny_ckpt, tmp_path):
-    from conftest import run_cli
+    from helpers import run_cli
 
     out = tmp_path / "out"
 

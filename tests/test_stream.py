@@ -13,25 +13,21 @@ import threading
 
 import pytest
 
-from mxforge.pipeline import STATE_NAME
-from mxforge.stream import STREAM_STATE_NAME, choose_stream, plan_disk
+from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME, STREAM_STATE_NAME
+from mxforge.stream import choose_stream, plan_disk
 
-from conftest import hub_env, run_cli, serve_tiny
+from helpers import hub_env, run_cli
 
-TOKEN = "hf_mxforgeStreamTestTokenNeverLogged7"
+pytestmark = pytest.mark.slow  # streamed and Ray runs end to end, with real kills
+
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 # Provenance records the command line that made them; everything else must be the same bytes.
-PROVENANCE = {"mxforge_source.json", "mxforge_quantize.json", "mxforge_fixups.json", "README.md"}
-
-
-@pytest.fixture
-def hub(tmp_path, tiny_ckpt):
-    yield from serve_tiny(tmp_path, tiny_ckpt, TOKEN)
+PROVENANCE = {*PUBLISHED_RECORDS, "README.md"}
 
 
 def _run(hub, tmp_path, out, repo, *extra):
     return run_cli("run", "zai/glm-tiny", str(out), "--push", repo, "--quiet", "--json", "-", *extra,
-                   env=hub_env(hub, tmp_path, TOKEN), timeout=600)
+                   env=hub_env(hub, tmp_path), timeout=600)
 
 
 def _pushed(hub, repo: str) -> dict[str, bytes]:
@@ -95,7 +91,7 @@ def test_stream_pushes_the_same_checkpoint_as_a_sequential_run(hub, tmp_path):
     assert "stream" in json.loads(again.stdout)["reused_from_earlier_run"]
     assert _puts(hub) == [] and _commits(hub) == []
     # The mode of a run is kept: asking for the other one in the same OUT is one clear error.
-    other = run_cli("run", "zai/glm-tiny", str(out), "--no-stream", "--quiet", env=hub_env(hub, tmp_path, TOKEN))
+    other = run_cli("run", "zai/glm-tiny", str(out), "--no-stream", "--quiet", env=hub_env(hub, tmp_path))
     assert other.returncode == 2 and "holds a stream run" in other.stderr and "Traceback" not in other.stderr
 
 
@@ -112,7 +108,7 @@ def _killed_run(hub, tmp_path, out, repo: str, route: str, condition, *extra: st
 
     hub.before[route] = hook
     args = [sys.executable, "-m", "mxforge.cli", "run", "zai/glm-tiny", str(out), "--push", repo, "--quiet", *extra]
-    box["proc"] = subprocess.Popen(args, env={**os.environ, **hub_env(hub, tmp_path, TOKEN)}, stdout=subprocess.DEVNULL,
+    box["proc"] = subprocess.Popen(args, env={**os.environ, **hub_env(hub, tmp_path)}, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL, start_new_session=True)
     box["proc"].wait(timeout=600)
     hub.before.clear()
@@ -142,7 +138,7 @@ def test_sigkill_mid_stream_then_rerun_commits_the_same_bytes(hub, tmp_path, poi
     _killed_run(hub, tmp_path, out, "alice/streamed", route, condition, "--stream", "--workers", "1", "--in-flight", "1")
     # Killed before the commit: nothing of the product is on the Hub, and the run is recorded unfinished.
     assert _commits(hub) == []
-    assert json.loads((out / STATE_NAME).read_text())["stages"]["stream"]["status"] == "running"
+    assert json.loads((out / RUN_STATE_NAME).read_text())["stages"]["stream"]["status"] == "running"
     stream_state = json.loads((out / STREAM_STATE_NAME).read_text())
     assert len(list((out / "bf16").glob("*.safetensors"))) <= 1  # --in-flight 1
     held = {p.name for p in hub.blob_dir.iterdir()}  # objects the Hub received whole before the kill
@@ -269,7 +265,7 @@ def test_a_downloaded_shard_whose_header_is_not_the_planned_one_is_refused(tiny_
     from mxforge.errors import CheckpointError
     from mxforge.quantize.plan import plan_checkpoint
     from mxforge.quantize.recipe import load_recipe
-    from mxforge.stream import check_planned_header
+    from mxforge.quantize.plan import check_planned_header
 
     plan = {s.name: s for s in plan_checkpoint(Checkpoint.open(tiny_ckpt), load_recipe(None)).shards}
     shard = tmp_path / SHARDS[1]

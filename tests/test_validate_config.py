@@ -4,11 +4,11 @@ import json
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.fixups.quark_like import write_quark_like
-from mxforge.fixups.validate import validate_checkpoint
+from quark_like import write_quark_like
+from mxforge.validation.validate import validate_checkpoint
 from mxforge.safetensors_io import PlannedTensor, ShardWriter
 
-from conftest import AMD, MTP
+from helpers import AMD, MTP
 
 
 
@@ -75,8 +75,8 @@ def test_missing_mtp_tensor_and_wrong_scale_shape(tiny_ckpt, tmp_path):
 
 def test_stored_form_uses_the_quantizers_packed_shapes():
     """Expected MXFP4 shapes come from quantize's packed_shapes; an odd in-dimension is a defect, not a crash."""
-    from mxforge.fixups.modules import Linear
-    from mxforge.fixups.tensor_forms import MXFP4, stored_form
+    from mxforge.validation.modules import Linear
+    from mxforge.validation.tensor_forms import MXFP4, stored_form
     from mxforge.quantize.mxfp4 import packed_shapes
     from mxforge.safetensors_io import TensorInfo
 

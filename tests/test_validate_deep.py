@@ -11,10 +11,10 @@ from mxforge.checkpoint import Checkpoint
 from mxforge.errors import CheckpointError
 from mxforge.file_hashes import HashCache, hash_files
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.fixups.quark_like import write_quark_like
-from mxforge.fixups.validate import validate_checkpoint
+from quark_like import write_quark_like
+from mxforge.validation.validate import validate_checkpoint
 
-from conftest import AMD, run_cli
+from helpers import AMD, run_cli
 
 
 def test_nan_scale_byte_is_found_only_by_deep(tiny_ckpt, tmp_path):

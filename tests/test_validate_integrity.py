@@ -3,9 +3,9 @@ import shutil
 
 import pytest
 
-from mxforge.fixups.validate import validate_checkpoint
+from mxforge.validation.validate import validate_checkpoint
 
-from conftest import run_cli
+from helpers import run_cli
 
 
 @pytest.fixture

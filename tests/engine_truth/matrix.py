@@ -2,7 +2,7 @@
 each engine release's own.
 
 A case is a checkpoint on disk (headers are all that matter). For every module the release builds, target
-and MTP draft, mxforge's decision (fixups/engine_check.py) must equal the one the release's own code takes
+and MTP draft, mxforge's decision (validation/engine_check.py) must equal the one the release's own code takes
 (the probes), and so must the structure around it: the draft class, the draft's names, eh_proj, the whole-
 draft switch, the packed-module mapping and shared-expert fusion.
 """
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mxforge.fixture import write_fixture
-from mxforge.fixups.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
+from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.fixups.loaded import load_checkpoint
-from mxforge.fixups.matching import DRAFT, TARGET
-from mxforge.fixups.profiles import EngineProfile
-from mxforge.fixups.quark_like import write_quark_like
-from mxforge.fixups.tensor_forms import BF16, MXFP4
+from mxforge.validation.loaded import load_checkpoint
+from mxforge.validation.matching import DRAFT, TARGET
+from mxforge.validation.profiles import EngineProfile
+from quark_like import write_quark_like
+from mxforge.validation.tensor_forms import BF16, MXFP4
 from mxforge.models import Family
 
 from . import probe_io

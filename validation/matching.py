@@ -1,4 +1,4 @@
-"""How an engine release decides, from `exclude`, what it builds unquantized (the rules of fixups/profiles.py).
+"""How an engine release decides, from `exclude`, what it builds unquantized (the rules of validation/profiles.py).
 
 Entry matching is the engines' own: an entry matches a module prefix when equal to it, or when it starts
 with "re:" and the rest `re.match`es the prefix. Globs are understood by no engine. What differs per

@@ -9,9 +9,8 @@ from typing import Mapping
 from mxforge.checkpoint import load_json
 from mxforge.errors import CheckpointError
 from mxforge.file_hashes import hash_files
-from mxforge.hub_download import SOURCE_NAME
 from mxforge.progress import byte_progress
-from mxforge.quantize.state import PROVENANCE_NAME
+from mxforge.provenance import QUANTIZE_NAME, SOURCE_NAME
 from mxforge.safetensors_io import TensorInfo
 
 from .report import Problem
@@ -77,7 +76,7 @@ def check_sha256(root: Path, quiet: bool = False) -> tuple[list[Problem], dict]:
     manifest = root / SOURCE_NAME
     if not manifest.exists():
         return [], {"skipped": f"no {SOURCE_NAME}"}
-    if (root / PROVENANCE_NAME).exists():
+    if (root / QUANTIZE_NAME).exists():
         return [], {"skipped": f"{SOURCE_NAME} describes the quantizer's source, not this directory"}
     files = _manifest_files(manifest)
     problems, present = [], []

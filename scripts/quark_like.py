@@ -15,24 +15,16 @@ from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.quantize.mxfp4 import packed_shapes
+from mxforge.quantize.quark_ref import cached_quantization_config
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
 PLACEHOLDER_SCALE = 127  # E8M0 byte for 2^0
 
 
 def quark_quantization_config(exclude: list[str]) -> dict:
-    """A quantization_config shaped as Quark 0.13 exports it for the "mxfp4" scheme (quark-mxfp4.md)."""
-    weight = {"dtype": "fp4", "is_dynamic": False, "qscheme": "per_group", "ch_axis": -1, "group_size": 32,
-              "symmetric": None, "round_method": "half_even", "scale_type": "float", "scale_format": "e8m0",
-              "scale_calculation_mode": "even", "mx_element_dtype": None, "observer_cls": "PerBlockMXObserver",
-              "is_scale_quant": False}
-    return {"global_quant_config": {"weight": weight, "input_tensors": {**weight, "is_dynamic": True},
-                                    "output_tensors": None, "bias": None, "target_device": None},
-            "exclude": exclude, "algo_config": None, "softmax_quant_spec": None, "quant_method": "quark",
-            "layer_type_quant_config": {}, "layer_quant_config": {}, "kv_cache_quant_config": {},
-            "kv_cache_post_rope": False, "quant_mode": "eager_mode", "version": "0.13",
-            "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
-                       "weight_format": "real_quantized", "weight_merge_groups": None}}
+    """quantization_config as Quark 0.13 exports it for the "mxfp4" scheme: Quark's own (the quantizer's cached
+    copy), with `exclude` in the order given (AMD's published exports keep their patterns' order)."""
+    return {**cached_quantization_config([]), "exclude": list(exclude)}
 
 
 def quark_quantizes(module: str, shape: tuple[int, ...], patterns: list[str]) -> bool | None:

@@ -1,0 +1,82 @@
+"""What the tests share besides fixtures (those are in conftest.py): the fixtures' constants, the test Hub's
+tokens and environment, and running the `mxforge` command as a user does. Test files import from here, never
+from conftest.py or from each other."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mxforge.models import family_named
+
+GLM5 = family_named("glm_moe_dsa")  # the family the shared fixtures below belong to
+
+REPO = Path(__file__).resolve().parents[1]
+
+MTP = 7  # the tiny fixture's num_hidden_layers: its MTP layer
+# AMD's published GLM-5.2 MXFP4 exclusions (glm-5.2.md): attention, routers, lm_head, dense MLPs ...
+BASE = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj"]
+AMD = BASE + [f"*layers.{MTP}.*"]  # ... and the whole MTP layer
+
+# Release behaviours of the GLM family's engine profiles, proven against each release's own code by
+# test_engine_conformance.py (the `engines` suite); the offline tests build their expectations on them.
+# sglang before GLM's own draft class (0.5.16): MTP exclusions written as model.layers.N.* never reach the draft.
+BEFORE_GLM_DRAFT = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}
+# Releases whose draft builds eh_proj as a plain nn.Linear: never quantized.
+EH_PROJ_LINEAR = {"sglang-0.5.9", "sglang-0.5.10", "vllm-0.30.0", "vllm-0.31.0"}
+# Releases without the "any <layer>.mlp.experts.* entry excludes the experts" rule.
+NO_EXPERT_CHILD_RULE = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15", "sglang-0.5.16", "sglang-0.5.18", "sglang-0.5.19"}
+
+# The loopback Hub's users (conftest.py's `hub`): alice holds TOKEN, bob OTHER_TOKEN. Neither may ever be
+# written into a file, a report or an error message.
+TOKEN = "hf_mxforgeTESTtokenDoNotLeak0123456789"
+OTHER_TOKEN = "hf_otherUserToken9876543210"
+
+
+def hub_env(hub, tmp_path: Path, token: str | None = TOKEN, **extra: str) -> dict:
+    """The environment that points the mxforge command (huggingface_hub) at a loopback Hub, as `token`'s
+    owner (None: anonymous), plus `extra` variables."""
+    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
+            "HF_TOKEN": token or "", "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
+
+
+def _without_root_overrides() -> None:
+    """As root, give up the capabilities that ignore file permissions, so that a read-only directory is
+    read-only to this process as it is to a user (a no-op for a normal user)."""
+    if os.geteuid() == 0:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP: gone for the program exec'd next
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: float = 600,
+            as_user: bool = False) -> subprocess.CompletedProcess:
+    """Run the installed `mxforge` entry point (via this interpreter) as a user would.
+
+    `as_user`: file permissions apply even when the tests run as root."""
+    proc = subprocess.run([sys.executable, "-m", "mxforge.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout,
+                          preexec_fn=_without_root_overrides if as_user else None)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"mxforge {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """Start `mxforge` in the background (for signals and concurrent runs); read it with communicate()."""
+    return subprocess.Popen([sys.executable, "-m", "mxforge.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def one_error_line(proc, code: int = 2) -> str:
+    """The single `mxforge ...` line of a run that failed with `code` and no traceback."""
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("mxforge ")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]

@@ -1,0 +1,156 @@
+"""docs/architecture.md's "where a change goes", proven: each example change is made to a copy of the package,
+laid out as a wheel installs it (pyproject.toml's package-dir), touching only the files the page lists; the
+copy's own `mxforge` command then uses it, while the installed one refuses the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from quark_like import write_quark_like
+
+from helpers import AMD, REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def package_copy(dest: Path) -> Path:
+    """The package from this checkout, laid out as installed (mxforge/, mxforge/quantize/ ...); returns the
+    directory to put on PYTHONPATH."""
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(package_dir.items()):  # "mxforge" first: the others go inside it
+        shutil.copytree(REPO / folder, dest / package.replace(".", "/"),
+                        ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    return dest
+
+
+def run_copy(root: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`mxforge ARGS` from the copy at `root` (it comes first on the path, before the installed package)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-P", "-c", "import sys, mxforge.cli; assert mxforge.cli.__file__.startswith("
+                           f"{str(root)!r}), mxforge.cli.__file__; sys.argv[0] = 'mxforge'; sys.exit(mxforge.cli.main())",
+                           *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=root)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def changed_files(root: Path, pristine: Path) -> set[str]:
+    """Files of the copy that differ from (or are not in) the pristine copy."""
+    out = set()
+    for p in root.rglob("*"):
+        if p.is_file() and "__pycache__" not in p.parts:
+            rel = p.relative_to(root)
+            if not (pristine / rel).is_file() or (pristine / rel).read_bytes() != p.read_bytes():
+                out.add(rel.as_posix())
+    return out
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return package_copy(tmp_path_factory.mktemp("pristine"))
+
+
+@pytest.fixture
+def copy(pristine, tmp_path) -> Path:
+    return package_copy(tmp_path / "pkg")
+
+
+@pytest.fixture(scope="module")
+def export(tiny_ckpt, tmp_path_factory) -> Path:
+    """A Quark-style export of the tiny GLM fixture with AMD's exclusions, fixed up: it loads everywhere."""
+    out = tmp_path_factory.mktemp("ext") / "export"
+    write_quark_like(tiny_ckpt, out, AMD)
+    run_cli("fixup", str(out), "--quiet", check=True)
+    return out
+
+
+def _validate(run, *args) -> dict:
+    proc = run("validate", *args, "--json", "-")
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_a_new_engine_release_is_one_profile_file(copy, pristine, export):
+    """A release that decides as its predecessor: manifests/engines/<engine>-<version>.toml extending it."""
+    (copy / "mxforge/manifests/engines/sglang-0.5.99.toml").write_text(
+        'extends = "sglang-0.5.22"\nreleases = ">=0.5.99,<0.5.100"\nread = ["0.5.99"]\n'
+        'summary = "a throwaway release that decides as 0.5.22 (tests/test_extension_points.py)"\n')
+    assert changed_files(copy, pristine) == {"mxforge/manifests/engines/sglang-0.5.99.toml"}
+
+    new = _validate(lambda *a: run_copy(copy, *a), str(export), "--engines", "sglang==0.5.99")
+    old = _validate(lambda *a: run_copy(copy, *a), str(export), "--engines", "sglang-0.5.22")
+    assert list(new["checked"]["engines"]) == ["sglang-0.5.99"]
+    assert new["ok"] and new["checked"]["engines"]["sglang-0.5.99"] == old["checked"]["engines"]["sglang-0.5.22"]
+    refused = run_cli("validate", str(export), "--engines", "sglang==0.5.99")
+    assert refused.returncode == 2 and "sglang==0.5.99" in refused.stderr
+
+
+def test_a_new_model_family_is_a_module_a_registration_and_its_tables(copy, pristine, export, tmp_path):
+    """A family: its module in mxforge/models/, one line in mxforge/models/__init__.py, a [family.<name>] table
+    in each engine profile that builds it (and its data: reference config, fixture presets, recipes; this
+    throwaway family borrows GLM-5.2's)."""
+    (copy / "mxforge/models/toy_moe.py").write_text(
+        '"""A throwaway family (tests/test_extension_points.py): GLM-5.2\'s layout under another name."""\n\n'
+        "from dataclasses import replace\n\nfrom .glm_moe_dsa import FAMILY as GLM\n\n"
+        'FAMILY = replace(GLM, name="toy_moe", title="Toy MoE", architectures=("ToyMoeForCausalLM",), '
+        'model_types=("toy_moe",))\n')
+    init = copy / "mxforge/models/__init__.py"
+    text = init.read_text()
+    text = text.replace("from . import deepseek_v3, deepseek_v32, glm_moe_dsa",
+                        "from . import deepseek_v3, deepseek_v32, glm_moe_dsa, toy_moe")
+    text, n = re.subn(r"(FAMILIES: tuple\[Family, \.\.\.\] = \()(.*?)\)", r"\1\2, toy_moe.FAMILY)", text)
+    assert n == 1
+    init.write_text(text)
+    tables = re.compile(r"^\[family\.glm_moe_dsa(?:\.[a-z_]+)?\]\n(?:(?!\[).*\n?)*", re.M)
+    profiles = sorted((copy / "mxforge/manifests/engines").glob("*.toml"))
+    for profile in profiles:
+        text = profile.read_text()
+        ours = "".join(m.group(0).replace("[family.glm_moe_dsa", "[family.toy_moe", 1) for m in tables.finditer(text))
+        if ours:
+            profile.write_text(text.rstrip() + "\n\n" + ours)
+    touched = changed_files(copy, pristine)
+    assert {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} <= touched
+    assert touched - {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} <= {
+        p.relative_to(copy).as_posix() for p in profiles}
+
+    toy = tmp_path / "toy"
+    shutil.copytree(export, toy, copy_function=os.link)
+    config = json.loads((toy / "config.json").read_text())
+    config.update(architectures=["ToyMoeForCausalLM"], model_type="toy_moe")
+    (toy / "config.json").unlink()
+    (toy / "config.json").write_text(json.dumps(config))
+    ours, glm = _validate(lambda *a: run_copy(copy, *a), str(toy)), _validate(lambda *a: run_copy(copy, *a), str(export))
+    assert ours["ok"] and ours["checked"]["engines"] == glm["checked"]["engines"]
+    refused = run_cli("validate", str(toy))
+    assert refused.returncode == 2 and "ToyMoeForCausalLM" in refused.stderr
+
+
+def test_a_new_scale_rule_is_one_entry(copy, pristine, tiny_ckpt, tmp_path):
+    """Another way to choose MXFP4's block scales: one ScaleRule in quantize/scale_rules.py; the shard kernels,
+    the recipe's `scale_rule`, the --scale-rule option, the error report and the record in quantization_config
+    follow from it; the output fixes up and validates."""
+    rules = copy / "mxforge/quantize/scale_rules.py"
+    text = rules.read_text()
+    anchor = '    ScaleRule("quark", (0,),'
+    assert anchor in text
+    rules.write_text(text.replace(anchor, '    ScaleRule("up", (0, 1), "a throwaway rule: Quark\'s exponent or one '
+                                  'above (tests/test_extension_points.py)"),\n' + anchor, 1))
+    assert changed_files(copy, pristine) == {"mxforge/quantize/scale_rules.py"}
+
+    out = tmp_path / "out"
+    proc = run_copy(copy, "quantize", str(tiny_ckpt), str(out), "--scale-rule", "up", "--quiet", "--workers", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["mxforge"]["scale_rule"] == "up"
+    assert run_copy(copy, "fixup", str(out), "--quiet").returncode == 0
+    assert _validate(lambda *a: run_copy(copy, *a), str(out))["ok"]
+    refused = run_cli("quantize", str(tiny_ckpt), str(tmp_path / "other"), "--scale-rule", "up")
+    assert refused.returncode == 2 and "up" in refused.stderr
