@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 # mxforge.cli imports this module to build its COMMANDS table, so its helpers are imported inside the
 # functions below (at call time), never at import time.
 from .profiles import ENGINES_HELP, parse_engines_arg
+
+if TYPE_CHECKING:
+    from mxforge.checkpoint import CheckpointSource
 
 
 def _add_common_options(p: argparse.ArgumentParser) -> None:
@@ -26,7 +30,7 @@ def add_remote_options(p: argparse.ArgumentParser) -> None:
     add_hub_options(p)
 
 
-def open_checkpoint_arg(args):
+def open_checkpoint_arg(args) -> CheckpointSource:
     """The checkpoint an argument names: a directory, or a Hub repo id at --revision (a CheckpointSource)."""
     from mxforge.cli_support import hub_limits
     from mxforge.hub_source import open_source
@@ -102,8 +106,8 @@ def run_fixup(args) -> int:
 
     if args.recipe and not args.mtp_from:
         raise ConfigError("--recipe applies only with --mtp-from BF16_SRC")
-    source = open_checkpoint_arg(args) if not args.create_pr else None
-    if args.create_pr or source.local_root is None:
+    source = None if args.create_pr else open_checkpoint_arg(args)
+    if source is None or source.local_root is None:
         return _run_remote_fixup(args, source)
     result = fixup_checkpoint(source, _engines(args), dry_run=args.dry_run, mtp_from=args.mtp_from,
                               recipe=args.recipe, quiet=args.quiet)

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from typing import Callable, TypeVar
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -246,10 +247,14 @@ class Selection:
         return release_label(self.profile.engine, self.releases[0], self.releases[-1])
 
 
-def release_runs(selections: list[Selection], key) -> list[tuple[str, object, list[Selection]]]:
+_Key = TypeVar("_Key")
+
+
+def release_runs(selections: list[Selection],
+                 key: Callable[[Selection], _Key]) -> list[tuple[str, _Key, list[Selection]]]:
     """Consecutive selections of one engine for which `key(selection)` is equal, merged: (label, key, selections),
     e.g. ("sglang 0.5.16-0.5.23", ..., [...])."""
-    runs: list[tuple[object, list[Selection]]] = []
+    runs: list[tuple[_Key, list[Selection]]] = []
     for s in selections:
         k = key(s)
         if runs and runs[-1][0] == k and runs[-1][1][-1].profile.engine == s.profile.engine:
