@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 # mxforge.cli imports this module to build its COMMANDS table, so its helpers are imported inside the
 # functions below (at call time), never at import time.
@@ -42,8 +43,8 @@ def run_fixup(args) -> int:
 
     if args.recipe and not args.mtp_from:
         raise ConfigError("--recipe applies only with --mtp-from BF16_SRC")
-    source = open_checkpoint_arg(args) if not args.create_pr else None
-    if args.create_pr or source.local_root is None:
+    source = None if args.create_pr else open_checkpoint_arg(args)
+    if source is None or source.local_root is None:
         return _run_remote_fixup(args, source)
     result = fixup_checkpoint(source, engines_arg(args), dry_run=args.dry_run, mtp_from=args.mtp_from,
                               recipe=args.recipe, quiet=args.quiet, command=invocation())

@@ -189,6 +189,7 @@ def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[
     if injected:
         result.applied.append(injected)
         if not dry_run:
+            assert record is not None  # read above unless dry_run
             record_fixups(loaded.ckpt.root, record, [injected], result.engines, command)
     config = loaded.ckpt.config
     qc = loaded.ckpt.quantization_config
@@ -209,10 +210,11 @@ def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[
         result.warnings += warnings
         found, _ = loadability_problems(loaded, profiles, {**qc, "exclude": entries})
         result.remaining = [p for p in found if not p.server_flag]
-        needs = {}
+        needs: dict[tuple[str, str], list[str]] = {}
         for p in found:
             if p.server_flag:
-                needs.setdefault((p.server_flag, p.subject), []).append(p.engine)
+                # a problem that a serving flag avoids is an engine check's, which names its engine
+                needs.setdefault((p.server_flag, p.subject), []).append(str(p.engine))
         result.warnings += [f"{', '.join(who)}: serve with {flag} ({subject}: no exclude entry avoids it there)"
                             for (flag, subject), who in needs.items()]
         if dry_run and injected:
@@ -233,6 +235,7 @@ def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[
         keep_original(root, INDEX_NAME)
     # The record next: a kill between the writes leaves fixups recorded but not yet applied, which the
     # rerun applies (and records once); never changes on disk that no record mentions.
+    assert record is not None  # read above unless dry_run
     record_fixups(root, record, [a for a in result.applied if a["fixup"] != "mtp_inject"], result.engines, command)
     if new_config:
         write_json_atomic(root / "config.json", new_config)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
@@ -18,6 +18,9 @@ from mxforge.progress import byte_progress
 from mxforge.provenance import keep_original
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
 from mxforge.tensor_kinds import layer_of
+
+if TYPE_CHECKING:
+    import torch
 
 MTP_SHARD = "model-mtp.safetensors"
 
@@ -79,7 +82,7 @@ def mtp_tensors(names: Iterable[str], layout: MoeLayout) -> list[str]:
 
 def held_mtp_layers(names: Iterable[str], layout: MoeLayout) -> list[int]:
     """MTP layers (per config.json) of which `names` hold any tensor."""
-    return sorted({layer_of(n) for n in mtp_tensors(names, layout)})
+    return sorted({layer for n in mtp_tensors(names, layout) if (layer := layer_of(n)) is not None})
 
 
 def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name: str | None, quiet: bool = False) -> dict:
@@ -103,7 +106,7 @@ def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name:
     plan = plan_mtp_injection(ckpt, src, recipe)
     if (ckpt.root / MTP_SHARD).exists() and MTP_SHARD in ckpt.shard_names:
         raise CheckpointError(f"{ckpt.root / MTP_SHARD}: already in the index; nothing to inject")
-    pending_scales = {}
+    pending_scales: dict[str, torch.Tensor] = {}
     with byte_progress(plan.source_bytes, "fixup: MTP layer", disable=quiet) as bar, \
             ShardWriter(ckpt.root / MTP_SHARD, plan.tensors) as writer:
         handles = {}

@@ -42,7 +42,12 @@ def _keep_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     obj = _KeyedObject(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        obj.duplicates = tuple(k for k, _ in pairs if k in seen or seen.add(k))
+        repeated = []
+        for k, _ in pairs:
+            if k in seen:
+                repeated.append(k)
+            seen.add(k)
+        obj.duplicates = tuple(repeated)
     return obj
 
 
@@ -123,6 +128,8 @@ class CheckpointSource:
 
 class LocalDir(CheckpointSource):
     """A checkpoint directory on disk."""
+
+    local_root: Path
 
     def __init__(self, root: str | Path, follow_symlinks: bool = False):
         self.local_root = Path(root)

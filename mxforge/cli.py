@@ -203,7 +203,9 @@ OS_ADVICE = {
 def os_error_line(e: OSError) -> str:
     """One line for an OSError: the file, the system's words, and what to do."""
     where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
-    advice = OS_ADVICE.get(e.errno, "fix the cause and rerun the same command")
+    advice = "fix the cause and rerun the same command"
+    if e.errno is not None:
+        advice = OS_ADVICE.get(e.errno, advice)
     return f"{where + ': ' if where else ''}{e.strerror or e}: {advice}"
 
 

@@ -105,6 +105,8 @@ def plan_shards(tensors: list[PlannedTensor], shards: int | None = None, shard_b
         return out
 
     if shards is None:
+        if shard_bytes is None:
+            raise ValueError("plan_shards: give shards or shard_bytes")
         return split(int(shard_bytes))
     lo, hi = max(t.nbytes for t in tensors), sum(t.nbytes for t in tensors)
     while lo < hi:

@@ -26,7 +26,7 @@ from .disk_space import require_free_space
 from .errors import MxforgeError
 from .file_hashes import FileHash, HashCache, file_hash, hash_files
 from .hub_transfer import CANCEL, PARTIAL_DIR, fetch_file, kept_partial_bytes
-from .hub_errors import HubVerificationError, check_repo_id, hub_endpoint, raise_as_hub_error, redact
+from .hub_errors import HubVerificationError, check_repo_id, checked_commit, hub_endpoint, raise_as_hub_error, redact
 from .hub_session import HubLimits, use_hub_limits
 from .progress import byte_progress, format_bytes
 from .provenance import SOURCE_NAME, recorded_command
@@ -86,7 +86,7 @@ def remote_files(api: HfApi, repo_id: str, revision: str) -> tuple[str, list[Rem
                                f"{'twice' if f.name in seen else f'with size {f.size}'}; nothing was downloaded. "
                                "Check HF_ENDPOINT and the repo")
         seen.add(f.name)
-    return info.sha, files
+    return checked_commit(info.sha, f"{repo_id}@{revision}"), files
 
 
 def select(files: list[RemoteFile], include: list[str] | None, exclude: list[str] | None) -> list[RemoteFile]:
@@ -231,7 +231,7 @@ def fetch_verified(api: HfApi, repo_id: str, commit: str, dest: Path, f: RemoteF
 
 def _mismatch(f: RemoteFile, h: FileHash) -> str | None:
     """How a local file's hashes differ from the Hub's record of it (None: they agree)."""
-    if f.is_lfs:
+    if f.sha256 is not None:  # an LFS file
         if h.sha256 != f.sha256 or h.size != f.size:
             return f"{f.name}: sha256 {h.sha256[:12]}… ({h.size:,} bytes), the Hub says {f.sha256[:12]}… ({f.size:,} bytes)"
     elif f.blob_id and h.git_sha1 != f.blob_id:

@@ -27,6 +27,20 @@ class HubVerificationError(MxforgeError):
     """Bytes on one side do not hash to what the Hub's metadata says."""
 
 
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def checked_commit(sha: object, where: str) -> str:
+    """The commit id the Hub answered for `where` (repo@revision), which must be a 40-hex sha.
+
+    Raises:
+        HubError: anything else (a broken or hostile server).
+    """
+    if not isinstance(sha, str) or not COMMIT_RE.match(sha):
+        raise HubError(f"{where}: the Hub answered commit id {str(sha)[:60]!r}, not a sha; check HF_ENDPOINT")
+    return sha
+
+
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 MAX_REPO_ID = 96  # the Hub's limit (huggingface_hub.utils.validate_repo_id)
 

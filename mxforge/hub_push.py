@@ -27,7 +27,8 @@ from .dir_lock import directory_lock
 from .errors import CheckpointError, MxforgeError
 from .file_hashes import FileHash, FileStamp, checkpoint_files, file_hash, hash_files, snapshot
 from .provenance import recorded_command
-from .hub_errors import HubError, HubVerificationError, as_hub_error, check_repo_id, hub_endpoint, raise_as_hub_error, redact
+from .hub_errors import (HubError, HubVerificationError, as_hub_error, check_repo_id, checked_commit, hub_endpoint,
+                         raise_as_hub_error, redact)
 from .hub_session import HubLimits, use_hub_limits
 from .model_card import CARD_MARKER, CARD_NAME, SOURCE_CARD_NAME, render_model_card
 from .safetensors_io import write_text_atomic
@@ -234,7 +235,7 @@ def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash]) 
     if bad:
         raise HubVerificationError(f"{repo_id}@{branch} ({info.sha}): {len(bad)} file(s) on the Hub differ from "
                                    f"the local checkpoint: {'; '.join(bad)}: rerun the same command to upload them again")
-    return info.sha
+    return checked_commit(info.sha, f"{repo_id}@{branch}")
 
 
 def push(ckpt: str | Path, repo_id: str, *, private: bool = False, branch: str | None = None, force: bool = False,

@@ -40,7 +40,7 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 from .cache_dir import cache_root
 from .checkpoint import CheckpointSource
 from .errors import CheckpointError, MxforgeError
-from .hub_errors import HubError, check_repo_id, hub_endpoint, raise_as_hub_error
+from .hub_errors import HubError, check_repo_id, checked_commit, hub_endpoint, raise_as_hub_error
 from .hub_session import HubLimits, use_hub_limits
 from .hub_transfer import TRANSIENT
 from .progress import format_bytes
@@ -50,7 +50,6 @@ from .safetensors_io import ShardHeader, header_length, parse_header, write_byte
 MAX_JSON_BYTES = 64 << 20  # config.json / the index (GLM-5.2's index: 6 MB)
 CHUNK = 64 << 10           # read granularity: what a Range-ignoring server can make us read past the wanted bytes
 PARALLEL_READS = 8         # header reads in flight at once (each is two round trips, more behind a CDN redirect)
-COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
 
@@ -79,10 +78,7 @@ class HubSource(CheckpointSource):
         except Exception as e:
             raise_as_hub_error(e, repo_id=repo_id, revision=self.revision, action="read the file list of")
             raise
-        if not isinstance(info.sha, str) or not COMMIT_RE.match(info.sha):
-            raise HubError(f"{repo_id}@{self.revision}: the Hub answered commit id {str(info.sha)[:60]!r}, not a sha; "
-                           "check HF_ENDPOINT")
-        self.commit = info.sha
+        self.commit = checked_commit(info.sha, f"{repo_id}@{self.revision}")
         self.names = {s.rfilename for s in info.siblings or [] if isinstance(s.rfilename, str)}
         self.label = repo_id if self.revision == "main" else f"{repo_id}@{self.revision}"
         self.model_path = repo_id

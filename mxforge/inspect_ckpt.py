@@ -62,7 +62,7 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
         "orphan_layers_beyond_config": sorted(i for i in layers if num_hidden is not None and i >= num_hidden and i not in mtp_layers),
     }
     mtp["present"] = bool(mtp["present_layers"])
-    mtp["complete"] = bool(layout) and all(
+    mtp["complete"] = layout is not None and all(
         {t.name for t in layout.layer_tensors(i)} <= {n.replace(".weight_scale", ".weight") for n in infos}
         for i in mtp_layers
     )

@@ -198,8 +198,9 @@ class Pipeline:
         if earlier and asked and earlier != asked:
             raise MxforgeError(f"{self.out}: holds a {earlier} run; rerun it {'with' if earlier == 'stream' else 'without'} "
                                "--stream, or use another OUT directory")
-        if earlier or asked:
-            return earlier or asked
+        mode = earlier or asked
+        if mode:
+            return mode
         if self.local:
             return "sequential"
         from huggingface_hub import HfApi
@@ -305,6 +306,7 @@ class Pipeline:
     def _push(self) -> dict:
         from .hub_push import push
 
+        assert self.opts.push_repo is not None, "the push stage runs only with a push target"
         return push(self.mxfp4_dir, self.opts.push_repo, private=self.opts.private, engines=self.opts.engines,
                     quiet=self.opts.quiet, command=self.opts.command, limits=self.opts.hub_limits,
                     validation=self.state["stages"]["validate"]["report"], validated_files=self.validated_files).as_dict()

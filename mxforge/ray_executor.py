@@ -17,6 +17,7 @@ module imports it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -24,9 +25,15 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import MxforgeError
 from .file_hashes import file_hash
+
+if TYPE_CHECKING:  # annotations only: a task imports these on its node
+    from .hub_download import RemoteFile
+    from .hub_session import HubLimits
+    from .quantize.plan import ShardPlan
 
 TASK_RETRIES = 3  # Ray reruns a task whose worker process or node died this many times
 HUB_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_XET", "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_ETAG_TIMEOUT",
@@ -39,13 +46,13 @@ class ShardTask:
 
     repo_id: str
     commit: str
-    remote: object               # hub_download.RemoteFile
-    plan: object                 # quantize.plan.ShardPlan
+    remote: RemoteFile
+    plan: ShardPlan
     out_dir: str                 # OUT/mxfp4, the same path on every node
     work_dir: str | None         # where the bf16 shard goes (None: the node's temporary directory)
     push_repo: str | None
     branch: str
-    limits: object               # hub_session.HubLimits
+    limits: HubLimits
     scale_offsets: tuple[int, ...]  # the recipe's scale rule (quantize/scale_rules.py)
 
 
@@ -98,7 +105,7 @@ def start_ray(address: str | None, workers: int):
     kwargs = {"address": address} if address else {"num_cpus": workers, "include_dashboard": False}
     with warnings.catch_warnings():  # Ray's notice about a future change of its GPU env handling
         warnings.simplefilter("ignore", FutureWarning)
-        ray.init(runtime_env={"env_vars": env}, logging_level="WARNING", log_to_driver=False, **kwargs)
+        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING, log_to_driver=False, **kwargs)
     return ray
 
 

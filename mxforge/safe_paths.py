@@ -60,7 +60,7 @@ def check_remote_name(name: object, source: str) -> str:
         UnsafeNameError: see name_problem.
     """
     why = name_problem(name)
-    if why is not None:
+    if why is not None or not isinstance(name, str):  # name_problem refuses every non-str
         raise UnsafeNameError(f"{source} lists a file named {name!r}, refused because {why}: a name like that could "
                               "write outside DEST; nothing was downloaded or deleted. Check HF_ENDPOINT and the repo")
     return name

@@ -13,7 +13,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import BinaryIO, Iterable, Mapping
 
 from .errors import CheckpointError
 
@@ -201,7 +201,7 @@ class ShardWriter:
         self.metadata = {"format": "pt"} if metadata is None else metadata
         self.sparse = sparse
         self._next = 0
-        self._file = None
+        self._file: BinaryIO | None = None  # open between __enter__ and __exit__
         self.nbytes = len(encode_header(self.order, self.metadata)) + sum(t.nbytes for t in self.order)
 
     def __enter__(self) -> "ShardWriter":
@@ -226,7 +226,7 @@ class ShardWriter:
         for part in parts:
             buf = _as_bytes(part)
             try:
-                self._file.write(buf)
+                self._open_file().write(buf)
             except OSError as e:
                 raise CheckpointError(f"{self.path}: cannot write tensor {name!r}: {e.strerror or e} (disk full?)") from None
             written += len(buf)
@@ -236,7 +236,7 @@ class ShardWriter:
 
     def skip_to_end(self) -> None:
         """Leave every remaining tensor's bytes as a hole (sparse files: headers real, data reads as zeros)."""
-        self._file.truncate(self.nbytes)
+        self._open_file().truncate(self.nbytes)
         self._next = len(self.order)
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -247,13 +247,19 @@ class ShardWriter:
             self._abort()
             raise CheckpointError(f"{self.path}: only {self._next} of {len(self.order)} tensors were written")
         try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+            f = self._open_file()
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
             os.replace(self._tmp, self.path)
         except OSError as e:
             self._abort()
             raise CheckpointError(f"{self.path}: cannot finish writing: {e.strerror or e} (disk full?)") from None
+
+    def _open_file(self) -> BinaryIO:
+        if self._file is None:
+            raise RuntimeError(f"{self.path}: ShardWriter is written to only inside `with ShardWriter(...)`")
+        return self._file
 
     def _abort(self) -> None:
         if self._file is not None and not self._file.closed:

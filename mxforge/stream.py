@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .checkpoint import INDEX_NAME, Checkpoint
 from .dir_lock import check_out_dir
@@ -33,6 +34,11 @@ from .file_hashes import FileHash, HashCache, file_hash
 from .progress import byte_progress, format_bytes
 from .provenance import QUANTIZE_STATE_NAME
 from .safetensors_io import partial_path, read_header, write_json_atomic
+
+if TYPE_CHECKING:  # annotations only: the Hub and the quantizer are imported when a run needs them
+    from .hub_download import RemoteFile
+    from .hub_session import HubLimits
+    from .quantize.plan import ShardPlan
 
 STREAM_STATE_FORMAT = 1
 
@@ -57,7 +63,7 @@ class StreamOptions:
     quiet: bool = False
     command: str | None = None
     follow_symlinks: bool = False
-    limits: object = None       # HubLimits
+    limits: HubLimits = field(kw_only=True)  # timeouts and retries of every Hub request
     executor: str = "local"     # "local": threads and worker processes here; "ray": one Ray task per shard
     ray_address: str | None = None  # None: a local Ray instance with `workers` CPUs
 
@@ -83,15 +89,15 @@ class StageClock:
         self.shards += 1
 
     def as_dict(self) -> dict:
-        span = (self.last - self.first) if self.first is not None else 0.0
+        span = (self.last - self.first) if self.first is not None and self.last is not None else 0.0
         return {"shards": self.shards, "bytes": self.bytes, "busy_seconds": round(self.busy, 3),
                 "span_seconds": round(span, 3), "gb_per_s": round(self.bytes / span / 1e9, 4) if span > 0 else None}
 
 
 @dataclass
 class _Shard:
-    plan: object                 # quantize.plan.ShardPlan
-    remote: object = None        # hub_download.RemoteFile (None for a local source)
+    plan: ShardPlan
+    remote: RemoteFile | None = None  # None for a local source
     verified: tuple[int, int] | None = None  # (size, mtime_ns) at which the bf16 shard was verified
     source_sha256: str | None = None
     step: str = "download"       # download -> quantize -> upload -> done
@@ -143,6 +149,7 @@ class StreamRun:
         self.peak_source_bytes = 0
         self.sha256_from_download = 0
         self.notes: list[str] = []
+        self.commit: str | None = None  # the Hub source's commit (None for a local source)
 
     # --- 1: source, plan, disk plan -------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -358,6 +365,7 @@ class StreamRun:
                         running[threads.submit(self._download, s, dl_bar)] = ("download", s)
                 for s in idle("quantize"):
                     if (o.local or s.verified) and count("quantize") + count("finish") < workers:
+                        assert pool is not None, "the worker pool starts when any shard is to be quantized"
                         jobs[s.plan.name] = ShardJob(str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True,
                                                      s.source_sha256, s.verified, offsets)
                         s.started = time.time()
@@ -405,6 +413,7 @@ class StreamRun:
 
     # Each step's outcome, recorded (by the one thread that runs the scheduler) as soon as it is known.
     def record_download(self, s: _Shard, stamp: tuple[int, int], state: _State) -> None:
+        assert s.remote is not None, "only a Hub source's shards are downloaded"
         self.clocks["download"].add(s.started, s.plan.source_size)
         s.verified, s.source_sha256 = stamp, s.remote.sha256
         state.data["downloaded"][s.plan.name] = {"sha256": s.source_sha256, "stamp": list(stamp)}
@@ -457,6 +466,7 @@ class StreamRun:
         from .hub_download import fetch_verified
         from .quantize.plan import check_planned_header
 
+        assert self.commit is not None and s.remote is not None, "only a Hub source's shards are downloaded"
         fetch_verified(self.api, self.o.source, self.commit, self.o.bf16_dir, s.remote, self.o.limits, bar)
         check_planned_header(self.o.bf16_dir / s.plan.name, s.plan)
         st = (self.o.bf16_dir / s.plan.name).stat()
@@ -465,6 +475,7 @@ class StreamRun:
     def upload_shard(self, s: _Shard) -> FileHash:
         from .hub_push import preupload_file
 
+        assert self.o.push_repo is not None, "a shard is uploaded only with a push target"
         path = self.o.mxfp4_dir / s.plan.name
         fh = file_hash(path, s.plan.name)
         preupload_file(self.api_for_push(), self.o.mxfp4_dir, self.o.push_repo, self.o.branch, fh)

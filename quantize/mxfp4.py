@@ -23,7 +23,7 @@ where no C compiler is found), and a torch one that runs on any device (`--devic
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -184,7 +184,9 @@ def _e2m1_magnitude_codes(q: torch.Tensor) -> torch.Tensor:
     """E2M1 codes 0..7 of magnitudes already divided by the block scale (Quark's half-to-even rounding)."""
     import torch
 
-    return sum((q >= t).to(torch.uint8) for t in _UP_AT_OR_ABOVE) + sum((q > t).to(torch.uint8) for t in _UP_ABOVE)
+    # sum() starts from the int 0, so typeshed types it Tensor | int; the thresholds are never empty: a Tensor.
+    return cast("torch.Tensor", sum((q >= t).to(torch.uint8) for t in _UP_AT_OR_ABOVE)
+                + sum((q > t).to(torch.uint8) for t in _UP_ABOVE))
 
 
 def _rule_offsets(blocks: torch.Tensor, quark_byte: torch.Tensor, finite: torch.Tensor, offsets: tuple[int, ...]) -> torch.Tensor:

@@ -14,6 +14,8 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.context import BaseContext
+from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
@@ -169,18 +171,21 @@ def _download_verified(src: Path, expected: dict[str, str]) -> dict[str, tuple[i
 
 
 # --- workers ---------------------------------------------------------------------------------------
-_counter = None
+_counter: Synchronized[int] | None = None  # set in each worker process by _init_worker
 
 
-def _init_worker(counter) -> None:
+def _init_worker(counter: Synchronized[int]) -> None:
     global _counter
     _counter = counter
 
 
 def _worker(job: ShardJob) -> ShardResult:
+    counter = _counter
+    assert counter is not None, "runs only in a process started by start_worker_pool"
+
     def progress(n: int) -> None:
-        with _counter.get_lock():
-            _counter.value += n
+        with counter.get_lock():
+            counter.value += n
 
     return run_shard(job, progress, finish=False)  # the parent fsyncs and renames, off the workers' path
 
@@ -240,7 +245,7 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> li
 def start_worker_pool(workers: int, jobs: list[ShardJob]):
     """(pool, counter): `workers` processes for `jobs` (submit `shard_worker`, which leaves `SHARD.partial` for
     finish_shard) and the shared count of source bytes they have processed."""
-    ctx = mp.get_context("spawn")
+    ctx: BaseContext = mp.get_context("spawn")
     if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
         # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
         from .mxfp4 import warm_cpu_kernel

@@ -94,6 +94,7 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
             finally:
                 os.close(out_fd)
         if reuse:
+            assert job.expected_sha256 is not None  # reuse needs the recorded sha256
             digest = job.expected_sha256
         elif job.expected_sha256 and digest != job.expected_sha256:
             raise CheckpointError(f"{src}: sha256 {digest} differs from {job.expected_sha256} recorded in "
@@ -150,8 +151,9 @@ class _HashingReader:
         self._chunks: list = [None] * self.RING  # (offset, length) of the mapped chunk in each ring slot
         self._buffers: list[bytearray] = [bytearray(0) for _ in range(self.RING)]
         self._turn = 0
-        self._map = mmap.mmap(fin.fileno(), 0, prot=mmap.PROT_READ) if size and _POPULATE_READ else None
-        if self._map is not None:
+        self._map: mmap.mmap | None = None
+        if size and _POPULATE_READ:
+            self._map = mmap.mmap(fin.fileno(), 0, prot=mmap.PROT_READ)
             self._view = memoryview(self._map)
             try:
                 self._map.madvise(mmap.MADV_SEQUENTIAL)
@@ -193,6 +195,7 @@ class _HashingReader:
         return view
 
     def _populate(self, offset: int, n: int) -> bool:
+        assert self._map is not None and _POPULATE_READ is not None  # read() calls it only on the mapped path
         start = offset - offset % mmap.PAGESIZE
         try:
             self._map.madvise(_POPULATE_READ, start, offset + n - start)
@@ -204,6 +207,7 @@ class _HashingReader:
         """Drop ring slot i's pages from our mapping (not from the page cache), to keep RSS small."""
         if self._chunks[i] is None:
             return
+        assert self._map is not None  # chunks are recorded only on the mapped path
         offset, n = self._chunks[i]
         self._chunks[i] = None
         start = offset - offset % mmap.PAGESIZE
@@ -357,7 +361,7 @@ def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: Sh
     return tensor_record(stats, s.numel) if stats is not None else tensor_record(np.zeros(ERROR_STATS), 0)
 
 
-def _as_rows(raw: bytes, dtype: str, n: int, inner: int) -> np.ndarray:
+def _as_rows(raw: bytes | memoryview, dtype: str, n: int, inner: int) -> np.ndarray:
     if dtype == "BF16":
         return np.frombuffer(raw, dtype="<i2").reshape(n, inner)
     if dtype == "F16":

@@ -177,6 +177,7 @@ def _compare(view: EngineView, verdict: Verdict, stored: list[Stored]) -> Proble
     if defects:
         more = f" (and {len(defects) - 1} more)" if len(defects) > 1 else ""
         return problem(f"malformed tensors: {defects[0]}{more}", "re-quantize or re-download these tensors")
+    assert verdict.form is not None, "a verdict without a form is a disagreement or an engine error, reported above"
     message = f"would be {expected_text(module, verdict.form)} but the checkpoint holds {found} under {where}"
     if module.fused_shared and len(forms) > 1:
         shared = [s for s in stored if ".shared_experts." in s.linear.name]

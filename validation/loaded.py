@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mxforge.checkpoint import Checkpoint
+from mxforge.checkpoint import Checkpoint, CheckpointSource
 from mxforge.models import layout_of, MoeLayout
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
 
@@ -27,7 +27,7 @@ class LoadedCheckpoint:
     unreadable: frozenset[str]     # tensors whose shard is missing or corrupt
 
 
-def load_checkpoint(root: str | Path | Checkpoint) -> tuple[LoadedCheckpoint, list, list, dict]:
+def load_checkpoint(root: str | Path | CheckpointSource | Checkpoint) -> tuple[LoadedCheckpoint, list, list, dict]:
     """Open a checkpoint (or take one already open) and parse every header once. Returns it, integrity
     problems, integrity warnings (what no engine reads) and integrity counts.
 

@@ -58,7 +58,7 @@ class ExcludeList:
     @cached_property
     def parents(self) -> frozenset[str]:
         """Every proper dotted prefix of the exact entries (for the "any child entry" expert rule)."""
-        out = set()
+        out: set[str] = set()
         for e in self.exact:
             parts = e.split(".")
             out.update(".".join(parts[:i]) for i in range(1, len(parts)))
@@ -123,8 +123,9 @@ def role_views(profile: EngineProfile, exclude: list[str], layout: MoeLayout,
                qc: dict | None = None) -> dict[str, RoleView]:
     """The target's and the draft's view of `exclude` (and of the per-layer configs of `qc`) in `profile`'s release."""
     qc = qc or {}
-    layer_configs = qc.get("layer_quant_config") if isinstance(qc.get("layer_quant_config"), dict) else {}
-    global_config = qc.get("global_quant_config") if isinstance(qc.get("global_quant_config"), dict) else None
+    raw_layers, raw_global = qc.get("layer_quant_config"), qc.get("global_quant_config")
+    layer_configs: dict = raw_layers if isinstance(raw_layers, dict) else {}
+    global_config: dict | None = raw_global if isinstance(raw_global, dict) else None
     main = ExcludeList(tuple(exclude))
     views = {TARGET: RoleView(main, main, False, layer_configs, global_config)}
     mapped = main

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from typing import Callable, TypeVar
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -249,12 +250,16 @@ class Selection:
         return release_label(self.profile.engine, self.releases[0], self.releases[-1])
 
 
-def release_runs(selections: list[Selection], key) -> list[tuple[str, object, list[Selection]]]:
+_Key = TypeVar("_Key")
+
+
+def release_runs(selections: list[Selection],
+                 key: Callable[[Selection], _Key]) -> list[tuple[str, _Key, list[Selection]]]:
     """Consecutive selections of one engine for which `key(selection)` is equal, merged: (label, key, selections),
     e.g. ("sglang 0.5.16-0.5.23", ..., [...]); releases left out between two selections (not selected, or not
     building the family) break the run, so a label never spans a release it does not cover."""
     order = {(r.engine, v): i for i, (r, v) in enumerate((r, v) for r in release_ranges() for v in r.read)}
-    runs: list[tuple[object, list[Selection]]] = []
+    runs: list[tuple[_Key, list[Selection]]] = []
     for s in selections:
         k = key(s)
         last = runs[-1][1][-1] if runs else None

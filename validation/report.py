@@ -45,7 +45,7 @@ class ValidationReport:
 
     def flags(self, profile: str) -> list[str]:
         """The serving flags `profile`'s releases need to load the checkpoint."""
-        return sorted({p.server_flag for p in self.requirements if p.engine == profile})
+        return sorted({p.server_flag for p in self.requirements if p.engine == profile and p.server_flag})
 
     def add(self, found: list[Problem]) -> None:
         """File each finding as a problem, or as a requirement when a serving flag avoids it."""
@@ -94,7 +94,7 @@ class ValidationReport:
     def _requirement_lines(self) -> list[str]:
         """Each requirement once, with the release ranges that have it."""
         grouped: dict[tuple, list[str]] = {}
-        labels = {s.profile.name: s.label for s in self.selections}
+        labels: dict[str | None, str] = {s.profile.name: s.label for s in self.selections}
         for p in self.requirements:
             grouped.setdefault((p.server_flag, p.subject, p.message), []).append(labels.get(p.engine, str(p.engine)))
         return [f"  needs {flag} in {', '.join(who)}: {subject}: {message}"

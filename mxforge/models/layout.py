@@ -21,7 +21,7 @@ Spec = tuple[str, tuple[int, ...], str]  # layer-relative name, shape, dtype
 NORM_RE = re.compile(r"norm\.(weight|bias)$")
 
 # Fields every family of the lineage reads (a family's REQUIRED_FIELDS adds its attention's).
-LINEAGE_FIELDS = ("hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
+LINEAGE_FIELDS: tuple[str, ...] = ("hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
                   "n_routed_experts", "num_attention_heads", "vocab_size", "first_k_dense_replace")
 LINEAGE_OPTIONAL_INT_FIELDS = ("num_nextn_predict_layers", "n_shared_experts", "moe_layer_freq")
 
@@ -168,7 +168,7 @@ def mla_tensors(c: Mapping[str, Any]) -> list[Spec]:
     ]
 
 
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_FIELDS: tuple[str, ...] = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def dsa_indexer_tensors(c: Mapping[str, Any]) -> list[Spec]:
@@ -184,7 +184,7 @@ def dsa_indexer_tensors(c: Mapping[str, Any]) -> list[Spec]:
     ]
 
 
-DSA_FIELDS = ("index_n_heads", "index_head_dim")
+DSA_FIELDS: tuple[str, ...] = ("index_n_heads", "index_head_dim")
 
 
 FP8_BLOCK = 128
