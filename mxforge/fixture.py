@@ -215,6 +215,9 @@ def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float
     family = _family(family)
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision == "fp8" and not family.has_block_fp8_release:
+        raise ConfigError(f"--precision fp8: {family.title} ({family.name}) has no block-FP8 release to reproduce: "
+                          f"{family.fp8_release_not_block or 'its FP8 layout is not known'}; use --precision bf16")
     config, settings = preset_config(preset, gib, family)
     config.update(overrides or {})
     layout = layout_of(config)

@@ -133,7 +133,7 @@ def fp8_tiny(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.has_block_fp8_release])
 def test_fp8_fixture_is_the_release_layout_of_the_bf16_fixture(family, tmp_path):
     """Same names as the family's FP8 release (its bf16 weights bf16, every other 2-D weight e4m3 + F32 scales,
     each pair in one shard), its quantization_config, and weights within e4m3's rounding of the bf16 fixture's."""
@@ -298,3 +298,13 @@ def test_bf16_weights_under_an_fp8_config_are_a_bf16_source(tiny_ckpt, tmp_path)
     quantize_checkpoint(tiny_ckpt, tmp_path / "b", quiet=True)
     for p in sorted((tmp_path / "b").glob("*.safetensors")) + [tmp_path / "b" / "config.json"]:
         assert p.read_bytes() == (tmp_path / "a" / p.name).read_bytes(), p.name
+
+
+def test_fp8_fixture_is_refused_for_a_family_whose_fp8_release_is_not_block_fp8(tmp_path):
+    """GLM-4.5's FP8 releases are compressed-tensors per-channel FP8: no block-FP8 replica is written in its name,
+    and the error says what the release is and what to use instead."""
+    with pytest.raises(ConfigError, match=r"glm4_moe.*compressed-tensors.*--precision bf16"):
+        write_fixture(tmp_path / "fp8", "tiny", quiet=True, family="glm4_moe", precision="fp8")
+    assert not (tmp_path / "fp8").exists()
+    proc = run_cli("fixture", str(tmp_path / "cli"), "--family", "glm4_moe", "--precision", "fp8")
+    assert proc.returncode == 2 and "compressed-tensors" in proc.stderr, proc.stdout + proc.stderr

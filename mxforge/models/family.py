@@ -31,6 +31,12 @@ class Family:
     # fp8-block releases: the 2-D weights kept bf16 (a regex on the tensor name); every other 2-D linear weight
     # is e4m3 with a float32 `weight_scale_inv` of one scale per 128x128 block.
     fp8_bf16_weights: str = ""
+    # Families whose official FP8 release is not block FP8: what it is instead (`--precision fp8` is refused with it).
+    fp8_release_not_block: str = ""
+
+    @property
+    def has_block_fp8_release(self) -> bool:
+        return bool(self.fp8_bf16_weights) and not self.fp8_release_not_block
 
     @property
     def default_recipe(self) -> str:

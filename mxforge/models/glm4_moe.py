@@ -74,5 +74,9 @@ FAMILY = Family(
     # The Hub gives zai-org/GLM-4.5's safetensors parameter count to 0.01 B ("parameters_b"): the derived count
     # must round to it; no published tensor count or index total_size could be read here.
     published=(("parameters_b", 358.34), ("shards", 93), ("precision", "bf16")),
+    # zai-org/GLM-4.5-FP8 (and 4.6 / 4.7-FP8) are compressed-tensors FP8: e4m3 weights with one `weight_scale` per
+    # output channel ([out, 1]) and static input scales (HabanaAI/vllm-hpu-extension PRs #350, #353, #397).
+    fp8_release_not_block=("its official FP8 releases (zai-org/GLM-4.5-FP8, 4.6, 4.7) are compressed-tensors FP8 "
+                           "with a per-channel weight_scale, which mxforge does not read yet"),
 )
 Glm4MoeLayout.family = FAMILY
