@@ -22,25 +22,23 @@ from mxforge.errors import ConfigError
 from mxforge.models import layout_of
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, keep_original, read_fixups_record, recorded_command
 from mxforge.safetensors_io import write_json_atomic
-
 from mxforge.validation.config_checks import exclude_entries
 from mxforge.validation.engine_check import check_engine, decide, engine_view, without_fusion
+from mxforge.validation.integrity import TOTAL_SIZE
+from mxforge.validation.loaded import LoadedCheckpoint, load_checkpoint
 from mxforge.validation.matching import DRAFT, is_glob
 from mxforge.validation.modules import EngineModule
-from mxforge.validation.integrity import TOTAL_SIZE
 from mxforge.validation.profiles import EngineProfile, check_engine_items, select
 from mxforge.validation.report import MAX_LISTED, Problem
 from mxforge.validation.tensor_forms import BF16, MXFP4
-from mxforge.validation.loaded import LoadedCheckpoint, load_checkpoint
 from mxforge.validation.validate import loadability_problems
-
 
 
 @dataclass
 class FixupResult:
     path: str
     engines: list[str]
-    applied: list[dict] = field(default_factory=list)    # what was (or, dry run, would be) changed
+    applied: list[dict] = field(default_factory=list)  # what was (or, dry run, would be) changed
     warnings: list[str] = field(default_factory=list)
     remaining: list[Problem] = field(default_factory=list)  # problems editing `exclude` cannot cure
     diff: str = ""
@@ -52,17 +50,31 @@ class FixupResult:
         return bool(self.applied)
 
     def as_dict(self) -> dict:
-        return {"stage": "fixup", "path": self.path, "engines": self.engines, "dry_run": self.dry_run,
-                "changed": self.changed, "applied": self.applied, "warnings": self.warnings,
-                "remaining": [p.__dict__ for p in self.remaining], "ok": not self.remaining}
+        return {
+            "stage": "fixup",
+            "path": self.path,
+            "engines": self.engines,
+            "dry_run": self.dry_run,
+            "changed": self.changed,
+            "applied": self.applied,
+            "warnings": self.warnings,
+            "remaining": [p.__dict__ for p in self.remaining],
+            "ok": not self.remaining,
+        }
 
     def format(self) -> str:
         verb = "would change" if self.dry_run else "changed"
-        lines = [f"{self.path}: {verb} {len(self.applied)} fixup(s)"
-                 if self.changed else f"{self.path}: nothing to fix ({', '.join(self.engines)})"]
+        lines = [
+            f"{self.path}: {verb} {len(self.applied)} fixup(s)"
+            if self.changed
+            else f"{self.path}: nothing to fix ({', '.join(self.engines)})"
+        ]
         lines += [f"  warning: {w}" for w in self.warnings]
-        lines += [f"  + MTP layer(s) {a['layers']} from {a['source']}: {a['quantized']} weights MXFP4 ({a['why']})"
-                  for a in self.applied if a["fixup"] == "mtp_inject"]
+        lines += [
+            f"  + MTP layer(s) {a['layers']} from {a['source']}: {a['quantized']} weights MXFP4 ({a['why']})"
+            for a in self.applied
+            if a["fixup"] == "mtp_inject"
+        ]
         aliases = [a for a in self.applied if a["fixup"] == "alias"]
         lines += [f"  + {a['entry']} (for {', '.join(a['engines'])}: {a['why']})" for a in aliases[:MAX_LISTED]]
         if len(aliases) > MAX_LISTED:
@@ -87,11 +99,20 @@ def rewrite_globs(entries: list[str], loaded: LoadedCheckpoint) -> tuple[list[st
             continue
         covered = [m for m in bf16_modules if fnmatch.fnmatchcase(m, entry)]
         out += covered
-        applied.append({"fixup": "glob_rewrite", "entry": entry, "replaced_by": covered,
-                        "why": "engines match exact names or 're:' regexes only"})
-        warnings.append(f"exclude entry {entry!r} is a glob no engine understands: replaced by the {len(covered)} exact "
-                        f"module name(s) it covers that are stored bf16" if covered else
-                        f"exclude entry {entry!r} is a glob no engine understands and covers no module stored bf16: removed")
+        applied.append(
+            {
+                "fixup": "glob_rewrite",
+                "entry": entry,
+                "replaced_by": covered,
+                "why": "engines match exact names or 're:' regexes only",
+            }
+        )
+        warnings.append(
+            f"exclude entry {entry!r} is a glob no engine understands: replaced by the {len(covered)} exact "
+            f"module name(s) it covers that are stored bf16"
+            if covered
+            else f"exclude entry {entry!r} is a glob no engine understands and covers no module stored bf16: removed"
+        )
     return list(dict.fromkeys(out)), applied, warnings
 
 
@@ -104,8 +125,9 @@ def alias_entries(profile: EngineProfile, module: EngineModule) -> list[str]:
     return [module.runtime] + [f"{head}.{s}" for s in shards]
 
 
-def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[EngineProfile],
-                   qc: dict | None = None) -> list[dict]:
+def needed_aliases(
+    entries: list[str], loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict | None = None
+) -> list[dict]:
     """The entries each release needs so that every module stored bf16 is built bf16, also when it is served
     with shared-expert fusion switched off; every bf16 module of the MTP layer gets its runtime names."""
     added: dict[str, dict] = {}
@@ -120,17 +142,22 @@ def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[
                     if {loaded.stored[lin.name].form for lin in module.shards} != {BF16} or not module.quantizable:
                         continue
                     verdict = decide(v, module)
-                    if verdict.form == BF16 and (not module.is_mtp or v.roles[DRAFT].entries.matching_entry(module.runtime)):
+                    if verdict.form == BF16 and (
+                        not module.is_mtp or v.roles[DRAFT].entries.matching_entry(module.runtime)
+                    ):
                         continue
-                    why = "stored bf16; " + {None: "the engine would raise while deciding",
-                                             BF16: f"the MTP module's name in {profile.name}",
-                                             MXFP4: "the engine would build it MXFP4"}.get(
-                        verdict.form, f"the engine would build it with {verdict.form}")
+                    why = "stored bf16; " + {
+                        None: "the engine would raise while deciding",
+                        BF16: f"the MTP module's name in {profile.name}",
+                        MXFP4: "the engine would build it MXFP4",
+                    }.get(verdict.form, f"the engine would build it with {verdict.form}")
                     for entry in alias_entries(profile, module):
                         if entry in entries:
                             continue
-                        record = added.setdefault(entry, {"fixup": "alias", "entry": entry, "module": module.checkpoint,
-                                                          "engines": [], "why": why})
+                        record = added.setdefault(
+                            entry,
+                            {"fixup": "alias", "entry": entry, "module": module.checkpoint, "engines": [], "why": why},
+                        )
                         if profile.name not in record["engines"]:
                             record["engines"].append(profile.name)
                             new += 1
@@ -139,8 +166,9 @@ def needed_aliases(entries: list[str], loaded: LoadedCheckpoint, profiles: list[
     return list(added.values())
 
 
-def harmed_modules(loaded: LoadedCheckpoint, profiles: list[EngineProfile], before: list[str],
-                   after: list[str], qc: dict | None = None) -> list[tuple[str, str]]:
+def harmed_modules(
+    loaded: LoadedCheckpoint, profiles: list[EngineProfile], before: list[str], after: list[str], qc: dict | None = None
+) -> list[tuple[str, str]]:
     """(profile, module) pairs that load under `before` but not under `after`: an added entry must never
     change a decision that was right."""
     harmed = []
@@ -154,9 +182,15 @@ def harmed_modules(loaded: LoadedCheckpoint, profiles: list[EngineProfile], befo
     return harmed
 
 
-def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[str] | None = None, dry_run: bool = False,
-                     command: str | None = None, mtp_from: str | Path | None = None, recipe: str | None = None,
-                     quiet: bool = True) -> FixupResult:
+def fixup_checkpoint(
+    root: "str | Path | CheckpointSource",
+    engines: str | list[str] | None = None,
+    dry_run: bool = False,
+    command: str | None = None,
+    mtp_from: str | Path | None = None,
+    recipe: str | None = None,
+    quiet: bool = True,
+) -> FixupResult:
     """Rewrite config.json's `quantization_config.exclude` so that every selected engine release (`engines`
     as `--engines`; None: every supported release) loads the checkpoint, and repair what no engine reads
     (the index's total_size).
@@ -164,12 +198,14 @@ def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[
     Keeps the original as config.json.orig (first run only), writes atomically, records what it applied
     in mxforge_fixups.json beside config.json. `dry_run` computes the same and writes nothing.
     `root` may be any CheckpointSource; one that is not a local directory (a Hub repo) is only read, as with
-    `dry_run` (hub_pr proposes the result as a pull request). `mtp_from` (a bf16 checkpoint) first re-injects a missing MTP layer, quantized per `recipe`
-    (default: the quantizer's default recipe); when the MTP layer is present it is left alone.
+    `dry_run` (hub_pr proposes the result as a pull request). `mtp_from` (a bf16 checkpoint) first re-injects a
+    missing MTP layer, quantized per `recipe` (default: the quantizer's default recipe); when the MTP layer is present
+    it is left alone.
 
     Raises:
         CheckpointError: not a checkpoint directory, or a file cannot be written.
-        ConfigError: unknown engine selection or recipe, or config.json is not of a supported model family (mxforge.models).
+        ConfigError: unknown engine selection or recipe, or config.json is not of a supported model family
+            (mxforge.models).
         NonFiniteWeightError: a source MTP weight to quantize holds NaN/Inf.
     """
     check_engine_items(engines)
@@ -202,9 +238,11 @@ def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[
         aliases = needed_aliases(entries, loaded, profiles, qc)
         harmed = harmed_modules(loaded, profiles, entries, entries + [a["entry"] for a in aliases], qc)
         if harmed:  # never expected: every alias names a bf16 module in one release's terms; refuse rather than harm
-            raise ConfigError(f"{loaded.ckpt.source.where('config.json')}: the aliases fixup computed would change how "
-                              f"{harmed[0][0]} builds {harmed[0][1]} (and {len(harmed) - 1} more); nothing was written. "
-                              "Please report this checkpoint's config.json to the mxforge maintainers")
+            raise ConfigError(
+                f"{loaded.ckpt.source.where('config.json')}: the aliases fixup computed would change how "
+                f"{harmed[0][0]} builds {harmed[0][1]} (and {len(harmed) - 1} more); nothing was written. "
+                "Please report this checkpoint's config.json to the mxforge maintainers"
+            )
         entries += [a["entry"] for a in aliases]
         result.applied += applied + aliases
         result.warnings += warnings
@@ -215,15 +253,20 @@ def fixup_checkpoint(root: "str | Path | CheckpointSource", engines: str | list[
             if p.server_flag:
                 # a problem that a serving flag avoids is an engine check's, which names its engine
                 needs.setdefault((p.server_flag, p.subject), []).append(str(p.engine))
-        result.warnings += [f"{', '.join(who)}: serve with {flag} ({subject}: no exclude entry avoids it there)"
-                            for (flag, subject), who in needs.items()]
+        result.warnings += [
+            f"{', '.join(who)}: serve with {flag} ({subject}: no exclude entry avoids it there)"
+            for (flag, subject), who in needs.items()
+        ]
         if dry_run and injected:
             result.remaining = [p for p in result.remaining if p.check != "mtp"]
         if applied or aliases:
             new_config = result.new_config = {**config, "quantization_config": {**qc, "exclude": entries}}
             old_text, new_text = (json.dumps(c, indent=2) + "\n" for c in (config, new_config))
-            result.diff = "".join(difflib.unified_diff(old_text.splitlines(True), new_text.splitlines(True),
-                                                       "a/config.json", "b/config.json"))
+            result.diff = "".join(
+                difflib.unified_diff(
+                    old_text.splitlines(True), new_text.splitlines(True), "a/config.json", "b/config.json"
+                )
+            )
     if index_fix:
         result.applied.append(index_fix)
     if dry_run or not (new_config or index_fix):
@@ -251,8 +294,14 @@ def _total_size_fix(loaded: LoadedCheckpoint, index_warnings: list) -> dict | No
     if not any(w.subject == TOTAL_SIZE for w in index_warnings):
         return None
     total = sum(i.nbytes for i in loaded.infos.values())
-    return {"fixup": "index_total_size", "entry": TOTAL_SIZE, "was": loaded.ckpt.index_metadata.get("total_size"),
-            "now": total, "engines": [], "why": "total_size counts tensor bytes (Hugging Face's rule); no engine reads it"}
+    return {
+        "fixup": "index_total_size",
+        "entry": TOTAL_SIZE,
+        "was": loaded.ckpt.index_metadata.get("total_size"),
+        "now": total,
+        "engines": [],
+        "why": "total_size counts tensor bytes (Hugging Face's rule); no engine reads it",
+    }
 
 
 def _check_exclude_form(ckpt: Checkpoint) -> None:
@@ -263,11 +312,15 @@ def _check_exclude_form(ckpt: Checkpoint) -> None:
     """
     raw = (ckpt.quantization_config or {}).get("exclude", [])
     if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
-        raise ConfigError(f"{ckpt.source.where('config.json')}: quantization_config.exclude is not a list of module names; "
-                          "fix it by hand (see mxforge validate) before running fixup")
+        raise ConfigError(
+            f"{ckpt.source.where('config.json')}: quantization_config.exclude is not a list of module names; "
+            "fix it by hand (see mxforge validate) before running fixup"
+        )
 
 
-def _maybe_inject(ckpt: Checkpoint, mtp_from, recipe: str | None, dry_run: bool, quiet: bool) -> tuple[dict | None, str | None]:
+def _maybe_inject(
+    ckpt: Checkpoint, mtp_from, recipe: str | None, dry_run: bool, quiet: bool
+) -> tuple[dict | None, str | None]:
     """Re-inject the MTP layer from `mtp_from` when the checkpoint lacks it: (record, note)."""
     if mtp_from is None:
         return None, None
@@ -280,8 +333,13 @@ def _maybe_inject(ckpt: Checkpoint, mtp_from, recipe: str | None, dry_run: bool,
         return None, f"--mtp-from: the checkpoint already holds MTP layer(s) {layers}; nothing injected"
     if dry_run:
         plan = plan_mtp_injection(ckpt, Checkpoint.open(mtp_from), load_recipe(recipe, ckpt.config))
-        return {"fixup": "mtp_inject", "layers": plan.layers, "source": str(mtp_from), "quantized": len(plan.quantize),
-                "why": "the export shipped without its MTP layer (dry run: not written)"}, None
+        return {
+            "fixup": "mtp_inject",
+            "layers": plan.layers,
+            "source": str(mtp_from),
+            "quantized": len(plan.quantize),
+            "why": "the export shipped without its MTP layer (dry run: not written)",
+        }, None
     return inject_mtp(ckpt, mtp_from, recipe, quiet=quiet), None
 
 

@@ -37,31 +37,42 @@ class PrResult:
     revision: str
     commit: str
     fixup: FixupResult
-    before: dict                      # validate's report on the repo as it is
-    after: dict | None = None         # ... on the repo with the proposed config.json
-    status: str = ""                  # opened | exists | fixed | unfixable | dry-run
+    before: dict  # validate's report on the repo as it is
+    after: dict | None = None  # ... on the repo with the proposed config.json
+    status: str = ""  # opened | exists | fixed | unfixable | dry-run
     pr_num: int | None = None
     pr_url: str | None = None
     description: str = ""
     fetched: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"stage": "fixup", "repo": self.repo_id, "revision": self.revision, "commit": self.commit,
-                "status": self.status, "pr_num": self.pr_num, "pr_url": self.pr_url,
-                "verdict_before": self.before["verdict"], "verdict_after": self.after["verdict"] if self.after else None,
-                "fixup": self.fixup.as_dict(), "fetched": self.fetched, "ok": not self.fixup.remaining}
+        return {
+            "stage": "fixup",
+            "repo": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "status": self.status,
+            "pr_num": self.pr_num,
+            "pr_url": self.pr_url,
+            "verdict_before": self.before["verdict"],
+            "verdict_after": self.after["verdict"] if self.after else None,
+            "fixup": self.fixup.as_dict(),
+            "fetched": self.fetched,
+            "ok": not self.fixup.remaining,
+        }
 
     def format(self) -> str:
         from mxforge.hub_source import fetched_line
 
-        head = {"opened": f"opened pull request #{self.pr_num}: {self.pr_url}",
-                "exists": f"pull request #{self.pr_num} by mxforge already proposes this config.json: {self.pr_url} "
-                          "(nothing new opened)",
-                "fixed": "already fixed: config.json needs no change for the selected releases (no pull request)",
-                "unfixable": "no pull request: editing config.json cannot make any more release load it",
-                "dry-run": "dry run: this pull request would be opened (nothing sent)"}[self.status]
-        lines = [f"{self.repo_id}@{self.revision} ({self.commit[:12]}): {head}",
-                 f"  before: {self.before['verdict']}"]
+        head = {
+            "opened": f"opened pull request #{self.pr_num}: {self.pr_url}",
+            "exists": f"pull request #{self.pr_num} by mxforge already proposes this config.json: {self.pr_url} "
+            "(nothing new opened)",
+            "fixed": "already fixed: config.json needs no change for the selected releases (no pull request)",
+            "unfixable": "no pull request: editing config.json cannot make any more release load it",
+            "dry-run": "dry run: this pull request would be opened (nothing sent)",
+        }[self.status]
+        lines = [f"{self.repo_id}@{self.revision} ({self.commit[:12]}): {head}", f"  before: {self.before['verdict']}"]
         if self.after:
             lines.append(f"  after:  {self.after['verdict']}")
         lines.append(f"  {fetched_line(self.fetched)}")
@@ -78,19 +89,28 @@ def config_bytes(config: dict) -> bytes:
 
 def describe(fixup: FixupResult, labels: dict[str, str], before: str, after: str, command: str) -> str:
     """The pull request's description: what changes, for which releases, and validate before/after."""
-    lines = ["This pull request was opened by `mxforge fixup --create-pr`. It changes only "
-             "`quantization_config.exclude` in `config.json` and adds `mxforge_fixups.json`, the record of what "
-             "changed; no weight is touched. Engines build the MTP layer under other names than the checkpoint "
-             "stores it (sglang: `model.decoder.*`, `model.eh_proj`) and match `exclude` entries exactly or by "
-             "`re:` regex, never as globs, so each release needs its own names for the modules stored in bf16.",
-             "", f"**validate before:** {before}", "", f"**validate after:** {after}", "",
-             "| change | entry | fixes | why |", "|---|---|---|---|"]
+    lines = [
+        "This pull request was opened by `mxforge fixup --create-pr`. It changes only "
+        "`quantization_config.exclude` in `config.json` and adds `mxforge_fixups.json`, the record of what "
+        "changed; no weight is touched. Engines build the MTP layer under other names than the checkpoint "
+        "stores it (sglang: `model.decoder.*`, `model.eh_proj`) and match `exclude` entries exactly or by "
+        "`re:` regex, never as globs, so each release needs its own names for the modules stored in bf16.",
+        "",
+        f"**validate before:** {before}",
+        "",
+        f"**validate after:** {after}",
+        "",
+        "| change | entry | fixes | why |",
+        "|---|---|---|---|",
+    ]
     shown = fixup.applied[:MAX_DESCRIBED]
     for a in shown:
         releases = ", ".join(dict.fromkeys(labels.get(p, p) for p in a.get("engines", []))) or "every release"
         if a["fixup"] == "glob_rewrite":
-            lines.append(f"| glob rewritten | `{a['entry']}` -> {len(a['replaced_by'])} exact name(s) | every release "
-                         f"| {a['why']} |")
+            lines.append(
+                f"| glob rewritten | `{a['entry']}` -> {len(a['replaced_by'])} exact name(s) | every release "
+                f"| {a['why']} |"
+            )
         else:
             lines.append(f"| added | `{a['entry']}` | {releases} | {a['why']} |")
     if len(fixup.applied) > len(shown):
@@ -100,8 +120,15 @@ def describe(fixup: FixupResult, labels: dict[str, str], before: str, after: str
     return "\n".join(lines)
 
 
-def create_fixup_pr(repo_id: str, revision: str | None = None, engines=None, *, dry_run: bool = False,
-                    limits: HubLimits | None = None, command: str | None = None) -> PrResult:
+def create_fixup_pr(
+    repo_id: str,
+    revision: str | None = None,
+    engines=None,
+    *,
+    dry_run: bool = False,
+    limits: HubLimits | None = None,
+    command: str | None = None,
+) -> PrResult:
     """Compute fixup from the repo's headers at `revision` and open (unless `dry_run`, or an open one by
     mxforge already proposes the same config.json, or there is nothing to fix) one pull request against it.
 
@@ -112,8 +139,9 @@ def create_fixup_pr(repo_id: str, revision: str | None = None, engines=None, *, 
     command = recorded_command(command)
     revision = revision or "main"
     if revision.startswith("refs/pr/"):
-        raise MxforgeError(f"{repo_id}: --revision {revision} is a pull request; open the fix against a branch "
-                           "(default main)")
+        raise MxforgeError(
+            f"{repo_id}: --revision {revision} is a pull request; open the fix against a branch (default main)"
+        )
     source = HubSource(repo_id, revision, limits)
     ckpt = Checkpoint.open(source)
     selections = select(engines, layout_of(ckpt.config).family)
@@ -140,11 +168,20 @@ def create_fixup_pr(repo_id: str, revision: str | None = None, engines=None, *, 
         result.status = "dry-run"
         return result
     record = add_to_record(read_fixups_record(source), applied, fixup.engines, command)
-    operations = [CommitOperationAdd("config.json", config_bytes(fixup.new_config)),
-                  CommitOperationAdd(FIXUPS_NAME, config_bytes(record))]
+    operations = [
+        CommitOperationAdd("config.json", config_bytes(fixup.new_config)),
+        CommitOperationAdd(FIXUPS_NAME, config_bytes(record)),
+    ]
     try:
-        info = source.api.create_commit(repo_id, operations, commit_message=PR_TITLE, commit_description=result.description,
-                                        revision=revision, create_pr=True, parent_commit=source.commit)
+        info = source.api.create_commit(
+            repo_id,
+            operations,
+            commit_message=PR_TITLE,
+            commit_description=result.description,
+            revision=revision,
+            create_pr=True,
+            parent_commit=source.commit,
+        )
     except Exception as e:
         raise_as_hub_error(e, repo_id=repo_id, revision=revision, action="open a pull request on")
         raise

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
-from mxforge.models import layout_of, MoeLayout
+from mxforge.models import MoeLayout, layout_of
 from mxforge.progress import byte_progress
 from mxforge.provenance import keep_original
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
@@ -26,17 +26,29 @@ MTP_SHARD = "model-mtp.safetensors"
 
 
 # config.json fields that must agree between the export and the bf16 source for its MTP layer to fit.
-SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_routed_experts", "q_lora_rank",
-                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_attention_heads",
-                "index_n_heads", "index_head_dim", "n_shared_experts")
+SHAPE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "num_attention_heads",
+    "index_n_heads",
+    "index_head_dim",
+    "n_shared_experts",
+)
 
 
 @dataclass
 class MtpPlan:
     layers: list[int]
-    tensors: list[PlannedTensor]        # as written (quantized weights: codes + scales)
-    quantize: set[str]                  # source weight names that become MXFP4
-    kept_modules: list[str]             # 2-D weights kept bf16: they join `exclude`
+    tensors: list[PlannedTensor]  # as written (quantized weights: codes + scales)
+    quantize: set[str]  # source weight names that become MXFP4
+    kept_modules: list[str]  # 2-D weights kept bf16: they join `exclude`
     source_bytes: int
 
 
@@ -51,28 +63,39 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
     from mxforge.quantize.plan import TensorPlan, tensor_fate
 
     if source_precision(src.config, str(src.root / "config.json")).is_fp8:
-        raise ConfigError(f"{src.root}: is an FP8 checkpoint; --mtp-from reads a bf16 source. Re-run `mxforge quantize` "
-                          "(or `mxforge run`) from the FP8 checkpoint instead: it keeps the MTP layer")
+        raise ConfigError(
+            f"{src.root}: is an FP8 checkpoint; --mtp-from reads a bf16 source. Re-run `mxforge quantize` "
+            "(or `mxforge run`) from the FP8 checkpoint instead: it keeps the MTP layer"
+        )
     mismatched = [f for f in SHAPE_FIELDS if ckpt.config.get(f) != src.config.get(f)]
     if mismatched:
-        raise ConfigError(f"{src.root}: config.json differs from {ckpt.root}'s in {mismatched}; "
-                          "--mtp-from needs the bf16 source this export was made from")
+        raise ConfigError(
+            f"{src.root}: config.json differs from {ckpt.root}'s in {mismatched}; "
+            "--mtp-from needs the bf16 source this export was made from"
+        )
     layout = layout_of({**ckpt.config, "num_nextn_predict_layers": _nextn(ckpt.config) or _nextn(src.config)})
     if not layout.mtp_layers:
         raise ConfigError(f"{src.root}: num_nextn_predict_layers is 0 in both configs: there is no MTP layer to inject")
     present = mtp_tensors(ckpt.weight_map, layout)
     if present:
-        raise CheckpointError(f"{ckpt.root}: already holds MTP tensors (e.g. {present[0]}); --mtp-from only re-injects "
-                              "a missing MTP layer")
+        raise CheckpointError(
+            f"{ckpt.root}: already holds MTP tensors (e.g. {present[0]}); --mtp-from only re-injects "
+            "a missing MTP layer"
+        )
     infos = {n: i for n, i in src.tensor_infos().items() if layer_of(n) in layout.mtp_layers}
     if not infos:
-        raise CheckpointError(f"{src.root}: holds no model.layers.{layout.mtp_layers[0]}.* tensors either; "
-                              "use the original bf16 checkpoint")
+        raise CheckpointError(
+            f"{src.root}: holds no model.layers.{layout.mtp_layers[0]}.* tensors either; "
+            "use the original bf16 checkpoint"
+        )
     plans = [TensorPlan(infos[n], tensor_fate(infos[n], recipe, layout)) for n in sorted(infos)]
-    return MtpPlan(list(layout.mtp_layers), [o for p in plans for o in p.outputs()],
-                   {p.source.name for p in plans if p.fate == "quantized"},
-                   [p.source.name.removesuffix(".weight") for p in plans if p.fate == "kept"],
-                   sum(i.nbytes for i in infos.values()))
+    return MtpPlan(
+        list(layout.mtp_layers),
+        [o for p in plans for o in p.outputs()],
+        {p.source.name for p in plans if p.fate == "quantized"},
+        [p.source.name.removesuffix(".weight") for p in plans if p.fate == "kept"],
+        sum(i.nbytes for i in infos.values()),
+    )
 
 
 def mtp_tensors(names: Iterable[str], layout: MoeLayout) -> list[str]:
@@ -85,7 +108,9 @@ def held_mtp_layers(names: Iterable[str], layout: MoeLayout) -> list[int]:
     return sorted({layer for n in mtp_tensors(names, layout) if (layer := layer_of(n)) is not None})
 
 
-def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name: str | None, quiet: bool = False) -> dict:
+def inject_mtp(
+    root: str | Path | Checkpoint, src_root: str | Path, recipe_name: str | None, quiet: bool = False
+) -> dict:
     """Write the MTP layer(s) from `src_root` into checkpoint `root` (a path, or one already open); returns
     the record of what was done.
 
@@ -107,8 +132,10 @@ def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name:
     if (ckpt.root / MTP_SHARD).exists() and MTP_SHARD in ckpt.shard_names:
         raise CheckpointError(f"{ckpt.root / MTP_SHARD}: already in the index; nothing to inject")
     pending_scales: dict[str, torch.Tensor] = {}
-    with byte_progress(plan.source_bytes, "fixup: MTP layer", disable=quiet) as bar, \
-            ShardWriter(ckpt.root / MTP_SHARD, plan.tensors) as writer:
+    with (
+        byte_progress(plan.source_bytes, "fixup: MTP layer", disable=quiet) as bar,
+        ShardWriter(ckpt.root / MTP_SHARD, plan.tensors) as writer,
+    ):
         handles = {}
         try:
             for t in writer.order:  # a quantized weight's codes come right before its scales (name order)
@@ -130,10 +157,18 @@ def inject_mtp(root: str | Path | Checkpoint, src_root: str | Path, recipe_name:
             handles.clear()
     _update_index(ckpt, plan)
     _update_config(ckpt, src, plan)
-    return {"fixup": "mtp_inject", "layers": plan.layers, "source": str(src.root), "recipe": recipe.name,
-            "recipe_sha256": recipe.sha256, "shard": MTP_SHARD, "quantized": len(plan.quantize),
-            "kept_bf16": len(plan.tensors) - 2 * len(plan.quantize), "excluded_modules_added": len(plan.kept_modules),
-            "why": "the export shipped without its MTP layer"}
+    return {
+        "fixup": "mtp_inject",
+        "layers": plan.layers,
+        "source": str(src.root),
+        "recipe": recipe.name,
+        "recipe_sha256": recipe.sha256,
+        "shard": MTP_SHARD,
+        "quantized": len(plan.quantize),
+        "kept_bf16": len(plan.tensors) - 2 * len(plan.quantize),
+        "excluded_modules_added": len(plan.kept_modules),
+        "why": "the export shipped without its MTP layer",
+    }
 
 
 def _update_index(ckpt: Checkpoint, plan: MtpPlan) -> None:

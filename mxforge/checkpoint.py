@@ -28,8 +28,10 @@ def write_index(root: Path, weight_map: dict[str, str], total_size: int, metadat
     Raises:
         CheckpointError: it cannot be written.
     """
-    write_json_atomic(Path(root) / INDEX_NAME, {"metadata": {**(metadata or {}), "total_size": total_size},
-                                                "weight_map": dict(sorted(weight_map.items()))})
+    write_json_atomic(
+        Path(root) / INDEX_NAME,
+        {"metadata": {**(metadata or {}), "total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))},
+    )
 
 
 class _KeyedObject(dict):
@@ -79,8 +81,10 @@ def _check_shard_names(source: "CheckpointSource", weight_map: dict) -> None:
             continue  # checked already (GLM-5.2's index names 282 shards for 59,585 tensors)
         why = name_problem(shard)
         if why is not None:
-            raise CheckpointError(f"{source.where(INDEX_NAME)}: tensor {tensor!r} maps to shard {shard!r}, refused "
-                                  f"because {why}; the index is corrupt or hostile: fix or re-download it")
+            raise CheckpointError(
+                f"{source.where(INDEX_NAME)}: tensor {tensor!r} maps to shard {shard!r}, refused "
+                f"because {why}; the index is corrupt or hostile: fix or re-download it"
+            )
         shards.add(shard)
     source.check_readable(sorted(shards))
 
@@ -89,8 +93,8 @@ class CheckpointSource:
     """Where a checkpoint's files come from. Names passed in are relative names inside the checkpoint, checked
     by name_problem first where they came from outside (the index)."""
 
-    label: str                      # how reports name the checkpoint: a directory, or owner/name[@revision]
-    model_path: str                 # what a serving engine is given to load it: the directory, or the repo id
+    label: str  # how reports name the checkpoint: a directory, or owner/name[@revision]
+    model_path: str  # what a serving engine is given to load it: the directory, or the repo id
     local_root: Path | None = None  # the directory, for a local checkpoint
 
     def stats(self) -> dict | None:
@@ -157,7 +161,9 @@ class LocalDir(CheckpointSource):
     def check_opened(self) -> None:
         root = self.local_root
         if not root.is_dir():
-            raise CheckpointError(f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors")
+            raise CheckpointError(
+                f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors"
+            )
         if not (root / "config.json").exists():
             raise CheckpointError(f"{root}: no config.json, so this is not a Hugging Face checkpoint directory")
         self.check_readable(["config.json", INDEX_NAME, SINGLE_NAME])
@@ -181,8 +187,10 @@ def is_local_source(source: str) -> bool:
     if why is None and not exists:
         return False
     shown = source if len(source) <= 60 else f"{source[:60]}..."
-    raise MxforgeError(f"{shown}: not a directory, and not a Hub repo id either "
-                       f"({why or 'a file of that name exists here'}); pass a checkpoint directory or owner/name")
+    raise MxforgeError(
+        f"{shown}: not a directory, and not a Hub repo id either "
+        f"({why or 'a file of that name exists here'}); pass a checkpoint directory or owner/name"
+    )
 
 
 @dataclass
@@ -221,8 +229,14 @@ class Checkpoint:
                 raise CheckpointError(f"{source.where(INDEX_NAME)}: has no weight_map; the index is corrupt")
             _check_shard_names(source, weight_map)
             source.prefetch_headers(sorted(set(weight_map.values())))
-            return cls(source, config, dict(weight_map), dict(index.get("metadata") or {}), True,
-                       getattr(weight_map, "duplicates", ()))
+            return cls(
+                source,
+                config,
+                dict(weight_map),
+                dict(index.get("metadata") or {}),
+                True,
+                getattr(weight_map, "duplicates", ()),
+            )
         if source.exists(SINGLE_NAME):
             header = source.read_header(SINGLE_NAME)
             return cls(source, config, {name: SINGLE_NAME for name in header.tensors}, {}, False)
@@ -236,8 +250,10 @@ class Checkpoint:
             CheckpointError: the checkpoint is a Hub repo (what needs a directory must download it first).
         """
         if self.source.local_root is None:
-            raise CheckpointError(f"{self.source.label}: a Hub repo, read through its headers only; this needs the "
-                                  "files on disk: mxforge download it first")
+            raise CheckpointError(
+                f"{self.source.label}: a Hub repo, read through its headers only; this needs the "
+                "files on disk: mxforge download it first"
+            )
         return self.source.local_root
 
     @property
@@ -260,7 +276,9 @@ class Checkpoint:
         for name in self.shard_names:
             if not self.source.exists(name):
                 first = next(t for t, s in self.weight_map.items() if s == name)
-                raise CheckpointError(f"{self.source.where(name)}: shard named by the index (e.g. for {first!r}) does not exist")
+                raise CheckpointError(
+                    f"{self.source.where(name)}: shard named by the index (e.g. for {first!r}) does not exist"
+                )
             out[name] = self.source.read_header(name)
         return out
 
@@ -274,7 +292,9 @@ class Checkpoint:
         for name, shard in self.weight_map.items():
             info = self.headers[shard].tensors.get(name)
             if info is None:
-                raise CheckpointError(f"{self.source.where(shard)}: index says it holds tensor {name!r}, but its header does not")
+                raise CheckpointError(
+                    f"{self.source.where(shard)}: index says it holds tensor {name!r}, but its header does not"
+                )
             out[name] = info
         return out
 

@@ -12,24 +12,45 @@ EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 def add_json_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", metavar="REPORT", nargs="?", const="-", default=None,
-                   help="write a JSON report to REPORT ('-' or no value: stdout, replacing the human summary)")
+    p.add_argument(
+        "--json",
+        metavar="REPORT",
+        nargs="?",
+        const="-",
+        default=None,
+        help="write a JSON report to REPORT ('-' or no value: stdout, replacing the human summary)",
+    )
 
 
 def add_hub_options(p: argparse.ArgumentParser) -> None:
     """--timeout and --retries for commands that talk to the Hub (see hub_session.HubLimits)."""
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="longest wait for any Hub answer (default: MXFORGE_HUB_TIMEOUT, else HF_HUB_ETAG_TIMEOUT / "
-                   "HF_HUB_DOWNLOAD_TIMEOUT for files, 10 s each by default, and 60 s for API calls)")
-    p.add_argument("--retries", type=int, default=None, metavar="N",
-                   help="attempts at a file that bring no new byte before giving up (default: MXFORGE_HUB_RETRIES, else 5)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="longest wait for any Hub answer (default: MXFORGE_HUB_TIMEOUT, else HF_HUB_ETAG_TIMEOUT / "
+        "HF_HUB_DOWNLOAD_TIMEOUT for files, 10 s each by default, and 60 s for API calls)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        metavar="N",
+        help="attempts at a file that bring no new byte before giving up (default: MXFORGE_HUB_RETRIES, else 5)",
+    )
 
 
 def add_remote_options(p: argparse.ArgumentParser) -> None:
     """--revision and the Hub limits, for commands that take a Hub repo id where a checkpoint directory goes."""
-    p.add_argument("--revision", default=None, metavar="R", help="with a Hub repo id: branch, tag, commit or "
-                   "refs/pr/N (default main). Only config.json, the index and shard headers are fetched (ranged "
-                   "reads, cached by commit under $MXFORGE_CACHE or ~/.cache/mxforge)")
+    p.add_argument(
+        "--revision",
+        default=None,
+        metavar="R",
+        help="with a Hub repo id: branch, tag, commit or "
+        "refs/pr/N (default main). Only config.json, the index and shard headers are fetched (ranged "
+        "reads, cached by commit under $MXFORGE_CACHE or ~/.cache/mxforge)",
+    )
     add_hub_options(p)
 
 
@@ -58,8 +79,11 @@ def engines_arg(args) -> list[str] | None:
 
 
 def add_follow_symlinks_option(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--follow-symlinks", action="store_true",
-                   help=f"read {what} through symlinks that lead outside it (default: refuse them)")
+    p.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help=f"read {what} through symlinks that lead outside it (default: refuse them)",
+    )
 
 
 def hub_limits(args):

@@ -46,16 +46,20 @@ def mxfp4_pairs(infos: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
         if not (name.endswith(".weight") and info.dtype == "U8" and scale is not None and scale.dtype == "U8"):
             continue
         if len(info.shape) != 2 or len(scale.shape) != 2 or scale.shape != (info.shape[0], -(-2 * info.shape[1] // 32)):
-            raise CheckpointError(f"tensor {name!r} {list(info.shape)} and its scale {list(scale.shape)} are not an MXFP4 "
-                                  f"pair (scales must be [out, ceil(2 * {info.shape[-1] if info.shape else '?'} / 32)]); "
-                                  "the checkpoint is corrupt")
+            raise CheckpointError(
+                f"tensor {name!r} {list(info.shape)} and its scale {list(scale.shape)} are not an MXFP4 "
+                f"pair (scales must be [out, ceil(2 * {info.shape[-1] if info.shape else '?'} / 32)]); "
+                "the checkpoint is corrupt"
+            )
         pairs[name] = scale
     return pairs
 
 
-def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None = None,
-                          follow_symlinks: bool = False) -> dict:
-    """Write OUT as the bf16 checkpoint SRC's MXFP4 weights encode; returns the report (also OUT/mxforge_dequantize.json).
+def dequantize_checkpoint(
+    src, out, *, quiet: bool = False, command: str | None = None, follow_symlinks: bool = False
+) -> dict:
+    """Write OUT as the bf16 checkpoint SRC's MXFP4 weights encode; returns the report (also
+    OUT/mxforge_dequantize.json).
 
     Raises:
         CheckpointError: SRC unreadable or corrupt (a shard truncated, an MXFP4 pair that does not fit), no MXFP4
@@ -69,7 +73,9 @@ def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None 
     infos = ckpt.tensor_infos()
     pairs = mxfp4_pairs(infos)
     if not pairs:
-        raise CheckpointError(f"{src}: holds no MXFP4 weight (uint8 X.weight with X.weight_scale): nothing to dequantize")
+        raise CheckpointError(
+            f"{src}: holds no MXFP4 weight (uint8 X.weight with X.weight_scale): nothing to dequantize"
+        )
     to_copy = side_files(src, NOT_COPIED)
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     check_out_dir(src, out, DEQUANTIZE_NAME, "dequantize")
@@ -78,22 +84,39 @@ def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None 
     total = sum(i.nbytes for i in infos.values())
     weight_map, bytes_out, index_total = {}, 0, 0
     with directory_lock(out):
-        write_json_atomic(out / DEQUANTIZE_NAME, {"stage": "dequantize", "status": "running", "source": str(src.resolve())})
+        write_json_atomic(
+            out / DEQUANTIZE_NAME, {"stage": "dequantize", "status": "running", "source": str(src.resolve())}
+        )
         with byte_progress(total, "dequantize", disable=quiet) as bar:
             for shard in ckpt.shard_names:
                 header = ckpt.headers[shard]
-                mine = [i for i in header.tensors.values() if ckpt.weight_map.get(i.name) == shard and i.name not in scales]
-                planned = [PlannedTensor(i.name, "BF16", (i.shape[0], 2 * i.shape[1])) if i.name in pairs
-                           else PlannedTensor(i.name, i.dtype, i.shape) for i in mine]
+                mine = [
+                    i for i in header.tensors.values() if ckpt.weight_map.get(i.name) == shard and i.name not in scales
+                ]
+                planned = [
+                    PlannedTensor(i.name, "BF16", (i.shape[0], 2 * i.shape[1]))
+                    if i.name in pairs
+                    else PlannedTensor(i.name, i.dtype, i.shape)
+                    for i in mine
+                ]
                 index_total += sum(t.nbytes for t in planned)
                 writer = ShardWriter(out / shard, planned, metadata=header.metadata or {})
                 with open(src / shard, "rb") as fin, writer:
                     for t in writer.order:
                         info = header.tensors[t.name]
-                        parts = _dequantized(fin, info, header.tensors[t.name + SCALE_SUFFIX]) if t.name in pairs \
+                        parts = (
+                            _dequantized(fin, info, header.tensors[t.name + SCALE_SUFFIX])
+                            if t.name in pairs
                             else _raw(fin, info)
-                        writer.write_parts(t.name, _counted(parts, bar, info.nbytes + (
-                            header.tensors[t.name + SCALE_SUFFIX].nbytes if t.name in pairs else 0)))
+                        )
+                        writer.write_parts(
+                            t.name,
+                            _counted(
+                                parts,
+                                bar,
+                                info.nbytes + (header.tensors[t.name + SCALE_SUFFIX].nbytes if t.name in pairs else 0),
+                            ),
+                        )
                         weight_map[t.name] = shard
                 bytes_out += writer.nbytes
         write_index(out, weight_map, index_total)
@@ -103,12 +126,21 @@ def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None 
         drop_quantization_config(config)
         write_json_atomic(out / "config.json", config)
         seconds = time.monotonic() - started
-        report = {"stage": "dequantize", "status": "done", "source": str(src.resolve()), "out": str(out.resolve()),
-                  "shards": len(ckpt.shard_names), "dequantized": len(pairs),
-                  "copied": len(infos) - len(pairs) - len(scales), "scales_dropped": len(scales),
-                  "bytes_in": total, "bytes_out": bytes_out, "seconds": round(seconds, 3),
-                  "gb_per_s": round(total / seconds / 1e9, 4) if seconds > 0 else None,
-                  "command": recorded_command(command)}
+        report = {
+            "stage": "dequantize",
+            "status": "done",
+            "source": str(src.resolve()),
+            "out": str(out.resolve()),
+            "shards": len(ckpt.shard_names),
+            "dequantized": len(pairs),
+            "copied": len(infos) - len(pairs) - len(scales),
+            "scales_dropped": len(scales),
+            "bytes_in": total,
+            "bytes_out": bytes_out,
+            "seconds": round(seconds, 3),
+            "gb_per_s": round(total / seconds / 1e9, 4) if seconds > 0 else None,
+            "command": recorded_command(command),
+        }
         write_json_atomic(out / DEQUANTIZE_NAME, report)
     return report
 
@@ -116,8 +148,10 @@ def dequantize_checkpoint(src, out, *, quiet: bool = False, command: str | None 
 def _pread(fin, offset: int, n: int) -> bytes:
     data = os.pread(fin.fileno(), n, offset)
     if len(data) != n:
-        raise CheckpointError(f"{fin.name}: truncated at byte {offset + len(data)} (wanted {n} bytes at {offset}); "
-                              "re-download or re-create the shard")
+        raise CheckpointError(
+            f"{fin.name}: truncated at byte {offset + len(data)} (wanted {n} bytes at {offset}); "
+            "re-download or re-create the shard"
+        )
     return data
 
 

@@ -38,8 +38,10 @@ def directory_lock(directory: str | os.PathLike) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise DirectoryInUse(f"{directory}: in use by pid {owner} (another mxforge process holds {path}); wait "
-                                 "for it to finish or stop it, then rerun") from None
+            raise DirectoryInUse(
+                f"{directory}: in use by pid {owner} (another mxforge process holds {path}); wait "
+                "for it to finish or stop it, then rerun"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
@@ -61,7 +63,11 @@ def check_out_dir(src: Path, out: Path, marker: str, command: str) -> None:
     if out.exists():
         if not out.is_dir():
             raise MxforgeError(f"{out}: exists and is not a directory; choose another OUT")
-        if (any(not p.name.endswith(".partial") and p.name != LOCK_NAME.parts[0] for p in out.iterdir())
-                and not (out / marker).exists()):
-            raise MxforgeError(f"{out}: not empty and not a previous `mxforge {command}` output (no {marker}); "
-                               "choose a new or empty OUT")
+        if (
+            any(not p.name.endswith(".partial") and p.name != LOCK_NAME.parts[0] for p in out.iterdir())
+            and not (out / marker).exists()
+        ):
+            raise MxforgeError(
+                f"{out}: not empty and not a previous `mxforge {command}` output (no {marker}); "
+                "choose a new or empty OUT"
+            )

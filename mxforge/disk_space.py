@@ -30,6 +30,8 @@ def require_free_space(path: str | Path, need: int, what: str, remedy: str, deta
     """
     where, free = free_space(path)
     if need > free:
-        raise DiskSpaceError(f"{path}: {what} need {format_bytes(need)} but the filesystem of {where} has only "
-                             f"{format_bytes(free)} free{detail}: {remedy}")
+        raise DiskSpaceError(
+            f"{path}: {what} need {format_bytes(need)} but the filesystem of {where} has only "
+            f"{format_bytes(free)} free{detail}: {remedy}"
+        )
     return free

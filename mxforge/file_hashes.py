@@ -23,10 +23,10 @@ CACHE_NAME = Path(".cache") / "mxforge" / "hashes.json"
 
 @dataclass(frozen=True)
 class FileHash:
-    name: str       # path relative to the checkpoint root, with '/'
+    name: str  # path relative to the checkpoint root, with '/'
     size: int
     sha256: str
-    git_sha1: str   # git blob id of the content (compared with the Hub's blobId for non-LFS files)
+    git_sha1: str  # git blob id of the content (compared with the Hub's blobId for non-LFS files)
 
 
 class FileDigest:
@@ -83,8 +83,9 @@ class HashCache:
         except (OSError, ValueError):
             entries = {}
         # A cache that is not what we wrote is only a cache: start empty, everything is hashed again.
-        self._entries: dict[str, dict] = {k: v for k, v in entries.items() if isinstance(v, dict)} \
-            if isinstance(entries, dict) else {}
+        self._entries: dict[str, dict] = (
+            {k: v for k, v in entries.items() if isinstance(v, dict)} if isinstance(entries, dict) else {}
+        )
 
     def _stamp(self, name: str) -> tuple[int, int]:
         st = (self.root / name).stat()
@@ -114,8 +115,9 @@ class HashCache:
             write_json_atomic(self.path, self._entries)
 
 
-def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = False, desc: str = "sha256",
-                use_cache: bool = True) -> dict[str, FileHash]:
+def hash_files(
+    root: Path, names: list[str], *, workers: int = 8, quiet: bool = False, desc: str = "sha256", use_cache: bool = True
+) -> dict[str, FileHash]:
     """Hash `names` (relative to root) in parallel, reusing cached hashes of unchanged files.
 
     `use_cache=False` re-reads every byte and neither consults nor writes the cache (a check that must
@@ -130,6 +132,7 @@ def hash_files(root: Path, names: list[str], *, workers: int = 8, quiet: bool = 
     todo = [n for n in names if n not in out]
     total = sum((root / n).stat().st_size for n in todo)
     with byte_progress(total, desc, disable=quiet or not todo) as bar:
+
         def one(name: str) -> FileHash:
             fh = file_hash(root / name, name, bar)
             if cache is not None:
@@ -166,7 +169,9 @@ def checkpoint_files(root: Path, follow_symlinks: bool = False) -> list[str]:
         rel_dir = Path(dirpath).relative_to(root)
         if rel_dir == Path("."):
             dirnames[:] = [d for d in dirnames if d not in (".cache", ".git")]
-        refuse_links_leaving(root, [(rel_dir / d).as_posix() for d in dirnames], follow=follow_symlinks, action="upload")
+        refuse_links_leaving(
+            root, [(rel_dir / d).as_posix() for d in dirnames], follow=follow_symlinks, action="upload"
+        )
         real = {d: os.path.realpath(os.path.join(dirpath, d)) for d in dirnames}
         dirnames[:] = [d for d in dirnames if real[d] not in seen]
         seen.update(real.values())

@@ -17,19 +17,22 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import write_index
 from .errors import ConfigError, MxforgeError
-from .models import layout_of
-from .models import DEFAULT_FAMILY, Family, family_named
+from .models import DEFAULT_FAMILY, Family, family_named, layout_of
 from .models.layout import FP8_BLOCK, fp8_block_inventory
 from .progress import byte_progress
 from .safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
-from .checkpoint import write_index
 
 PRESETS = ("tiny", "bench", "full-layout")
 PRECISIONS = ("bf16", "fp8")
 # The FP8 releases' quantization_config (deepseek-ai/DeepSeek-V3's config.json; GLM-5.x FP8 read the same way)
-FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+FP8_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+}
 E4M3_MAX = 448.0
 OUTLIER_RATE = 1e-3
 
@@ -46,9 +49,17 @@ class FixtureResult:
     precision: str = "bf16"
 
     def as_dict(self) -> dict:
-        return {"stage": "fixture", "out": str(self.out), "preset": self.preset, "family": self.family,
-                "precision": self.precision, "tensors": self.tensors,
-                "shards": self.shards, "total_size": self.total_size, "seed": self.seed}
+        return {
+            "stage": "fixture",
+            "out": str(self.out),
+            "preset": self.preset,
+            "family": self.family,
+            "precision": self.precision,
+            "tensors": self.tensors,
+            "shards": self.shards,
+            "total_size": self.total_size,
+            "seed": self.seed,
+        }
 
 
 def preset_config(preset: str, gib: float | None = None, family: Family | str | None = None) -> tuple[dict, dict]:
@@ -82,17 +93,22 @@ def _family(family: Family | str | None) -> Family:
 
 def _experts_for_size(config: dict, target_bytes: float) -> int:
     """Routed-expert count that brings the checkpoint closest to target_bytes (at least 1)."""
+
     def size(n: int) -> int:
         return sum(t.nbytes for t in layout_of({**config, "n_routed_experts": n}).tensors())
+
     base, per_expert = size(1), size(2) - size(1)
     return max(1, round((target_bytes - base) / per_expert) + 1)
 
 
-def plan_shards(tensors: list[PlannedTensor], shards: int | None = None, shard_bytes: int | None = None) -> list[list[PlannedTensor]]:
+def plan_shards(
+    tensors: list[PlannedTensor], shards: int | None = None, shard_bytes: int | None = None
+) -> list[list[PlannedTensor]]:
     """Split tensors, in order, into shards greedily under a byte cap, as save_pretrained does.
 
     With `shards`, the smallest cap giving exactly that many shards is searched for.
     """
+
     def split(cap: int) -> list[list[PlannedTensor]]:
         out: list[list[PlannedTensor]] = [[]]
         size = 0
@@ -187,19 +203,41 @@ def _fp8_data(seed: int, bf16_shapes: dict[str, tuple[int, ...]]):
 
 
 SIDE_FILES = {
-    "generation_config.json": lambda c: {"_from_model_config": True, "eos_token_id": c.get("eos_token_id"),
-                                         "pad_token_id": c.get("pad_token_id"), "transformers_version": "5.6.0"},
-    "tokenizer_config.json": lambda c: {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c["max_position_embeddings"],
-                                        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
-    "tokenizer.json": lambda c: {"version": "1.0", "model": {"type": "WordLevel", "unk_token": "<unk>",
-                                 "vocab": {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3}},
-                                 "pre_tokenizer": {"type": "Whitespace"}, "added_tokens": []},
+    "generation_config.json": lambda c: {
+        "_from_model_config": True,
+        "eos_token_id": c.get("eos_token_id"),
+        "pad_token_id": c.get("pad_token_id"),
+        "transformers_version": "5.6.0",
+    },
+    "tokenizer_config.json": lambda c: {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": c["max_position_embeddings"],
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+    },
+    "tokenizer.json": lambda c: {
+        "version": "1.0",
+        "model": {
+            "type": "WordLevel",
+            "unk_token": "<unk>",
+            "vocab": {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3},
+        },
+        "pre_tokenizer": {"type": "Whitespace"},
+        "added_tokens": [],
+    },
 }
 
 
-def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float | None = None,
-                  quiet: bool = False, overrides: dict | None = None, family: Family | str | None = None,
-                  precision: str = "bf16") -> FixtureResult:
+def write_fixture(
+    out: str | os.PathLike,
+    preset: str,
+    seed: int = 0,
+    gib: float | None = None,
+    quiet: bool = False,
+    overrides: dict | None = None,
+    family: Family | str | None = None,
+    precision: str = "bf16",
+) -> FixtureResult:
     """Write a bf16 (or `precision="fp8"`: block-FP8, as the family's FP8 release) checkpoint of `family` (default:
     DEFAULT_FAMILY) to `out` (created; must be empty or absent); `overrides` change config fields after the preset's
     (e.g. `n_routed_experts`).
@@ -216,8 +254,10 @@ def write_fixture(out: str | os.PathLike, preset: str, seed: int = 0, gib: float
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     if precision == "fp8" and not family.has_block_fp8_release:
-        raise ConfigError(f"--precision fp8: {family.title} ({family.name}) has no block-FP8 release to reproduce: "
-                          f"{family.fp8_release_not_block or 'its FP8 layout is not known'}; use --precision bf16")
+        raise ConfigError(
+            f"--precision fp8: {family.title} ({family.name}) has no block-FP8 release to reproduce: "
+            f"{family.fp8_release_not_block or 'its FP8 layout is not known'}; use --precision bf16"
+        )
     config, settings = preset_config(preset, gib, family)
     config.update(overrides or {})
     layout = layout_of(config)

@@ -4,9 +4,9 @@
 2. Refuse before downloading anything if DEST's filesystem cannot hold the files still missing.
 3. Download each file through huggingface_hub (see hub_transfer: hf_xet where the Hub offers it; plain
    HTTP otherwise, into DEST/.cache/mxforge/download/*.partial, continued with Range on rerun).
-4. Hash every file (as it streams in, else by reading it back) and compare with the Hub's metadata: sha256 for LFS files, the git blob id for the
-   rest. A downloaded file that does not match is deleted (so a rerun fetches it again) and named in the
-   error; a file already in DEST that does not match (another revision, damage) is replaced.
+4. Hash every file (as it streams in, else by reading it back) and compare with the Hub's metadata: sha256 for LFS
+   files, the git blob id for the rest. A downloaded file that does not match is deleted (so a rerun fetches it
+   again) and named in the error; a file already in DEST that does not match (another revision, damage) is replaced.
 5. Write DEST/mxforge_source.json: repo, revision, commit sha, endpoint, files with size and sha256, command.
 """
 
@@ -25,9 +25,9 @@ from .dir_lock import directory_lock
 from .disk_space import require_free_space
 from .errors import MxforgeError
 from .file_hashes import FileHash, HashCache, file_hash, hash_files
-from .hub_transfer import CANCEL, PARTIAL_DIR, fetch_file, kept_partial_bytes
 from .hub_errors import HubVerificationError, check_repo_id, checked_commit, hub_endpoint, raise_as_hub_error, redact
 from .hub_session import HubLimits, use_hub_limits
+from .hub_transfer import CANCEL, PARTIAL_DIR, fetch_file, kept_partial_bytes
 from .progress import byte_progress, format_bytes
 from .provenance import SOURCE_NAME, recorded_command
 from .safe_paths import check_remote_name, remote_path
@@ -40,7 +40,7 @@ HF_DOWNLOAD_DIR = Path(".cache") / "huggingface" / "download"
 class RemoteFile:
     name: str
     size: int
-    sha256: str | None   # the LFS sha256 (None: a regular git file)
+    sha256: str | None  # the LFS sha256 (None: a regular git file)
     blob_id: str | None  # the git blob id (of the LFS pointer for LFS files)
 
     @property
@@ -59,10 +59,18 @@ class DownloadResult:
     downloaded_bytes: int = 0
 
     def as_dict(self) -> dict:
-        return {"stage": "download", "dest": str(self.dest), "repo_id": self.repo_id, "revision": self.revision,
-                "commit": self.commit, "endpoint": self.endpoint, "files": len(self.files),
-                "bytes": sum(f["size"] for f in self.files), "downloaded_bytes": self.downloaded_bytes,
-                "verified": True}
+        return {
+            "stage": "download",
+            "dest": str(self.dest),
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "endpoint": self.endpoint,
+            "files": len(self.files),
+            "bytes": sum(f["size"] for f in self.files),
+            "downloaded_bytes": self.downloaded_bytes,
+            "verified": True,
+        }
 
 
 def remote_files(api: HfApi, repo_id: str, revision: str) -> tuple[str, list[RemoteFile]]:
@@ -77,21 +85,27 @@ def remote_files(api: HfApi, repo_id: str, revision: str) -> tuple[str, list[Rem
     except Exception as e:
         raise_as_hub_error(e, repo_id=repo_id, revision=revision, action="read the file list of")
         raise
-    files = [RemoteFile(s.rfilename, int(s.size or 0), s.lfs.sha256 if s.lfs else None, s.blob_id)
-             for s in info.siblings or []]
+    files = [
+        RemoteFile(s.rfilename, int(s.size or 0), s.lfs.sha256 if s.lfs else None, s.blob_id)
+        for s in info.siblings or []
+    ]
     seen: set[str] = set()
     for f in files:
         if f.name in seen or f.size < 0:
-            raise MxforgeError(f"{repo_id}@{revision}: the Hub lists file {f.name!r} "
-                               f"{'twice' if f.name in seen else f'with size {f.size}'}; nothing was downloaded. "
-                               "Check HF_ENDPOINT and the repo")
+            raise MxforgeError(
+                f"{repo_id}@{revision}: the Hub lists file {f.name!r} "
+                f"{'twice' if f.name in seen else f'with size {f.size}'}; nothing was downloaded. "
+                "Check HF_ENDPOINT and the repo"
+            )
         seen.add(f.name)
     return checked_commit(info.sha, f"{repo_id}@{revision}"), files
 
 
 def select(files: list[RemoteFile], include: list[str] | None, exclude: list[str] | None) -> list[RemoteFile]:
     """The files matching any --include glob (all if none) and no --exclude glob."""
-    names = set(filter_repo_objects([f.name for f in files], allow_patterns=include or None, ignore_patterns=exclude or None))
+    names = set(
+        filter_repo_objects([f.name for f in files], allow_patterns=include or None, ignore_patterns=exclude or None)
+    )
     return [f for f in files if f.name in names]
 
 
@@ -108,13 +122,19 @@ def check_disk_space(dest: Path, files: list[RemoteFile]) -> int:
     needed = sum(f.size for f in missing)
     if missing:
         largest = max(missing, key=lambda f: f.size)
-        require_free_space(dest, needed, f"{len(missing)} file(s)", "free space or choose another DEST; nothing was downloaded",
-                           f" (largest: {largest.name}, {format_bytes(largest.size)})")
+        require_free_space(
+            dest,
+            needed,
+            f"{len(missing)} file(s)",
+            "free space or choose another DEST; nothing was downloaded",
+            f" (largest: {largest.name}, {format_bytes(largest.size)})",
+        )
     return needed
 
 
 def _bar_proxy(bar):
     """A tqdm stand-in class that huggingface_hub instantiates per file; it feeds one shared byte bar."""
+
     class FileBar:
         def __init__(self, *args, **kwargs):
             if kwargs.get("initial"):
@@ -141,8 +161,17 @@ def _bar_proxy(bar):
     return FileBar
 
 
-def _fetch_all(api: HfApi, repo_id: str, commit: str, dest: Path, files: list[RemoteFile], needed: int,
-               limits: HubLimits, workers: int, quiet: bool) -> None:
+def _fetch_all(
+    api: HfApi,
+    repo_id: str,
+    commit: str,
+    dest: Path,
+    files: list[RemoteFile],
+    needed: int,
+    limits: HubLimits,
+    workers: int,
+    quiet: bool,
+) -> None:
     """Download every file (skipping finished ones); raise the first failure after all others finished.
 
     Raises:
@@ -157,8 +186,18 @@ def _fetch_all(api: HfApi, repo_id: str, commit: str, dest: Path, files: list[Re
 
         def one(f: RemoteFile) -> Exception | None:
             try:
-                streamed = fetch_file(repo_id, f.name, commit, f.size, dest, endpoint=api.endpoint, token=api.token,
-                                      limits=limits, bar=bar, hf_tqdm_class=file_bar)
+                streamed = fetch_file(
+                    repo_id,
+                    f.name,
+                    commit,
+                    f.size,
+                    dest,
+                    endpoint=api.endpoint,
+                    token=api.token,
+                    limits=limits,
+                    bar=bar,
+                    hf_tqdm_class=file_bar,
+                )
                 if streamed is not None:
                     cache.put(streamed)
                 return None
@@ -176,11 +215,14 @@ def _fetch_all(api: HfApi, repo_id: str, commit: str, dest: Path, files: list[Re
     cache.save()
     if failures:
         f, e = failures[0]
-        _raise_download_failure(repo_id, commit, dest, f, e,
-                                f" ({len(failures) - 1} other file(s) failed too)" if len(failures) > 1 else "")
+        _raise_download_failure(
+            repo_id, commit, dest, f, e, f" ({len(failures) - 1} other file(s) failed too)" if len(failures) > 1 else ""
+        )
 
 
-def _raise_download_failure(repo_id: str, commit: str, dest: Path, f: RemoteFile, e: Exception, others: str = "") -> None:
+def _raise_download_failure(
+    repo_id: str, commit: str, dest: Path, f: RemoteFile, e: Exception, others: str = ""
+) -> None:
     """Raise the one-line error for a file whose download failed with `e` (`others`: how many more failed).
 
     Raises:
@@ -195,12 +237,17 @@ def _raise_download_failure(repo_id: str, commit: str, dest: Path, f: RemoteFile
         raise_as_hub_error(e, repo_id=repo_id, revision=commit, filename=f.name, action="download")
     except MxforgeError as mapped:
         raise type(mapped)(f"{mapped}{others}{kept}") from None
-    raise MxforgeError(redact(f"{repo_id} file {f.name!r}: download failed ({type(e).__name__}: {e}){others}"
-                              f"{kept}; rerun the same command to resume")) from None
+    raise MxforgeError(
+        redact(
+            f"{repo_id} file {f.name!r}: download failed ({type(e).__name__}: {e}){others}"
+            f"{kept}; rerun the same command to resume"
+        )
+    ) from None
 
 
-def fetch_verified(api: HfApi, repo_id: str, commit: str, dest: Path, f: RemoteFile, limits: HubLimits,
-                   bar=None) -> FileHash:
+def fetch_verified(
+    api: HfApi, repo_id: str, commit: str, dest: Path, f: RemoteFile, limits: HubLimits, bar=None
+) -> FileHash:
     """One file into DEST (continuing a partial download, or taking a full-size file already there) checked
     against the Hub's hash; returns its hashes. `bar`: a shared byte progress bar, or None. `f.name` must have
     passed check_remote_name. The streamed run (mxforge run --stream) fetches shard by shard with it.
@@ -212,8 +259,18 @@ def fetch_verified(api: HfApi, repo_id: str, commit: str, dest: Path, f: RemoteF
     """
     bar = bar if bar is not None else byte_progress(0, f.name, disable=True)
     try:
-        got = fetch_file(repo_id, f.name, commit, f.size, dest, endpoint=api.endpoint, token=api.token, limits=limits,
-                         bar=bar, hf_tqdm_class=_bar_proxy(bar))
+        got = fetch_file(
+            repo_id,
+            f.name,
+            commit,
+            f.size,
+            dest,
+            endpoint=api.endpoint,
+            token=api.token,
+            limits=limits,
+            bar=bar,
+            hf_tqdm_class=_bar_proxy(bar),
+        )
     except KeyboardInterrupt:
         raise
     except Exception as e:
@@ -224,8 +281,10 @@ def fetch_verified(api: HfApi, repo_id: str, commit: str, dest: Path, f: RemoteF
     why = _mismatch(f, got)
     if why is not None:
         path.unlink(missing_ok=True)
-        raise HubVerificationError(f"{dest}: {why}; the file was deleted: rerun the same command to download it "
-                                   "again; if it happens again, the Hub or a proxy serves corrupt bytes")
+        raise HubVerificationError(
+            f"{dest}: {why}; the file was deleted: rerun the same command to download it "
+            "again; if it happens again, the Hub or a proxy serves corrupt bytes"
+        )
     return got
 
 
@@ -233,7 +292,10 @@ def _mismatch(f: RemoteFile, h: FileHash) -> str | None:
     """How a local file's hashes differ from the Hub's record of it (None: they agree)."""
     if f.sha256 is not None:  # an LFS file
         if h.sha256 != f.sha256 or h.size != f.size:
-            return f"{f.name}: sha256 {h.sha256[:12]}… ({h.size:,} bytes), the Hub says {f.sha256[:12]}… ({f.size:,} bytes)"
+            return (
+                f"{f.name}: sha256 {h.sha256[:12]}… ({h.size:,} bytes), "
+                f"the Hub says {f.sha256[:12]}… ({f.size:,} bytes)"
+            )
     elif f.blob_id and h.git_sha1 != f.blob_id:
         return f"{f.name}: git blob id {h.git_sha1[:12]}…, the Hub says {f.blob_id[:12]}…"
     return None
@@ -261,9 +323,18 @@ def _is_full_size(dest: Path, f: RemoteFile) -> bool:
     return path.is_file() and path.stat().st_size == f.size
 
 
-def download(repo_id: str, dest: str | Path, *, revision: str = "main", include: list[str] | None = None,
-             exclude: list[str] | None = None, workers: int = 8, quiet: bool = False,
-             command: str | None = None, limits: HubLimits | None = None) -> DownloadResult:
+def download(
+    repo_id: str,
+    dest: str | Path,
+    *,
+    revision: str = "main",
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    workers: int = 8,
+    quiet: bool = False,
+    command: str | None = None,
+    limits: HubLimits | None = None,
+) -> DownloadResult:
     """Download, verify and record a Hub repo at a revision into DEST (see the module docstring).
 
     Holds DEST's lock (dir_lock) throughout. `limits`: timeouts and retries (default: HubLimits.resolve()).
@@ -288,31 +359,50 @@ def download(repo_id: str, dest: str | Path, *, revision: str = "main", include:
     commit, files = remote_files(api, repo_id, revision)
     chosen = select(files, include, exclude)
     if not chosen:
-        raise MxforgeError(f"{repo_id}@{revision}: none of its {len(files)} files match --include {include or '*'} "
-                           f"--exclude {exclude or '(none)'}; widen the filters")
+        raise MxforgeError(
+            f"{repo_id}@{revision}: none of its {len(files)} files match --include {include or '*'} "
+            f"--exclude {exclude or '(none)'}; widen the filters"
+        )
     for f in chosen:  # before any filesystem call that uses a name
         check_remote_name(f.name, f"{repo_id}@{revision}")
     check_disk_space(dest, chosen)
     with directory_lock(dest):
-        return _download_into(api, repo_id, revision, commit, dest, chosen, include, exclude, limits, workers, quiet,
-                              command)
+        return _download_into(
+            api, repo_id, revision, commit, dest, chosen, include, exclude, limits, workers, quiet, command
+        )
 
 
-def _download_into(api: HfApi, repo_id: str, revision: str, commit: str, dest: Path, chosen: list[RemoteFile],
-                   include, exclude, limits: HubLimits, workers: int, quiet: bool, command: str | None) -> DownloadResult:
+def _download_into(
+    api: HfApi,
+    repo_id: str,
+    revision: str,
+    commit: str,
+    dest: Path,
+    chosen: list[RemoteFile],
+    include,
+    exclude,
+    limits: HubLimits,
+    workers: int,
+    quiet: bool,
+    command: str | None,
+) -> DownloadResult:
     # Files already there at full size (an earlier run, another revision) are checked first and replaced if stale.
     _, stale = _mismatches(dest, [f for f in chosen if _is_full_size(dest, f)], workers, quiet, "check existing")
     if stale and not quiet:
-        print(f"mxforge download: replacing {len(stale)} existing file(s) that differ from {repo_id}@{commit[:12]}",
-              file=sys.stderr)
+        print(
+            f"mxforge download: replacing {len(stale)} existing file(s) that differ from {repo_id}@{commit[:12]}",
+            file=sys.stderr,
+        )
     todo = [f for f in chosen if not _is_full_size(dest, f)]
     if todo:
         _fetch_all(api, repo_id, commit, dest, todo, sum(f.size for f in todo), limits, workers, quiet)
     hashes, bad = _mismatches(dest, todo, workers, quiet, "verify")
     if bad:
         raise HubVerificationError(
-            f"{dest}: {len(bad)} downloaded file(s) do not match the Hub's metadata and were deleted: {'; '.join(bad)}: "
-            "rerun the same command to download them again; if it happens again, the Hub or a proxy serves corrupt bytes")
+            f"{dest}: {len(bad)} downloaded file(s) do not match the Hub's metadata and were deleted: "
+            f"{'; '.join(bad)}: rerun the same command to download them again; "
+            "if it happens again, the Hub or a proxy serves corrupt bytes"
+        )
     hashes = hash_files(dest, [f.name for f in chosen], workers=workers, quiet=True)  # all cached by now
     result = DownloadResult(dest, repo_id, revision, commit, hub_endpoint(), downloaded_bytes=sum(f.size for f in todo))
     result.files = [source_record_entry(f, hashes[f.name]) for f in chosen]
@@ -325,11 +415,27 @@ def source_record_entry(f: RemoteFile, h: FileHash) -> dict:
     return {"name": f.name, "size": h.size, "sha256": h.sha256, "lfs": f.is_lfs}
 
 
-def write_source_record(dest: Path, repo_id: str, revision: str, commit: str, files: list[dict],
-                        include: list[str] | None, exclude: list[str] | None, command: str | None) -> None:
+def write_source_record(
+    dest: Path,
+    repo_id: str,
+    revision: str,
+    commit: str,
+    files: list[dict],
+    include: list[str] | None,
+    exclude: list[str] | None,
+    command: str | None,
+) -> None:
     """DEST/mxforge_source.json: where the checkpoint came from, and every file's size and sha256."""
-    write_json_atomic(dest / SOURCE_NAME, {
-        "repo_id": repo_id, "revision": revision, "commit": commit, "endpoint": hub_endpoint(),
-        "include": include or [], "exclude": exclude or [], "files": files,
-        "command": recorded_command(command),
-    })
+    write_json_atomic(
+        dest / SOURCE_NAME,
+        {
+            "repo_id": repo_id,
+            "revision": revision,
+            "commit": commit,
+            "endpoint": hub_endpoint(),
+            "include": include or [],
+            "exclude": exclude or [],
+            "files": files,
+            "command": recorded_command(command),
+        },
+    )

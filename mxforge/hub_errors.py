@@ -88,48 +88,70 @@ def _server_says(e: HfHubHTTPError) -> str:
     return f" (the Hub says: {msg.strip().splitlines()[0]})" if msg.strip() else ""
 
 
-def as_hub_error(e: BaseException, *, repo_id: str, revision: str | None = None, filename: str | None = None,
-                 action: str = "reach") -> MxforgeError | None:
+def as_hub_error(
+    e: BaseException, *, repo_id: str, revision: str | None = None, filename: str | None = None, action: str = "reach"
+) -> MxforgeError | None:
     """The MxforgeError for a huggingface_hub / network exception, or None if `e` is not one of those."""
     endpoint = hub_endpoint()
     where = f"{repo_id}" + (f"@{revision}" if revision else "") + (f" file {filename!r}" if filename else "")
     if isinstance(e, GatedRepoError):  # a subclass of RepositoryNotFoundError: test it first
         if get_token():
-            msg = (f"{repo_id} is gated and your token has no access: accept its conditions at {endpoint}/{repo_id} "
-                   "with the account the token belongs to, then rerun")
+            msg = (
+                f"{repo_id} is gated and your token has no access: accept its conditions at {endpoint}/{repo_id} "
+                "with the account the token belongs to, then rerun"
+            )
         else:
-            msg = (f"{repo_id} is gated and no token is configured: accept its conditions at {endpoint}/{repo_id}, "
-                   "then set HF_TOKEN (or run `hf auth login`) and rerun")
+            msg = (
+                f"{repo_id} is gated and no token is configured: accept its conditions at {endpoint}/{repo_id}, "
+                "then set HF_TOKEN (or run `hf auth login`) and rerun"
+            )
         return HubError(msg)
     if isinstance(e, RevisionNotFoundError):
-        return HubError(f"{repo_id}: revision {revision!r} not found at {endpoint}: pass an existing branch, tag or "
-                        "commit sha to --revision")
+        return HubError(
+            f"{repo_id}: revision {revision!r} not found at {endpoint}: pass an existing branch, tag or "
+            "commit sha to --revision"
+        )
     if isinstance(e, RemoteEntryNotFoundError):
         return HubError(f"{where}: not found at {endpoint}: the file was removed or renamed; rerun without it")
     if isinstance(e, RepositoryNotFoundError):
-        return HubError(f"{repo_id}: repository not found at {endpoint} (or it is private and {_token_hint()}): "
-                        "check the repo id and HF_ENDPOINT, and that your token can read it")
+        return HubError(
+            f"{repo_id}: repository not found at {endpoint} (or it is private and {_token_hint()}): "
+            "check the repo id and HF_ENDPOINT, and that your token can read it"
+        )
     if isinstance(e, OfflineModeIsEnabled):
         return HubError(f"cannot {action} {where}: HF_HUB_OFFLINE is set; unset it to use the Hub")
     if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return HubError(f"cannot reach the Hub at {endpoint} to {action} {where} ({type(e).__name__}): "
-                        "check the network, proxy settings and HF_ENDPOINT, then rerun")
+        return HubError(
+            f"cannot reach the Hub at {endpoint} to {action} {where} ({type(e).__name__}): "
+            "check the network, proxy settings and HF_ENDPOINT, then rerun"
+        )
     if isinstance(e, httpx.TimeoutException):
-        return HubError(f"the Hub at {endpoint} stopped answering during {action} of {where} ({type(e).__name__}): "
-                        "rerun the same command to resume; on a slow link raise --timeout (MXFORGE_HUB_TIMEOUT)")
+        return HubError(
+            f"the Hub at {endpoint} stopped answering during {action} of {where} ({type(e).__name__}): "
+            "rerun the same command to resume; on a slow link raise --timeout (MXFORGE_HUB_TIMEOUT)"
+        )
     if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
-        return HubError(f"the connection to {endpoint} dropped during {action} of {where} ({type(e).__name__}): "
-                        "rerun the same command to resume where it stopped")
+        return HubError(
+            f"the connection to {endpoint} dropped during {action} of {where} ({type(e).__name__}): "
+            "rerun the same command to resume where it stopped"
+        )
     if isinstance(e, HfHubHTTPError):
         status = e.response.status_code if e.response is not None else None
         if status == 401:
-            return HubError(f"{endpoint} refused the credentials for {action} {where} (HTTP 401, {_token_hint()}){_server_says(e)}: "
-                            "set HF_TOKEN to a valid token with the needed (write, for push) access")
+            return HubError(
+                f"{endpoint} refused the credentials for {action} {where} "
+                f"(HTTP 401, {_token_hint()}){_server_says(e)}: "
+                "set HF_TOKEN to a valid token with the needed (write, for push) access"
+            )
         if status == 403:
-            return HubError(f"{endpoint} forbids {action} {where} (HTTP 403){_server_says(e)}: use a token with write "
-                            "access to this namespace, or another repo id")
-        return HubError(f"the Hub at {endpoint} answered HTTP {status} to {action} {where}{_server_says(e)}: "
-                        "rerun later; if it persists, check the Hub's status")
+            return HubError(
+                f"{endpoint} forbids {action} {where} (HTTP 403){_server_says(e)}: use a token with write "
+                "access to this namespace, or another repo id"
+            )
+        return HubError(
+            f"the Hub at {endpoint} answered HTTP {status} to {action} {where}{_server_says(e)}: "
+            "rerun later; if it persists, check the Hub's status"
+        )
     return None
 
 

@@ -26,11 +26,19 @@ from .checkpoint import Checkpoint
 from .dir_lock import directory_lock
 from .errors import CheckpointError, MxforgeError
 from .file_hashes import FileHash, FileStamp, checkpoint_files, file_hash, hash_files, snapshot
-from .provenance import recorded_command
-from .hub_errors import (HubError, HubVerificationError, as_hub_error, check_repo_id, checked_commit, hub_endpoint,
-                         raise_as_hub_error, redact)
+from .hub_errors import (
+    HubError,
+    HubVerificationError,
+    as_hub_error,
+    check_repo_id,
+    checked_commit,
+    hub_endpoint,
+    raise_as_hub_error,
+    redact,
+)
 from .hub_session import HubLimits, use_hub_limits
 from .model_card import CARD_MARKER, CARD_NAME, SOURCE_CARD_NAME, render_model_card
+from .provenance import recorded_command
 from .safetensors_io import write_text_atomic
 
 INLINE_MAX_BYTES = 10 << 20  # the Hub stores files above 10 MB in LFS; smaller ones are committed from memory
@@ -51,11 +59,18 @@ class PushResult:
     files: list[FileHash] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"stage": "push", "repo_id": self.repo_id, "branch": self.branch, "endpoint": self.endpoint,
-                "url": f"{self.endpoint}/{self.repo_id}", "commit": self.commit, "forced": self.forced,
-                "validation": {"ok": self.validation.get("ok"), "engines": self.validation.get("engines")},
-                "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
-                "remote_hashes_match": True}
+        return {
+            "stage": "push",
+            "repo_id": self.repo_id,
+            "branch": self.branch,
+            "endpoint": self.endpoint,
+            "url": f"{self.endpoint}/{self.repo_id}",
+            "commit": self.commit,
+            "forced": self.forced,
+            "validation": {"ok": self.validation.get("ok"), "engines": self.validation.get("engines")},
+            "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
+            "remote_hashes_match": True,
+        }
 
 
 def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> dict:
@@ -73,10 +88,15 @@ def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> 
         return report.as_dict()
     first = report.problems[0].format()
     if not force:
-        raise PushRefused(f"{root}: validate found {len(report.problems)} problem(s), so nothing was pushed; first: "
-                          f"{first}. Fix them (`mxforge validate {root}` lists all) or pass --force to push anyway")
-    print(f"mxforge push: WARNING: --force: pushing {root} although validate found {len(report.problems)} problem(s); "
-          "the model card says so:\n" + "\n".join(f"  - {p.format()}" for p in report.problems), file=sys.stderr)
+        raise PushRefused(
+            f"{root}: validate found {len(report.problems)} problem(s), so nothing was pushed; first: "
+            f"{first}. Fix them (`mxforge validate {root}` lists all) or pass --force to push anyway"
+        )
+    print(
+        f"mxforge push: WARNING: --force: pushing {root} although validate found {len(report.problems)} problem(s); "
+        "the model card says so:\n" + "\n".join(f"  - {p.format()}" for p in report.problems),
+        file=sys.stderr,
+    )
     return report.as_dict()
 
 
@@ -92,21 +112,39 @@ def keep_source_card(ckpt: Path) -> bool:
     try:
         card.replace(ckpt / SOURCE_CARD_NAME)
     except OSError as e:
-        raise CheckpointError(f"{card}: cannot keep the existing README as {SOURCE_CARD_NAME}: {e.strerror or e}") from None
+        raise CheckpointError(
+            f"{card}: cannot keep the existing README as {SOURCE_CARD_NAME}: {e.strerror or e}"
+        ) from None
     return True
 
 
-def write_model_card(ckpt: Path, names: list[str], repo_id: str, validation: dict, forced: bool, command: str,
-                     workers: int, quiet: bool, follow_symlinks: bool = False) -> list[FileHash]:
-    """Hash `names` (the checkpoint's files but the card) and write README.md; returns every file's hashes, card included.
+def write_model_card(
+    ckpt: Path,
+    names: list[str],
+    repo_id: str,
+    validation: dict,
+    forced: bool,
+    command: str,
+    workers: int,
+    quiet: bool,
+    follow_symlinks: bool = False,
+) -> list[FileHash]:
+    """Hash `names` (the checkpoint's files but the card) and write README.md; returns every file's hashes, card
+    included.
 
     Raises:
         CheckpointError: a shard header or the index cannot be read.
     """
     card = ckpt / CARD_NAME
     hashes = hash_files(ckpt, names, workers=workers, quiet=quiet, desc="sha256")
-    text = render_model_card(Checkpoint.open(ckpt, follow_symlinks), repo_id=repo_id, files=list(hashes.values()),
-                             validation=validation, forced=forced, push_command=command)
+    text = render_model_card(
+        Checkpoint.open(ckpt, follow_symlinks),
+        repo_id=repo_id,
+        files=list(hashes.values()),
+        validation=validation,
+        forced=forced,
+        push_command=command,
+    )
     write_text_atomic(card, redact(text))
     return [*hashes.values(), file_hash(card, CARD_NAME)]
 
@@ -115,21 +153,27 @@ class CheckpointChanged(MxforgeError):
     """A file changed between validation and the commit; nothing was committed."""
 
 
-def refuse_changes(ckpt: Path, expected: dict[str, FileStamp], follow_symlinks: bool, when: str, push_command: str) -> None:
+def refuse_changes(
+    ckpt: Path, expected: dict[str, FileStamp], follow_symlinks: bool, when: str, push_command: str
+) -> None:
     """Refuse when CKPT's files are not exactly `expected` (same names, sizes, mtimes, inodes).
 
     Raises:
         CheckpointChanged: naming what changed, and how to push what is there now.
     """
     now = snapshot(ckpt, checkpoint_files(ckpt, follow_symlinks))
-    changed = sorted([f"{n} (modified)" for n in expected.keys() & now.keys() if expected[n] != now[n]]
-                     + [f"{n} (new)" for n in now.keys() - expected.keys()]
-                     + [f"{n} (removed)" for n in expected.keys() - now.keys()])
+    changed = sorted(
+        [f"{n} (modified)" for n in expected.keys() & now.keys() if expected[n] != now[n]]
+        + [f"{n} (new)" for n in now.keys() - expected.keys()]
+        + [f"{n} (removed)" for n in expected.keys() - now.keys()]
+    )
     if changed:
         listed = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-        raise CheckpointChanged(f"{ckpt}: changed after validation ({listed}) {when}; nothing was committed. Let "
-                                f"whatever writes to {ckpt} finish, then rerun `{push_command}` to validate and push "
-                                "the files as they are then")
+        raise CheckpointChanged(
+            f"{ckpt}: changed after validation ({listed}) {when}; nothing was committed. Let "
+            f"whatever writes to {ckpt} finish, then rerun `{push_command}` to validate and push "
+            "the files as they are then"
+        )
 
 
 def _operation(ckpt: Path, f: FileHash) -> CommitOperationAdd:
@@ -146,13 +190,16 @@ def _operation(ckpt: Path, f: FileHash) -> CommitOperationAdd:
     else:
         op = CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(path))
     if op.upload_info.sha256.hex() != f.sha256 or op.upload_info.size != f.size:
-        raise CheckpointChanged(f"{path}: its bytes changed after validation hashed them; nothing was committed. "
-                                "Rerun the push to validate and push the file as it is now")
+        raise CheckpointChanged(
+            f"{path}: its bytes changed after validation hashed them; nothing was committed. "
+            "Rerun the push to validate and push the file as it is now"
+        )
     return op
 
 
-def upload(api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, files: list[FileHash],
-           before_commit, workers: int) -> None:
+def upload(
+    api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, files: list[FileHash], before_commit, workers: int
+) -> None:
     """Create the repo/branch if needed, upload the LFS objects, call `before_commit()`, then commit every file.
 
     Raises:
@@ -166,8 +213,13 @@ def upload(api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, fil
         prepare_repo(api, repo_id, branch, private)
         api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=branch)
         before_commit()
-        api.create_commit(repo_id, operations=ops, commit_message=f"Upload {len(ops)} files with mxforge",
-                          repo_type="model", revision=branch)
+        api.create_commit(
+            repo_id,
+            operations=ops,
+            commit_message=f"Upload {len(ops)} files with mxforge",
+            repo_type="model",
+            revision=branch,
+        )
     except MxforgeError:
         raise
     except Exception as e:
@@ -180,8 +232,12 @@ def _raise_upload_failure(e: Exception, what: str, repo_id: str, branch: str) ->
     if mapped is None:
         raise e
     why = str(mapped).split(": rerun")[0]
-    raise HubError(redact(f"{what} to {repo_id}@{branch} aborted ({why}); the Hub keeps the large files "
-                          "it already received: rerun the same command to resume")) from None
+    raise HubError(
+        redact(
+            f"{what} to {repo_id}@{branch} aborted ({why}); the Hub keeps the large files "
+            "it already received: rerun the same command to resume"
+        )
+    ) from None
 
 
 def prepare_repo(api: HfApi, repo_id: str, branch: str, private: bool) -> None:
@@ -228,20 +284,36 @@ def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash]) 
             bad.append(f"{f.name}: missing on the Hub")
         elif s.lfs is not None:
             if s.lfs.sha256 != f.sha256 or s.lfs.size != f.size:
-                bad.append(f"{f.name}: the Hub has sha256 {s.lfs.sha256[:12]}… ({s.lfs.size:,} bytes), "
-                           f"local {f.sha256[:12]}… ({f.size:,} bytes)")
+                bad.append(
+                    f"{f.name}: the Hub has sha256 {s.lfs.sha256[:12]}… ({s.lfs.size:,} bytes), "
+                    f"local {f.sha256[:12]}… ({f.size:,} bytes)"
+                )
         elif s.blob_id != f.git_sha1:
             bad.append(f"{f.name}: the Hub has git blob {str(s.blob_id)[:12]}…, local {f.git_sha1[:12]}…")
     if bad:
-        raise HubVerificationError(f"{repo_id}@{branch} ({info.sha}): {len(bad)} file(s) on the Hub differ from "
-                                   f"the local checkpoint: {'; '.join(bad)}: rerun the same command to upload them again")
+        raise HubVerificationError(
+            f"{repo_id}@{branch} ({info.sha}): {len(bad)} file(s) on the Hub differ from "
+            f"the local checkpoint: {'; '.join(bad)}: rerun the same command to upload them again"
+        )
     return checked_commit(info.sha, f"{repo_id}@{branch}")
 
 
-def push(ckpt: str | Path, repo_id: str, *, private: bool = False, branch: str | None = None, force: bool = False,
-         engines: list[str] | None = None, workers: int = 8, quiet: bool = False, command: str | None = None,
-         validation: dict | None = None, validated_files: dict[str, FileStamp] | None = None,
-         follow_symlinks: bool = False, limits: HubLimits | None = None) -> PushResult:
+def push(
+    ckpt: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    branch: str | None = None,
+    force: bool = False,
+    engines: list[str] | None = None,
+    workers: int = 8,
+    quiet: bool = False,
+    command: str | None = None,
+    validation: dict | None = None,
+    validated_files: dict[str, FileStamp] | None = None,
+    follow_symlinks: bool = False,
+    limits: HubLimits | None = None,
+) -> PushResult:
     """Validate, card, upload and verify a checkpoint (see the module docstring). Holds CKPT's lock.
 
     `validation` with `validated_files`: a clean ValidationReport.as_dict() the caller has just made of this
@@ -268,15 +340,24 @@ def push(ckpt: str | Path, repo_id: str, *, private: bool = False, branch: str |
         expected = {n: s for n, s in validated_files.items() if n != CARD_NAME}
         if moved and CARD_NAME in validated_files:  # validated as README.md, moved aside since: the same file
             expected[SOURCE_CARD_NAME] = validated_files[CARD_NAME]
-        files = write_model_card(ckpt, sorted(expected), repo_id, validation, not validation["ok"], command, workers,
-                                 quiet, follow_symlinks)
+        files = write_model_card(
+            ckpt, sorted(expected), repo_id, validation, not validation["ok"], command, workers, quiet, follow_symlinks
+        )
         expected[CARD_NAME] = snapshot(ckpt, [CARD_NAME])[CARD_NAME]
         push_command = f"mxforge push {ckpt} {repo_id}"
         refuse_changes(ckpt, expected, follow_symlinks, "while it was hashed", push_command)
         limits = limits or HubLimits.resolve()
         use_hub_limits(limits)
         api = HfApi()
-        upload(api, ckpt, repo_id, branch, private, files, workers=workers,
-               before_commit=lambda: refuse_changes(ckpt, expected, follow_symlinks, "during the upload", push_command))
+        upload(
+            api,
+            ckpt,
+            repo_id,
+            branch,
+            private,
+            files,
+            workers=workers,
+            before_commit=lambda: refuse_changes(ckpt, expected, follow_symlinks, "during the upload", push_command),
+        )
         commit = verify_remote(api, repo_id, branch, files)
     return PushResult(repo_id, branch, hub_endpoint(), commit, not validation["ok"], validation, files)

@@ -64,10 +64,12 @@ class HubLimits:
             raise MxforgeError(f"--timeout / {TIMEOUT_ENV} must be a positive number of seconds, got {timeout}")
         if retries is not None and retries < 0:
             raise MxforgeError(f"--retries / {RETRIES_ENV} must be 0 or more, got {retries}")
-        return cls(api_timeout=timeout or DEFAULT_API_TIMEOUT_S,
-                   metadata_timeout=timeout or float(constants.HF_HUB_ETAG_TIMEOUT),
-                   data_timeout=timeout or float(constants.HF_HUB_DOWNLOAD_TIMEOUT),
-                   retries=DEFAULT_RETRIES if retries is None else retries)
+        return cls(
+            api_timeout=timeout or DEFAULT_API_TIMEOUT_S,
+            metadata_timeout=timeout or float(constants.HF_HUB_ETAG_TIMEOUT),
+            data_timeout=timeout or float(constants.HF_HUB_DOWNLOAD_TIMEOUT),
+            retries=DEFAULT_RETRIES if retries is None else retries,
+        )
 
 
 def _env_number(name: str, kind: type):
@@ -77,7 +79,9 @@ def _env_number(name: str, kind: type):
     try:
         return kind(raw)
     except ValueError:
-        raise MxforgeError(f"{name}={raw!r} is not a {'whole ' if kind is int else ''}number; fix or unset it") from None
+        raise MxforgeError(
+            f"{name}={raw!r} is not a {'whole ' if kind is int else ''}number; fix or unset it"
+        ) from None
 
 
 def _origin(url: str | httpx.URL) -> tuple[str, str, int | None]:
@@ -96,8 +100,9 @@ def _request_guard(timeout: float):
         if not is_hub_origin(request.url):
             request.headers.pop("authorization", None)
         limits = request.extensions.get("timeout") or {}
-        request.extensions["timeout"] = {k: timeout if limits.get(k) is None else limits[k]
-                                         for k in ("connect", "read", "write", "pool")}
+        request.extensions["timeout"] = {
+            k: timeout if limits.get(k) is None else limits[k] for k in ("connect", "read", "write", "pool")
+        }
 
     return guard
 

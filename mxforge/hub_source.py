@@ -15,9 +15,9 @@ Limits (a Hub is not trusted to behave):
   `HubLimits.no_progress_deadline` is given up;
 - the token goes only to HF_ENDPOINT's exact origin (hub_session), also across a redirect to a CDN.
 
-What was read is cached by commit sha under `<cache>/hub-headers` (cache_dir.cache_root: $MXFORGE_CACHE, else the user cache dir): a
-commit's files never change, so a second validate or fixup of the same commit fetches nothing. Names from
-the server become cache paths only through safe_paths.remote_path.
+What was read is cached by commit sha under `<cache>/hub-headers` (cache_dir.cache_root: $MXFORGE_CACHE, else the
+user cache dir): a commit's files never change, so a second validate or fixup of the same commit fetches nothing.
+Names from the server become cache paths only through safe_paths.remote_path.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from .safe_paths import remote_path
 from .safetensors_io import ShardHeader, header_length, parse_header, write_bytes_atomic
 
 MAX_JSON_BYTES = 64 << 20  # config.json / the index (GLM-5.2's index: 6 MB)
-CHUNK = 64 << 10           # read granularity: what a Range-ignoring server can make us read past the wanted bytes
-PARALLEL_READS = 8         # header reads in flight at once (each is two round trips, more behind a CDN redirect)
+CHUNK = 64 << 10  # read granularity: what a Range-ignoring server can make us read past the wanted bytes
+PARALLEL_READS = 8  # header reads in flight at once (each is two round trips, more behind a CDN redirect)
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
 
@@ -65,8 +65,13 @@ class HubSource(CheckpointSource):
             from the server that is not a sha.
     """
 
-    def __init__(self, repo_id: str, revision: str | None = None, limits: HubLimits | None = None,
-                 cache_dir: str | Path | None = None):
+    def __init__(
+        self,
+        repo_id: str,
+        revision: str | None = None,
+        limits: HubLimits | None = None,
+        cache_dir: str | Path | None = None,
+    ):
         check_repo_id(repo_id)
         self.repo_id, self.revision = repo_id, revision or "main"
         self.limits = limits or HubLimits.resolve()
@@ -84,8 +89,8 @@ class HubSource(CheckpointSource):
         self.model_path = repo_id
         key = hashlib.sha256(self.endpoint.encode()).hexdigest()[:16]
         self.cache = Path(cache_dir or cache_root() / "hub-headers") / key / repo_id / self.commit
-        self.fetched = 0      # bytes received from the Hub by this source
-        self.requests = 0     # ranged GETs sent
+        self.fetched = 0  # bytes received from the Hub by this source
+        self.requests = 0  # ranged GETs sent
         self.file_sizes: dict[str, int] = {}  # size of every file read, from the Hub's answers (or the cache)
         self._prefetched: dict[str, ShardHeader | MxforgeError] = {}
         self._count = threading.Lock()
@@ -99,8 +104,10 @@ class HubSource(CheckpointSource):
 
     def check_opened(self) -> None:
         if "config.json" not in self.names:
-            raise CheckpointError(f"{self.label}: the repo has no config.json at commit {self.commit[:12]}, so it is not "
-                                  "a Hugging Face checkpoint")
+            raise CheckpointError(
+                f"{self.label}: the repo has no config.json at commit {self.commit[:12]}, so it is not "
+                "a Hugging Face checkpoint"
+            )
 
     def file_names(self) -> list[str]:
         return sorted(n for n in self.names if "/" not in n)
@@ -123,9 +130,17 @@ class HubSource(CheckpointSource):
         from tqdm import tqdm
 
         todo = [n for n in names if n in self.names and n not in self._prefetched]
-        with ThreadPoolExecutor(PARALLEL_READS) as pool, \
-                tqdm(total=len(todo), desc=f"{self.repo_id} headers", unit="shard", disable=not sys.stderr.isatty(),
-                     dynamic_ncols=True, mininterval=0.5) as bar:
+        with (
+            ThreadPoolExecutor(PARALLEL_READS) as pool,
+            tqdm(
+                total=len(todo),
+                desc=f"{self.repo_id} headers",
+                unit="shard",
+                disable=not sys.stderr.isatty(),
+                dynamic_ncols=True,
+                mininterval=0.5,
+            ) as bar,
+        ):
             for name, outcome in zip(todo, pool.map(self._header_or_error, todo)):
                 self._prefetched[name] = outcome
                 bar.update(1)
@@ -162,9 +177,18 @@ class HubSource(CheckpointSource):
     def stats(self) -> dict:
         """What reading the checkpoint cost: bytes fetched against the bytes of the files it read."""
         total = sum(self.file_sizes.values())
-        return {"repo": self.repo_id, "revision": self.revision, "commit": self.commit, "endpoint": self.endpoint,
-                "bytes_fetched": self.fetched, "requests": self.requests, "files_read": len(self.file_sizes),
-                "files_bytes": total, "fraction": self.fetched / total if total else 0.0, "cache": str(self.cache)}
+        return {
+            "repo": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "endpoint": self.endpoint,
+            "bytes_fetched": self.fetched,
+            "requests": self.requests,
+            "files_read": len(self.file_sizes),
+            "files_bytes": total,
+            "fraction": self.fetched / total if total else 0.0,
+            "cache": str(self.cache),
+        }
 
     # --- transfer -----------------------------------------------------------------------------------
     def _cache_path(self, kind: str, name: str) -> Path:
@@ -200,8 +224,10 @@ class HubSource(CheckpointSource):
                 raise
             failures += 1
             if failures > self.limits.retries or time.monotonic() > deadline:
-                raise HubError(f"{self.where(name)}: could not read bytes {start}-{end - 1} in {failures} attempt(s) "
-                               f"(last: {why}); rerun later, or raise --timeout / --retries on a slow link")
+                raise HubError(
+                    f"{self.where(name)}: could not read bytes {start}-{end - 1} in {failures} attempt(s) "
+                    f"(last: {why}); rerun later, or raise --timeout / --retries on a slow link"
+                )
             time.sleep(self.limits.backoff(failures))
 
     def _attempt(self, name: str, start: int, end: int, whole: bool, deadline: float) -> tuple[bytes, int]:
@@ -209,13 +235,16 @@ class HubSource(CheckpointSource):
         headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
         with self._count:
             self.requests += 1
-        with get_session().stream("GET", url, headers=headers, follow_redirects=True,
-                                  timeout=self.limits.data_timeout) as response:
+        with get_session().stream(
+            "GET", url, headers=headers, follow_redirects=True, timeout=self.limits.data_timeout
+        ) as response:
             hf_raise_for_status(response)
             offset, size = self._answered(name, response, start)
             if whole and size > end:
-                raise CheckpointError(f"{self.where(name)}: is {format_bytes(size)}, more than the {format_bytes(end)} "
-                                      "mxforge reads for it; the repo is broken or hostile")
+                raise CheckpointError(
+                    f"{self.where(name)}: is {format_bytes(size)}, more than the {format_bytes(end)} "
+                    "mxforge reads for it; the repo is broken or hostile"
+                )
             want = max(0, min(end, size) - start)  # a file may be shorter than the bytes asked for
             skip, out = start - offset, bytearray()  # a server that ignored Range starts at byte 0: read past it
             for chunk in response.iter_raw(CHUNK):
@@ -223,7 +252,7 @@ class HubSource(CheckpointSource):
                     self.fetched += len(chunk)
                 if skip:
                     chunk, skip = chunk[skip:], max(0, skip - len(chunk))
-                out += chunk[:want - len(out)]
+                out += chunk[: want - len(out)]
                 if len(out) >= want:
                     break  # leaving the block closes the connection: the rest of a whole-file answer is never read
                 if time.monotonic() > deadline:
@@ -242,18 +271,23 @@ class HubSource(CheckpointSource):
         if response.status_code == 206:
             m = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
             if not m or int(m.group(1)) != start:
-                raise CheckpointError(f"{self.where(name)}: asked for bytes from {start}, the Hub answered "
-                                      f"{response.headers.get('Content-Range') or 'no Content-Range'}; check HF_ENDPOINT")
+                raise CheckpointError(
+                    f"{self.where(name)}: asked for bytes from {start}, the Hub answered "
+                    f"{response.headers.get('Content-Range') or 'no Content-Range'}; check HF_ENDPOINT"
+                )
             return start, int(m.group(3))
         length = response.headers.get("Content-Length", "")
         if response.status_code == 200 and length.isdigit():
             return 0, int(length)
-        raise CheckpointError(f"{self.where(name)}: the Hub ignored the byte range and sent no Content-Length "
-                              f"(HTTP {response.status_code}); nothing more is read. Check HF_ENDPOINT")
+        raise CheckpointError(
+            f"{self.where(name)}: the Hub ignored the byte range and sent no Content-Length "
+            f"(HTTP {response.status_code}); nothing more is read. Check HF_ENDPOINT"
+        )
 
 
-def open_source(spec: str, revision: str | None = None, limits: HubLimits | None = None,
-                follow_symlinks: bool = False) -> CheckpointSource:
+def open_source(
+    spec: str, revision: str | None = None, limits: HubLimits | None = None, follow_symlinks: bool = False
+) -> CheckpointSource:
     """A local checkpoint directory or a Hub repo id (as `mxforge run` tells them apart), as a CheckpointSource.
 
     Raises:
@@ -274,6 +308,8 @@ def fetched_line(stats: dict) -> str:
     """`fetched 1.2 MB in 34 requests: 0.31% of the 402 MB the files read hold (commit abc123)`."""
     if not stats["requests"]:
         return f"fetched nothing: commit {stats['commit'][:12]} was read from the cache ({stats['cache']})"
-    return (f"fetched {format_bytes(stats['bytes_fetched'])} in {stats['requests']} ranged requests: "
-            f"{100 * stats['fraction']:.2f}% of the {format_bytes(stats['files_bytes'])} of the {stats['files_read']} "
-            f"files read (commit {stats['commit'][:12]})")
+    return (
+        f"fetched {format_bytes(stats['bytes_fetched'])} in {stats['requests']} ranged requests: "
+        f"{100 * stats['fraction']:.2f}% of the {format_bytes(stats['files_bytes'])} of the {stats['files_read']} "
+        f"files read (commit {stats['commit'][:12]})"
+    )

@@ -58,8 +58,19 @@ def partial_path(dest: Path, name: str, etag: str) -> Path:
     return remote_path(dest / PARTIAL_DIR, f"{name}.{hashlib.sha256(etag.encode()).hexdigest()[:16]}.partial")
 
 
-def fetch_file(repo_id: str, name: str, commit: str, size: int, dest: Path, *, endpoint: str, token,
-               limits: HubLimits, bar, hf_tqdm_class) -> FileHash | None:
+def fetch_file(
+    repo_id: str,
+    name: str,
+    commit: str,
+    size: int,
+    dest: Path,
+    *,
+    endpoint: str,
+    token,
+    limits: HubLimits,
+    bar,
+    hf_tqdm_class,
+) -> FileHash | None:
     """Make DEST/name the file at `commit`, continuing an earlier partial download if one exists.
 
     `name` must have passed safe_paths.check_remote_name (download checks every name first). The token
@@ -80,8 +91,16 @@ def fetch_file(repo_id: str, name: str, commit: str, size: int, dest: Path, *, e
     url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
     meta = get_hf_file_metadata(url, token=token, endpoint=endpoint, timeout=limits.metadata_timeout)
     if meta.xet_file_data is not None and is_xet_available():
-        hf_hub_download(repo_id, name, revision=commit, local_dir=dest, endpoint=endpoint, token=token,
-                        tqdm_class=hf_tqdm_class, etag_timeout=limits.metadata_timeout)
+        hf_hub_download(
+            repo_id,
+            name,
+            revision=commit,
+            local_dir=dest,
+            endpoint=endpoint,
+            token=token,
+            tqdm_class=hf_tqdm_class,
+            etag_timeout=limits.metadata_timeout,
+        )
         return None
     partial = partial_path(dest, name, meta.etag or commit)
     partial.parent.mkdir(parents=True, exist_ok=True)
@@ -102,8 +121,17 @@ def fetch_file(repo_id: str, name: str, commit: str, size: int, dest: Path, *, e
 class _Stream:
     """The attempts at one file's bytes, within `limits`, appending to `partial` until it holds `size` bytes."""
 
-    def __init__(self, name: str, size: int, partial: Path, location: str, headers: dict, limits: HubLimits,
-                 bar, digest: FileDigest):
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        partial: Path,
+        location: str,
+        headers: dict,
+        limits: HubLimits,
+        bar,
+        digest: FileDigest,
+    ):
         self.name, self.size, self.partial, self.location, self.headers = name, size, partial, location, headers
         self.limits, self.bar, self.digest = limits, bar, digest
         self.last_growth = time.monotonic()
@@ -128,10 +156,12 @@ class _Stream:
             failures = 0 if self.have() > start else failures + 1  # only attempts that bring nothing count
             stalled = time.monotonic() - self.last_growth
             if failures > self.limits.retries or stalled > self.limits.no_progress_deadline:
-                raise HubError(f"file {self.name!r}: no new byte in {failures} attempt(s) over {stalled:.0f} s "
-                               f"(last: {why}); {format_bytes(self.have())} of {format_bytes(self.size)} are kept in "
-                               f"{self.partial}: rerun the same command to resume; on a slow link raise --timeout "
-                               "or --retries")
+                raise HubError(
+                    f"file {self.name!r}: no new byte in {failures} attempt(s) over {stalled:.0f} s "
+                    f"(last: {why}); {format_bytes(self.have())} of {format_bytes(self.size)} are kept in "
+                    f"{self.partial}: rerun the same command to resume; on a slow link raise --timeout "
+                    "or --retries"
+                )
             if CANCEL.wait(self.limits.backoff(failures)):
                 raise KeyboardInterrupt
         self.digest.catch_up(self.partial, self.size)  # a partial file that was already whole: hash what is there
@@ -145,14 +175,17 @@ class _Stream:
             httpx transport errors; _Cancelled.
         """
         headers = {**self.headers, **({"Range": f"bytes={start}-"} if start else {})}
-        with get_session().stream("GET", self.location, headers=headers, follow_redirects=True,
-                                  timeout=self.limits.data_timeout) as response:
+        with get_session().stream(
+            "GET", self.location, headers=headers, follow_redirects=True, timeout=self.limits.data_timeout
+        ) as response:
             hf_raise_for_status(response)
             offset = self._body_offset(response, start)  # where the body's first byte belongs in the file
             announced = response.headers.get("Content-Length")
             if announced is not None and announced.isdigit() and offset + int(announced) > self.size:
-                raise OversizeBody(f"file {self.name!r}: the Hub announces {offset + int(announced):,} bytes, more "
-                                   f"than the {self.size:,} bytes its metadata declared; {OVERSIZE_ADVICE}")
+                raise OversizeBody(
+                    f"file {self.name!r}: the Hub announces {offset + int(announced):,} bytes, more "
+                    f"than the {self.size:,} bytes its metadata declared; {OVERSIZE_ADVICE}"
+                )
             skip = start - offset  # a server that ignored Range resends what we have: read past it
             with open(self.partial, "ab") as out:
                 for chunk in response.iter_bytes():
@@ -171,8 +204,10 @@ class _Stream:
     def _append(self, out, chunk: bytes) -> None:
         written = out.tell()
         if written + len(chunk) > self.size:
-            raise OversizeBody(f"file {self.name!r}: the Hub sent more than the {self.size:,} bytes its metadata "
-                               f"declared; {OVERSIZE_ADVICE}")
+            raise OversizeBody(
+                f"file {self.name!r}: the Hub sent more than the {self.size:,} bytes its metadata "
+                f"declared; {OVERSIZE_ADVICE}"
+            )
         out.write(chunk)
         self.digest.update(chunk)
         self.bar.update(len(chunk))
@@ -185,7 +220,9 @@ class _Stream:
             return 0
         content_range = response.headers.get("Content-Range", "")
         if not content_range.startswith(f"bytes {start}-"):
-            raise _FailedAttempt(f"asked for bytes from {start:,}, the Hub answered {content_range or 'no Content-Range'}")
+            raise _FailedAttempt(
+                f"asked for bytes from {start:,}, the Hub answered {content_range or 'no Content-Range'}"
+            )
         return start
 
 

@@ -6,8 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from .checkpoint import Checkpoint, CheckpointSource
-from .models import layout_of
 from .errors import ConfigError
+from .models import layout_of
 from .tensor_kinds import kind_of, layer_of
 
 
@@ -29,7 +29,9 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
     classify = layout.kind_of if layout is not None else kind_of
     by_kind: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": defaultdict(int)})
     by_dtype: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
-    layers: dict[int, dict] = defaultdict(lambda: {"experts": set(), "dense_mlp": False, "indexer": False, "tensors": 0})
+    layers: dict[int, dict] = defaultdict(
+        lambda: {"experts": set(), "dense_mlp": False, "indexer": False, "tensors": 0}
+    )
     for name, info in infos.items():
         layer = layer_of(name)
         kind = "mtp" if layer in mtp_layers else classify(name)
@@ -59,7 +61,9 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
         "expected_layers": sorted(mtp_layers),
         "present_layers": sorted(i for i in layers if i in mtp_layers),
         "tensors": sum(layers[i]["tensors"] for i in layers if i in mtp_layers),
-        "orphan_layers_beyond_config": sorted(i for i in layers if num_hidden is not None and i >= num_hidden and i not in mtp_layers),
+        "orphan_layers_beyond_config": sorted(
+            i for i in layers if num_hidden is not None and i >= num_hidden and i not in mtp_layers
+        ),
     }
     mtp["present"] = bool(mtp["present_layers"])
     mtp["complete"] = layout is not None and all(
@@ -92,7 +96,7 @@ def checkpoint_precision(qc: dict | None) -> str:
     if not qc:
         return "bf16"
     if qc.get("quant_method") == "quark":
-        weight = ((qc.get("global_quant_config") or {}).get("weight") or {})
+        weight = (qc.get("global_quant_config") or {}).get("weight") or {}
         return f"Quark {weight.get('dtype')} group {weight.get('group_size')} (MXFP4 when fp4 / group 32)"
     from .errors import ConfigError
     from .quantize.fp8_source import source_precision
@@ -106,7 +110,7 @@ def checkpoint_precision(qc: dict | None) -> str:
 def summarize_quant_config(qc: dict | None) -> dict | None:
     if not qc:
         return None
-    weight = ((qc.get("global_quant_config") or {}).get("weight") or {})
+    weight = (qc.get("global_quant_config") or {}).get("weight") or {}
     exclude = list(qc.get("exclude") or [])
     return {
         "quant_method": qc.get("quant_method"),
@@ -121,34 +125,46 @@ def summarize_quant_config(qc: dict | None) -> dict | None:
 
 
 def format_inspect(report: dict) -> str:
-    gb = lambda n: f"{n / 1e9:,.3f} GB"
+    def gb(n):
+        return f"{n / 1e9:,.3f} GB"
+
     family = f" ({report['family']})" if report.get("family") else " (no supported model family)"
-    lines = [f"{report['path']}: {report['architecture']}{family}, {report['tensors']:,} tensors, "
-             f"{gb(report['bytes'])} in {report['shards']} shard(s)",
-             f"  precision: {report['precision']}"
-             + (f"; default recipe: {report['default_recipe']}" if report.get("default_recipe") else "")]
+    lines = [
+        f"{report['path']}: {report['architecture']}{family}, {report['tensors']:,} tensors, "
+        f"{gb(report['bytes'])} in {report['shards']} shard(s)",
+        f"  precision: {report['precision']}"
+        + (f"; default recipe: {report['default_recipe']}" if report.get("default_recipe") else ""),
+    ]
     lines.append(f"  {'kind':<16}{'tensors':>9}{'bytes':>16}  dtypes")
     for kind, v in report["by_kind"].items():
         dtypes = ", ".join(f"{d}:{n}" for d, n in sorted(v["dtypes"].items()))
         lines.append(f"  {kind:<16}{v['tensors']:>9,}{gb(v['bytes']):>16}  {dtypes}")
     s = report["layers"]
-    lines.append(f"  layers: {s['decoder_layers']} decoder ({len(s['dense_layers'])} dense, {len(s['moe_layers'])} MoE "
-                 f"with {'/'.join(map(str, s['experts_per_moe_layer'])) or 0} experts), indexer on {len(s['indexer_layers'])}")
+    lines.append(
+        f"  layers: {s['decoder_layers']} decoder ({len(s['dense_layers'])} dense, {len(s['moe_layers'])} MoE "
+        f"with {'/'.join(map(str, s['experts_per_moe_layer'])) or 0} experts), indexer on {len(s['indexer_layers'])}"
+    )
     m = report["mtp"]
     if m["present"]:
-        lines.append(f"  MTP: layer(s) {m['present_layers']} present, {m['tensors']} tensors, "
-                     f"{'complete' if m['complete'] else 'INCOMPLETE'}")
+        lines.append(
+            f"  MTP: layer(s) {m['present_layers']} present, {m['tensors']} tensors, "
+            f"{'complete' if m['complete'] else 'INCOMPLETE'}"
+        )
     elif m["expected_layers"]:
-        lines.append(f"  MTP: config declares layer(s) {m['expected_layers']} but the checkpoint has none of their tensors")
+        lines.append(
+            f"  MTP: config declares layer(s) {m['expected_layers']} but the checkpoint has none of their tensors"
+        )
     else:
         lines.append("  MTP: none declared (num_nextn_predict_layers is 0 or absent)")
     q = report["quantization"]
     if q and q["weight_dtype"] is None:
         lines.append(f"  quantization_config: {report['precision']}")
     elif q:
-        lines.append(f"  quantization_config: {q['quant_method']} {q['weight_dtype']} group {q['group_size']} "
-                     f"scales {q['scale_format']}, {q['exclude_entries']} exclude entries "
-                     f"({q['exclude_regex_entries']} re:, {q['exclude_glob_entries']} glob)")
+        lines.append(
+            f"  quantization_config: {q['quant_method']} {q['weight_dtype']} group {q['group_size']} "
+            f"scales {q['scale_format']}, {q['exclude_entries']} exclude entries "
+            f"({q['exclude_regex_entries']} re:, {q['exclude_glob_entries']} glob)"
+        )
     else:
         lines.append("  quantization_config: none (unquantized)")
     if "fetched" in report:

@@ -33,4 +33,3 @@ def load_manifest(relpath: str) -> Any:
         return json.loads(text) if relpath.endswith(".json") else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"manifests/{relpath}: malformed ({e})") from None
-

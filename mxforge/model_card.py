@@ -16,8 +16,8 @@ from .checkpoint import Checkpoint
 from .errors import ConfigError
 from .file_hashes import FileHash
 from .models import family_of, layout_of
-from .quantize.error_report import markdown_table
 from .provenance import PUBLISHED_RECORDS, read_record
+from .quantize.error_report import markdown_table
 from .tensor_kinds import module_class
 
 CARD_NAME = "README.md"
@@ -71,10 +71,16 @@ def exclusions_summary(config: dict) -> list[str]:
     by_class: dict[str, list[str]] = defaultdict(list)
     for entry in exclude:
         if not entry.startswith("re:"):
-            by_class[module_class(entry + ".weight", mtp) if entry.startswith("model.layers.") else "aliases and globals"].append(entry)
-    lines = [f"`quantization_config.exclude` keeps {len(exclude)} entries in their source precision "
-             f"({len(exclude) - len(regex)} exact module names, {len(regex)} `re:` patterns):", "",
-             "| module class | entries | example |", "|---|---|---|"]
+            by_class[
+                module_class(entry + ".weight", mtp) if entry.startswith("model.layers.") else "aliases and globals"
+            ].append(entry)
+    lines = [
+        f"`quantization_config.exclude` keeps {len(exclude)} entries in their source precision "
+        f"({len(exclude) - len(regex)} exact module names, {len(regex)} `re:` patterns):",
+        "",
+        "| module class | entries | example |",
+        "|---|---|---|",
+    ]
     for cls, entries in sorted(by_class.items()):
         lines.append(f"| {cls} | {len(entries)} | `{entries[0]}` |")
     for pattern in regex:
@@ -105,19 +111,32 @@ def _quantize_lines(q: dict | None) -> list[str]:
         return [NOT_RECORDED]
     recipe, counts = q.get("recipe") or {}, q.get("counts") or {}
     versions = ", ".join(f"{k} {v}" for k, v in (q.get("tool_versions") or {}).items())
-    lines = [f"- recipe: `{recipe.get('name', NOT_RECORDED)}` ({recipe.get('source', NOT_RECORDED)}), "
-             f"scheme `{recipe.get('scheme', NOT_RECORDED)}`, sha256 `{recipe.get('sha256', NOT_RECORDED)}`",
-             f"- source precision: {q.get('source_precision', 'bf16')} (model family: "
-             f"{q.get('family') or NOT_RECORDED})",
-             f"- scale rule: `{recipe.get('scale_rule', 'quark')}`" + (" (Quark 0.13's exponent: bit-identical to Quark)"
-                                                                      if recipe.get('scale_rule', 'quark') == 'quark' else
-                                                                      " (same format; recorded in quantization_config.mxforge)")]
+    lines = [
+        f"- recipe: `{recipe.get('name', NOT_RECORDED)}` ({recipe.get('source', NOT_RECORDED)}), "
+        f"scheme `{recipe.get('scheme', NOT_RECORDED)}`, sha256 `{recipe.get('sha256', NOT_RECORDED)}`",
+        f"- source precision: {q.get('source_precision', 'bf16')} (model family: {q.get('family') or NOT_RECORDED})",
+        f"- scale rule: `{recipe.get('scale_rule', 'quark')}`"
+        + (
+            " (Quark 0.13's exponent: bit-identical to Quark)"
+            if recipe.get("scale_rule", "quark") == "quark"
+            else " (same format; recorded in quantization_config.mxforge)"
+        ),
+    ]
     if counts:
-        kept = "kept in source precision" if q.get("source_precision", "bf16") == "bf16" else "kept as their dequantized bf16"
-        lines.append(f"- tensors: {counts.get('quantized', 0):,} quantized to MXFP4, {counts.get('kept', 0):,} 2-D weights "
-                     f"{kept}, {counts.get('copied', 0):,} other tensors copied"
-                     + (f", {q['fp8_scales_consumed']:,} FP8 block scales folded into their weights"
-                        if q.get("fp8_scales_consumed") else ""))
+        kept = (
+            "kept in source precision"
+            if q.get("source_precision", "bf16") == "bf16"
+            else "kept as their dequantized bf16"
+        )
+        lines.append(
+            f"- tensors: {counts.get('quantized', 0):,} quantized to MXFP4, {counts.get('kept', 0):,} 2-D weights "
+            f"{kept}, {counts.get('copied', 0):,} other tensors copied"
+            + (
+                f", {q['fp8_scales_consumed']:,} FP8 block scales folded into their weights"
+                if q.get("fp8_scales_consumed")
+                else ""
+            )
+        )
     if q.get("mtp_layers") is not None:
         lines.append(f"- MTP layer(s): {q['mtp_layers']} ({q.get('mtp_tensors', NOT_RECORDED)} tensors)")
     lines.append(f"- tools: {versions or NOT_RECORDED}")
@@ -131,13 +150,19 @@ def _fixup_lines(fixups: dict | None) -> list[str]:
     applied = [f for f in fixups.get("fixups") or [] if isinstance(f, dict)]
     if not applied:
         return ["none needed"]
-    lines = [f"{len(applied)} `exclude` entries written so every engine's module names match "
-             f"(the original config stays where fixup ran, as `{fixups.get('config_backup', 'config.json.orig')}`; "
-             "it is not published):", "",
-             "| entry | kind | for | covers | why |", "|---|---|---|---|---|"]
+    lines = [
+        f"{len(applied)} `exclude` entries written so every engine's module names match "
+        f"(the original config stays where fixup ran, as `{fixups.get('config_backup', 'config.json.orig')}`; "
+        "it is not published):",
+        "",
+        "| entry | kind | for | covers | why |",
+        "|---|---|---|---|---|",
+    ]
     for f in applied:
-        lines.append(f"| `{f.get('entry')}` | {f.get('fixup', '')} | {', '.join(f.get('engines') or []) or 'all'} "
-                     f"| `{f.get('module', '')}` | {f.get('why', '')} |")
+        lines.append(
+            f"| `{f.get('entry')}` | {f.get('fixup', '')} | {', '.join(f.get('engines') or []) or 'all'} "
+            f"| `{f.get('module', '')}` | {f.get('why', '')} |"
+        )
     return lines
 
 
@@ -146,29 +171,42 @@ def _serving_lines(validation: dict, repo_id: str) -> list[str]:
     serve = validation.get("serve") or []
     if not serve:
         return ["No engine release was checked."]
-    lines = [validation.get("verdict", ""), "", "| releases | loads | serve with MTP speculative decoding |", "|---|---|---|"]
+    lines = [
+        validation.get("verdict", ""),
+        "",
+        "| releases | loads | serve with MTP speculative decoding |",
+        "|---|---|---|",
+    ]
     for s in serve:
         command = s["command"].replace(validation.get("path", "\0"), repo_id)
         lines.append(f"| {s['releases']} | {'yes' if s['ok'] else '**no**'} | `{command}` |")
     lines.append("")
-    lines.append(f"Checkpoint integrity: {'OK' if validation.get('ok') else 'FAILED'} "
-                 f"({len(validation.get('problems') or [])} problem(s)). Each release's behaviour was measured by "
-                 "executing its own code (mxforge's engine conformance suite).")
+    lines.append(
+        f"Checkpoint integrity: {'OK' if validation.get('ok') else 'FAILED'} "
+        f"({len(validation.get('problems') or [])} problem(s)). Each release's behaviour was measured by "
+        "executing its own code (mxforge's engine conformance suite)."
+    )
     return lines
 
 
 def _command_lines(source: dict | None, quantize: dict | None, fixups: dict | None, push_command: str) -> list[str]:
     """Each recorded command once, in stage order (`mxforge run` did every stage with one command)."""
     lines: list[str] = []
-    for label, data in (("download", source), ("quantize", quantize), ("fixup", fixups), ("push", {"command": push_command})):
+    for label, data in (
+        ("download", source),
+        ("quantize", quantize),
+        ("fixup", fixups),
+        ("push", {"command": push_command}),
+    ):
         line = data["command"] if data and data.get("command") else f"# {label}: {NOT_RECORDED}"
         if line not in lines:
             lines.append(line)
     return lines
 
 
-def render_model_card(ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], validation: dict,
-                      forced: bool, push_command: str) -> str:
+def render_model_card(
+    ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], validation: dict, forced: bool, push_command: str
+) -> str:
     """The README.md text for `ckpt`. `validation` is ValidationReport.as_dict()."""
     root = ckpt.root
     source, quantize, fixups = (read_record(root, n) for n in PUBLISHED_RECORDS)
@@ -180,15 +218,27 @@ def render_model_card(ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], 
         front += [f"base_model: {base_model}"] + (["base_model_relation: quantized"] if quantized else [])
     front.append("---")
     arch = (ckpt.config.get("architectures") or ["?"])[0]
-    what = ("MXFP4 weights in AMD Quark's format, with the MTP layer kept loadable in sglang and vLLM"
-            if quantized else "weights as stored, not quantized")
+    what = (
+        "MXFP4 weights in AMD Quark's format, with the MTP layer kept loadable in sglang and vLLM"
+        if quantized
+        else "weights as stored, not quantized"
+    )
     family = _family_title(ckpt.config)
-    out = front + [CARD_MARKER, f"# {repo_id.split('/')[-1]}", "",
-                   f"`{arch}`{f' ({family})' if family else ''} checkpoint published by mxforge: {what}.", ""]
+    out = front + [
+        CARD_MARKER,
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"`{arch}`{f' ({family})' if family else ''} checkpoint published by mxforge: {what}.",
+        "",
+    ]
     out += ["## Source", ""]
     if source:
-        out += [f"- repo: `{source.get('repo_id', NOT_RECORDED)}`", f"- revision: `{source.get('revision', NOT_RECORDED)}`",
-                f"- commit: `{source.get('commit', NOT_RECORDED)}`", f"- endpoint: {source.get('endpoint', NOT_RECORDED)}"]
+        out += [
+            f"- repo: `{source.get('repo_id', NOT_RECORDED)}`",
+            f"- revision: `{source.get('revision', NOT_RECORDED)}`",
+            f"- commit: `{source.get('commit', NOT_RECORDED)}`",
+            f"- endpoint: {source.get('endpoint', NOT_RECORDED)}",
+        ]
     else:
         out += [NOT_RECORDED]
     out += ["", "## Quantization recipe", ""] + _quantize_lines(quantize)
@@ -204,7 +254,15 @@ def render_model_card(ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], 
     if forced:
         out += ["", "> **Warning**: pushed with `--force` although validation failed; problems found:", ""]
         out += [f"> - {p.get('subject')}: {p.get('message')}" for p in validation.get("problems") or []]
-    out += ["", "## Files", "", "sha256 of every file (this README excepted):", "", "| file | bytes | sha256 |", "|---|---:|---|"]
+    out += [
+        "",
+        "## Files",
+        "",
+        "sha256 of every file (this README excepted):",
+        "",
+        "| file | bytes | sha256 |",
+        "|---|---:|---|",
+    ]
     out += [f"| {f.name} | {f.size:,} | `{f.sha256}` |" for f in sorted(files, key=lambda f: f.name)]
     out += ["", "## Commands", "", "```bash"] + _command_lines(source, quantize, fixups, push_command) + ["```", ""]
     return "\n".join(out)

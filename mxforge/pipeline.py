@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .errors import MxforgeError
 from .checkpoint import is_local_source
-from .quantize.error_report import summary_line
+from .errors import MxforgeError
 from .provenance import RUN_STATE_NAME, STREAM_STATE_NAME
+from .quantize.error_report import summary_line
 from .quantize.scale_rules import DEFAULT_SCALE_RULE
 from .safetensors_io import write_json_atomic
 
@@ -45,12 +45,12 @@ class RunOptions:
     workers: int | None = None
     quiet: bool = False
     command: str | None = None
-    follow_symlinks: bool = False   # read a local SOURCE through symlinks that leave it
+    follow_symlinks: bool = False  # read a local SOURCE through symlinks that leave it
     hub_limits: "HubLimits | None" = None  # timeouts and retries of Hub requests (None: HubLimits.resolve())
     scale_rule: str | None = None  # overrides the recipe's (quantize/scale_rules.py)
-    stream: bool | None = None      # True: --stream, False: --no-stream, None: stream a Hub source that does not fit
-    in_flight: int | None = None    # streamed: bf16 shards on disk at once (default: workers + 1)
-    executor: str = "local"         # "ray": every shard a Ray task (streamed; mxforge[ray])
+    stream: bool | None = None  # True: --stream, False: --no-stream, None: stream a Hub source that does not fit
+    in_flight: int | None = None  # streamed: bf16 shards on disk at once (default: workers + 1)
+    executor: str = "local"  # "ray": every shard a Ray task (streamed; mxforge[ray])
     ray_address: str | None = None
 
     def inputs(self) -> dict:
@@ -63,9 +63,15 @@ class RunOptions:
         else:
             recipe = load_recipe(self.recipe, config)
             recipe_name, recipe_sha, scale_rule = recipe.name, recipe.sha256, self.scale_rule or recipe.scale_rule
-        return {"source": self.source, "revision": self.revision, "recipe": recipe_name,
-                "recipe_sha256": recipe_sha, "scale_rule": scale_rule,
-                "engines": sorted(self.engines) if self.engines else None, "push_repo": self.push_repo}
+        return {
+            "source": self.source,
+            "revision": self.revision,
+            "recipe": recipe_name,
+            "recipe_sha256": recipe_sha,
+            "scale_rule": scale_rule,
+            "engines": sorted(self.engines) if self.engines else None,
+            "push_repo": self.push_repo,
+        }
 
     def _local_config(self) -> dict | None:
         """config.json of a local SOURCE (None for a Hub repo, or one that cannot be read yet: quantize says why)."""
@@ -117,8 +123,10 @@ class Pipeline:
             raise MxforgeError(f"{self.state_path}: state file is corrupt; remove it to start the run over") from None
         for key in ("source", "revision"):
             if old.get(key) != inputs[key]:
-                raise MxforgeError(f"{self.out}: holds a run of {key} {old.get(key)!r}, not {inputs[key]!r}: "
-                                   "use another OUT directory, or remove this one to start over")
+                raise MxforgeError(
+                    f"{self.out}: holds a run of {key} {old.get(key)!r}, not {inputs[key]!r}: "
+                    "use another OUT directory, or remove this one to start over"
+                )
         old.setdefault("scale_rule", DEFAULT_SCALE_RULE)  # a state written before scale rules existed
         for key, stages in INVALIDATED_BY.items():
             if old.get(key) != inputs[key]:
@@ -135,8 +143,16 @@ class Pipeline:
         rec = self.state["stages"].get(stage)
         return bool(rec and rec.get("status") == "done" and (marker is None or marker.exists()))
 
-    def _stage(self, stage: str, work: Callable[[], dict], *, marker: Path | None = None, out_dir: Path | None = None,
-               bytes_in: Callable[[dict], int] | int = 0, always: bool = False) -> dict:
+    def _stage(
+        self,
+        stage: str,
+        work: Callable[[], dict],
+        *,
+        marker: Path | None = None,
+        out_dir: Path | None = None,
+        bytes_in: Callable[[dict], int] | int = 0,
+        always: bool = False,
+    ) -> dict:
         """Run one stage unless recorded done (and its marker file still exists); record it in the state file.
 
         `bytes_in`: the bytes the stage processed, or a function of its report giving them (a resumed
@@ -156,10 +172,14 @@ class Pipeline:
         seconds = time.monotonic() - start
         if callable(bytes_in):
             bytes_in = bytes_in(report)
-        rec = {"status": "done", "seconds": round(seconds, 3), "bytes_in": bytes_in,
-               "bytes_out": _dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,
-               "gb_per_s": round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
-               "report": report}
+        rec = {
+            "status": "done",
+            "seconds": round(seconds, 3),
+            "bytes_in": bytes_in,
+            "bytes_out": _dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,
+            "gb_per_s": round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
+            "report": report,
+        }
         self.state["stages"][stage] = rec
         self._save()
         return rec
@@ -182,7 +202,7 @@ class Pipeline:
             return self._run_stages()
 
     def _choose_mode(self) -> str:
-        """"stream" or "sequential": as asked, as an earlier run in OUT ran, or, for a Hub source, streamed when
+        """ "stream" or "sequential": as asked, as an earlier run in OUT ran, or, for a Hub source, streamed when
         the disk cannot hold the source and the output at once (stream.choose_stream); the decision is reported.
 
         Raises:
@@ -193,11 +213,15 @@ class Pipeline:
         asked = None if o.stream is None else ("stream" if o.stream else "sequential")
         if o.executor == "ray":
             if self.local or o.stream is False:
-                raise MxforgeError("--executor ray streams shards from a Hub repo: give a Hub SOURCE, without --no-stream")
+                raise MxforgeError(
+                    "--executor ray streams shards from a Hub repo: give a Hub SOURCE, without --no-stream"
+                )
             asked = "stream"
         if earlier and asked and earlier != asked:
-            raise MxforgeError(f"{self.out}: holds a {earlier} run; rerun it {'with' if earlier == 'stream' else 'without'} "
-                               "--stream, or use another OUT directory")
+            raise MxforgeError(
+                f"{self.out}: holds a {earlier} run; rerun it {'with' if earlier == 'stream' else 'without'} "
+                "--stream, or use another OUT directory"
+            )
         mode = earlier or asked
         if mode:
             return mode
@@ -221,9 +245,12 @@ class Pipeline:
 
             from .progress import format_bytes
 
-            print(f"mxforge run: {mode}: the source is {format_bytes(source)}; a sequential run keeps it and the output "
-                  f"(up to as large) on disk, {format_bytes(free)} is free" + (", so shards are streamed" if mode == "stream"
-                                                                                else ""), file=sys.stderr)
+            print(
+                f"mxforge run: {mode}: the source is {format_bytes(source)}; a sequential run keeps it and the output "
+                f"(up to as large) on disk, {format_bytes(free)} is free"
+                + (", so shards are streamed" if mode == "stream" else ""),
+                file=sys.stderr,
+            )
         return mode
 
     def _run_stages(self) -> dict:
@@ -231,32 +258,59 @@ class Pipeline:
         self._save()
         try:
             self.state["mode"] = self._choose_mode()
-        except MxforgeError as e:  # reading the source's file list is the download's first step: recorded as its failure
+        except (
+            MxforgeError
+        ) as e:  # reading the source's file list is the download's first step: recorded as its failure
             self.state["stages"]["download"] = {"status": "failed", "error": str(e)}
             self._save()
             raise
         self._save()
         if self.state["mode"] == "stream":
-            self._stage("stream", self._stream, marker=self.mxfp4_dir / "config.json", out_dir=self.mxfp4_dir,
-                        bytes_in=lambda report: report["bytes_processed_now"])
+            self._stage(
+                "stream",
+                self._stream,
+                marker=self.mxfp4_dir / "config.json",
+                out_dir=self.mxfp4_dir,
+                bytes_in=lambda report: report["bytes_processed_now"],
+            )
         else:
             if self.local:
-                self.state["stages"]["download"] = {"status": "done", "skipped": f"local source {self.bf16_dir}",
-                                                    "seconds": 0.0, "bytes_in": 0, "bytes_out": 0, "report": None}
+                self.state["stages"]["download"] = {
+                    "status": "done",
+                    "skipped": f"local source {self.bf16_dir}",
+                    "seconds": 0.0,
+                    "bytes_in": 0,
+                    "bytes_out": 0,
+                    "report": None,
+                }
             else:
-                self._stage("download", self._download, marker=self.bf16_dir / "config.json", out_dir=self.bf16_dir,
-                            bytes_in=lambda report: report["downloaded_bytes"])
-            self._stage("quantize", self._quantize, marker=self.mxfp4_dir / "config.json", out_dir=self.mxfp4_dir,
-                        bytes_in=lambda report: report["bytes_processed_now"])
+                self._stage(
+                    "download",
+                    self._download,
+                    marker=self.bf16_dir / "config.json",
+                    out_dir=self.bf16_dir,
+                    bytes_in=lambda report: report["downloaded_bytes"],
+                )
+            self._stage(
+                "quantize",
+                self._quantize,
+                marker=self.mxfp4_dir / "config.json",
+                out_dir=self.mxfp4_dir,
+                bytes_in=lambda report: report["bytes_processed_now"],
+            )
         self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json")
         # Header-only and cheap: always checked again, never taken from the state file.
         validate = self._stage("validate", self._validate, always=True)
         if not validate["report"]["ok"]:
             del self.state["stages"]["validate"]  # rerun it next time, after the user's fix
             self._save()
-            raise ValidationFailed(f"{self.mxfp4_dir}: validation found problems; nothing was pushed:\n"
-                                   + "\n".join(f"  - {p['engine'] + ': ' if p.get('engine') else ''}{p['subject']}: "
-                                               f"{p['message']}: {p['remedy']}" for p in validate["report"]["problems"]))
+            raise ValidationFailed(
+                f"{self.mxfp4_dir}: validation found problems; nothing was pushed:\n"
+                + "\n".join(
+                    f"  - {p['engine'] + ': ' if p.get('engine') else ''}{p['subject']}: {p['message']}: {p['remedy']}"
+                    for p in validate["report"]["problems"]
+                )
+            )
         if o.push_repo:
             self._stage("push", self._push, bytes_in=_dir_bytes(self.mxfp4_dir))
         return self.report()
@@ -265,27 +319,56 @@ class Pipeline:
     def _download(self) -> dict:
         from .hub_download import download
 
-        return download(self.opts.source, self.bf16_dir, revision=self.opts.revision, quiet=self.opts.quiet,
-                        command=self.opts.command, limits=self.opts.hub_limits).as_dict()
+        return download(
+            self.opts.source,
+            self.bf16_dir,
+            revision=self.opts.revision,
+            quiet=self.opts.quiet,
+            command=self.opts.command,
+            limits=self.opts.hub_limits,
+        ).as_dict()
 
     def _stream(self) -> dict:
         from .hub_session import HubLimits
         from .stream import StreamOptions, StreamRun
 
         o = self.opts
-        return StreamRun(StreamOptions(
-            source=o.source, local=self.local, bf16_dir=self.bf16_dir, mxfp4_dir=self.mxfp4_dir,
-            state_path=self.out / STREAM_STATE_NAME, recipe=o.recipe, revision=o.revision, push_repo=o.push_repo,
-            private=o.private, workers=o.workers, in_flight=o.in_flight, quiet=o.quiet, command=o.command,
-            follow_symlinks=o.follow_symlinks, limits=o.hub_limits or HubLimits.resolve(), executor=o.executor,
-            ray_address=o.ray_address, scale_rule=o.scale_rule)).run()
+        return StreamRun(
+            StreamOptions(
+                source=o.source,
+                local=self.local,
+                bf16_dir=self.bf16_dir,
+                mxfp4_dir=self.mxfp4_dir,
+                state_path=self.out / STREAM_STATE_NAME,
+                recipe=o.recipe,
+                revision=o.revision,
+                push_repo=o.push_repo,
+                private=o.private,
+                workers=o.workers,
+                in_flight=o.in_flight,
+                quiet=o.quiet,
+                command=o.command,
+                follow_symlinks=o.follow_symlinks,
+                limits=o.hub_limits or HubLimits.resolve(),
+                executor=o.executor,
+                ray_address=o.ray_address,
+                scale_rule=o.scale_rule,
+            )
+        ).run()
 
     def _quantize(self) -> dict:
         from .quantize.run import quantize_checkpoint
 
-        report = quantize_checkpoint(self.bf16_dir, self.mxfp4_dir, self.opts.recipe, workers=self.opts.workers,
-                                     quiet=self.opts.quiet, command=self.opts.command,
-                                     follow_symlinks=self.opts.follow_symlinks, scale_rule=self.opts.scale_rule)
+        report = quantize_checkpoint(
+            self.bf16_dir,
+            self.mxfp4_dir,
+            self.opts.recipe,
+            workers=self.opts.workers,
+            quiet=self.opts.quiet,
+            command=self.opts.command,
+            follow_symlinks=self.opts.follow_symlinks,
+            scale_rule=self.opts.scale_rule,
+        )
         report.pop("tensors", None)  # per-tensor lists stay in mxfp4/mxforge_quantize.json
         (report.get("error") or {}).pop("tensors", None)  # per-tensor figures too
         return report
@@ -307,47 +390,80 @@ class Pipeline:
         from .hub_push import push
 
         assert self.opts.push_repo is not None, "the push stage runs only with a push target"
-        return push(self.mxfp4_dir, self.opts.push_repo, private=self.opts.private, engines=self.opts.engines,
-                    quiet=self.opts.quiet, command=self.opts.command, limits=self.opts.hub_limits,
-                    validation=self.state["stages"]["validate"]["report"], validated_files=self.validated_files).as_dict()
+        return push(
+            self.mxfp4_dir,
+            self.opts.push_repo,
+            private=self.opts.private,
+            engines=self.opts.engines,
+            quiet=self.opts.quiet,
+            command=self.opts.command,
+            limits=self.opts.hub_limits,
+            validation=self.state["stages"]["validate"]["report"],
+            validated_files=self.validated_files,
+        ).as_dict()
 
     def report(self) -> dict:
-        return {"stage": "run", "source": self.opts.source, "out": str(self.out), "product": str(self.mxfp4_dir),
-                "pushed_to": self.opts.push_repo, "mode": self.state.get("mode"),
-                "reused_from_earlier_run": sorted(self.reused),
-                "stages": self.state["stages"]}
+        return {
+            "stage": "run",
+            "source": self.opts.source,
+            "out": str(self.out),
+            "product": str(self.mxfp4_dir),
+            "pushed_to": self.opts.push_repo,
+            "mode": self.state.get("mode"),
+            "reused_from_earlier_run": sorted(self.reused),
+            "stages": self.state["stages"],
+        }
 
 
 def format_run_summary(report: dict) -> str:
     """The human summary: per stage time, bytes and GB/s, then what was quantized, fixed and validated."""
     stages = report["stages"]
-    lines = [f"mxforge run {report['source']} -> {report['product']}" + (" (streamed)" if report.get("mode") == "stream" else ""),
-             f"  {'stage':<10}{'status':<9}{'time':>9}{'in':>12}{'out':>12}{'GB/s':>8}"]
+    lines = [
+        f"mxforge run {report['source']} -> {report['product']}"
+        + (" (streamed)" if report.get("mode") == "stream" else ""),
+        f"  {'stage':<10}{'status':<9}{'time':>9}{'in':>12}{'out':>12}{'GB/s':>8}",
+    ]
     for stage in STAGES:
         rec = stages.get(stage)
         if rec is None:
             continue
-        status = "skipped" if rec.get("skipped") else ("earlier" if stage in report["reused_from_earlier_run"] else rec["status"])
+        status = (
+            "skipped"
+            if rec.get("skipped")
+            else ("earlier" if stage in report["reused_from_earlier_run"] else rec["status"])
+        )
         gbs = f"{rec['gb_per_s']:.3f}" if rec.get("gb_per_s") else "-"
-        lines.append(f"  {stage:<10}{status:<9}{rec.get('seconds', 0):>8.1f}s{rec.get('bytes_in', 0) / 1e9:>10.3f}GB"
-                     f"{rec.get('bytes_out', 0) / 1e9:>10.3f}GB{gbs:>8}")
+        lines.append(
+            f"  {stage:<10}{status:<9}{rec.get('seconds', 0):>8.1f}s{rec.get('bytes_in', 0) / 1e9:>10.3f}GB"
+            f"{rec.get('bytes_out', 0) / 1e9:>10.3f}GB{gbs:>8}"
+        )
     quant = (stages.get("quantize") or stages.get("stream") or {}).get("report") or {}
     if quant.get("stage") == "stream":
-        per = "; ".join(f"{k} {v['bytes'] / 1e9:.3f} GB at {v['gb_per_s'] or 0:.3f} GB/s" for k, v in quant["stages"].items()
-                        if v["shards"])
+        per = "; ".join(
+            f"{k} {v['bytes'] / 1e9:.3f} GB at {v['gb_per_s'] or 0:.3f} GB/s"
+            for k, v in quant["stages"].items()
+            if v["shards"]
+        )
         peak = quant["peak_source_bytes_on_disk"]
-        lines.append(f"  streamed {quant['shards']['streamed_now']} of {quant['shards']['total']} shard(s)"
-                     f"{' on Ray' if quant['executor'] == 'ray' else ''}: {per or 'nothing left'}; "
-                     + (f"peak bf16 on disk {peak / 1e9:.3f} GB " if peak is not None else "")
-                     + f"(plan: {quant['disk_plan']['peak_bytes'] / 1e9:.3f} GB with the output)")
+        lines.append(
+            f"  streamed {quant['shards']['streamed_now']} of {quant['shards']['total']} shard(s)"
+            f"{' on Ray' if quant['executor'] == 'ray' else ''}: {per or 'nothing left'}; "
+            + (f"peak bf16 on disk {peak / 1e9:.3f} GB " if peak is not None else "")
+            + f"(plan: {quant['disk_plan']['peak_bytes'] / 1e9:.3f} GB with the output)"
+        )
     if quant.get("counts"):
         c = quant["counts"]
-        lines.append(f"  tensors: {c['quantized']:,} MXFP4, {c['kept']:,} 2-D weights kept bf16, {c['copied']:,} copied; "
-                     f"MTP layer(s) {quant.get('mtp_layers')} ({quant.get('mtp_tensors')} tensors) carried")
+        lines.append(
+            f"  tensors: {c['quantized']:,} MXFP4, {c['kept']:,} 2-D weights kept bf16, {c['copied']:,} copied; "
+            f"MTP layer(s) {quant.get('mtp_layers')} ({quant.get('mtp_tensors')} tensors) carried"
+        )
         lines.append(f"  {summary_line(quant.get('error'))}")
     fix = (stages.get("fixup") or {}).get("report") or {}
     if fix:
-        lines.append(f"  fixups: {len(fix.get('applied') or [])} applied" + (f", {len(fix['warnings'])} warning(s)" if fix.get("warnings") else ""))
+        lines.append(
+            f"  fixups: {len(fix.get('applied') or [])} applied"
+            + (f", {len(fix['warnings'])} warning(s)" if fix.get("warnings") else "")
+        )
     val = (stages.get("validate") or {}).get("report") or {}
     if val.get("verdict"):
         lines.append(f"  engines: {val['verdict']}")

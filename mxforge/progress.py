@@ -7,8 +7,17 @@ from tqdm import tqdm
 
 def byte_progress(total: int, desc: str, disable: bool = False) -> tqdm:
     """A byte counter shown in decimal units (GB, GB/s) with ETA, on stderr."""
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
-                disable=disable, dynamic_ncols=True, smoothing=0.1, mininterval=0.5)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        disable=disable,
+        dynamic_ncols=True,
+        smoothing=0.1,
+        mininterval=0.5,
+    )
 
 
 def format_bytes(n: int) -> str:

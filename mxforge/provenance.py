@@ -18,14 +18,14 @@ from .safetensors_io import copy_atomic
 if TYPE_CHECKING:
     from .checkpoint import CheckpointSource
 
-SOURCE_NAME = "mxforge_source.json"                   # download: repo, commit, every file's sha256
-QUANTIZE_NAME = "mxforge_quantize.json"               # quantize: recipe, tool versions, error report
-QUANTIZE_STATE_NAME = "mxforge_quantize.state.json"   # quantize: per-shard resume state
-FIXUPS_NAME = "mxforge_fixups.json"                   # fixup: every entry applied, per run
-DEQUANTIZE_NAME = "mxforge_dequantize.json"           # dequantize: its report
-RUN_STATE_NAME = "mxforge_run.json"                   # mxforge run: the stages' state, in OUT (not a checkpoint)
-STREAM_STATE_NAME = "mxforge_stream.json"             # mxforge run --stream: verified downloads and pre-uploads, in OUT
-ORIGINAL_SUFFIX = ".orig"                             # what fixup / mtp_inject keep of a file before their first change
+SOURCE_NAME = "mxforge_source.json"  # download: repo, commit, every file's sha256
+QUANTIZE_NAME = "mxforge_quantize.json"  # quantize: recipe, tool versions, error report
+QUANTIZE_STATE_NAME = "mxforge_quantize.state.json"  # quantize: per-shard resume state
+FIXUPS_NAME = "mxforge_fixups.json"  # fixup: every entry applied, per run
+DEQUANTIZE_NAME = "mxforge_dequantize.json"  # dequantize: its report
+RUN_STATE_NAME = "mxforge_run.json"  # mxforge run: the stages' state, in OUT (not a checkpoint)
+STREAM_STATE_NAME = "mxforge_stream.json"  # mxforge run --stream: verified downloads and pre-uploads, in OUT
+ORIGINAL_SUFFIX = ".orig"  # what fixup / mtp_inject keep of a file before their first change
 CONFIG_BACKUP_NAME = "config.json" + ORIGINAL_SUFFIX
 INDEX_BACKUP_NAME = INDEX_NAME + ORIGINAL_SUFFIX
 
@@ -87,7 +87,11 @@ def read_fixups_record(source: "CheckpointSource") -> dict:
     if not source.exists(FIXUPS_NAME):
         return {"stage": "fixup", "fixups": [], "runs": []}
     record = source.read_json(FIXUPS_NAME, "fixup record")
-    if not (isinstance(record, dict) and isinstance(record.get("fixups"), list) and isinstance(record.get("runs"), list)):
-        raise CheckpointError(f"{source.where(FIXUPS_NAME)}: not a fixup record (an object with 'fixups' and 'runs' "
-                              "lists); move it aside and re-run mxforge fixup")
+    if not (
+        isinstance(record, dict) and isinstance(record.get("fixups"), list) and isinstance(record.get("runs"), list)
+    ):
+        raise CheckpointError(
+            f"{source.where(FIXUPS_NAME)}: not a fixup record (an object with 'fixups' and 'runs' "
+            "lists); move it aside and re-run mxforge fixup"
+        )
     return record

@@ -36,8 +36,16 @@ if TYPE_CHECKING:  # annotations only: a task imports these on its node
     from .quantize.plan import ShardPlan
 
 TASK_RETRIES = 3  # Ray reruns a task whose worker process or node died this many times
-HUB_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_XET", "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_ETAG_TIMEOUT",
-           "HF_HUB_DOWNLOAD_TIMEOUT", "MXFORGE_HUB_TIMEOUT", "MXFORGE_HUB_RETRIES")
+HUB_ENV = (
+    "HF_ENDPOINT",
+    "HF_TOKEN",
+    "HF_HUB_DISABLE_XET",
+    "HF_HUB_DISABLE_TELEMETRY",
+    "HF_HUB_ETAG_TIMEOUT",
+    "HF_HUB_DOWNLOAD_TIMEOUT",
+    "MXFORGE_HUB_TIMEOUT",
+    "MXFORGE_HUB_RETRIES",
+)
 
 
 @dataclass(frozen=True)
@@ -48,8 +56,8 @@ class ShardTask:
     commit: str
     remote: RemoteFile
     plan: ShardPlan
-    out_dir: str                 # OUT/mxfp4, the same path on every node
-    work_dir: str | None         # where the bf16 shard goes (None: the node's temporary directory)
+    out_dir: str  # OUT/mxfp4, the same path on every node
+    work_dir: str | None  # where the bf16 shard goes (None: the node's temporary directory)
     push_repo: str | None
     branch: str
     limits: HubLimits
@@ -79,8 +87,16 @@ def run_shard_task(task: ShardTask) -> dict:
     st = (work / task.plan.name).stat()
     times["download"].append(time.time())
     times["quantize"] = [time.time()]
-    job = ShardJob(str(work), task.out_dir, task.plan, "cpu", True, task.remote.sha256, (st.st_size, st.st_mtime_ns),
-                   task.scale_offsets)
+    job = ShardJob(
+        str(work),
+        task.out_dir,
+        task.plan,
+        "cpu",
+        True,
+        task.remote.sha256,
+        (st.st_size, st.st_mtime_ns),
+        task.scale_offsets,
+    )
     result = run_shard(job)
     (work / task.plan.name).unlink(missing_ok=True)
     times["quantize"].append(time.time())
@@ -136,8 +152,23 @@ def _run_tasks(run, todo: list, qstate, state, address: str | None, workers: int
     try:
         task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(run_shard_task)
         work_dir = None if address else str(o.bf16_dir)  # a local Ray shares the driver's disk: resume partials there
-        refs = {task.remote(ShardTask(o.source, run.commit, s.remote, s.plan, str(o.mxfp4_dir), work_dir, o.push_repo,
-                                      o.branch, o.limits, run.recipe.scale_offsets)): s for s in todo}
+        refs = {
+            task.remote(
+                ShardTask(
+                    o.source,
+                    run.commit,
+                    s.remote,
+                    s.plan,
+                    str(o.mxfp4_dir),
+                    work_dir,
+                    o.push_repo,
+                    o.branch,
+                    o.limits,
+                    run.recipe.scale_offsets,
+                )
+            ): s
+            for s in todo
+        }
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1)
             s = refs.pop(done[0])
@@ -149,8 +180,10 @@ def _run_tasks(run, todo: list, qstate, state, address: str | None, workers: int
                     raise type(cause)(str(cause)) from None
                 raise MxforgeError(f"shard {s.plan.name}: its Ray task failed: {cause or e}") from None
             except ray.exceptions.RayError as e:
-                raise MxforgeError(f"shard {s.plan.name}: its Ray task failed {TASK_RETRIES + 1} time(s) "
-                                   f"({type(e).__name__}); rerun the same command to resume") from None
+                raise MxforgeError(
+                    f"shard {s.plan.name}: its Ray task failed {TASK_RETRIES + 1} time(s) "
+                    f"({type(e).__name__}); rerun the same command to resume"
+                ) from None
             for stage, (start, end) in out["times"].items():
                 run.clocks[stage].add(start, s.plan.source_size if stage != "upload" else s.plan.output_size, end)
             s.step = "quantize"

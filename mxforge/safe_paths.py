@@ -14,9 +14,9 @@ from typing import Iterable
 
 from .errors import CheckpointError, MxforgeError
 
-MAX_COMPONENT_BYTES = 255   # NAME_MAX of every common Linux filesystem
-MAX_NAME_BYTES = 1024       # a whole relative name; leaves room for DEST under PATH_MAX (4096)
-RESERVED_TOP = ".cache"     # mxforge's and huggingface_hub's bookkeeping in DEST: never written from the Hub
+MAX_COMPONENT_BYTES = 255  # NAME_MAX of every common Linux filesystem
+MAX_NAME_BYTES = 1024  # a whole relative name; leaves room for DEST under PATH_MAX (4096)
+RESERVED_TOP = ".cache"  # mxforge's and huggingface_hub's bookkeeping in DEST: never written from the Hub
 FOLLOW_HINT = "pass --follow-symlinks to read through it"
 
 
@@ -45,7 +45,10 @@ def name_problem(name: object) -> str | None:
     if any(p in ("", ".", "..") for p in parts):
         return "it is not a normalised relative path (empty, '.' or '..' component)"
     if parts[0] == RESERVED_TOP or ".git" in parts:
-        return f"it would write into {RESERVED_TOP if parts[0] == RESERVED_TOP else '.git'}/, which holds local bookkeeping"
+        return (
+            f"it would write into {RESERVED_TOP if parts[0] == RESERVED_TOP else '.git'}/, "
+            "which holds local bookkeeping"
+        )
     if len(name.encode()) > MAX_NAME_BYTES:
         return f"it is longer than {MAX_NAME_BYTES} bytes"
     if any(len(p.encode()) > MAX_COMPONENT_BYTES for p in parts):
@@ -61,8 +64,10 @@ def check_remote_name(name: object, source: str) -> str:
     """
     why = name_problem(name)
     if why is not None or not isinstance(name, str):  # name_problem refuses every non-str
-        raise UnsafeNameError(f"{source} lists a file named {name!r}, refused because {why}: a name like that could "
-                              "write outside DEST; nothing was downloaded or deleted. Check HF_ENDPOINT and the repo")
+        raise UnsafeNameError(
+            f"{source} lists a file named {name!r}, refused because {why}: a name like that could "
+            "write outside DEST; nothing was downloaded or deleted. Check HF_ENDPOINT and the repo"
+        )
     return name
 
 
@@ -74,8 +79,10 @@ def remote_path(root: Path, name: str, source: str = "the Hub") -> Path:
     """
     path = Path(root) / check_remote_name(name, source)
     if not is_inside(root, path):
-        raise UnsafeNameError(f"{path}: the file {name!r} from {source} would land outside {root} (through the symlink "
-                              f"{_first_link(root, name)}); nothing was downloaded or deleted. Remove that link from {root}")
+        raise UnsafeNameError(
+            f"{path}: the file {name!r} from {source} would land outside {root} (through the symlink "
+            f"{_first_link(root, name)}); nothing was downloaded or deleted. Remove that link from {root}"
+        )
     return path
 
 
@@ -103,5 +110,7 @@ def refuse_links_leaving(root: Path, names: Iterable[str], *, follow: bool, acti
         path = root / name
         if not is_inside(root, path):
             link = _first_link(root, name) or path
-            raise CheckpointError(f"{link}: symlink to {os.path.realpath(link)}, outside {root}: refusing to {action} "
-                                  f"what it points to. Copy the file into the checkpoint, or {FOLLOW_HINT}")
+            raise CheckpointError(
+                f"{link}: symlink to {os.path.realpath(link)}, outside {root}: refusing to {action} "
+                f"what it points to. Copy the file into the checkpoint, or {FOLLOW_HINT}"
+            )

@@ -19,12 +19,40 @@ from .errors import CheckpointError
 
 # Safetensors' own dtype order (the Rust enum): the writer sorts by it, descending, then by name.
 _DTYPE_RANK = {
-    "BOOL": 0, "U8": 4, "I8": 5, "F8_E5M2": 6, "F8_E4M3": 7, "F8_E8M0": 8, "I16": 9, "U16": 10,
-    "F16": 11, "BF16": 12, "I32": 13, "U32": 14, "F32": 15, "F64": 17, "I64": 18, "U64": 19,
+    "BOOL": 0,
+    "U8": 4,
+    "I8": 5,
+    "F8_E5M2": 6,
+    "F8_E4M3": 7,
+    "F8_E8M0": 8,
+    "I16": 9,
+    "U16": 10,
+    "F16": 11,
+    "BF16": 12,
+    "I32": 13,
+    "U32": 14,
+    "F32": 15,
+    "F64": 17,
+    "I64": 18,
+    "U64": 19,
 }
 DTYPE_SIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-    "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
 }
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
@@ -71,8 +99,10 @@ def header_length(path, first8: bytes, file_size: int) -> int:
         raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
     (header_len,) = struct.unpack("<Q", first8)
     if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-        raise CheckpointError(f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
-                              "the shard is truncated or corrupt; re-download it")
+        raise CheckpointError(
+            f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
+            "the shard is truncated or corrupt; re-download it"
+        )
     return header_len
 
 
@@ -194,8 +224,13 @@ class ShardWriter:
             disk is full / unwritable (the partial file is removed).
     """
 
-    def __init__(self, path: str | os.PathLike, tensors: Iterable[PlannedTensor],
-                 metadata: Mapping[str, str] | None = None, sparse: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        tensors: Iterable[PlannedTensor],
+        metadata: Mapping[str, str] | None = None,
+        sparse: bool = False,
+    ):
         self.path = Path(path)
         self.order = safetensors_order(tensors)
         self.metadata = {"format": "pt"} if metadata is None else metadata
@@ -221,14 +256,18 @@ class ShardWriter:
         """Write the next tensor from an iterable of bytes-like pieces (streaming: one piece in memory at a time)."""
         expected = self.order[self._next] if self._next < len(self.order) else None
         if expected is None or expected.name != name:
-            raise CheckpointError(f"{self.path}: tensor {name!r} written out of order (expected {expected and expected.name!r})")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} written out of order (expected {expected and expected.name!r})"
+            )
         written = 0
         for part in parts:
             buf = _as_bytes(part)
             try:
                 self._open_file().write(buf)
             except OSError as e:
-                raise CheckpointError(f"{self.path}: cannot write tensor {name!r}: {e.strerror or e} (disk full?)") from None
+                raise CheckpointError(
+                    f"{self.path}: cannot write tensor {name!r}: {e.strerror or e} (disk full?)"
+                ) from None
             written += len(buf)
         if written != expected.nbytes:
             raise CheckpointError(f"{self.path}: tensor {name!r} has {written} bytes, planned {expected.nbytes}")
@@ -313,8 +352,9 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     _atomic(Path(path), lambda tmp: tmp.write_bytes(data))
 
 
-def write_json_atomic(path: str | os.PathLike, obj, indent: int = 2, ensure_ascii: bool = True,
-                      trailing_newline: bool = True) -> None:
+def write_json_atomic(
+    path: str | os.PathLike, obj, indent: int = 2, ensure_ascii: bool = True, trailing_newline: bool = True
+) -> None:
     """Write JSON under a temporary name, fsync, rename into place.
 
     Raises:

@@ -45,9 +45,9 @@ STREAM_STATE_FORMAT = 1
 
 @dataclass
 class StreamOptions:
-    source: str                 # Hub repo id, or a local checkpoint directory (nothing is downloaded or deleted)
+    source: str  # Hub repo id, or a local checkpoint directory (nothing is downloaded or deleted)
     local: bool
-    bf16_dir: Path              # where source shards land (the local source itself when local)
+    bf16_dir: Path  # where source shards land (the local source itself when local)
     mxfp4_dir: Path
     state_path: Path
     recipe: str | None
@@ -64,7 +64,7 @@ class StreamOptions:
     command: str | None = None
     follow_symlinks: bool = False
     limits: HubLimits = field(kw_only=True)  # timeouts and retries of every Hub request
-    executor: str = "local"     # "local": threads and worker processes here; "ray": one Ray task per shard
+    executor: str = "local"  # "local": threads and worker processes here; "ray": one Ray task per shard
     ray_address: str | None = None  # None: a local Ray instance with `workers` CPUs
 
 
@@ -90,8 +90,13 @@ class StageClock:
 
     def as_dict(self) -> dict:
         span = (self.last - self.first) if self.first is not None and self.last is not None else 0.0
-        return {"shards": self.shards, "bytes": self.bytes, "busy_seconds": round(self.busy, 3),
-                "span_seconds": round(span, 3), "gb_per_s": round(self.bytes / span / 1e9, 4) if span > 0 else None}
+        return {
+            "shards": self.shards,
+            "bytes": self.bytes,
+            "busy_seconds": round(self.busy, 3),
+            "span_seconds": round(span, 3),
+            "gb_per_s": round(self.bytes / span / 1e9, 4) if span > 0 else None,
+        }
 
 
 @dataclass
@@ -100,7 +105,7 @@ class _Shard:
     remote: RemoteFile | None = None  # None for a local source
     verified: tuple[int, int] | None = None  # (size, mtime_ns) at which the bf16 shard was verified
     source_sha256: str | None = None
-    step: str = "download"       # download -> quantize -> upload -> done
+    step: str = "download"  # download -> quantize -> upload -> done
     started: float = 0.0
 
 
@@ -117,8 +122,12 @@ class _State:
 
         try:
             data = json.loads(path.read_text())
-            if not (isinstance(data, dict) and data.get("format") == STREAM_STATE_FORMAT
-                    and data.get("source") == source and data.get("commit") == commit):
+            if not (
+                isinstance(data, dict)
+                and data.get("format") == STREAM_STATE_FORMAT
+                and data.get("source") == source
+                and data.get("commit") == commit
+            ):
                 data = {}
         except (OSError, ValueError):
             data = {}
@@ -165,8 +174,8 @@ class StreamRun:
         from huggingface_hub import HfApi
 
         from .hub_download import fetch_verified, remote_files, source_record_entry, write_source_record
-        from .hub_source import HubSource
         from .hub_session import use_hub_limits
+        from .hub_source import HubSource
         from .safe_paths import check_remote_name
 
         use_hub_limits(o.limits)
@@ -182,8 +191,10 @@ class StreamRun:
         by_name = {f.name: f for f in files}
         missing = [s for s in ckpt.shard_names if s not in by_name]
         if missing:
-            raise MxforgeError(f"{o.source}@{commit[:12]}: {INDEX_NAME} names shard {missing[0]!r}, which the repo does "
-                               f"not hold ({len(missing)} such); the source repo is incomplete")
+            raise MxforgeError(
+                f"{o.source}@{commit[:12]}: {INDEX_NAME} names shard {missing[0]!r}, which the repo does "
+                f"not hold ({len(missing)} such); the source repo is incomplete"
+            )
         headers = {}
         for name in ckpt.shard_names:
             local = o.bf16_dir / name
@@ -199,14 +210,24 @@ class StreamRun:
             for name in remote:
                 headers[name] = hub.read_header(name)
                 if hub.file_sizes[name] != by_name[name].size:
-                    raise CheckpointError(f"{hub.where(name)}: the Hub serves {hub.file_sizes[name]:,} bytes, its file "
-                                          f"list says {by_name[name].size:,}; the source repo is broken or hostile")
+                    raise CheckpointError(
+                        f"{hub.where(name)}: the Hub serves {hub.file_sizes[name]:,} bytes, its file "
+                        f"list says {by_name[name].size:,}; the source repo is broken or hostile"
+                    )
         ckpt.headers = headers  # the cached property, filled from the Hub: planning needs no shard on disk
         for f in files:  # provenance as `mxforge download` records it; shards by the Hub's sha256, verified on arrival
             if f.name not in hashes:
                 hashes[f.name] = FileHash(f.name, f.size, f.sha256 or "", f.blob_id or "")
-        write_source_record(o.bf16_dir, o.source, o.revision, commit, [source_record_entry(f, hashes[f.name]) for f in files],
-                            None, None, o.command)
+        write_source_record(
+            o.bf16_dir,
+            o.source,
+            o.revision,
+            commit,
+            [source_record_entry(f, hashes[f.name]) for f in files],
+            None,
+            None,
+            o.command,
+        )
         return ckpt, by_name, commit
 
     def run(self) -> dict:
@@ -261,9 +282,22 @@ class StreamRun:
         accounted = finish_checkpoint(o.bf16_dir, o.mxfp4_dir, recipe, ckpt, plan, to_copy)
         elapsed = time.monotonic() - started
         quantized = self.clocks["quantize"]
-        write_provenance(o.bf16_dir, o.mxfp4_dir, recipe, plan, "cpu", workers, qstate, quantized.shards,
-                         len(shards) - quantized.shards, quantized.bytes, elapsed, accounted, o.command,
-                         self.sha256_from_download)
+        write_provenance(
+            o.bf16_dir,
+            o.mxfp4_dir,
+            recipe,
+            plan,
+            "cpu",
+            workers,
+            qstate,
+            quantized.shards,
+            len(shards) - quantized.shards,
+            quantized.bytes,
+            elapsed,
+            accounted,
+            o.command,
+            self.sha256_from_download,
+        )
         return self._report(recipe, plan, shards, todo, workers, in_flight, accounted, elapsed)
 
     def _shard_status(self, s, remote, qstate, state) -> _Shard:
@@ -306,19 +340,35 @@ class StreamRun:
     def _check_disk(self, plan, shards: list[_Shard], in_flight: int) -> None:
         o = self.o
         output = sum(s.output_size for s in plan.shards)
-        peak = plan_disk(output, [] if o.local else [s.plan.source_size for s in shards if s.step in ("download", "quantize")],
-                         in_flight)
-        have = sum((o.mxfp4_dir / s.plan.name).stat().st_size for s in shards if s.step in ("upload", "done")) \
-            + (0 if o.local else sum(s.plan.source_size for s in shards if s.verified))
+        peak = plan_disk(
+            output,
+            [] if o.local else [s.plan.source_size for s in shards if s.step in ("download", "quantize")],
+            in_flight,
+        )
+        have = sum((o.mxfp4_dir / s.plan.name).stat().st_size for s in shards if s.step in ("upload", "done")) + (
+            0 if o.local else sum(s.plan.source_size for s in shards if s.verified)
+        )
         _, free = free_space(o.mxfp4_dir)
         source = sum(s.plan.source_size for s in shards)
-        self.disk_plan = {"source_bytes": source, "output_bytes": output, "in_flight_source_shards": in_flight,
-                          "peak_bytes": peak, "on_disk_bytes": have, "free_bytes": free}
-        self._say(f"streaming {len(shards)} shard(s), at most {in_flight} bf16 shard(s) on disk at once: peak disk "
-                  f"{format_bytes(peak)} (output {format_bytes(output)} + source shards in flight), against "
-                  f"{format_bytes(source)} of source; {format_bytes(free)} free")
-        require_free_space(o.mxfp4_dir, peak - have, f"the streamed run's output ({format_bytes(output)}) and "
-                           f"{in_flight} source shard(s) in flight", "free space, or lower --in-flight")
+        self.disk_plan = {
+            "source_bytes": source,
+            "output_bytes": output,
+            "in_flight_source_shards": in_flight,
+            "peak_bytes": peak,
+            "on_disk_bytes": have,
+            "free_bytes": free,
+        }
+        self._say(
+            f"streaming {len(shards)} shard(s), at most {in_flight} bf16 shard(s) on disk at once: peak disk "
+            f"{format_bytes(peak)} (output {format_bytes(output)} + source shards in flight), against "
+            f"{format_bytes(source)} of source; {format_bytes(free)} free"
+        )
+        require_free_space(
+            o.mxfp4_dir,
+            peak - have,
+            f"the streamed run's output ({format_bytes(output)}) and {in_flight} source shard(s) in flight",
+            "free space, or lower --in-flight",
+        )
 
     # --- 2: the overlapped stages -------------------------------------------------------------------
     def _stream(self, todo: list[_Shard], workers: int, in_flight: int, qstate, state: _State) -> None:
@@ -327,12 +377,19 @@ class StreamRun:
 
         o = self.o
         offsets = self.recipe.scale_offsets
-        jobs = {s.plan.name: ShardJob(str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True, s.source_sha256,
-                                      scale_offsets=offsets) for s in todo}
+        jobs = {
+            s.plan.name: ShardJob(
+                str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True, s.source_sha256, scale_offsets=offsets
+            )
+            for s in todo
+        }
         quantizing = [s for s in todo if s.step in ("download", "quantize")]
         # Worker processes first (fork), before any thread of ours exists.
-        pool, counter = start_worker_pool(min(workers, max(1, len(quantizing))), list(jobs.values())) \
-            if quantizing else (None, None)
+        pool, counter = (
+            start_worker_pool(min(workers, max(1, len(quantizing))), list(jobs.values()))
+            if quantizing
+            else (None, None)
+        )
         if pool is not None:
             pool.submit(int).result()
         threads = ThreadPoolExecutor(o.downloads + o.uploads + workers, thread_name_prefix="stream")
@@ -348,13 +405,16 @@ class StreamRun:
         def on_disk() -> int:  # bf16 shards downloading, downloaded or being quantized
             busy = {id(s) for _, s in running.values()}
             return sum(1 for s in todo if s.step in ("download", "quantize") and (s.verified or id(s) in busy))
+
         total = sum(s.plan.source_size for s in quantizing)
         seen, failed = 0, True
         from .hub_transfer import CANCEL
 
         CANCEL.clear()
         bar = byte_progress(total, "stream (quantized)", disable=o.quiet)
-        dl_bar = byte_progress(sum(s.plan.source_size for s in todo if s.step == "download"), "download", disable=o.quiet)
+        dl_bar = byte_progress(
+            sum(s.plan.source_size for s in todo if s.step == "download"), "download", disable=o.quiet
+        )
         try:
             while any(s.step != "done" for s in todo):
                 if not o.local:
@@ -366,8 +426,9 @@ class StreamRun:
                 for s in idle("quantize"):
                     if (o.local or s.verified) and count("quantize") + count("finish") < workers:
                         assert pool is not None, "the worker pool starts when any shard is to be quantized"
-                        jobs[s.plan.name] = ShardJob(str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True,
-                                                     s.source_sha256, s.verified, offsets)
+                        jobs[s.plan.name] = ShardJob(
+                            str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True, s.source_sha256, s.verified, offsets
+                        )
                         s.started = time.time()
                         running[pool.submit(shard_worker, jobs[s.plan.name])] = ("quantize", s)
                 for s in idle("upload"):
@@ -394,8 +455,10 @@ class StreamRun:
                         self.record_upload(s, result, state)
             failed = False
         except BrokenProcessPool:
-            raise MxforgeError("a quantize worker process died (killed for memory?); rerun the same command to "
-                               "resume, with fewer --workers if memory is short") from None
+            raise MxforgeError(
+                "a quantize worker process died (killed for memory?); rerun the same command to "
+                "resume, with fewer --workers if memory is short"
+            ) from None
         finally:
             if failed:
                 CANCEL.set()  # downloads stop at their next chunk, keeping their partial files
@@ -500,21 +563,37 @@ class StreamRun:
 
         o = self.o
         return {
-            "stage": "stream", "source": o.source, "commit": self.commit, "out": str(o.mxfp4_dir),
+            "stage": "stream",
+            "source": o.source,
+            "commit": self.commit,
+            "out": str(o.mxfp4_dir),
             "push_target": f"{o.push_repo}@{o.branch}" if o.push_repo else None,
             "recipe": {"name": recipe.name, "sha256": recipe.sha256},
             "source_precision": plan.precision.describe(),
-            "workers": workers, "downloads": o.downloads, "uploads": o.uploads, "in_flight": in_flight,
-            "shards": {"total": len(shards), "streamed_now": len(todo), "done_earlier": len(shards) - len(todo),
-                       "quantized_earlier": len(shards) - self.clocks["quantize"].shards},
-            "disk_plan": self.disk_plan, "executor": o.executor,
+            "workers": workers,
+            "downloads": o.downloads,
+            "uploads": o.uploads,
+            "in_flight": in_flight,
+            "shards": {
+                "total": len(shards),
+                "streamed_now": len(todo),
+                "done_earlier": len(shards) - len(todo),
+                "quantized_earlier": len(shards) - self.clocks["quantize"].shards,
+            },
+            "disk_plan": self.disk_plan,
+            "executor": o.executor,
             # sampled by the local scheduler; Ray's nodes keep theirs in their own temporary directories
             "peak_source_bytes_on_disk": self.peak_source_bytes if o.executor == "local" else None,
             "stages": {k: c.as_dict() for k, c in self.clocks.items()},
             "counts": {k: accounted[k] for k in ("quantized", "kept", "copied")},
-            "mtp_layers": list(plan.layout.mtp_layers), "mtp_tensors": accounted["mtp_tensors"],
-            "bytes_in": sum(s.source_size for s in plan.shards), "bytes_out": sum(s.output_size for s in plan.shards),
+            "mtp_layers": list(plan.layout.mtp_layers),
+            "mtp_tensors": accounted["mtp_tensors"],
+            "bytes_in": sum(s.source_size for s in plan.shards),
+            "bytes_out": sum(s.output_size for s in plan.shards),
             "bytes_processed_now": self.clocks["quantize"].bytes,
-            "downloaded_bytes": self.clocks["download"].bytes, "uploaded_bytes": self.clocks["upload"].bytes,
-            "seconds": round(elapsed, 3), "tool_versions": tool_versions(), "notes": self.notes,
+            "downloaded_bytes": self.clocks["download"].bytes,
+            "uploaded_bytes": self.clocks["upload"].bytes,
+            "seconds": round(elapsed, 3),
+            "tool_versions": tool_versions(),
+            "notes": self.notes,
         }

@@ -11,8 +11,18 @@ import re
 
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
-KINDS = ("experts", "shared_experts", "router", "dense_mlp", "indexer", "norms", "attention", "mtp_proj",
-         "embeddings", "other")
+KINDS = (
+    "experts",
+    "shared_experts",
+    "router",
+    "dense_mlp",
+    "indexer",
+    "norms",
+    "attention",
+    "mtp_proj",
+    "embeddings",
+    "other",
+)
 
 
 def compile_rules(rules: tuple[tuple[str, str], ...]) -> tuple[tuple[str, re.Pattern], ...]:
@@ -24,17 +34,19 @@ def compile_rules(rules: tuple[tuple[str, str], ...]) -> tuple[tuple[str, re.Pat
 
 
 # First match wins; patterns apply to the name after `model.layers.N.` (or the whole name for globals).
-LINEAGE_KIND_RULES = compile_rules((
-    ("experts", r"^mlp\.experts\."),
-    ("shared_experts", r"^mlp\.shared_experts\."),
-    ("router", r"^mlp\.gate\.(weight|e_score_correction_bias)$"),
-    ("dense_mlp", r"^mlp\.(gate|up|down)_proj\."),
-    ("indexer", r"^self_attn\.indexer\.(wq_b|wk|weights_proj)\."),
-    ("norms", r"(^|\.)([a-z_]*norm)\.(weight|bias)$"),
-    ("attention", r"^self_attn\."),
-    ("mtp_proj", r"^eh_proj\."),
-    ("embeddings", r"^(model\.embed_tokens|lm_head)\."),
-))
+LINEAGE_KIND_RULES = compile_rules(
+    (
+        ("experts", r"^mlp\.experts\."),
+        ("shared_experts", r"^mlp\.shared_experts\."),
+        ("router", r"^mlp\.gate\.(weight|e_score_correction_bias)$"),
+        ("dense_mlp", r"^mlp\.(gate|up|down)_proj\."),
+        ("indexer", r"^self_attn\.indexer\.(wq_b|wk|weights_proj)\."),
+        ("norms", r"(^|\.)([a-z_]*norm)\.(weight|bias)$"),
+        ("attention", r"^self_attn\."),
+        ("mtp_proj", r"^eh_proj\."),
+        ("embeddings", r"^(model\.embed_tokens|lm_head)\."),
+    )
+)
 
 
 def layer_of(name: str) -> int | None:
@@ -45,7 +57,7 @@ def layer_of(name: str) -> int | None:
 def kind_of(name: str, rules: tuple[tuple[str, re.Pattern], ...] = LINEAGE_KIND_RULES) -> str:
     """The kind of a tensor under `rules` (scales such as `X.weight_scale` take their weight's kind)."""
     m = LAYER_RE.match(name)
-    local = name[m.end():] if m else name
+    local = name[m.end() :] if m else name
     local = re.sub(r"\.weight_scale$", ".weight", local)
     for kind, pattern in rules:
         if pattern.search(local):

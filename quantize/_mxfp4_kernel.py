@@ -39,10 +39,15 @@ def _boundary_bits(mantissa, exponent):
 def _boundaries(e):
     # The seven E2M1 rounding boundaries for scale 2^e as float32 bits, in code order ("above" ones at even
     # positions, "at or above" ones at odd positions).
-    return (_boundary_bits(_ABOVE[0, 0], _ABOVE[0, 1] + e), _boundary_bits(_AT_OR_ABOVE[0, 0], _AT_OR_ABOVE[0, 1] + e),
-            _boundary_bits(_ABOVE[1, 0], _ABOVE[1, 1] + e), _boundary_bits(_AT_OR_ABOVE[1, 0], _AT_OR_ABOVE[1, 1] + e),
-            _boundary_bits(_ABOVE[2, 0], _ABOVE[2, 1] + e), _boundary_bits(_AT_OR_ABOVE[2, 0], _AT_OR_ABOVE[2, 1] + e),
-            _boundary_bits(_ABOVE[3, 0], _ABOVE[3, 1] + e))
+    return (
+        _boundary_bits(_ABOVE[0, 0], _ABOVE[0, 1] + e),
+        _boundary_bits(_AT_OR_ABOVE[0, 0], _AT_OR_ABOVE[0, 1] + e),
+        _boundary_bits(_ABOVE[1, 0], _ABOVE[1, 1] + e),
+        _boundary_bits(_AT_OR_ABOVE[1, 0], _AT_OR_ABOVE[1, 1] + e),
+        _boundary_bits(_ABOVE[2, 0], _ABOVE[2, 1] + e),
+        _boundary_bits(_AT_OR_ABOVE[2, 0], _AT_OR_ABOVE[2, 1] + e),
+        _boundary_bits(_ABOVE[3, 0], _ABOVE[3, 1] + e),
+    )
 
 
 @nb.njit(inline="always")
@@ -66,7 +71,7 @@ def _encode_block(a, start, stop, byte, codes_row, tmp):
     for i in range(n):
         v = a[start + i]
         m = v & ABS_MASK
-        c = ((m > t0) + (m >= t1) + (m > t2) + (m >= t3) + (m > t4) + (m >= t5) + (m > t6))
+        c = (m > t0) + (m >= t1) + (m > t2) + (m >= t3) + (m > t4) + (m >= t5) + (m > t6)
         neg = (v < 0) & (c != 0)
         tmp[i] = np.uint8(c | (neg << 3))
     base = start >> 1

@@ -34,7 +34,9 @@ def bf16_kernel():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_name(f"{lib.name}.{os.getpid()}.partial")
         try:
-            subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True, timeout=120)
+            subprocess.run(
+                [compiler, *FLAGS, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True, timeout=120
+            )
             os.replace(tmp, lib)
         except (OSError, subprocess.SubprocessError):
             tmp.unlink(missing_ok=True)
@@ -44,8 +46,16 @@ def bf16_kernel():
     except OSError:
         return None
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int32,
+        ctypes.c_void_p,
+    ]
     return fn
 
 
@@ -54,5 +64,11 @@ def _build_key(compiler: str) -> str:
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         cpu = ""
-    parts = [SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(), platform.machine().encode(), cpu.encode()]
+    parts = [
+        SOURCE.read_bytes(),
+        compiler.encode(),
+        " ".join(FLAGS).encode(),
+        platform.machine().encode(),
+        cpu.encode(),
+    ]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]

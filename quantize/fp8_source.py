@@ -24,15 +24,17 @@ from mxforge.errors import ConfigError
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16")
-SUPPORTED = ('{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [m, n]} with F8_E4M3 weights and '
-             'F32 `weight_scale_inv` (DeepSeek-V3/R1/V3.1/V3.2, GLM-5/5.1/5.2 FP8 releases), or no quantization_config (bf16)')
+SUPPORTED = (
+    '{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [m, n]} with F8_E4M3 weights and '
+    "F32 `weight_scale_inv` (DeepSeek-V3/R1/V3.1/V3.2, GLM-5/5.1/5.2 FP8 releases), or no quantization_config (bf16)"
+)
 
 
 @dataclass(frozen=True)
 class SourcePrecision:
     """What the source's weights are stored as: "bf16", or block-scaled FP8 with its block shape."""
 
-    name: str                             # "bf16" or "fp8"
+    name: str  # "bf16" or "fp8"
     block: tuple[int, int] | None = None  # fp8: (rows, cols) of one scale block
 
     @property
@@ -66,14 +68,22 @@ def source_precision(config: Mapping[str, Any], where: str = "config.json") -> S
     if method == "fp8":
         fmt = qc.get("fmt", "e4m3")
         block = qc.get("weight_block_size")
-        if fmt == "e4m3" and isinstance(block, list) and len(block) == 2 and all(
-                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        if (
+            fmt == "e4m3"
+            and isinstance(block, list)
+            and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        ):
             return SourcePrecision("fp8", (block[0], block[1]))
         what = f"fmt {fmt!r}, weight_block_size {block!r}"
     else:
-        what = f"quant_method {method!r}" + (f", format {qc.get('format')!r}" if isinstance(qc, dict) and qc.get("format") else "")
-    raise ConfigError(f"{where}: quantization_config ({what}) is a source precision mxforge does not read; supported: "
-                      f"{SUPPORTED}. Dequantize the checkpoint to bf16 first, or use the model's bf16 or FP8 release")
+        what = f"quant_method {method!r}" + (
+            f", format {qc.get('format')!r}" if isinstance(qc, dict) and qc.get("format") else ""
+        )
+    raise ConfigError(
+        f"{where}: quantization_config ({what}) is a source precision mxforge does not read; supported: "
+        f"{SUPPORTED}. Dequantize the checkpoint to bf16 first, or use the model's bf16 or FP8 release"
+    )
 
 
 def _e4m3fn_table() -> np.ndarray:
@@ -81,7 +91,7 @@ def _e4m3fn_table() -> np.ndarray:
     codes = np.arange(256, dtype=np.uint32)
     sign = np.where(codes & 0x80, -1.0, 1.0)
     exp, man = (codes >> 3) & 0xF, codes & 0x7
-    value = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1.0 + man / 8.0) * 2.0 ** (exp.astype(np.float64) - 7))
+    value = np.where(exp == 0, man / 8.0 * 2.0**-6, (1.0 + man / 8.0) * 2.0 ** (exp.astype(np.float64) - 7))
     value = np.where((exp == 15) & (man == 7), np.nan, value)
     return (sign * value).astype(np.float32)
 

@@ -3,9 +3,9 @@
 What Quark's file-to-file mode writes for a weight `[out, in]` (checked byte for byte in tests):
 - scale byte per block of 32 along `in`: take the block's amax as float32 bits, add `1 << 21` (rounds
   the mantissa up from 1.75), keep the exponent field, subtract 2, clamp to [1, 254] (an amax that rounds
-  up past the largest exponent, >= 1.75 * 2^127, gets 254). An all-zero block gets byte 1. When `in` is not a multiple of 32 the last block is shorter (Quark pads it with zeros,
-  which do not change its amax): scales are `[out, ceil(in/32)]`. An odd `in` cannot be packed two
-  codes per byte; Quark crashes on it, we raise `ConfigError`.
+  up past the largest exponent, >= 1.75 * 2^127, gets 254). An all-zero block gets byte 1. When `in` is not a
+  multiple of 32 the last block is shorter (Quark pads it with zeros, which do not change its amax): scales are
+  `[out, ceil(in/32)]`. An odd `in` cannot be packed two codes per byte; Quark crashes on it, we raise `ConfigError`.
 - element: |x| * 2^(127 - byte) in float32 (exact: a power of two), rounded half-to-even onto the E2M1
   grid 0, .5, 1, 1.5, 2, 3, 4, 6 (saturating at 6); sign in bit 3, except a value that rounds to zero
   is stored as +0. Two codes per byte, the first element in the low nibble: codes `[out, in/2]`.
@@ -63,9 +63,14 @@ def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, i
     return (out, inner // 2), (out, -(-inner // BLOCK))
 
 
-def quantize_mxfp4(weight: torch.Tensor, name: str | None = None, refuse_nonfinite: bool = True,
-                   device: str | torch.device | None = None, scale_rule: str | None = None,
-                   stats: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp4(
+    weight: torch.Tensor,
+    name: str | None = None,
+    refuse_nonfinite: bool = True,
+    device: str | torch.device | None = None,
+    scale_rule: str | None = None,
+    stats: np.ndarray | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D float weight `[out, in]` to (codes uint8 `[out, in/2]`, scale bytes uint8 `[out, ceil(in/32)]`).
 
     Bit-identical to Quark 0.13's file-to-file output with the default `scale_rule` ("quark"; see
@@ -98,16 +103,24 @@ def quantize_mxfp4(weight: torch.Tensor, name: str | None = None, refuse_nonfini
         if refuse_nonfinite:
             raise NonFiniteWeightError(
                 f"tensor {name or '(unnamed)'!r} holds {nonfinite} NaN/Inf value(s); quantizing would silently "
-                "encode their blocks as +6.0. Fix or re-download the source checkpoint")
+                "encode their blocks as +6.0. Fix or re-download the source checkpoint"
+            )
         if offsets != (0,):
-            raise ConfigError(f"tensor {name or '(unnamed)'!r} holds {nonfinite} NaN/Inf value(s): only the quark scale "
-                              "rule can encode them (as Quark does)")
+            raise ConfigError(
+                f"tensor {name or '(unnamed)'!r} holds {nonfinite} NaN/Inf value(s): only the quark scale "
+                "rule can encode them (as Quark does)"
+            )
         return _quark_reference(weight)
     return codes, scales
 
 
-def quantize_rows_cpu(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: tuple[int, ...] = (0,),
-                      stats: np.ndarray | None = None) -> int:
+def quantize_rows_cpu(
+    rows: np.ndarray,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    offsets: tuple[int, ...] = (0,),
+    stats: np.ndarray | None = None,
+) -> int:
     """Quantize rows (bf16 bits as int16, or float32) into preallocated `codes`/`scales`, on the CPU kernel.
 
     `offsets`: the scale rule's exponent offsets (`scale_rules.ScaleRule.offsets`; (0,) is Quark's).
@@ -122,18 +135,35 @@ def quantize_rows_cpu(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray, o
         if native is not None and codes.flags.c_contiguous and scales.flags.c_contiguous:
             rows = np.ascontiguousarray(rows)
             offs = np.asarray(offsets, dtype=np.int32)
-            return int(native(rows.ctypes.data, codes.ctypes.data, scales.ctypes.data, rows.shape[0], rows.shape[1],
-                              offs.ctypes.data, len(offs), None if stats is None else stats.ctypes.data))
+            return int(
+                native(
+                    rows.ctypes.data,
+                    codes.ctypes.data,
+                    scales.ctypes.data,
+                    rows.shape[0],
+                    rows.shape[1],
+                    offs.ctypes.data,
+                    len(offs),
+                    None if stats is None else stats.ctypes.data,
+                )
+            )
     from ._mxfp4_kernel import quantize_bf16_rows, quantize_f32_rows, quantize_rows_rule
 
     if tuple(offsets) == (0,) and stats is None:
         kernel = quantize_bf16_rows if rows.dtype == np.int16 else quantize_f32_rows
         return int(kernel(rows, codes, scales))
-    bits = (rows.astype(np.int32) << 16) if rows.dtype == np.int16 else np.ascontiguousarray(rows, np.float32).view(np.int32)
+    bits = (
+        (rows.astype(np.int32) << 16)
+        if rows.dtype == np.int16
+        else np.ascontiguousarray(rows, np.float32).view(np.int32)
+    )
     with_stats = stats is not None
     stats = stats if with_stats else np.zeros(ERROR_STATS, dtype=np.float64)
-    return int(quantize_rows_rule(bits, bits.view(np.float32), codes, scales, np.asarray(offsets, dtype=np.int64),
-                                  stats, with_stats))
+    return int(
+        quantize_rows_rule(
+            bits, bits.view(np.float32), codes, scales, np.asarray(offsets, dtype=np.int64), stats, with_stats
+        )
+    )
 
 
 def warm_cpu_kernel(dtypes: set[str]) -> None:
@@ -144,8 +174,14 @@ def warm_cpu_kernel(dtypes: set[str]) -> None:
         quantize_rows_cpu(arr, np.empty((1, 16), dtype=np.uint8), np.empty((1, 1), dtype=np.uint8))
 
 
-def _quantize_torch(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, device: torch.device,
-                    offsets: tuple[int, ...] = (0,), stats: np.ndarray | None = None) -> int:
+def _quantize_torch(
+    weight: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    device: torch.device,
+    offsets: tuple[int, ...] = (0,),
+    stats: np.ndarray | None = None,
+) -> int:
     """The same numerics as torch ops on `device`, in row chunks; fills CPU `codes`/`scales` (and `stats`,
     as `quantize_rows_cpu` does)."""
     import torch
@@ -156,7 +192,7 @@ def _quantize_torch(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     rows_per_chunk = max(1, ROW_CHUNK_ELEMENTS // padded)
     nonfinite = 0
     for r0 in range(0, out, rows_per_chunk):
-        x = weight[r0:r0 + rows_per_chunk].to(device=device, dtype=torch.float32)
+        x = weight[r0 : r0 + rows_per_chunk].to(device=device, dtype=torch.float32)
         nonfinite += int((~torch.isfinite(x)).sum())
         if padded != inner:
             x = torch.nn.functional.pad(x, (0, padded - inner))
@@ -175,8 +211,8 @@ def _quantize_torch(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
         negative = (blocks < 0) & (code > 0)
         code = (code | (negative.to(torch.uint8) << 3)).reshape(x.shape[0], padded)[:, :inner]
         packed = code[:, 0::2] | (code[:, 1::2] << 4)
-        codes[r0:r0 + rows_per_chunk] = packed.cpu()
-        scales[r0:r0 + rows_per_chunk] = scale_byte.to(torch.uint8).cpu()
+        codes[r0 : r0 + rows_per_chunk] = packed.cpu()
+        scales[r0 : r0 + rows_per_chunk] = scale_byte.to(torch.uint8).cpu()
     return nonfinite
 
 
@@ -185,11 +221,15 @@ def _e2m1_magnitude_codes(q: torch.Tensor) -> torch.Tensor:
     import torch
 
     # sum() starts from the int 0, so typeshed types it Tensor | int; the thresholds are never empty: a Tensor.
-    return cast("torch.Tensor", sum((q >= t).to(torch.uint8) for t in _UP_AT_OR_ABOVE)
-                + sum((q > t).to(torch.uint8) for t in _UP_ABOVE))
+    return cast(
+        "torch.Tensor",
+        sum((q >= t).to(torch.uint8) for t in _UP_AT_OR_ABOVE) + sum((q > t).to(torch.uint8) for t in _UP_ABOVE),
+    )
 
 
-def _rule_offsets(blocks: torch.Tensor, quark_byte: torch.Tensor, finite: torch.Tensor, offsets: tuple[int, ...]) -> torch.Tensor:
+def _rule_offsets(
+    blocks: torch.Tensor, quark_byte: torch.Tensor, finite: torch.Tensor, offsets: tuple[int, ...]
+) -> torch.Tensor:
     """Per block, the offset from Quark's exponent that a scale rule picks (scale_rules.py), with the block
     errors rounded and summed in float32 exactly as the C and numba kernels do."""
     import torch
@@ -199,14 +239,15 @@ def _rule_offsets(blocks: torch.Tensor, quark_byte: torch.Tensor, finite: torch.
     best = torch.zeros_like(quark_byte)
     best_error = None
     for c, d in enumerate(offsets):
-        code = _e2m1_magnitude_codes(xs * 2.0 ** -d)
+        code = _e2m1_magnitude_codes(xs * 2.0**-d)
         r = xs - twice_grid[code.long()] * 2.0 ** (d - 1)
         e2 = (r * r).reshape(*r.shape[:-1], BLOCK // ERROR_LANES, ERROR_LANES)
         lane = e2[..., 0, :]
         for j in range(1, e2.shape[-2]):
             lane = lane + e2[..., j, :]
-        error = ((lane[..., 0] + lane[..., 1]) + (lane[..., 2] + lane[..., 3])) + \
-            ((lane[..., 4] + lane[..., 5]) + (lane[..., 6] + lane[..., 7]))
+        error = ((lane[..., 0] + lane[..., 1]) + (lane[..., 2] + lane[..., 3])) + (
+            (lane[..., 4] + lane[..., 5]) + (lane[..., 6] + lane[..., 7])
+        )
         if best_error is None:
             best_error = error
             continue
@@ -216,13 +257,21 @@ def _rule_offsets(blocks: torch.Tensor, quark_byte: torch.Tensor, finite: torch.
     return best
 
 
-def _add_torch_stats(blocks: torch.Tensor, q: torch.Tensor, code: torch.Tensor, scale_byte: torch.Tensor,
-                     finite: torch.Tensor, stats: np.ndarray) -> None:
+def _add_torch_stats(
+    blocks: torch.Tensor,
+    q: torch.Tensor,
+    code: torch.Tensor,
+    scale_byte: torch.Tensor,
+    finite: torch.Tensor,
+    stats: np.ndarray,
+) -> None:
     """Add the error statistics of the finite blocks (error_report.py) in float64."""
     import torch
 
     twice_grid = torch.tensor(TWICE_GRID, dtype=torch.float64, device=blocks.device)
-    scale = torch.ldexp(torch.ones_like(scale_byte, dtype=torch.float64), (scale_byte - 127).to(torch.float64)).unsqueeze(-1)
+    scale = torch.ldexp(
+        torch.ones_like(scale_byte, dtype=torch.float64), (scale_byte - 127).to(torch.float64)
+    ).unsqueeze(-1)
     x = blocks.abs().to(torch.float64)
     err = (x - twice_grid[code.long()] * 0.5 * scale)[finite]
     stats[0] += float((err * err).sum())
@@ -246,7 +295,7 @@ def _quark_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quark_quantize_weight(weight.detach().cpu())
 
 
-E2M1_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 
 
 def dequantize_rows(codes: np.ndarray, scales: np.ndarray, inner: int) -> np.ndarray:

@@ -109,8 +109,10 @@ class QuantizePlan:
         split = [(s.name, t) for s in self.shards for t in s.tensors if t.fp8_scale and t.fp8_scale.shard != s.name]
         if split:
             shard, t = split[0]
-            raise ConfigError(f"{shard}: FP8 weight {t.source.name!r} has its block scales in {t.fp8_scale.shard} "
-                              f"({len(split)} such weight(s)); {why}: download the checkpoint, then quantize it")
+            raise ConfigError(
+                f"{shard}: FP8 weight {t.source.name!r} has its block scales in {t.fp8_scale.shard} "
+                f"({len(split)} such weight(s)); {why}: download the checkpoint, then quantize it"
+            )
 
     def excluded_modules(self) -> list[str]:
         """Kept 2-D linear weights as module names: Quark's resolved `exclude` list."""
@@ -128,17 +130,21 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
     """
     if ckpt.duplicate_index_keys:
         first = ckpt.duplicate_index_keys[0]
-        raise CheckpointError(f"{ckpt.root / INDEX_NAME}: weight_map lists tensor {first!r} more than once "
-                              f"({len(ckpt.duplicate_index_keys)} such key(s)); keep one entry per tensor (the shard "
-                              "that holds it) or re-download the index")
+        raise CheckpointError(
+            f"{ckpt.root / INDEX_NAME}: weight_map lists tensor {first!r} more than once "
+            f"({len(ckpt.duplicate_index_keys)} such key(s)); keep one entry per tensor (the shard "
+            "that holds it) or re-download the index"
+        )
     layout = layout_of(ckpt.config)
     precision = source_precision(ckpt.config, str(ckpt.root / "config.json"))
     infos = ckpt.tensor_infos()
     for shard, header in ckpt.headers.items():
         orphans = [n for n in header.tensors if ckpt.weight_map.get(n) != shard]
         if orphans:
-            raise CheckpointError(f"{ckpt.root / shard}: holds tensor {orphans[0]!r} that the index does not map to it "
-                                  f"({len(orphans)} such); the index is stale: rebuild or re-download it")
+            raise CheckpointError(
+                f"{ckpt.root / shard}: holds tensor {orphans[0]!r} that the index does not map to it "
+                f"({len(orphans)} such); the index is stale: rebuild or re-download it"
+            )
     scales = fp8_scales(ckpt, infos, precision)
     recipe.check_matches([n for n, i in infos.items() if is_quantizable(i) or n in scales], layout, str(ckpt.root))
     consumed = {s.info.name for s in scales.values()}
@@ -147,9 +153,12 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
     shards = []
     for shard in ckpt.shard_names:
         header = ckpt.headers[shard]
-        plans = [TensorPlan(info, "scale") if info.name in consumed else
-                 TensorPlan(info, tensor_fate(info, recipe, layout, info.name in scales), scales.get(info.name))
-                 for info in header.tensors.values()]
+        plans = [
+            TensorPlan(info, "scale")
+            if info.name in consumed
+            else TensorPlan(info, tensor_fate(info, recipe, layout, info.name in scales), scales.get(info.name))
+            for info in header.tensors.values()
+        ]
         shards.append(ShardPlan(shard, plans, header.file_size))
     return QuantizePlan(layout, shards, precision)
 
@@ -168,20 +177,26 @@ def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: Source
 
     if fp8 and not precision.is_fp8:
         name = next(iter(fp8))
-        raise CheckpointError(f"{where(name)}: tensor {name!r} is {FP8_DTYPE} but config.json has no FP8 "
-                              "quantization_config; restore the release's config.json (it says how to scale the weights)")
+        raise CheckpointError(
+            f"{where(name)}: tensor {name!r} is {FP8_DTYPE} but config.json has no FP8 "
+            "quantization_config; restore the release's config.json (it says how to scale the weights)"
+        )
     out = {}
     for name, info in fp8.items():
         scale = infos.get(name + SCALE_SUFFIX)
         if len(info.shape) != 2 or not is_linear_weight_name(name) or scale is None:
-            raise CheckpointError(f"{where(name)}: FP8 tensor {name!r} {list(info.shape)} has no {name + SCALE_SUFFIX!r} "
-                                  "block scales (or is not a 2-D linear weight); the checkpoint is incomplete or not a "
-                                  "block-scaled FP8 release: re-download it")
+            raise CheckpointError(
+                f"{where(name)}: FP8 tensor {name!r} {list(info.shape)} has no {name + SCALE_SUFFIX!r} "
+                "block scales (or is not a 2-D linear weight); the checkpoint is incomplete or not a "
+                "block-scaled FP8 release: re-download it"
+            )
         expected = precision.scale_shape(info.shape)
         if scale.dtype not in SCALE_DTYPES or scale.shape != expected:
-            raise CheckpointError(f"{where(scale.name)}: {scale.name!r} is {scale.dtype}{list(scale.shape)}, expected "
-                                  f"F32{list(expected)} for {name!r} {list(info.shape)} with weight_block_size "
-                                  f"{list(precision.block)}; the shard or config.json is not from the same release")
+            raise CheckpointError(
+                f"{where(scale.name)}: {scale.name!r} is {scale.dtype}{list(scale.shape)}, expected "
+                f"F32{list(expected)} for {name!r} {list(info.shape)} with weight_block_size "
+                f"{list(precision.block)}; the shard or config.json is not from the same release"
+            )
         out[name] = Fp8Scale(ckpt.weight_map[scale.name], scale, precision.block)
     return out
 
@@ -202,8 +217,10 @@ def tensor_fate(info: TensorInfo, recipe: Recipe, layout: MoeLayout, fp8_weight:
     if recipe.decide(info.name, layout) == "keep":
         return "kept"
     if info.shape[1] % 2:
-        raise ConfigError(f"tensor {info.name!r} {list(info.shape)}: the recipe selects it, but MXFP4 packs two "
-                          "codes per byte and its in-dimension is odd; keep it with a [[keep]] rule")
+        raise ConfigError(
+            f"tensor {info.name!r} {list(info.shape)}: the recipe selects it, but MXFP4 packs two "
+            "codes per byte and its in-dimension is odd; keep it with a [[keep]] rule"
+        )
     return "quantized"
 
 
@@ -217,6 +234,8 @@ def check_planned_header(path: Path, plan: "ShardPlan") -> None:
     planned = {t.source.name: t.source for t in plan.tensors}
     if read_header(path).tensors != planned:
         path.unlink(missing_ok=True)
-        raise CheckpointError(f"{path}: its header differs from the one the Hub served by byte range when the run was "
-                              "planned; the shard was deleted. Rerun; if it happens again, the Hub or a proxy serves "
-                              "inconsistent bytes")
+        raise CheckpointError(
+            f"{path}: its header differs from the one the Hub served by byte range when the run was "
+            "planned; the shard was deleted. Rerun; if it happens again, the Hub or a proxy serves "
+            "inconsistent bytes"
+        )

@@ -40,8 +40,13 @@ def mxfp4_qconfig(exclude: list[str], quantize_inputs: bool = True):
 def export_quantization_config(qconfig) -> dict:
     """`quantization_config` exactly as Quark's file-to-file export writes it into config.json."""
     out = qconfig.to_dict()
-    out["export"] = {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
-                     "weight_format": "real_quantized", "weight_merge_groups": None}
+    out["export"] = {
+        "kv_cache_group": [],
+        "min_kv_scale": 0.0,
+        "pack_method": "reorder",
+        "weight_format": "real_quantized",
+        "weight_merge_groups": None,
+    }
     out["exclude"] = sorted(qconfig.exclude)
     return out
 
@@ -92,7 +97,14 @@ def quark_dequantize_weight(codes, scales, float_dtype):
     from quark.torch.export.nn.modules.realquantizer import get_real_quantizer
 
     spec, _ = mxfp4_specs()
-    quantizer = get_real_quantizer(qspec=spec, quantizer=None, reorder=True, real_quantized=True,
-                                   float_dtype=float_dtype, device=torch.device("cpu"), scale_shape=tuple(scales.shape))
+    quantizer = get_real_quantizer(
+        qspec=spec,
+        quantizer=None,
+        reorder=True,
+        real_quantized=True,
+        float_dtype=float_dtype,
+        device=torch.device("cpu"),
+        scale_shape=tuple(scales.shape),
+    )
     quantizer.scale = scales.clone()
     return quantizer(codes)

@@ -12,18 +12,16 @@ each block's scale is chosen (scale_rules.py); `--scale-rule` overrides it.
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
 
-import tomllib
-
 from mxforge.errors import ConfigError
-from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
 from mxforge.manifest_io import manifest_text
+from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
 from mxforge.tensor_kinds import KINDS, layer_of
 
 from .scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, get_scale_rule
@@ -64,8 +62,11 @@ class Rule:
         return not self.names or any(p.fullmatch(module) for p in self.names)
 
     def describe(self) -> str:
-        parts = [f"kinds={list(self.kinds)}" if self.kinds else "", f"layers={self.layers!r}",
-                 f"names={[p.pattern for p in self.names]}" if self.names else ""]
+        parts = [
+            f"kinds={list(self.kinds)}" if self.kinds else "",
+            f"layers={self.layers!r}",
+            f"names={[p.pattern for p in self.names]}" if self.names else "",
+        ]
         return f"[[{self.action}]] rule {self.index + 1} ({', '.join(p for p in parts if p)})"
 
 
@@ -80,7 +81,7 @@ class Recipe:
     scale_rule: str = DEFAULT_SCALE_RULE
 
     def decide(self, tensor_name: str, layout: MoeLayout) -> Decision:
-        """"quantize" or "keep" for a tensor name; non-weights, norms and embeddings are always kept.
+        """ "quantize" or "keep" for a tensor name; non-weights, norms and embeddings are always kept.
 
         The caller keeps tensors that are not 2-D floating point whatever this says.
         """
@@ -104,10 +105,15 @@ class Recipe:
         names = list(candidate_names)
         for rule in self.rules:
             if not any(rule.matches(n, layout) for n in names if is_linear_weight_name(n)):
-                scope = " (this checkpoint has no MTP layer: num_nextn_predict_layers is 0)" \
-                    if rule.layers == "mtp" and not layout.mtp_layers else ""
-                raise ConfigError(f"recipe {self.source}: {rule.describe()} matches no 2-D weight in {where}{scope}; "
-                                  "fix the rule or choose a recipe for this checkpoint")
+                scope = (
+                    " (this checkpoint has no MTP layer: num_nextn_predict_layers is 0)"
+                    if rule.layers == "mtp" and not layout.mtp_layers
+                    else ""
+                )
+                raise ConfigError(
+                    f"recipe {self.source}: {rule.describe()} matches no 2-D weight in {where}{scope}; "
+                    "fix the rule or choose a recipe for this checkpoint"
+                )
 
     @property
     def quantize_inputs(self) -> bool:
@@ -136,8 +142,12 @@ class Recipe:
         config = cached_quantization_config(sorted(excluded_modules), self.quantize_inputs)
         rule = get_scale_rule(self.scale_rule)
         if not rule.is_quark:
-            config[METADATA_KEY] = {"recipe": self.name, "recipe_sha256": self.sha256, "scale_rule": rule.name,
-                                    "scale_rule_description": rule.description}
+            config[METADATA_KEY] = {
+                "recipe": self.name,
+                "recipe_sha256": self.sha256,
+                "scale_rule": rule.name,
+                "scale_rule_description": rule.description,
+            }
         return config
 
 
@@ -156,14 +166,18 @@ def load_recipe(name_or_path: str | Path | None = None, config: dict | None = No
         try:
             raw, source = manifest_text(f"{RECIPES_DIR}/{value}.toml").encode(), f"manifests/{RECIPES_DIR}/{value}.toml"
         except ConfigError:
-            raise ConfigError(f"recipe {value!r}: no such file manifests/{RECIPES_DIR}/{value}.toml shipped; pass a shipped name such "
-                              f"as {DEFAULT_RECIPE!r}, or a recipe TOML by its path (e.g. ./{value}.toml)") from None
+            raise ConfigError(
+                f"recipe {value!r}: no such file manifests/{RECIPES_DIR}/{value}.toml shipped; "
+                f"pass a shipped name such as {DEFAULT_RECIPE!r}, or a recipe TOML by its path (e.g. ./{value}.toml)"
+            ) from None
     else:
         path = Path(value)
         if not path.is_file():
             what = "is a directory, not a recipe file" if path.is_dir() else "no such file"
-            raise ConfigError(f"recipe {value}: {what}; pass an existing recipe TOML, or a shipped recipe by its bare "
-                              f"name (e.g. {DEFAULT_RECIPE!r})")
+            raise ConfigError(
+                f"recipe {value}: {what}; pass an existing recipe TOML, or a shipped recipe by its bare "
+                f"name (e.g. {DEFAULT_RECIPE!r})"
+            )
         raw, source = path.read_bytes(), str(path)
     try:
         data = tomllib.loads(raw.decode())
@@ -185,7 +199,9 @@ def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
         if not isinstance(data.get(key), str) or not data[key]:
             raise ConfigError(f"recipe {source}: {key!r} must be a non-empty string")
     if data["scheme"] not in SCHEMES:
-        raise ConfigError(f"recipe {source}: scheme {data['scheme']!r} is not supported; choose one of {sorted(SCHEMES)}")
+        raise ConfigError(
+            f"recipe {source}: scheme {data['scheme']!r} is not supported; choose one of {sorted(SCHEMES)}"
+        )
     rules = [_parse_rule(r, "keep", i, source) for i, r in enumerate(_rule_list(data, "keep", source))]
     quantize = [_parse_rule(r, "quantize", i, source) for i, r in enumerate(_rule_list(data, "quantize", source))]
     if not quantize:
@@ -193,8 +209,9 @@ def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
     rule = data.get("scale_rule", DEFAULT_SCALE_RULE)
     if rule not in SCALE_RULES:
         raise ConfigError(f"recipe {source}: scale_rule {rule!r} is not known; choose one of {sorted(SCALE_RULES)}")
-    return Recipe(data["name"], str(data.get("description", "")), data["scheme"], tuple(rules + quantize), source, sha256,
-                  rule)
+    return Recipe(
+        data["name"], str(data.get("description", "")), data["scheme"], tuple(rules + quantize), source, sha256, rule
+    )
 
 
 def _rule_list(data: dict, key: str, source: str) -> list:
@@ -214,8 +231,10 @@ def _parse_rule(raw: dict, action: Decision, index: int, source: str) -> Rule:
         raise ConfigError(f"{where}: kinds {kinds!r} must be a list drawn from {list(KINDS)}")
     layers = raw.get("layers", "all")
     if layers not in LAYER_SCOPES:
-        raise ConfigError(f"{where}: layers {layers!r} must be one of {list(LAYER_SCOPES)} "
-                          "(layer numbers come from config.json, never from the recipe)")
+        raise ConfigError(
+            f"{where}: layers {layers!r} must be one of {list(LAYER_SCOPES)} "
+            "(layer numbers come from config.json, never from the recipe)"
+        )
     names = raw.get("names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ConfigError(f"{where}: names must be a list of regular expressions")

@@ -27,8 +27,8 @@ from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME, recorded_comm
 from mxforge.safe_paths import refuse_links_leaving
 from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
 
-from .plan import QuantizePlan, ShardPlan, plan_checkpoint
 from .error_report import error_report
+from .plan import QuantizePlan, ShardPlan, plan_checkpoint
 from .recipe import Recipe, load_recipe
 from .shard_job import ShardJob, ShardResult, finish_shard, run_shard
 from .state import ResumeState, tool_versions
@@ -45,10 +45,19 @@ def default_workers(shards: int) -> int:
     return max(1, min(cores, shards))
 
 
-def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: int | None = None, device: str = "cpu",
-                        quiet: bool = False, refuse_nonfinite: bool = True, command: str | None = None,
-                        follow_symlinks: bool = False, scale_rule: str | None = None,
-                        measure_errors: bool = True) -> dict:
+def quantize_checkpoint(
+    src,
+    out,
+    recipe: Recipe | str | None = None,
+    workers: int | None = None,
+    device: str = "cpu",
+    quiet: bool = False,
+    refuse_nonfinite: bool = True,
+    command: str | None = None,
+    follow_symlinks: bool = False,
+    scale_rule: str | None = None,
+    measure_errors: bool = True,
+) -> dict:
     """Quantize checkpoint `src` into `out` with `recipe`; returns the JSON report (also in OUT/mxforge_quantize.json).
 
     `scale_rule` (scale_rules.py) overrides the recipe's. The report's "error" section is measured while
@@ -77,13 +86,25 @@ def quantize_checkpoint(src, out, recipe: Recipe | str | None = None, workers: i
     plan = plan_checkpoint(ckpt, recipe)
     check_out_dir(src, out, QUANTIZE_STATE_NAME, "quantize")
     with directory_lock(out):
-        return _quantize_into(src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command,
-                              measure_errors)
+        return _quantize_into(
+            src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command, measure_errors
+        )
 
 
-def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, to_copy: list[str],
-                   workers: int | None, device: str, quiet: bool, refuse_nonfinite: bool, command: str | None,
-                   measure_errors: bool = True) -> dict:
+def _quantize_into(
+    src: Path,
+    out: Path,
+    recipe: Recipe,
+    ckpt: Checkpoint,
+    plan: QuantizePlan,
+    to_copy: list[str],
+    workers: int | None,
+    device: str,
+    quiet: bool,
+    refuse_nonfinite: bool,
+    command: str | None,
+    measure_errors: bool = True,
+) -> dict:
     started = time.monotonic()
     versions = tool_versions()
     state = ResumeState(out, recipe.sha256, versions, recipe.scale_rule)
@@ -96,20 +117,48 @@ def _quantize_into(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan:
     _check_free_space(out, todo)
     expected = source_hashes(src)
     verified = _download_verified(src, expected)
-    jobs = [ShardJob(str(src), str(out), s, device, refuse_nonfinite, expected.get(s.name), verified.get(s.name),
-                     recipe.scale_offsets, measure_errors) for s in sorted(todo, key=lambda s: -s.source_size)]
+    jobs = [
+        ShardJob(
+            str(src),
+            str(out),
+            s,
+            device,
+            refuse_nonfinite,
+            expected.get(s.name),
+            verified.get(s.name),
+            recipe.scale_offsets,
+            measure_errors,
+        )
+        for s in sorted(todo, key=lambda s: -s.source_size)
+    ]
     workers = workers or default_workers(len(jobs))
     total = sum(s.source_size for s in todo)
     with byte_progress(total, "quantize", disable=quiet) as bar:
         results = _run_jobs(jobs, workers, state, bar)
     accounted = finish_checkpoint(src, out, recipe, ckpt, plan, to_copy)
     elapsed = time.monotonic() - started
-    return write_provenance(src, out, recipe, plan, device, workers, state, len(todo), skipped, total, elapsed,
-                            accounted, command, sum(r.sha256_from_download for r in results), measure_errors)
+    return write_provenance(
+        src,
+        out,
+        recipe,
+        plan,
+        device,
+        workers,
+        state,
+        len(todo),
+        skipped,
+        total,
+        elapsed,
+        accounted,
+        command,
+        sum(r.sha256_from_download for r in results),
+        measure_errors,
+    )
 
 
-def finish_checkpoint(src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan,
-                      side_files: list[str]) -> dict[str, int]:
+def finish_checkpoint(
+    src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str]
+) -> dict[str, int]:
     """Once every output shard is in place: check them against the plan, then write the index, the side
     files and config.json (what makes OUT a checkpoint); returns verify_output's counts.
 
@@ -132,8 +181,10 @@ def _check_device(device: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: no CUDA device is visible to torch {torch.__version__} "
-                          f"(built with CUDA {torch.version.cuda}); use --device cpu")
+        raise ConfigError(
+            f"--device {device}: no CUDA device is visible to torch {torch.__version__} "
+            f"(built with CUDA {torch.version.cuda}); use --device cpu"
+        )
 
 
 def _remove_strays(out: Path, plan: QuantizePlan) -> None:
@@ -145,8 +196,9 @@ def _remove_strays(out: Path, plan: QuantizePlan) -> None:
 
 
 def _check_free_space(out: Path, todo: list[ShardPlan]) -> None:
-    require_free_space(out, sum(s.output_size for s in todo), "the remaining output shards",
-                       "free space or choose another OUT")
+    require_free_space(
+        out, sum(s.output_size for s in todo), "the remaining output shards", "free space or choose another OUT"
+    )
 
 
 def _download_verified(src: Path, expected: dict[str, str]) -> dict[str, tuple[int, int]]:
@@ -226,8 +278,10 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> li
                     results.append(result)
         failed = False
     except BrokenProcessPool:
-        raise MxforgeError("a quantize worker process died (killed for memory?); rerun the same command to "
-                           "resume, with fewer --workers if memory is short") from None
+        raise MxforgeError(
+            "a quantize worker process died (killed for memory?); rerun the same command to "
+            "resume, with fewer --workers if memory is short"
+        ) from None
     finally:
         if failed:  # stop the other workers at once and remove what they had half written
             for process in list((getattr(pool, "_processes", None) or {}).values()):
@@ -281,13 +335,17 @@ def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
                 got = header.tensors.get(o.name)
                 if got is None or (got.dtype, got.shape) != (o.dtype, o.shape):
                     what = "MTP layer tensor" if t.source.name.startswith(mtp_prefixes) else "tensor"
-                    raise CheckpointError(f"{out / shard.name}: source {what} {t.source.name!r} is missing from the "
-                                          f"output (expected {o.name} {o.dtype}{list(o.shape)}); rerun to redo the shard")
+                    raise CheckpointError(
+                        f"{out / shard.name}: source {what} {t.source.name!r} is missing from the "
+                        f"output (expected {o.name} {o.dtype}{list(o.shape)}); rerun to redo the shard"
+                    )
             counts[t.fate] += 1
             counts["mtp_tensors"] += t.source.name.startswith(mtp_prefixes)
     if mtp_prefixes and not counts["mtp_tensors"]:
-        raise CheckpointError(f"{out}: config.json declares MTP layer(s) {list(plan.layout.mtp_layers)} "
-                              "but the output holds none of their tensors")
+        raise CheckpointError(
+            f"{out}: config.json declares MTP layer(s) {list(plan.layout.mtp_layers)} "
+            "but the output holds none of their tensors"
+        )
     return counts
 
 
@@ -300,9 +358,14 @@ def _write_index(plan: QuantizePlan, out: Path) -> None:
 def side_files(src: Path, not_copied=NOT_COPIED) -> list[str]:
     """Top-level non-weight files to copy (tokenizer, generation config, provenance...), not hidden ones, state,
     unfinished files or `not_copied`."""
-    return [p.name for p in sorted(src.iterdir())
-            if p.is_file() and not (p.name.startswith(".") or p.suffix == ".safetensors" or p.name in not_copied
-                                    or p.name.endswith(".partial"))]
+    return [
+        p.name
+        for p in sorted(src.iterdir())
+        if p.is_file()
+        and not (
+            p.name.startswith(".") or p.suffix == ".safetensors" or p.name in not_copied or p.name.endswith(".partial")
+        )
+    ]
 
 
 def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -> None:
@@ -322,29 +385,78 @@ def drop_quantization_config(config: dict) -> None:
             drop_quantization_config(value)
 
 
-def write_provenance(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: str, workers: int,
-                     state: ResumeState, done: int, skipped: int, bytes_read: int, elapsed: float, accounted: dict,
-                     command: str | None, sha256_from_download: int, measure_errors: bool = True) -> dict:
+def write_provenance(
+    src: Path,
+    out: Path,
+    recipe: Recipe,
+    plan: QuantizePlan,
+    device: str,
+    workers: int,
+    state: ResumeState,
+    done: int,
+    skipped: int,
+    bytes_read: int,
+    elapsed: float,
+    accounted: dict,
+    command: str | None,
+    sha256_from_download: int,
+    measure_errors: bool = True,
+) -> dict:
     """The quantize report, with the error report of every shard in `state`, written to OUT/QUANTIZE_NAME
     (the sequential and the streamed run both end here); returns it."""
-    report = _report(src, out, recipe, plan, device, workers, state.versions, done, skipped, bytes_read, elapsed,
-                     accounted, command, sha256_from_download)
-    report["error"] = error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers,
-                                   recipe.scale_rule) if measure_errors else None
+    report = _report(
+        src,
+        out,
+        recipe,
+        plan,
+        device,
+        workers,
+        state.versions,
+        done,
+        skipped,
+        bytes_read,
+        elapsed,
+        accounted,
+        command,
+        sha256_from_download,
+    )
+    report["error"] = (
+        error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
+        if measure_errors
+        else None
+    )
     write_json_atomic(out / QUANTIZE_NAME, report)
     return report
 
 
-def _report(src: Path, out: Path, recipe: Recipe, plan: QuantizePlan, device: str, workers: int,
-            versions: dict, done: int, skipped: int, bytes_read: int, elapsed: float, accounted: dict,
-            command: str | None, sha256_from_download: int) -> dict:
+def _report(
+    src: Path,
+    out: Path,
+    recipe: Recipe,
+    plan: QuantizePlan,
+    device: str,
+    workers: int,
+    versions: dict,
+    done: int,
+    skipped: int,
+    bytes_read: int,
+    elapsed: float,
+    accounted: dict,
+    command: str | None,
+    sha256_from_download: int,
+) -> dict:
     bytes_out = sum(s.output_size for s in plan.shards)
     return {
         "stage": "quantize",
         "source": str(src.resolve()),
         "out": str(out.resolve()),
-        "recipe": {"name": recipe.name, "sha256": recipe.sha256, "source": recipe.source, "scheme": recipe.scheme,
-                   "scale_rule": recipe.scale_rule},
+        "recipe": {
+            "name": recipe.name,
+            "sha256": recipe.sha256,
+            "source": recipe.source,
+            "scheme": recipe.scheme,
+            "scale_rule": recipe.scale_rule,
+        },
         "source_precision": plan.precision.describe(),
         "family": plan.layout.family.title,
         "device": device,

@@ -33,11 +33,18 @@ class ScaleRule:
         return self.offsets == (0,)
 
 
-SCALE_RULES = {r.name: r for r in (
-    ScaleRule("quark", (0,), "Quark 0.13's exponent (\"even\" mode): bit-identical to Quark's output"),
-    ScaleRule("mse", (0, 1, -1), "per block, the exponent among Quark's, one above and one below with the smallest "
-              "squared reconstruction error (ties keep Quark's)"),
-)}
+SCALE_RULES = {
+    r.name: r
+    for r in (
+        ScaleRule("quark", (0,), "Quark 0.13's exponent (\"even\" mode): bit-identical to Quark's output"),
+        ScaleRule(
+            "mse",
+            (0, 1, -1),
+            "per block, the exponent among Quark's, one above and one below with the smallest "
+            "squared reconstruction error (ties keep Quark's)",
+        ),
+    )
+}
 
 
 def get_scale_rule(name: str | None) -> ScaleRule:

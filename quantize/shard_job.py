@@ -81,7 +81,9 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
         with open(src, "rb") as fin:
             stat = os.fstat(fin.fileno())
             if stat.st_size != plan.source_size:
-                raise CheckpointError(f"{src}: changed size since it was planned ({plan.source_size} -> {stat.st_size})")
+                raise CheckpointError(
+                    f"{src}: changed size since it was planned ({plan.source_size} -> {stat.st_size})"
+                )
             reuse = job.expected_sha256 is not None and job.verified_stat == (stat.st_size, stat.st_mtime_ns)
             try:
                 out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -97,15 +99,18 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
             assert job.expected_sha256 is not None  # reuse needs the recorded sha256
             digest = job.expected_sha256
         elif job.expected_sha256 and digest != job.expected_sha256:
-            raise CheckpointError(f"{src}: sha256 {digest} differs from {job.expected_sha256} recorded in "
-                                  "mxforge_source.json: the shard is corrupt; re-download it")
+            raise CheckpointError(
+                f"{src}: sha256 {digest} differs from {job.expected_sha256} recorded in "
+                "mxforge_source.json: the shard is corrupt; re-download it"
+            )
     except BaseException as e:
         _remove(tmp)
         if isinstance(e, OSError) and not isinstance(e, MxforgeError):
             raise CheckpointError(f"{src}: cannot read shard: {e.strerror or e}") from None
         raise
-    result = ShardResult(plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256, reuse,
-                         errors)
+    result = ShardResult(
+        plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256, reuse, errors
+    )
     return finish_shard(result, Path(job.out_dir)) if finish else result
 
 
@@ -176,11 +181,13 @@ class _HashingReader:
             self._hashed[i] = None
         if self._map is not None:
             self._unmap(i)
-            view = self._view[offset:offset + n]
+            view = self._view[offset : offset + n]
             if len(view) != n or not self._populate(offset, n):
                 got = max(0, min(n, len(view)))
-                raise CheckpointError(f"{self._fin.name}: truncated while reading at byte {offset + got} "
-                                      f"(wanted {n} bytes at {offset}); re-download the shard")
+                raise CheckpointError(
+                    f"{self._fin.name}: truncated while reading at byte {offset + got} "
+                    f"(wanted {n} bytes at {offset}); re-download the shard"
+                )
             self._chunks[i] = (offset, n)
         else:
             if len(self._buffers[i]) < n:
@@ -188,8 +195,10 @@ class _HashingReader:
             view = memoryview(self._buffers[i])[:n]
             got = os.preadv(self._fin.fileno(), [view], offset)
             if got != n:
-                raise CheckpointError(f"{self._fin.name}: truncated while reading at byte {offset + got} "
-                                      f"(wanted {n} bytes at {offset}); re-download the shard")
+                raise CheckpointError(
+                    f"{self._fin.name}: truncated while reading at byte {offset + got} "
+                    f"(wanted {n} bytes at {offset}); re-download the shard"
+                )
         if self._hashing:
             self._hashed[i] = self._pool.submit(self._hash.update, view)
         return view
@@ -235,8 +244,9 @@ class _HashingReader:
                 pass
 
 
-def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], None],
-                    hashing: bool = True) -> tuple[str, dict]:
+def _stream_tensors(
+    fin, out_fd: int, job: ShardJob, progress: Callable[[int], None], hashing: bool = True
+) -> tuple[str, dict]:
     """Read the source sequentially (header, then tensors by offset), transform and place each tensor;
     returns the source's sha256 (when `hashing`) and each quantized tensor's error sums."""
     plan = job.plan
@@ -255,8 +265,9 @@ def _stream_tensors(fin, out_fd: int, job: ShardJob, progress: Callable[[int], N
                 for pos in range(t.source.start, t.source.end, CHUNK_BYTES):
                     progress(len(reader.read(pos, min(CHUNK_BYTES, t.source.end - pos))))
             elif t.fp8_scale is not None:
-                _dequantize_tensor(reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job),
-                                   scales[t.source.name])
+                _dequantize_tensor(
+                    reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job), scales[t.source.name]
+                )
             else:
                 _copy_tensor(reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job))
             _start_writeback(out_fd)
@@ -297,17 +308,20 @@ def _read_fp8_scales(reader: _HashingReader, job: ShardJob) -> dict[str, np.ndar
                 with open(other, "rb") as f:
                     raw = os.pread(f.fileno(), sc.info.nbytes, sc.info.start)
             except OSError as e:
-                raise CheckpointError(f"{other}: cannot read {sc.info.name!r}, the block scales of {t.source.name!r} "
-                                      f"in {job.plan.name}: {e.strerror or e}; a streamed run needs each FP8 weight's "
-                                      "scales in its own shard: quantize the downloaded checkpoint instead") from None
+                raise CheckpointError(
+                    f"{other}: cannot read {sc.info.name!r}, the block scales of {t.source.name!r} "
+                    f"in {job.plan.name}: {e.strerror or e}; a streamed run needs each FP8 weight's "
+                    "scales in its own shard: quantize the downloaded checkpoint instead"
+                ) from None
         if len(raw) != sc.info.nbytes:
             raise CheckpointError(f"{Path(job.src_dir) / sc.shard}: truncated at {sc.info.name!r}; re-download it")
         out[t.source.name] = scales_as_f32(raw, sc.info.dtype, sc.info.shape)
     return out
 
 
-def _dequantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, dest: int, progress, where: Path,
-                       scales: np.ndarray) -> None:
+def _dequantize_tensor(
+    reader: _HashingReader, out_fd: int, t: TensorPlan, dest: int, progress, where: Path, scales: np.ndarray
+) -> None:
     """An FP8 weight the recipe keeps: written as its dequantized bf16, in row chunks."""
     s = t.source
     rows, inner = s.shape
@@ -327,8 +341,9 @@ def _copy_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, dest: int, 
         progress(n)
 
 
-def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, progress,
-                     fp8_scales: np.ndarray | None = None) -> dict:
+def _quantize_tensor(
+    reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, progress, fp8_scales: np.ndarray | None = None
+) -> dict:
     """Quantize one tensor in row chunks (an FP8 one from its dequantized bf16, through `fp8_scales`); returns its
     error sums (error_report.tensor_record)."""
     from .error_report import ERROR_STATS, tensor_record
@@ -347,10 +362,13 @@ def _quantize_tensor(reader: _HashingReader, out_fd: int, t: TensorPlan, job: Sh
     for r0 in range(0, rows, rows_per_chunk):
         n = min(rows_per_chunk, rows - r0)
         raw = reader.read(s.start + r0 * row_bytes, n * row_bytes)
-        x = (_as_rows(raw, s.dtype, n, inner) if fp8_scales is None
-             else dequantize_rows(raw, fp8_scales, r0, inner, t.fp8_scale.block))
-        codes = codes_buf[:n * (inner // 2)].reshape(n, inner // 2)
-        scales = scales_buf[:n * nblocks].reshape(n, nblocks)
+        x = (
+            _as_rows(raw, s.dtype, n, inner)
+            if fp8_scales is None
+            else dequantize_rows(raw, fp8_scales, r0, inner, t.fp8_scale.block)
+        )
+        codes = codes_buf[: n * (inner // 2)].reshape(n, inner // 2)
+        scales = scales_buf[: n * nblocks].reshape(n, nblocks)
         nonfinite += _quantize_rows(x, codes, scales, t.read_dtype, job, stats)
         _pwrite_all(out_fd, codes.data, codes_at + r0 * (inner // 2), _out_path(job))
         _pwrite_all(out_fd, scales.data, scales_at + r0 * nblocks, _out_path(job))
@@ -369,8 +387,9 @@ def _as_rows(raw: bytes | memoryview, dtype: str, n: int, inner: int) -> np.ndar
     return np.frombuffer(raw, dtype="<f4").reshape(n, inner)
 
 
-def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: str, job: ShardJob,
-                   stats: np.ndarray | None) -> int:
+def _quantize_rows(
+    x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: str, job: ShardJob, stats: np.ndarray | None
+) -> int:
     if job.device == "cpu":
         from .mxfp4 import quantize_rows_cpu
 
@@ -386,8 +405,16 @@ def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: 
     return _quantize_torch(w, codes_t, scales_t, torch.device(job.device), job.scale_offsets, stats)
 
 
-def _handle_nonfinite(reader: _HashingReader, out_fd: int, t: TensorPlan, job: ShardJob, count: int, codes_at: int,
-                      scales_at: int, fp8_scales: np.ndarray | None = None) -> None:
+def _handle_nonfinite(
+    reader: _HashingReader,
+    out_fd: int,
+    t: TensorPlan,
+    job: ShardJob,
+    count: int,
+    codes_at: int,
+    scales_at: int,
+    fp8_scales: np.ndarray | None = None,
+) -> None:
     """Refuse, or (when allowed) redo the tensor with Quark's own kernel, which encodes NaN blocks as +6.0."""
     from .mxfp4 import NonFiniteWeightError, _quark_reference
 
@@ -396,16 +423,21 @@ def _handle_nonfinite(reader: _HashingReader, out_fd: int, t: TensorPlan, job: S
         raise NonFiniteWeightError(
             f"{Path(job.src_dir) / job.plan.name}: tensor {s.name!r} holds {count} NaN/Inf value(s); quantizing "
             "would silently encode their blocks as +6.0 (Quark does). Fix or re-download the source, "
-            "keep the tensor with a [[keep]] recipe rule, or pass --allow-nonfinite to encode as Quark does")
+            "keep the tensor with a [[keep]] recipe rule, or pass --allow-nonfinite to encode as Quark does"
+        )
     if job.scale_offsets != (0,):
         raise NonFiniteWeightError(
             f"{Path(job.src_dir) / job.plan.name}: tensor {s.name!r} holds {count} NaN/Inf value(s); only the quark "
-            "scale rule can encode them (as Quark does): fix the source, keep the tensor, or use --scale-rule quark")
+            "scale rule can encode them (as Quark does): fix the source, keep the tensor, or use --scale-rule quark"
+        )
     import torch
 
     raw = reader.reread(s.start, s.nbytes)
-    rows = (_as_rows(raw, s.dtype, *s.shape) if fp8_scales is None
-            else dequantize_rows(raw, fp8_scales, 0, s.shape[1], t.fp8_scale.block))
+    rows = (
+        _as_rows(raw, s.dtype, *s.shape)
+        if fp8_scales is None
+        else dequantize_rows(raw, fp8_scales, 0, s.shape[1], t.fp8_scale.block)
+    )
     w = torch.from_numpy(rows.copy())
     codes, scales = _quark_reference(w.view(torch.bfloat16) if t.read_dtype == "BF16" else w)
     _pwrite_all(out_fd, codes.numpy().data, codes_at, _out_path(job))
@@ -434,8 +466,10 @@ def _reserve(fd: int, size: int, where: Path) -> None:
 
 def _write_error(e: OSError, where: Path) -> CheckpointError:
     if e.errno in NO_SPACE:
-        return CheckpointError(f"{where}: no space left for the output ({e.strerror}); free space on OUT's "
-                               "filesystem or choose another OUT, then rerun: finished shards are kept")
+        return CheckpointError(
+            f"{where}: no space left for the output ({e.strerror}); free space on OUT's "
+            "filesystem or choose another OUT, then rerun: finished shards are kept"
+        )
     return CheckpointError(f"{where}: cannot write: {e.strerror or e}")
 
 

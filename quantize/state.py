@@ -56,8 +56,12 @@ class ResumeState:
     def _current_entry(self, name: str, header_sha256: str) -> dict | None:
         """The recorded entry of shard `name` if it was made under this recipe, scale rule, tools and plan."""
         entry = self.shards.get(name)
-        if not entry or (entry.get("recipe_sha256"), entry.get("scale_rule", "quark"), entry.get("versions"),
-                         entry.get("header_sha256")) != (self.recipe_sha256, self.scale_rule, self.versions, header_sha256):
+        if not entry or (
+            entry.get("recipe_sha256"),
+            entry.get("scale_rule", "quark"),
+            entry.get("versions"),
+            entry.get("header_sha256"),
+        ) != (self.recipe_sha256, self.scale_rule, self.versions, header_sha256):
             return None
         return entry
 
@@ -89,12 +93,19 @@ class ResumeState:
         tools and plan: is_done for a source that is gone (a streamed run deletes each bf16 shard once
         quantized) but whose sha256 is known."""
         entry = self._current_entry(name, header_sha256)
-        return (entry is not None and entry.get("source_sha256") == source_sha256
-                and self._output_intact(entry, out_dir, name))
+        return (
+            entry is not None
+            and entry.get("source_sha256") == source_sha256
+            and self._output_intact(entry, out_dir, name)
+        )
 
     def record(self, result: ShardResult) -> None:
-        self.shards[result.name] = {**asdict(result), "recipe_sha256": self.recipe_sha256, "versions": self.versions,
-                                    "scale_rule": self.scale_rule}
+        self.shards[result.name] = {
+            **asdict(result),
+            "recipe_sha256": self.recipe_sha256,
+            "versions": self.versions,
+            "scale_rule": self.scale_rule,
+        }
         self.save()
 
     def errors(self, names) -> dict[str, dict]:

@@ -60,7 +60,9 @@ def write_dequantized(src: Path, dst: Path) -> None:
                 if name.endswith("_scale_inv"):
                     continue
                 t = f.get_tensor(name)
-                out[name] = reference_bf16(t, f.get_tensor(name + "_scale_inv")) if t.dtype == torch.float8_e4m3fn else t
+                out[name] = (
+                    reference_bf16(t, f.get_tensor(name + "_scale_inv")) if t.dtype == torch.float8_e4m3fn else t
+                )
         save_file(out, dst / shard.name, metadata={"format": "pt"})
         weight_map.update({n: shard.name for n in out})
         total += sum(t.numel() * t.element_size() for t in out.values())
@@ -93,7 +95,7 @@ def fp32_vs_bf16_numerics(src: Path, limit: int = 24) -> dict:
                     continue
                 s = f.get_tensor(name + "_scale_inv")
                 rows, cols = q.shape
-                fp32 = (q.float() * s.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols])
+                fp32 = q.float() * s.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
                 results = []
                 for x in (fp32.numpy(), fp32.to(torch.bfloat16).view(torch.int16).numpy()):
                     codes = np.empty((rows, cols // 2), np.uint8)
@@ -108,8 +110,11 @@ def fp32_vs_bf16_numerics(src: Path, limit: int = 24) -> dict:
                 scales_diff += int((s32 != s16).sum())
                 scales_total += s32.size
                 seen += 1
-    return {"weights": seen, "codes_differing": codes_diff / max(1, codes_total),
-            "scales_differing": scales_diff / max(1, scales_total)}
+    return {
+        "weights": seen,
+        "codes_differing": codes_diff / max(1, codes_total),
+        "scales_differing": scales_diff / max(1, scales_total),
+    }
 
 
 def main() -> None:
@@ -131,8 +136,23 @@ def main() -> None:
     bf16 = work / f"bf16-of-fp8-{args.family}-{args.gib:g}gib"
     if not (fp8 / "config.json").exists():
         shutil.rmtree(fp8, ignore_errors=True)
-        subprocess.run([*mxforge, "fixture", str(fp8), "--preset", "bench", "--gib", str(args.gib), "--family",
-                        args.family, "--precision", "fp8", "--quiet"], check=True)
+        subprocess.run(
+            [
+                *mxforge,
+                "fixture",
+                str(fp8),
+                "--preset",
+                "bench",
+                "--gib",
+                str(args.gib),
+                "--family",
+                args.family,
+                "--precision",
+                "fp8",
+                "--quiet",
+            ],
+            check=True,
+        )
     if not (bf16 / "config.json").exists():
         shutil.rmtree(bf16, ignore_errors=True)
         write_dequantized(fp8, bf16)
@@ -153,55 +173,77 @@ def main() -> None:
                 cmd += ["--workers", str(args.workers)]
             seconds, peak, _ = run_measured(cmd)
             bench_quantize._best(results, name, seconds, peak, bench_quantize.LAST_CPU_SECONDS)
-    same = {p.name: p.read_bytes() == (outs["bf16"] / p.name).read_bytes()
-            for p in sorted(outs["fp8"].iterdir()) if p.suffix == ".safetensors" or p.name in (
-                "config.json", "model.safetensors.index.json")}
+    same = {
+        p.name: p.read_bytes() == (outs["bf16"] / p.name).read_bytes()
+        for p in sorted(outs["fp8"].iterdir())
+        if p.suffix == ".safetensors" or p.name in ("config.json", "model.safetensors.index.json")
+    }
 
     exclude = json.loads((outs["fp8"] / "config.json").read_text())["quantization_config"]["exclude"]
     (work / "exclude.json").write_text(json.dumps(exclude))
     shutil.rmtree(outs["quark-fp8"], ignore_errors=True)
-    proc = subprocess.run([sys.executable, "-c", QUARK_FP8_SNIPPET, str(fp8), str(outs["quark-fp8"]),
-                           str(work / "exclude.json")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", QUARK_FP8_SNIPPET, str(fp8), str(outs["quark-fp8"]), str(work / "exclude.json")],
+        capture_output=True,
+        text=True,
+    )
     # Quark logs an error and returns (exit 0, nothing written) where it cannot dequantize: judge by its output.
     quark = {"ran": proc.returncode == 0 and (outs["quark-fp8"] / "config.json").exists()}
     if not quark["ran"]:
         errors = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if "QUARK-ERROR" in ln or "Error" in ln]
-        quark["error"] = (re.sub(r"\x1b\[[0-9;]*m|\[QUARK-ERROR\]: ", "", errors[-1]).strip() if errors
-                          else f"exit {proc.returncode}")
+        quark["error"] = (
+            re.sub(r"\x1b\[[0-9;]*m|\[QUARK-ERROR\]: ", "", errors[-1]).strip() if errors else f"exit {proc.returncode}"
+        )
     numerics = fp32_vs_bf16_numerics(fp8)
 
     for name, r in results.items():
         r["source_bytes"] = sizes[name]
         r["gb_per_s"] = sizes[name] / r["seconds"] / 1e9
     report = {
-        "family": args.family, "cores": len(os.sched_getaffinity(0)), "load_average": os.getloadavg(),
+        "family": args.family,
+        "cores": len(os.sched_getaffinity(0)),
+        "load_average": os.getloadavg(),
         "results": results,
         "fp8_vs_bf16_seconds": results["fp8"]["seconds"] / results["bf16"]["seconds"],
         "fp8_vs_bf16_cpu_seconds": results["fp8"]["cpu_seconds"] / results["bf16"]["cpu_seconds"],
         "fp8_vs_bf16_source_bytes": sizes["fp8"] / sizes["bf16"],
-        "outputs_identical": same, "quark_fp8": quark, "quark_fp8_numerics": numerics,
+        "outputs_identical": same,
+        "quark_fp8": quark,
+        "quark_fp8_numerics": numerics,
     }
-    print(f"{args.family} bench, {report['cores']} cores, load average {report['load_average'][0]:.2f}: the same "
-          f"content as FP8 ({sizes['fp8'] / 1e9:.2f} GB) and as bf16 ({sizes['bf16'] / 1e9:.2f} GB)")
+    print(
+        f"{args.family} bench, {report['cores']} cores, load average {report['load_average'][0]:.2f}: the same "
+        f"content as FP8 ({sizes['fp8'] / 1e9:.2f} GB) and as bf16 ({sizes['bf16'] / 1e9:.2f} GB)"
+    )
     print(f"| {'source':<6} | {'seconds':>8} | {'source GB/s':>11} | {'CPU-s':>6} | {'peak RSS':>9} |")
     print(f"|{'-' * 8}|{'-' * 9}:|{'-' * 12}:|{'-' * 7}:|{'-' * 10}:|")
     for name, r in results.items():
-        print(f"| {name:<6} | {r['seconds']:>8.2f} | {r['gb_per_s']:>11.3f} | {r['cpu_seconds']:>6.2f} | "
-              f"{r['peak_rss'] / 2**30:>5.2f} GiB |")
-    print(f"FP8 / bf16: wall {report['fp8_vs_bf16_seconds']:.2f}x, CPU {report['fp8_vs_bf16_cpu_seconds']:.2f}x, "
-          f"source bytes {report['fp8_vs_bf16_source_bytes']:.2f}x (best of {args.repeat} alternating runs each)")
+        print(
+            f"| {name:<6} | {r['seconds']:>8.2f} | {r['gb_per_s']:>11.3f} | {r['cpu_seconds']:>6.2f} | "
+            f"{r['peak_rss'] / 2**30:>5.2f} GiB |"
+        )
+    print(
+        f"FP8 / bf16: wall {report['fp8_vs_bf16_seconds']:.2f}x, CPU {report['fp8_vs_bf16_cpu_seconds']:.2f}x, "
+        f"source bytes {report['fp8_vs_bf16_source_bytes']:.2f}x (best of {args.repeat} alternating runs each)"
+    )
     print(f"outputs byte-identical (shards, config.json, index): {sum(same.values())}/{len(same)}")
     if quark["ran"]:
-        quark_same = {p.name: p.read_bytes() == (outs["fp8"] / p.name).read_bytes()
-                      for p in sorted(outs["quark-fp8"].glob("*.safetensors"))}
+        quark_same = {
+            p.name: p.read_bytes() == (outs["fp8"] / p.name).read_bytes()
+            for p in sorted(outs["quark-fp8"].glob("*.safetensors"))
+        }
         report["quark_fp8"]["shards_identical_to_mxforge"] = quark_same
-        print(f"Quark 0.13 file-to-file on the FP8 source ran; shards identical to mxforge's: "
-              f"{sum(quark_same.values())}/{len(quark_same)}")
+        print(
+            f"Quark 0.13 file-to-file on the FP8 source ran; shards identical to mxforge's: "
+            f"{sum(quark_same.values())}/{len(quark_same)}"
+        )
     else:
         print(f"Quark 0.13 file-to-file on the FP8 source cannot run here: {quark['error']}")
-    print(f"Quark's FP8 numerics (MXFP4 of the float32 product, no bf16 rounding) vs mxforge's, over "
-          f"{numerics['weights']} weights: {100 * numerics['codes_differing']:.3f}% of codes, "
-          f"{100 * numerics['scales_differing']:.3f}% of scales differ")
+    print(
+        f"Quark's FP8 numerics (MXFP4 of the float32 product, no bf16 rounding) vs mxforge's, over "
+        f"{numerics['weights']} weights: {100 * numerics['codes_differing']:.3f}% of codes, "
+        f"{100 * numerics['scales_differing']:.3f}% of scales differ"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

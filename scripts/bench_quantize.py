@@ -62,7 +62,7 @@ class PeakRss:
                     continue
                 try:
                     stat = Path(f"/proc/{pid}/stat").read_text()
-                    fields = stat[stat.rindex(")") + 2:].split()
+                    fields = stat[stat.rindex(")") + 2 :].split()
                     if int(fields[2]) == self.pgid:
                         total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
                 except (OSError, ValueError, IndexError):
@@ -123,17 +123,24 @@ def plain_copy(src: Path, dst: Path, fsync: bool = False) -> None:
 
 def identical(ours: Path, quark: Path) -> dict[str, bool]:
     skip = {"mxforge_quantize.json", "mxforge_quantize.state.json"}
-    return {p.name: (ours / p.name).exists() and (ours / p.name).read_bytes() == p.read_bytes()
-            for p in sorted(quark.iterdir()) if p.is_file() and p.name not in skip}
+    return {
+        p.name: (ours / p.name).exists() and (ours / p.name).read_bytes() == p.read_bytes()
+        for p in sorted(quark.iterdir())
+        if p.is_file() and p.name not in skip
+    }
 
 
 def _best(results: dict, name: str, seconds: float, peak_rss: int, cpu_seconds: float | None = None) -> None:
     """Keep the fastest run of a contender (and the highest peak RSS seen over its runs, the least CPU time)."""
     previous = results.get(name)
-    results[name] = {"seconds": min(seconds, previous["seconds"]) if previous else seconds,
-                     "peak_rss": max(peak_rss, previous["peak_rss"]) if previous else peak_rss}
+    results[name] = {
+        "seconds": min(seconds, previous["seconds"]) if previous else seconds,
+        "peak_rss": max(peak_rss, previous["peak_rss"]) if previous else peak_rss,
+    }
     if cpu_seconds is not None:
-        results[name]["cpu_seconds"] = min(cpu_seconds, previous.get("cpu_seconds", cpu_seconds)) if previous else cpu_seconds
+        results[name]["cpu_seconds"] = (
+            min(cpu_seconds, previous.get("cpu_seconds", cpu_seconds)) if previous else cpu_seconds
+        )
 
 
 def main() -> None:
@@ -142,16 +149,23 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="where the fixture and outputs go (default: a temp dir)")
     ap.add_argument("--workers", type=int, default=None, help="mxforge --workers (default: its own default)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
-    ap.add_argument("--skip-quark", action="store_true",
-                    help="quick iterations: skip Quark (no Quark ratio, no byte-identity check)")
-    ap.add_argument("--repeat", type=int, default=1, help="run copy and mxforge this many times, alternating; report the best")
+    ap.add_argument(
+        "--skip-quark",
+        action="store_true",
+        help="quick iterations: skip Quark (no Quark ratio, no byte-identity check)",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="run copy and mxforge this many times, alternating; report the best"
+    )
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mxforge-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"bench-{args.gib:g}gib"
     mxforge = [sys.executable, "-m", "mxforge.cli"]
     if not (src / "config.json").exists():
-        subprocess.run([*mxforge, "fixture", str(src), "--preset", "bench", "--gib", str(args.gib), "--quiet"], check=True)
+        subprocess.run(
+            [*mxforge, "fixture", str(src), "--preset", "bench", "--gib", str(args.gib), "--quiet"], check=True
+        )
     size = weight_bytes(src)
     outs = {name: work / f"out-{name}" for name in ("copy", "mxforge", "quark")}
     for d in outs.values():
@@ -160,7 +174,9 @@ def main() -> None:
     warmup = work / "warmup"
     shutil.rmtree(warmup, ignore_errors=True)
     subprocess.run([*mxforge, "fixture", str(warmup / "src"), "--quiet"], check=True, capture_output=True)
-    subprocess.run([*mxforge, "quantize", str(warmup / "src"), str(warmup / "out"), "--quiet"], check=True, capture_output=True)
+    subprocess.run(
+        [*mxforge, "quantize", str(warmup / "src"), str(warmup / "out"), "--quiet"], check=True, capture_output=True
+    )
     warm(src)
     results = {}
 
@@ -198,24 +214,32 @@ def main() -> None:
         exclude = json.loads((outs["mxforge"] / "config.json").read_text())["quantization_config"]["exclude"]
         (work / "exclude.json").write_text(json.dumps(exclude))
         subprocess.run(["sync"])
-        seconds, peak, stdout = run_measured([sys.executable, "-c", QUARK_SNIPPET, str(src), str(outs["quark"]),
-                                              str(work / "exclude.json")], ready_marker="READY")
+        seconds, peak, stdout = run_measured(
+            [sys.executable, "-c", QUARK_SNIPPET, str(src), str(outs["quark"]), str(work / "exclude.json")],
+            ready_marker="READY",
+        )
         results["quark"] = {"seconds": seconds, "peak_rss": peak}
 
     same = {} if args.skip_quark else identical(outs["mxforge"], outs["quark"])
     for r in results.values():
         r["gb_per_s"] = size / r["seconds"] / 1e9
     report = {
-        "source_bytes": size, "cores": len(os.sched_getaffinity(0)), "results": results,
+        "source_bytes": size,
+        "cores": len(os.sched_getaffinity(0)),
+        "results": results,
         "mxforge_vs_quark": None if args.skip_quark else results["mxforge"]["gb_per_s"] / results["quark"]["gb_per_s"],
         "mxforge_vs_copy": results["mxforge"]["gb_per_s"] / results["copy"]["gb_per_s"],
-        "error_report_throughput_ratio": results["mxforge"]["gb_per_s"] / results["mxforge, no error report"]["gb_per_s"],
-        "error_report_cpu_ratio": results["mxforge"]["cpu_seconds"] / results["mxforge, no error report"]["cpu_seconds"],
+        "error_report_throughput_ratio": results["mxforge"]["gb_per_s"]
+        / results["mxforge, no error report"]["gb_per_s"],
+        "error_report_cpu_ratio": results["mxforge"]["cpu_seconds"]
+        / results["mxforge, no error report"]["cpu_seconds"],
         "identical_to_quark": same,
         "load_average": os.getloadavg(),
     }
-    print(f"source: {size / 1e9:.2f} GB of bf16 shards ({src}), {report['cores']} cores, "
-          f"load average {report['load_average'][0]:.2f}")
+    print(
+        f"source: {size / 1e9:.2f} GB of bf16 shards ({src}), {report['cores']} cores, "
+        f"load average {report['load_average'][0]:.2f}"
+    )
     print(f"| {'contender':<24} | {'seconds':>8} | {'GB/s':>7} | {'CPU-s':>6} | {'peak RSS':>10} |")
     print(f"|{'-' * 26}|{'-' * 9}:|{'-' * 8}:|{'-' * 7}:|{'-' * 11}:|")
     for name, r in results.items():
@@ -223,16 +247,22 @@ def main() -> None:
         cpu = f"{r['cpu_seconds']:.2f}" if "cpu_seconds" in r else "-"
         print(f"| {name:<24} | {r['seconds']:>8.2f} | {r['gb_per_s']:>7.3f} | {cpu:>6} | {rss:>10} |")
     versus_quark = "skipped" if args.skip_quark else f"{report['mxforge_vs_quark']:.1f}x"
-    print(f"mxforge / quark throughput: {versus_quark}   mxforge / copy: {100 * report['mxforge_vs_copy']:.0f}%"
-          + (f" (best of {args.repeat} alternating runs each)" if args.repeat > 1 else ""))
-    print(f"error report: mxforge with it reaches {100 * report['error_report_throughput_ratio']:.1f}% of the "
-          f"throughput without it (--no-error-report) and takes {100 * report['error_report_cpu_ratio']:.1f}% of its "
-          "CPU time (user+sys of all its processes)")
+    print(
+        f"mxforge / quark throughput: {versus_quark}   mxforge / copy: {100 * report['mxforge_vs_copy']:.0f}%"
+        + (f" (best of {args.repeat} alternating runs each)" if args.repeat > 1 else "")
+    )
+    print(
+        f"error report: mxforge with it reaches {100 * report['error_report_throughput_ratio']:.1f}% of the "
+        f"throughput without it (--no-error-report) and takes {100 * report['error_report_cpu_ratio']:.1f}% of its "
+        "CPU time (user+sys of all its processes)"
+    )
     shards = {k: v for k, v in same.items() if k.endswith(".safetensors")}
     if not args.skip_quark:
-        print(f"byte-identical to Quark: shards {sum(shards.values())}/{len(shards)}, "
-              f"config.json {same.get('config.json')}, other files: "
-              + ", ".join(f"{k} {v}" for k, v in same.items() if not k.endswith(".safetensors") and k != "config.json"))
+        print(
+            f"byte-identical to Quark: shards {sum(shards.values())}/{len(shards)}, "
+            f"config.json {same.get('config.json')}, other files: "
+            + ", ".join(f"{k} {v}" for k, v in same.items() if not k.endswith(".safetensors") and k != "config.json")
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -25,19 +25,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_validate import AMD_WITH_MTP  # noqa: E402
 from loopback_hub import LoopbackHub  # noqa: E402
+from quark_like import write_quark_like  # noqa: E402
 
 from mxforge.fixture import write_fixture  # noqa: E402
-from quark_like import write_quark_like  # noqa: E402
-from mxforge.validation.validate import validate_checkpoint  # noqa: E402
 from mxforge.progress import format_bytes  # noqa: E402
+from mxforge.validation.validate import validate_checkpoint  # noqa: E402
 
 REPO_ID = "amd-like/glm-5.2-mxfp4"
 
 
 def timed_validate(env: dict) -> tuple[float, dict]:
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "mxforge.cli", "validate", REPO_ID, "--json"], capture_output=True,
-                          text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mxforge.cli", "validate", REPO_ID, "--json"], capture_output=True, text=True, env=env
+    )
     if proc.returncode not in (0, 1):
         raise SystemExit(f"mxforge validate failed:\n{proc.stderr}")
     return time.perf_counter() - t, json.loads(proc.stdout)
@@ -59,8 +60,13 @@ def main() -> int:
     hub.add_repo_from_dir(REPO_ID, quark)
     hub.start()
     cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
-    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "",
-           "MXFORGE_CACHE": str(cache)}
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_TOKEN": "",
+        "MXFORGE_CACHE": str(cache),
+    }
     try:
         cold_s, report = timed_validate(env)
         warm_s, cached = timed_validate(env)
@@ -70,15 +76,26 @@ def main() -> int:
     local = validate_checkpoint(quark)
     local_s = time.perf_counter() - t
     fetched = report["checked"]["fetched"]
-    rows = {"repo_bytes": repo_bytes, "bytes_fetched": fetched["bytes_fetched"], "requests": fetched["requests"],
-            "fraction": fetched["bytes_fetched"] / repo_bytes, "cold_s": round(cold_s, 2), "cached_s": round(warm_s, 2),
-            "cached_bytes_fetched": cached["checked"]["fetched"]["bytes_fetched"], "local_validate_s": round(local_s, 2),
-            "same_verdict_as_local": report["verdict"] == local.verdict() and report["problems"] == local.as_dict()["problems"]}
-    print(f"{REPO_ID}: {format_bytes(repo_bytes)} in {report['checked']['integrity']['shards']} shards; validate fetched "
-          f"{format_bytes(rows['bytes_fetched'])} in {rows['requests']} ranged requests ({100 * rows['fraction']:.4f}% of "
-          f"the repo); {cold_s:.1f} s cold, {warm_s:.1f} s from the cache ({rows['cached_bytes_fetched']} bytes fetched); "
-          f"local validate of the same files {local_s:.1f} s (in process); same verdict and problems as local: "
-          f"{rows['same_verdict_as_local']}")
+    rows = {
+        "repo_bytes": repo_bytes,
+        "bytes_fetched": fetched["bytes_fetched"],
+        "requests": fetched["requests"],
+        "fraction": fetched["bytes_fetched"] / repo_bytes,
+        "cold_s": round(cold_s, 2),
+        "cached_s": round(warm_s, 2),
+        "cached_bytes_fetched": cached["checked"]["fetched"]["bytes_fetched"],
+        "local_validate_s": round(local_s, 2),
+        "same_verdict_as_local": report["verdict"] == local.verdict()
+        and report["problems"] == local.as_dict()["problems"],
+    }
+    print(
+        f"{REPO_ID}: {format_bytes(repo_bytes)} in {report['checked']['integrity']['shards']} shards; validate fetched "
+        f"{format_bytes(rows['bytes_fetched'])} in {rows['requests']} ranged requests "
+        f"({100 * rows['fraction']:.4f}% of the repo); {cold_s:.1f} s cold, {warm_s:.1f} s from the cache "
+        f"({rows['cached_bytes_fetched']} bytes fetched); "
+        f"local validate of the same files {local_s:.1f} s (in process); same verdict and problems as local: "
+        f"{rows['same_verdict_as_local']}"
+    )
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "remote validate", "results": rows}, indent=2) + "\n")
     return 0 if rows["same_verdict_as_local"] and rows["fraction"] < 0.02 else 1

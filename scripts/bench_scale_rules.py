@@ -53,19 +53,21 @@ def mxforge_rule(rule: str):
     def run(w: torch.Tensor) -> torch.Tensor:
         codes, scales = quantize_mxfp4(w, scale_rule=rule)
         return codes, scales
+
     return run, lambda out, w: dequantize_mxfp4(out[0], out[1], w.shape[1])
 
 
 def auto_round_opt_rtn():
     """auto-round's own optimized RTN for MXFP4 (auto_round.data_type.mxfp.quant_mx_opt_rtn), or why not."""
     try:
-        from auto_round.data_type.mxfp import quant_mx_opt_rtn
         import auto_round
+        from auto_round.data_type.mxfp import quant_mx_opt_rtn
     except Exception as e:  # not installed, or its import fails here: say exactly what
         return None, f"{type(e).__name__}: {e}"
 
     def run(w: torch.Tensor) -> torch.Tensor:
         return quant_mx_opt_rtn(w, bits=4, group_size=32, data_type="mx_fp4")[0]
+
     return (run, lambda out, w: out.float()), auto_round.__version__
 
 
@@ -82,7 +84,7 @@ def measure(name: str, contender, weights: dict[str, torch.Tensor], repeat: int)
             if attempt == 0:
                 x, q = w.double(), decode(out, w).double()
                 err += ((x - q) ** 2).sum().item()
-                ref += (x ** 2).sum().item()
+                ref += (x**2).sum().item()
         best = min(best, seconds)
     size = sum(w.numel() * 2 for w in weights.values())
     print(f"  {name}: {best:.2f} s", file=sys.stderr, flush=True)
@@ -97,8 +99,10 @@ def end_to_end(src: Path, work: Path, rule: str) -> tuple[float, float]:
     subprocess.run(["sync"])
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.monotonic()
-    subprocess.run([sys.executable, "-m", "mxforge.cli", "quantize", str(src), str(out), "--quiet",
-                    "--scale-rule", rule], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "mxforge.cli", "quantize", str(src), str(out), "--quiet", "--scale-rule", rule],
+        check=True,
+    )
     wall = time.monotonic() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
@@ -118,13 +122,28 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"bench-{args.gib:g}gib"
     if not (src / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "mxforge.cli", "fixture", str(src), "--preset", "bench", "--gib",
-                        str(args.gib), "--quiet"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mxforge.cli",
+                "fixture",
+                str(src),
+                "--preset",
+                "bench",
+                "--gib",
+                str(args.gib),
+                "--quiet",
+            ],
+            check=True,
+        )
     weights = quantized_weights(src)
     size = sum(w.numel() * 2 for w in weights.values())
     quantize_mxfp4(next(iter(weights.values()))[:1])  # build/load the C kernel outside the timings
-    results = {"quark": measure("quark", mxforge_rule("quark"), weights, args.repeat),
-               "mse": measure("mse", mxforge_rule("mse"), weights, args.repeat)}
+    results = {
+        "quark": measure("quark", mxforge_rule("quark"), weights, args.repeat),
+        "mse": measure("mse", mxforge_rule("mse"), weights, args.repeat),
+    }
     auto_round, version = auto_round_opt_rtn()
     if auto_round is not None:
         results[f"auto-round {version} optimized RTN"] = measure("auto-round", auto_round, weights, 1)
@@ -137,27 +156,37 @@ def main() -> None:
             r["end_to_end_gb_per_s"] = max(wall, r.get("end_to_end_gb_per_s", 0))
             r["end_to_end_gb_per_cpu_s"] = max(cpu, r.get("end_to_end_gb_per_cpu_s", 0))
     base = results["quark"]
-    print(f"{len(weights)} tensors ({size / 1e9:.2f} GB of bf16, the default recipe's MXFP4 weights of {src}); "
-          f"{args.threads} thread(s) in memory; {len(os.sched_getaffinity(0))} cores; load {os.getloadavg()[0]:.2f}")
-    print("| scale rule | relative RMSE | vs quark | kernel GB/CPU-s | vs quark | `mxforge quantize` GB/s (wall) | "
-          "vs quark | GB/CPU-s | vs quark |")
+    print(
+        f"{len(weights)} tensors ({size / 1e9:.2f} GB of bf16, the default recipe's MXFP4 weights of {src}); "
+        f"{args.threads} thread(s) in memory; {len(os.sched_getaffinity(0))} cores; load {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        "| scale rule | relative RMSE | vs quark | kernel GB/CPU-s | vs quark | `mxforge quantize` GB/s (wall) | "
+        "vs quark | GB/CPU-s | vs quark |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         if "unavailable" in r:
             print(f"| {name} | unavailable: {r['unavailable']} | | | | | | | |")
             continue
-        line = (f"| {name} | {r['rel_rmse']:.6f} | {100 * (r['rel_rmse'] / base['rel_rmse'] - 1):+.3f}% | "
-                f"{r['kernel_gb_per_cpu_s']:.3f} | {100 * r['kernel_gb_per_cpu_s'] / base['kernel_gb_per_cpu_s']:.1f}% | ")
+        line = (
+            f"| {name} | {r['rel_rmse']:.6f} | {100 * (r['rel_rmse'] / base['rel_rmse'] - 1):+.3f}% | "
+            f"{r['kernel_gb_per_cpu_s']:.3f} | {100 * r['kernel_gb_per_cpu_s'] / base['kernel_gb_per_cpu_s']:.1f}% | "
+        )
         if "end_to_end_gb_per_s" in r:
-            line += (f"{r['end_to_end_gb_per_s']:.3f} | {100 * r['end_to_end_gb_per_s'] / base['end_to_end_gb_per_s']:.1f}% | "
-                     f"{r['end_to_end_gb_per_cpu_s']:.3f} | "
-                     f"{100 * r['end_to_end_gb_per_cpu_s'] / base['end_to_end_gb_per_cpu_s']:.1f}% |")
+            line += (
+                f"{r['end_to_end_gb_per_s']:.3f} | "
+                f"{100 * r['end_to_end_gb_per_s'] / base['end_to_end_gb_per_s']:.1f}% | "
+                f"{r['end_to_end_gb_per_cpu_s']:.3f} | "
+                f"{100 * r['end_to_end_gb_per_cpu_s'] / base['end_to_end_gb_per_cpu_s']:.1f}% |"
+            )
         else:
             line += "- | - | - | - |"
         print(line)
     if args.json:
-        args.json.write_text(json.dumps({"tensors": len(weights), "bytes": size, "threads": args.threads,
-                                         "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps({"tensors": len(weights), "bytes": size, "threads": args.threads, "results": results}, indent=2)
+        )
 
 
 if __name__ == "__main__":

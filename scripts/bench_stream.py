@@ -70,8 +70,9 @@ class PeakDisk:
 def mx(*args: str, env: dict) -> tuple[float, dict | None]:
     """Run `mxforge ARGS --quiet --json -`; (seconds, report)."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "mxforge.cli", *args, "--quiet", "--json", "-"], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mxforge.cli", *args, "--quiet", "--json", "-"], env=env, capture_output=True, text=True
+    )
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"mxforge {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -94,7 +95,9 @@ def main() -> int:
     p.add_argument("--down-mbps", type=float, default=150.0, help="download bandwidth of the loopback link, MB/s")
     p.add_argument("--up-mbps", type=float, default=100.0, help="upload bandwidth of the loopback link, MB/s")
     p.add_argument("--workers", type=int, default=2, help="quantize workers (stream, sequential); Ray CPUs")
-    p.add_argument("--in-flight", type=int, default=None, help="stream: bf16 shards on disk at once (default: mxforge's)")
+    p.add_argument(
+        "--in-flight", type=int, default=None, help="stream: bf16 shards on disk at once (default: mxforge's)"
+    )
     p.add_argument("--modes", default="sequential,stream,ray", help="comma-separated: sequential, stream, ray")
     p.add_argument("--workdir", default=None, help="working directory (default: a new temporary one, removed after)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
@@ -112,8 +115,14 @@ def main() -> int:
     hub = LoopbackHub(work / "hub", tokens={TOKEN: "bench"})
     hub.add_repo_from_dir("zai/bench", src)
     endpoint = hub.start()
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_TOKEN": TOKEN, "HF_HOME": str(work / "hf_home"),
-           "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": endpoint,
+        "HF_TOKEN": TOKEN,
+        "HF_HOME": str(work / "hf_home"),
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
     source_bytes = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
     w = str(args.workers)
     try:
@@ -136,41 +145,79 @@ def main() -> int:
             out.mkdir()
             forget_pushed_objects(hub, src)
             sent, received = hub.bytes_sent, hub.bytes_received
-            flags = {"sequential": ["--no-stream"], "ray": ["--executor", "ray"],
-                     "stream": ["--stream"] + (["--in-flight", str(args.in_flight)] if args.in_flight else [])}[mode]
+            flags = {
+                "sequential": ["--no-stream"],
+                "ray": ["--executor", "ray"],
+                "stream": ["--stream"] + (["--in-flight", str(args.in_flight)] if args.in_flight else []),
+            }[mode]
             with PeakDisk(out) as disk:
-                seconds, report = mx("run", "zai/bench", str(out), "--push", f"bench/{mode}", "--workers", w, *flags,
-                                     env=env)
+                seconds, report = mx(
+                    "run", "zai/bench", str(out), "--push", f"bench/{mode}", "--workers", w, *flags, env=env
+                )
             repos[mode] = f"bench/{mode}"
-            rows.append({"mode": mode, "seconds": round(seconds, 2), "peak_disk_bytes": disk.peak,
-                         "downloaded_bytes": hub.bytes_sent - sent, "uploaded_bytes": hub.bytes_received - received,
-                         "stage_seconds": {k: v.get("seconds") for k, v in report["stages"].items()},
-                         "streamed": (report["stages"].get("stream") or {}).get("report", {}).get("stages")})
+            rows.append(
+                {
+                    "mode": mode,
+                    "seconds": round(seconds, 2),
+                    "peak_disk_bytes": disk.peak,
+                    "downloaded_bytes": hub.bytes_sent - sent,
+                    "uploaded_bytes": hub.bytes_received - received,
+                    "stage_seconds": {k: v.get("seconds") for k, v in report["stages"].items()},
+                    "streamed": (report["stages"].get("stream") or {}).get("report", {}).get("stages"),
+                }
+            )
             shutil.rmtree(out)
         reference = pushed(hub, repos["sequential"]) if "sequential" in repos else None
         for row in rows:
-            row["same_checkpoint_as_sequential"] = None if reference is None else pushed(hub, repos[row["mode"]]) == reference
+            row["same_checkpoint_as_sequential"] = (
+                None if reference is None else pushed(hub, repos[row["mode"]]) == reference
+            )
     finally:
         hub.stop()
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     slowest = max(stages.values())
     seq = next((r for r in rows if r["mode"] == "sequential"), None)
-    print(f"bench fixture {source_bytes / 1e9:.2f} GB bf16 -> {output_bytes / 1e9:.2f} GB MXFP4; link {args.down_mbps:g} MB/s "
-          f"down, {args.up_mbps:g} MB/s up; {args.workers} workers; {os.cpu_count()} cores")
-    print("stages alone: " + ", ".join(f"{k} {v:.1f} s ({(source_bytes if k != 'upload' else output_bytes) / v / 1e6:.0f} MB/s)"
-                                       for k, v in stages.items()) + f"; slowest {slowest:.1f} s")
+    print(
+        f"bench fixture {source_bytes / 1e9:.2f} GB bf16 -> {output_bytes / 1e9:.2f} GB MXFP4; "
+        f"link {args.down_mbps:g} MB/s down, {args.up_mbps:g} MB/s up; {args.workers} workers; {os.cpu_count()} cores"
+    )
+    print(
+        "stages alone: "
+        + ", ".join(
+            f"{k} {v:.1f} s ({(source_bytes if k != 'upload' else output_bytes) / v / 1e6:.0f} MB/s)"
+            for k, v in stages.items()
+        )
+        + f"; slowest {slowest:.1f} s"
+    )
     print()
-    print("| mode | wall (s) | wall / slowest stage | peak disk (GB) | peak disk / sequential | downloaded (GB) | uploaded (GB) | same checkpoint |")
+    print(
+        "| mode | wall (s) | wall / slowest stage | peak disk (GB) | peak disk / sequential | "
+        "downloaded (GB) | uploaded (GB) | same checkpoint |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         rel = f"{r['peak_disk_bytes'] / seq['peak_disk_bytes']:.0%}" if seq else "-"
-        print(f"| {r['mode']} | {r['seconds']:.1f} | {r['seconds'] / slowest:.2f}x | {r['peak_disk_bytes'] / 1e9:.2f} | {rel} | "
-              f"{r['downloaded_bytes'] / 1e9:.2f} | {r['uploaded_bytes'] / 1e9:.2f} | {r['same_checkpoint_as_sequential']} |")
+        print(
+            f"| {r['mode']} | {r['seconds']:.1f} | {r['seconds'] / slowest:.2f}x | "
+            f"{r['peak_disk_bytes'] / 1e9:.2f} | {rel} | "
+            f"{r['downloaded_bytes'] / 1e9:.2f} | {r['uploaded_bytes'] / 1e9:.2f} | "
+            f"{r['same_checkpoint_as_sequential']} |"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"source_bytes": source_bytes, "output_bytes": output_bytes,
-                                               "link": {"down_mbps": args.down_mbps, "up_mbps": args.up_mbps},
-                                               "workers": args.workers, "stages_alone_s": stages, "modes": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "source_bytes": source_bytes,
+                    "output_bytes": output_bytes,
+                    "link": {"down_mbps": args.down_mbps, "up_mbps": args.up_mbps},
+                    "workers": args.workers,
+                    "stages_alone_s": stages,
+                    "modes": rows,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

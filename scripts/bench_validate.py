@@ -24,16 +24,25 @@ import tempfile
 import time
 from pathlib import Path
 
+from quark_like import write_quark_like
+
 from mxforge.checkpoint import Checkpoint
 from mxforge.fixture import write_fixture
 from mxforge.fixups.fixup import fixup_checkpoint
-from quark_like import write_quark_like
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME
-from mxforge.validation.validate import validate_checkpoint
 from mxforge.safetensors_io import read_header
+from mxforge.validation.validate import validate_checkpoint
 
 TARGET_S = 2.0
-AMD_WITH_MTP = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj", "*layers.78.*"]
+AMD_WITH_MTP = [
+    "*self_attn*",
+    "*mlp.gate",
+    "*lm_head",
+    "*mlp.gate_proj",
+    "*mlp.up_proj",
+    "*mlp.down_proj",
+    "*layers.78.*",
+]
 
 
 def median_time(fn, repeat: int) -> float:
@@ -72,14 +81,22 @@ def main() -> int:
             return 1
         headers = median_time(lambda: parse_headers(path), args.repeat)
         validate = median_time(lambda: validate_checkpoint(path), args.repeat)
-        rows[label] = {"tensors": report.checked["integrity"]["tensors"], "shards": report.checked["integrity"]["shards"],
-                       "exclude_entries": len((Checkpoint.open(path).quantization_config or {}).get("exclude", [])),
-                       "validate_s": round(validate, 3), "headers_only_s": round(headers, 3),
-                       "ratio_to_headers": round(validate / headers, 2), "under_target": validate < TARGET_S}
-        print(f"{label:5s}: {rows[label]['tensors']:,} tensors, {rows[label]['shards']} shards, "
-              f"{rows[label]['exclude_entries']:,} exclude entries: validate {validate:.3f} s (every engine release range), "
-              f"header parse alone {headers:.3f} s, ratio {validate / headers:.2f}x; target < {TARGET_S} s: "
-              f"{'met' if validate < TARGET_S else 'MISSED'}")
+        rows[label] = {
+            "tensors": report.checked["integrity"]["tensors"],
+            "shards": report.checked["integrity"]["shards"],
+            "exclude_entries": len((Checkpoint.open(path).quantization_config or {}).get("exclude", [])),
+            "validate_s": round(validate, 3),
+            "headers_only_s": round(headers, 3),
+            "ratio_to_headers": round(validate / headers, 2),
+            "under_target": validate < TARGET_S,
+        }
+        print(
+            f"{label:5s}: {rows[label]['tensors']:,} tensors, {rows[label]['shards']} shards, "
+            f"{rows[label]['exclude_entries']:,} exclude entries: "
+            f"validate {validate:.3f} s (every engine release range), "
+            f"header parse alone {headers:.3f} s, ratio {validate / headers:.2f}x; target < {TARGET_S} s: "
+            f"{'met' if validate < TARGET_S else 'MISSED'}"
+        )
     globbed = work / "full-quark-globs"
     if not globbed.exists():
         write_quark_like(bf16, globbed, AMD_WITH_MTP, sparse=True, glob_exclude=True)
@@ -94,12 +111,19 @@ def main() -> int:
         assert result.changed and not result.remaining
 
     fixup_s = median_time(fixup_fresh, args.repeat)
-    rows["fixup_globs"] = {"fixup_s": round(fixup_s, 3), "exclude_entries_after": len(
-        Checkpoint.open(globbed).quantization_config["exclude"])}
-    print(f"fixup: quark export with 7 glob exclusions -> {rows['fixup_globs']['exclude_entries_after']:,} exact entries (names + aliases): "
-          f"{fixup_s:.3f} s (every engine release range)")
+    rows["fixup_globs"] = {
+        "fixup_s": round(fixup_s, 3),
+        "exclude_entries_after": len(Checkpoint.open(globbed).quantization_config["exclude"]),
+    }
+    print(
+        f"fixup: quark export with 7 glob exclusions -> "
+        f"{rows['fixup_globs']['exclude_entries_after']:,} exact entries (names + aliases): "
+        f"{fixup_s:.3f} s (every engine release range)"
+    )
     if args.json:
-        args.json.write_text(json.dumps({"benchmark": "validate", "repeat": args.repeat, "results": rows}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps({"benchmark": "validate", "repeat": args.repeat, "results": rows}, indent=2) + "\n"
+        )
     return 0 if all(r.get("under_target", True) for r in rows.values()) else 1
 
 

@@ -29,7 +29,8 @@ Errors carry the Hub's headers (`X-Error-Code: RepoNotFound | RevisionNotFound |
 
 Fault injection (attributes of `LoopbackHub`, for tests): `drop_at` cuts a download off at a byte offset,
 `corrupt` serves flipped bytes, `reported_size` makes metadata claim another size, `misreport_sha256`
-makes metadata claim another LFS sha256, `fail_commits` refuses that many commits. `requests` logs (method, path, Range) of every request.
+makes metadata claim another LFS sha256, `fail_commits` refuses that many commits. `requests` logs (method, path,
+Range) of every request.
 
 Tampering (a hostile Hub, for tests): `add_file` serves any file name (`../x`, `/abs`, a backslash, NUL...);
 `short_body` answers with at most N bytes and a Content-Length that says so; `long_body` sends N bytes more
@@ -136,8 +137,8 @@ class PullRequest:
     title: str
     description: str
     author: str
-    base: str        # the branch it is opened against
-    start: str       # the commit of `base` it starts from
+    base: str  # the branch it is opened against
+    start: str  # the commit of `base` it starts from
     created: float = field(default_factory=time.time)
     status: str = "open"
 
@@ -151,7 +152,7 @@ class HubRepo:
     repo_id: str
     private: bool = False
     gated: bool = False
-    granted: set[str] = field(default_factory=set)   # users who accepted a gated repo's conditions
+    granted: set[str] = field(default_factory=set)  # users who accepted a gated repo's conditions
     branches: dict[str, str] = field(default_factory=dict)
     commits: dict[str, Commit] = field(default_factory=dict)
     pulls: list[PullRequest] = field(default_factory=list)  # discussions are pull requests only here
@@ -194,37 +195,45 @@ class LoopbackHub:
         self.root = Path(root)
         self.blob_dir = self.root / ".loopback-hub" / "blobs"
         self.blob_dir.mkdir(parents=True, exist_ok=True)
-        self.tokens: dict[str, str] = dict(tokens or {})   # token -> user name
+        self.tokens: dict[str, str] = dict(tokens or {})  # token -> user name
         self.repos: dict[str, HubRepo] = {}
         self.lock = threading.RLock()
         # Fault injection.
-        self.drop_at: dict[str, tuple[int, int]] = {}      # path -> (byte offset where the connection drops, times left)
-        self.corrupt: set[str] = set()                      # paths served with one byte flipped
-        self.reported_size: dict[str, int] = {}             # path -> size claimed by the metadata
-        self.misreport_sha256: set[str] = set()             # paths whose metadata claims another LFS sha256
-        self.fail_commits = 0                               # refuse this many commits (409) before accepting
+        self.drop_at: dict[str, tuple[int, int]] = {}  # path -> (byte offset where the connection drops, times left)
+        self.corrupt: set[str] = set()  # paths served with one byte flipped
+        self.reported_size: dict[str, int] = {}  # path -> size claimed by the metadata
+        self.misreport_sha256: set[str] = set()  # paths whose metadata claims another LFS sha256
+        self.fail_commits = 0  # refuse this many commits (409) before accepting
         self.requests: list[tuple[str, str, str | None]] = []
         # Tampering.
-        self.short_body: dict[str, int] = {}               # path -> at most this many bytes per answer
-        self.long_body: dict[str, tuple[int, bool]] = {}   # path -> (extra bytes, announced in Content-Length)
-        self.ignore_range: set[str] = set()                 # paths answered 200 (whole file) to Range requests
-        self.stall_body_at: dict[str, int] = {}            # path -> byte offset after which the body stops
-        self.stall: set[str] = set()                        # route names held without an answer
-        self.redirect_resolve = False                       # file requests -> 302 to the mirror server
+        self.short_body: dict[str, int] = {}  # path -> at most this many bytes per answer
+        self.long_body: dict[str, tuple[int, bool]] = {}  # path -> (extra bytes, announced in Content-Length)
+        self.ignore_range: set[str] = set()  # paths answered 200 (whole file) to Range requests
+        self.stall_body_at: dict[str, int] = {}  # path -> byte offset after which the body stops
+        self.stall: set[str] = set()  # route names held without an answer
+        self.redirect_resolve = False  # file requests -> 302 to the mirror server
         self.mirror_requests: list[tuple[str, str, bool]] = []  # (method, path, Authorization sent) at the mirror
-        self.before: dict[str, object] = {}                 # route name -> callable(handler) run first
+        self.before: dict[str, object] = {}  # route name -> callable(handler) run first
         # A link of limited bandwidth (benchmarks): bytes/s per direction, shared by every connection (None: unlimited).
         self.pace = {"down": _Pacer(None), "up": _Pacer(None)}
-        self.bytes_sent = 0                                 # file bytes served by resolve (downloads)
-        self.bytes_received = 0                             # request body bytes (uploads)
+        self.bytes_sent = 0  # file bytes served by resolve (downloads)
+        self.bytes_received = 0  # request body bytes (uploads)
         self._stop = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._mirror: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     # --- state ------------------------------------------------------------------------------------
-    def add_repo_from_dir(self, repo_id: str, src: str | Path, *, gated: bool = False, private: bool = False,
-                          granted: set[str] | None = None, branch: str = "main") -> str:
+    def add_repo_from_dir(
+        self,
+        repo_id: str,
+        src: str | Path,
+        *,
+        gated: bool = False,
+        private: bool = False,
+        granted: set[str] | None = None,
+        branch: str = "main",
+    ) -> str:
         """Serve the files under `src` (except .cache/) as a repo's first commit; returns its sha."""
         src = Path(src)
         files = {}
@@ -234,7 +243,9 @@ class LoopbackHub:
                 size = p.stat().st_size
                 files[rel] = HubFile(p, size, None, is_lfs_path(rel, size))
         with self.lock:
-            repo = self.repos.setdefault(repo_id, HubRepo(repo_id, private=private, gated=gated, granted=set(granted or ())))
+            repo = self.repos.setdefault(
+                repo_id, HubRepo(repo_id, private=private, gated=gated, granted=set(granted or ()))
+            )
             return self._commit(repo, branch, files, f"Upload {src.name}")
 
     def add_file(self, repo_id: str, name: str, data: bytes, branch: str = "main") -> str:
@@ -250,8 +261,16 @@ class LoopbackHub:
 
     def _commit(self, repo: HubRepo, branch: str, files: dict[str, HubFile], title: str) -> str:
         parent = repo.branches.get(branch)
-        digest = hashlib.sha1(json.dumps([parent, title, time.time_ns(),
-                                          sorted((k, v.known_sha256 or f"{v.disk_path}:{v.size}") for k, v in files.items())]).encode()).hexdigest()
+        digest = hashlib.sha1(
+            json.dumps(
+                [
+                    parent,
+                    title,
+                    time.time_ns(),
+                    sorted((k, v.known_sha256 or f"{v.disk_path}:{v.size}") for k, v in files.items()),
+                ]
+            ).encode()
+        ).hexdigest()
         repo.commits[digest] = Commit(digest, title, files, parent)
         repo.branches[branch] = digest
         return digest
@@ -314,10 +333,18 @@ class LoopbackHub:
             raise HubError(404 if user else 401, "Repository not found", "RepoNotFound")
         if repo.gated and user not in repo.granted:
             if user is None:
-                raise HubError(401, f"Access to model {repo_id} is restricted. You must have access to it and be "
-                               "authenticated to access it. Please log in.", "GatedRepo")
-            raise HubError(403, f"Access to model {repo_id} is restricted and you are not in the authorized list. "
-                           f"Visit {self.endpoint}/{repo_id} to ask for access.", "GatedRepo")
+                raise HubError(
+                    401,
+                    f"Access to model {repo_id} is restricted. You must have access to it and be "
+                    "authenticated to access it. Please log in.",
+                    "GatedRepo",
+                )
+            raise HubError(
+                403,
+                f"Access to model {repo_id} is restricted and you are not in the authorized list. "
+                f"Visit {self.endpoint}/{repo_id} to ask for access.",
+                "GatedRepo",
+            )
         return repo
 
     def writable_repo(self, repo_id: str, user: str | None) -> HubRepo:
@@ -451,8 +478,15 @@ class _HubHandler(BaseHTTPRequestHandler):
         user = self._user()
         if user is None:
             raise HubError(401, INVALID_CREDENTIALS)
-        self._send_json({"type": "user", "name": user, "fullname": user, "orgs": [],
-                         "auth": {"type": "access_token", "accessToken": {"displayName": "loopback", "role": "write"}}})
+        self._send_json(
+            {
+                "type": "user",
+                "name": user,
+                "fullname": user,
+                "orgs": [],
+                "auth": {"type": "access_token", "accessToken": {"displayName": "loopback", "role": "write"}},
+            }
+        )
 
     def h_repo_info(self, body: bytes, repo: str, rev: str = "main") -> None:
         hub = self.hub
@@ -467,14 +501,28 @@ class _HubHandler(BaseHTTPRequestHandler):
                 size = hub.reported_size.get(path, f.size)
                 entry.update(size=size, blobId=f.blob_id)
                 if f.lfs:
-                    sha = f.sha256 if path not in hub.misreport_sha256 else hashlib.sha256(f.sha256.encode()).hexdigest()
+                    sha = (
+                        f.sha256 if path not in hub.misreport_sha256 else hashlib.sha256(f.sha256.encode()).hexdigest()
+                    )
                     entry["lfs"] = {"sha256": sha, "size": size, "pointerSize": len(f.pointer)}
             siblings.append(entry)
-        self._send_json({"_id": hashlib.md5(repo.encode()).hexdigest()[:24], "id": repo, "modelId": repo,
-                         "author": repo.split("/")[0], "sha": commit.sha, "private": r.private,
-                         "gated": "manual" if r.gated else False, "disabled": False, "downloads": 0, "likes": 0,
-                         "tags": [], "siblings": siblings,
-                         "lastModified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(commit.date))})
+        self._send_json(
+            {
+                "_id": hashlib.md5(repo.encode()).hexdigest()[:24],
+                "id": repo,
+                "modelId": repo,
+                "author": repo.split("/")[0],
+                "sha": commit.sha,
+                "private": r.private,
+                "gated": "manual" if r.gated else False,
+                "disabled": False,
+                "downloads": 0,
+                "likes": 0,
+                "tags": [],
+                "siblings": siblings,
+                "lastModified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(commit.date)),
+            }
+        )
 
     def h_tree(self, body: bytes, repo: str, rev: str, path: str | None = None) -> None:
         with self.hub.lock:
@@ -486,13 +534,20 @@ class _HubHandler(BaseHTTPRequestHandler):
         for name, f in sorted(commit.files.items()):
             if prefix and not name.startswith(prefix + "/"):
                 continue
-            rest = name[len(prefix) + 1:] if prefix else name
+            rest = name[len(prefix) + 1 :] if prefix else name
             parts = rest.split("/")
             for depth in range(1, len(parts)):
                 folder = "/".join(filter(None, [prefix] + parts[:depth]))
                 if folder not in folders and (recursive or depth == 1):
                     folders.add(folder)
-                    entries.append({"type": "directory", "path": folder, "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0})
+                    entries.append(
+                        {
+                            "type": "directory",
+                            "path": folder,
+                            "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                            "size": 0,
+                        }
+                    )
             if len(parts) > 1 and not recursive:
                 continue
             entry = {"type": "file", "path": name, "size": f.size, "oid": f.blob_id}
@@ -506,8 +561,15 @@ class _HubHandler(BaseHTTPRequestHandler):
             r = self.hub.readable_repo(repo, self._user())
             commit, out = _revision_or_404(r, rev), []
             while commit is not None:
-                out.append({"id": commit.sha, "title": commit.title, "message": "", "authors": [],
-                            "date": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(commit.date))})
+                out.append(
+                    {
+                        "id": commit.sha,
+                        "title": commit.title,
+                        "message": "",
+                        "authors": [],
+                        "date": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(commit.date)),
+                    }
+                )
                 commit = r.commits.get(commit.parent) if commit.parent else None
         self._send_json(out)
 
@@ -596,7 +658,9 @@ class _HubHandler(BaseHTTPRequestHandler):
             raise HubError(403, f"You don't have the rights to create a repo under {repo_id.split('/')[0]}")
         with self.hub.lock:
             if repo_id in self.hub.repos:
-                self._send_json({"error": "You already created this model repo", "url": f"{self.hub.endpoint}/{repo_id}"}, 409)
+                self._send_json(
+                    {"error": "You already created this model repo", "url": f"{self.hub.endpoint}/{repo_id}"}, 409
+                )
                 return
             repo = HubRepo(repo_id, private=payload.get("visibility") == "private" or bool(payload.get("private")))
             self.hub.repos[repo_id] = repo
@@ -649,8 +713,14 @@ class _HubHandler(BaseHTTPRequestHandler):
         for item in json.loads(body)["files"]:
             lfs = is_lfs_path(item["path"], int(item["size"]))
             old = existing.files.get(item["path"]) if existing else None
-            files.append({"path": item["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
-                          "oid": old.sha256 if old is not None and old.lfs else None})
+            files.append(
+                {
+                    "path": item["path"],
+                    "uploadMode": "lfs" if lfs else "regular",
+                    "shouldIgnore": False,
+                    "oid": old.sha256 if old is not None and old.lfs else None,
+                }
+            )
         self._send_json({"files": files, "commitOid": existing.sha if existing else None})
 
     def h_lfs_batch(self, body: bytes, repo: str) -> None:
@@ -717,15 +787,26 @@ class _HubHandler(BaseHTTPRequestHandler):
                 r.pulls.append(pr)
                 r.branches[pr.ref] = parent.sha
             sha = hub._commit(r, pr.ref if pr else rev, files, title)
-        self._send_json({"commitUrl": f"{hub.endpoint}/{repo}/commit/{sha}", "commitOid": sha,
-                         "pullRequestUrl": f"{hub.endpoint}/{repo}/discussions/{pr.num}" if pr else None,
-                         "success": True})
+        self._send_json(
+            {
+                "commitUrl": f"{hub.endpoint}/{repo}/commit/{sha}",
+                "commitOid": sha,
+                "pullRequestUrl": f"{hub.endpoint}/{repo}/discussions/{pr.num}" if pr else None,
+                "success": True,
+            }
+        )
 
     # --- discussions (pull requests only) ---------------------------------------------------------
     def _discussion(self, repo: str, pr: PullRequest) -> dict:
-        return {"num": pr.num, "title": pr.title, "status": pr.status, "isPullRequest": True,
-                "author": {"name": pr.author}, "repo": {"name": repo, "type": "model"},
-                "createdAt": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(pr.created))}
+        return {
+            "num": pr.num,
+            "title": pr.title,
+            "status": pr.status,
+            "isPullRequest": True,
+            "author": {"name": pr.author},
+            "repo": {"name": repo, "type": "model"},
+            "createdAt": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(pr.created)),
+        }
 
     def h_discussions(self, body: bytes, repo: str) -> None:
         """One page (50) of a repo's pull requests, filtered as the client asks (type, status, author)."""
@@ -735,12 +816,21 @@ class _HubHandler(BaseHTTPRequestHandler):
         want = {k: self.query.get(k, [None])[0] for k in ("type", "status", "author")}
         if want["type"] == "discussion":
             pulls = []
-        pulls = [pr for pr in reversed(pulls) if want["status"] in (None, "all", pr.status)
-                 and want["author"] in (None, pr.author)]
+        pulls = [
+            pr
+            for pr in reversed(pulls)
+            if want["status"] in (None, "all", pr.status) and want["author"] in (None, pr.author)
+        ]
         page = int(self.query.get("p", ["0"])[0])
-        shown = pulls[page * 50:(page + 1) * 50]
-        self._send_json({"count": len(pulls), "start": page * 50, "numItemsPerPage": 50,
-                         "discussions": [self._discussion(repo, pr) for pr in shown]})
+        shown = pulls[page * 50 : (page + 1) * 50]
+        self._send_json(
+            {
+                "count": len(pulls),
+                "start": page * 50,
+                "numItemsPerPage": 50,
+                "discussions": [self._discussion(repo, pr) for pr in shown],
+            }
+        )
 
     def h_discussion(self, body: bytes, repo: str, num: str) -> None:
         """A pull request's details: its description and commits as events, its base, and the diff of its text files."""
@@ -754,13 +844,38 @@ class _HubHandler(BaseHTTPRequestHandler):
             while c is not None and c.sha != pr.start:
                 commits.append(c)
                 c = r.commits.get(c.parent) if c.parent else None
-        stamp = lambda t: time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(t))
-        events = [{"id": f"{pr.num}-0", "type": "comment", "createdAt": stamp(pr.created), "author": {"name": pr.author},
-                   "data": {"edited": False, "hidden": False, "latest": {"raw": pr.description}}}]
-        events += [{"id": c.sha, "type": "commit", "createdAt": stamp(c.date), "author": {"name": pr.author},
-                    "data": {"subject": c.title, "oid": c.sha}} for c in reversed(commits)]
-        self._send_json({**self._discussion(repo, pr), "events": events, "filesWithConflicts": [],
-                         "changes": {"base": f"refs/heads/{pr.base}"}, "diff": _text_diff(base, head)})
+
+        def stamp(t):
+            return time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime(t))
+
+        events = [
+            {
+                "id": f"{pr.num}-0",
+                "type": "comment",
+                "createdAt": stamp(pr.created),
+                "author": {"name": pr.author},
+                "data": {"edited": False, "hidden": False, "latest": {"raw": pr.description}},
+            }
+        ]
+        events += [
+            {
+                "id": c.sha,
+                "type": "commit",
+                "createdAt": stamp(c.date),
+                "author": {"name": pr.author},
+                "data": {"subject": c.title, "oid": c.sha},
+            }
+            for c in reversed(commits)
+        ]
+        self._send_json(
+            {
+                **self._discussion(repo, pr),
+                "events": events,
+                "filesWithConflicts": [],
+                "changes": {"base": f"refs/heads/{pr.base}"},
+                "diff": _text_diff(base, head),
+            }
+        )
 
 
 def _text_diff(base: Commit | None, head: Commit | None) -> str:
@@ -773,8 +888,12 @@ def _text_diff(base: Commit | None, head: Commit | None) -> str:
         a, b = old.get(name), new.get(name)
         if a is not None and b is not None and a.disk_path == b.disk_path:
             continue
-        text = [(f.pointer if f.lfs else f.disk_path.read_bytes()).decode(errors="replace").splitlines(True)
-                if f is not None else [] for f in (a, b)]
+        text = [
+            (f.pointer if f.lfs else f.disk_path.read_bytes()).decode(errors="replace").splitlines(True)
+            if f is not None
+            else []
+            for f in (a, b)
+        ]
         out += difflib.unified_diff(text[0], text[1], f"a/{name}", f"b/{name}")
     return "".join(out)
 
@@ -792,10 +911,19 @@ def serve_root(root: Path, hub: LoopbackHub) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--root", required=True, help="directory of <owner>/<name>/ repos to serve (pushed data lands in ROOT/.loopback-hub)")
+    p.add_argument(
+        "--root",
+        required=True,
+        help="directory of <owner>/<name>/ repos to serve (pushed data lands in ROOT/.loopback-hub)",
+    )
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any free one)")
-    p.add_argument("--token", action="append", default=[], metavar="TOKEN[=USER]",
-                   help="accept this bearer token (for USER, default 'user'); repeatable")
+    p.add_argument(
+        "--token",
+        action="append",
+        default=[],
+        metavar="TOKEN[=USER]",
+        help="accept this bearer token (for USER, default 'user'); repeatable",
+    )
     p.add_argument("--down-mbps", type=float, default=None, help="limit downloads to this many MB/s (all connections)")
     p.add_argument("--up-mbps", type=float, default=None, help="limit uploads to this many MB/s (all connections)")
     args = p.parse_args(argv)

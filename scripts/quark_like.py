@@ -34,8 +34,15 @@ def quark_quantizes(module: str, shape: tuple[int, ...], patterns: list[str]) ->
     return not any(fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
-def write_quark_like(src: str | Path, out: str | Path, patterns: list[str], *, glob_exclude: bool = False,
-                     drop_layers: tuple[int, ...] = (), sparse: bool | None = None) -> list[str]:
+def write_quark_like(
+    src: str | Path,
+    out: str | Path,
+    patterns: list[str],
+    *,
+    glob_exclude: bool = False,
+    drop_layers: tuple[int, ...] = (),
+    sparse: bool | None = None,
+) -> list[str]:
     """Write `src` (bf16) to `out` as Quark would with exclusion `patterns`; returns the written exclude list.
 
     `glob_exclude` writes the patterns themselves into `exclude` (exports edited by hand or by other tools),

@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import OTHER_TOKEN, REPO, TOKEN, run_cli
 
 from mxforge.fixture import write_fixture
-
-from helpers import OTHER_TOKEN, REPO, TOKEN, run_cli
 
 sys.path.insert(0, str(REPO / "scripts"))  # the test Hub (loopback_hub) and the Quark-style writer (quark_like)
 
@@ -69,15 +68,31 @@ def family_cases(tmp_path_factory):
             runs = [(recipe, "quark") for recipe in family.recipes] + [(family.recipes[0], "mse")]
             for recipe, rule in runs:
                 name = f"run-{recipe}" + ("" if rule == "quark" else f"-{rule}")
-                run_cli("run", str(srcs["e6"]), str(root / name), "--recipe", recipe, "--scale-rule", rule, "--quiet",
-                        check=True)
+                run_cli(
+                    "run",
+                    str(srcs["e6"]),
+                    str(root / name),
+                    "--recipe",
+                    recipe,
+                    "--scale-rule",
+                    rule,
+                    "--quiet",
+                    check=True,
+                )
                 out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
             if family.has_block_fp8_release:
                 fp8, name = root / "fp8-e6", f"run-fp8-{family.recipes[0]}"
-                write_fixture(fp8, matrix.SIZES["e6"][0], quiet=True, overrides=matrix.SIZES["e6"][1], family=family,
-                              precision="fp8")
+                write_fixture(
+                    fp8,
+                    matrix.SIZES["e6"][0],
+                    quiet=True,
+                    overrides=matrix.SIZES["e6"][1],
+                    family=family,
+                    precision="fp8",
+                )
                 run_cli("run", str(fp8), str(root / name), "--quiet", check=True)
                 out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
             built[family_name] = out
         return built[family_name]
+
     return get

@@ -27,7 +27,15 @@ BEFORE_GLM_DRAFT = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.
 # Releases whose draft builds eh_proj as a plain nn.Linear: never quantized.
 EH_PROJ_LINEAR = {"sglang-0.5.9", "sglang-0.5.10", "vllm-0.30.0", "vllm-0.31.0"}
 # Releases without the "any <layer>.mlp.experts.* entry excludes the experts" rule.
-NO_EXPERT_CHILD_RULE = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15", "sglang-0.5.16", "sglang-0.5.18", "sglang-0.5.19"}
+NO_EXPERT_CHILD_RULE = {
+    "sglang-0.5.9",
+    "sglang-0.5.10",
+    "sglang-0.5.11",
+    "sglang-0.5.15",
+    "sglang-0.5.16",
+    "sglang-0.5.18",
+    "sglang-0.5.19",
+}
 
 # The loopback Hub's users (conftest.py's `hub`): alice holds TOKEN, bob OTHER_TOKEN. Neither may ever be
 # written into a file, a report or an error message.
@@ -38,8 +46,14 @@ OTHER_TOKEN = "hf_otherUserToken9876543210"
 def hub_env(hub, tmp_path: Path, token: str | None = TOKEN, **extra: str) -> dict:
     """The environment that points the mxforge command (huggingface_hub) at a loopback Hub, as `token`'s
     owner (None: anonymous), plus `extra` variables."""
-    return {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_XET": "1",
-            "HF_TOKEN": token or "", "HF_HUB_DISABLE_TELEMETRY": "1", **extra}
+    return {
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_TOKEN": token or "",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        **extra,
+    }
 
 
 def _without_root_overrides() -> None:
@@ -54,14 +68,20 @@ def _without_root_overrides() -> None:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: float = 600,
-            as_user: bool = False) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, check: bool = False, env: dict | None = None, timeout: float = 600, as_user: bool = False
+) -> subprocess.CompletedProcess:
     """Run the installed `mxforge` entry point (via this interpreter) as a user would.
 
     `as_user`: file permissions apply even when the tests run as root."""
-    proc = subprocess.run([sys.executable, "-m", "mxforge.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout,
-                          preexec_fn=_without_root_overrides if as_user else None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mxforge.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+        preexec_fn=_without_root_overrides if as_user else None,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"mxforge {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -69,8 +89,13 @@ def run_cli(*args: str, check: bool = False, env: dict | None = None, timeout: f
 
 def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     """Start `mxforge` in the background (for signals and concurrent runs); read it with communicate()."""
-    return subprocess.Popen([sys.executable, "-m", "mxforge.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "mxforge.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def one_error_line(proc, code: int = 2) -> str:

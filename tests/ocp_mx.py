@@ -46,15 +46,18 @@ def e8m0_table(bias: int = E8M0_BIAS) -> torch.Tensor:
     return values
 
 
-def decode_mxfp4(codes: torch.Tensor, scales: torch.Tensor, *, low_nibble_first: bool = True,
-                 scale_bias: int = E8M0_BIAS) -> torch.Tensor:
+def decode_mxfp4(
+    codes: torch.Tensor, scales: torch.Tensor, *, low_nibble_first: bool = True, scale_bias: int = E8M0_BIAS
+) -> torch.Tensor:
     """float32 [out, in] from packed codes uint8 [out, in/2] and E8M0 scales uint8 [out, ceil(in/32)].
 
     `low_nibble_first` and `scale_bias` exist so a test can decode deliberately wrong and watch it fail.
     """
     if codes.dtype != torch.uint8 or scales.dtype != torch.uint8 or codes.dim() != 2 or scales.dim() != 2:
-        raise ValueError(f"MXFP4 needs 2-D uint8 codes and scales, got {codes.dtype}{list(codes.shape)} "
-                         f"and {scales.dtype}{list(scales.shape)}")
+        raise ValueError(
+            f"MXFP4 needs 2-D uint8 codes and scales, got {codes.dtype}{list(codes.shape)} "
+            f"and {scales.dtype}{list(scales.shape)}"
+        )
     rows, in_features = codes.shape[0], codes.shape[1] * 2
     blocks = -(-in_features // BLOCK)
     if scales.shape != (rows, blocks):
@@ -76,7 +79,9 @@ def check_quark_mxfp4_config(config: dict) -> None:
         raise ValueError(f"not a Quark MXFP4 checkpoint: quant_method={qc.get('quant_method')!r}, weight spec {got}")
 
 
-def decode_checkpoint(src: Path, dst: Path, only: Callable[[str], bool] | None = None, **decode_options) -> dict[str, int]:
+def decode_checkpoint(
+    src: Path, dst: Path, only: Callable[[str], bool] | None = None, **decode_options
+) -> dict[str, int]:
     """Write `dst`: `src` (Quark MXFP4) with every MXFP4 weight decoded to bf16 and no quantization_config,
     i.e. a plain bf16 checkpoint any loader reads. Returns counts of decoded and copied tensors.
     `decode_options` (see decode_mxfp4) apply to the weights `only` accepts (default: all); the rest decode

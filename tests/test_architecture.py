@@ -13,15 +13,42 @@ from pathlib import Path
 from helpers import REPO
 
 # Source folder -> the package it installs as (pyproject.toml's package-dir).
-PACKAGES = {"mxforge": "mxforge", "quantize": "mxforge.quantize", "fixups": "mxforge.fixups",
-            "validation": "mxforge.validation"}
-CLI_MODULES = {"mxforge.cli", "mxforge.cli_support", "mxforge.hub_cli", "mxforge.quantize.cli", "mxforge.fixups.cli",
-               "mxforge.validation.cli"}
+PACKAGES = {
+    "mxforge": "mxforge",
+    "quantize": "mxforge.quantize",
+    "fixups": "mxforge.fixups",
+    "validation": "mxforge.validation",
+}
+CLI_MODULES = {
+    "mxforge.cli",
+    "mxforge.cli_support",
+    "mxforge.hub_cli",
+    "mxforge.quantize.cli",
+    "mxforge.fixups.cli",
+    "mxforge.validation.cli",
+}
 # Modules the stages build on; they must not reach up into a stage (download, quantize, fixup, push, run).
-CORE = ("mxforge.checkpoint", "mxforge.file_hashes", "mxforge.model_card", "mxforge.provenance",
-        "mxforge.safetensors_io", "mxforge.safe_paths", "mxforge.disk_space", "mxforge.models", "mxforge.validation")
-STAGES = ("mxforge.hub_download", "mxforge.hub_push", "mxforge.pipeline", "mxforge.stream", "mxforge.quantize.run",
-          "mxforge.quantize.state", "mxforge.quantize.shard_job", "mxforge.fixups")
+CORE = (
+    "mxforge.checkpoint",
+    "mxforge.file_hashes",
+    "mxforge.model_card",
+    "mxforge.provenance",
+    "mxforge.safetensors_io",
+    "mxforge.safe_paths",
+    "mxforge.disk_space",
+    "mxforge.models",
+    "mxforge.validation",
+)
+STAGES = (
+    "mxforge.hub_download",
+    "mxforge.hub_push",
+    "mxforge.pipeline",
+    "mxforge.stream",
+    "mxforge.quantize.run",
+    "mxforge.quantize.state",
+    "mxforge.quantize.shard_job",
+    "mxforge.fixups",
+)
 
 
 def package_modules(root: Path = REPO) -> dict[str, Path]:
@@ -37,8 +64,12 @@ def package_modules(root: Path = REPO) -> dict[str, Path]:
 def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
     """The package modules `name` imports anywhere in its source (typing-only imports excluded)."""
     tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for n in ast.walk(node)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
@@ -111,8 +142,9 @@ def test_graph_sees_lazy_and_relative_imports(tmp_path):
         (tmp_path / folder / "__init__.py").write_text("")
     (tmp_path / "fixups" / "a.py").write_text("from .b import x\n")
     (tmp_path / "fixups" / "b.py").write_text("def x():\n    from mxforge.fixups.a import y\n")
-    (tmp_path / "mxforge" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                               "    from .d import z\n")
+    (tmp_path / "mxforge" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import z\n"
+    )
     (tmp_path / "mxforge" / "d.py").write_text("from . import c\n")
     assert import_cycles(import_graph(tmp_path)) == [["mxforge.fixups.a", "mxforge.fixups.b"]]
 
@@ -123,25 +155,27 @@ def test_no_import_cycle():
 
 def test_only_the_cli_imports_cli_support():
     """Library functions take the command they record from their caller; only the CLI reads sys.argv."""
-    offenders = {name for name, deps in import_graph().items()
-                 if "mxforge.cli_support" in deps and name not in CLI_MODULES}
+    offenders = {
+        name for name, deps in import_graph().items() if "mxforge.cli_support" in deps and name not in CLI_MODULES
+    }
     assert offenders == set()
 
 
 def test_core_modules_never_import_a_stage():
     """File names come from mxforge.provenance, so no core module imports a stage to learn one."""
     graph = import_graph()
-    offenders = {name: sorted(d for d in deps if _in(d, STAGES))
-                 for name, deps in graph.items() if _in(name, CORE)}
+    offenders = {name: sorted(d for d in deps if _in(d, STAGES)) for name, deps in graph.items() if _in(name, CORE)}
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_quantizer_and_checkers_load_without_a_hub_client():
     """The quantizer, validate and fixup import no Hub client (huggingface_hub, httpx): their import is fast
     and works where the Hub client is broken."""
-    probe = ("import sys, mxforge.quantize.run, mxforge.validation.validate, mxforge.validation.deep_checks, "
-             "mxforge.fixups.fixup; print(sorted(m for m in ('huggingface_hub', 'httpx', 'mxforge.hub_download', "
-             "'mxforge.cli_support') if m in sys.modules))")
+    probe = (
+        "import sys, mxforge.quantize.run, mxforge.validation.validate, mxforge.validation.deep_checks, "
+        "mxforge.fixups.fixup; print(sorted(m for m in ('huggingface_hub', 'httpx', 'mxforge.hub_download', "
+        "'mxforge.cli_support') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -151,8 +185,13 @@ def test_no_test_file_imports_another():
     offenders = {}
     for path in sorted((REPO / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             bad = [n for n in names if n.split(".")[-1] == "conftest" or n.split(".")[-1].startswith("test_")]
             if bad:
                 offenders.setdefault(path.relative_to(REPO).as_posix(), []).extend(bad)

@@ -24,11 +24,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from helpers import run_cli
 from ocp_mx import decode_checkpoint, decode_mxfp4, e2m1_value, e8m0_table
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 pytestmark = pytest.mark.slow  # quantizes and runs the model through transformers (a minute a setup)
 
@@ -96,8 +95,9 @@ def _mtp_head_tensors(ckpt: Path, layer: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def consumer_logits(ckpt: Path, ids: torch.Tensor, source_hidden: torch.Tensor | None = None,
-                    dtype: torch.dtype = COMPUTE_DTYPE) -> Logits:
+def consumer_logits(
+    ckpt: Path, ids: torch.Tensor, source_hidden: torch.Tensor | None = None, dtype: torch.dtype = COMPUTE_DTYPE
+) -> Logits:
     """Target and MTP logits of a bf16 GLM-5.2 checkpoint, computed with transformers' modules.
 
     MTP, as sglang's DeepseekModelNextN.forward (and vLLM's DeepSeekMultiTokenPredictorLayer) runs it: the
@@ -134,9 +134,12 @@ def consumer_logits(ckpt: Path, ids: torch.Tensor, source_hidden: torch.Tensor |
         batch, steps = x.shape[:2]
         positions = torch.arange(1, steps + 1).expand(batch, steps)
         causal = torch.full((steps, steps), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)
-        x, _ = host.model.layers[layer](x, attention_mask=causal.expand(batch, 1, steps, steps),
-                                        position_ids=positions,
-                                        position_embeddings=host.model.rotary_emb(x, positions))
+        x, _ = host.model.layers[layer](
+            x,
+            attention_mask=causal.expand(batch, 1, steps, steps),
+            position_ids=positions,
+            position_embeddings=host.model.rotary_emb(x, positions),
+        )
         return host.lm_head(final_norm(x)).float()
 
     served = mtp(hidden)
@@ -159,6 +162,7 @@ def sharpening(logits: torch.Tensor, entropy: float = SHARP_ENTROPY) -> float:
 def compare(source: torch.Tensor, other: torch.Tensor, scale: float) -> dict:
     """KL(source || other), mean over positions, at the common sharpening `scale` (and unsharpened: kl_raw),
     and top-1 agreement."""
+
     def kl(s: float) -> float:
         p, q = (source * s).log_softmax(-1), (other * s).log_softmax(-1)
         return (p.exp() * (p - q)).sum(-1).mean().item()
@@ -239,9 +243,11 @@ def violations(ref: Reference, measured: dict[str, dict]) -> list[str]:
 
 def report(label: str, ref: Reference, measured: dict[str, dict]) -> str:
     b = ref.bounds
-    return "\n".join(f"{label:>28} {head:>10}: KL {m['kl']:.4g} (bound {b[head]['kl']:.4g}), unsharpened "
-                     f"{m['kl_raw']:.4g} (bound {b[head]['kl_raw']:.4g}), top-1 {m['top1']:.3f} (bound {b[head]['top1']:.3f})"
-                     for head, m in measured.items())
+    return "\n".join(
+        f"{label:>28} {head:>10}: KL {m['kl']:.4g} (bound {b[head]['kl']:.4g}), unsharpened "
+        f"{m['kl_raw']:.4g} (bound {b[head]['kl_raw']:.4g}), top-1 {m['top1']:.3f} (bound {b[head]['top1']:.3f})"
+        for head, m in measured.items()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -266,11 +272,23 @@ def reference(tiny_ckpt, default_mxfp4, tmp_path_factory) -> Reference:
         draws.append(measure(ref, noisy))
     ref.noise = {head: {k: sum(d[head][k] for d in draws) / NOISE_DRAWS for k in draws[0][head]} for head in draws[0]}
     positions = {head: getattr(source, head).shape[:2].numel() for head in HEADS}
-    ref.bounds = {head: {"kl": BOUND_FACTOR * m["kl"], "kl_raw": BOUND_FACTOR * m["kl_raw"],
-                         "top1": 1 - top1_slack(1 - m["top1"], positions[head])} for head, m in ref.noise.items()}
+    ref.bounds = {
+        head: {
+            "kl": BOUND_FACTOR * m["kl"],
+            "kl_raw": BOUND_FACTOR * m["kl_raw"],
+            "top1": 1 - top1_slack(1 - m["top1"], positions[head]),
+        }
+        for head, m in ref.noise.items()
+    }
     print("\n" + report(f"noise reference (mean of {NOISE_DRAWS})", ref, ref.noise))
     # Context, not a bound: the source's own weights computed in bf16 instead of float32.
-    print(report("source, bf16 arithmetic", ref, against_source(ref, consumer_logits(tiny_ckpt, ids, source.hidden, torch.bfloat16))))
+    print(
+        report(
+            "source, bf16 arithmetic",
+            ref,
+            against_source(ref, consumer_logits(tiny_ckpt, ids, source.hidden, torch.bfloat16)),
+        )
+    )
     return ref
 
 
@@ -285,7 +303,10 @@ def test_mxfp4_logits_match_source(rule, tiny_ckpt, default_mxfp4, reference, tm
     counts = decode_checkpoint(ckpt, decoded)
     assert counts["decoded"] == len(quantized_weight_names(default_mxfp4)) > 0
     measured = measure(reference, decoded)
-    print(f"\nweight relative RMS error over the {counts['decoded']} MXFP4 tensors: {weight_rel_rms(tiny_ckpt, decoded):.4f}")
+    print(
+        f"\nweight relative RMS error over the {counts['decoded']} MXFP4 tensors: "
+        f"{weight_rel_rms(tiny_ckpt, decoded):.4f}"
+    )
     print(report(f"mxfp4 ({rule or 'quark'})", reference, measured))
     assert not violations(reference, measured), report(f"mxfp4 ({rule or 'quark'})", reference, measured)
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import one_error_line, run_cli
 from safetensors import safe_open
 
-from helpers import one_error_line, run_cli
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.provenance import DEQUANTIZE_NAME
 from mxforge.quantize.quark_ref import quark_dequantize_weight
@@ -34,8 +34,17 @@ def runs(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path, Path, dict]:
     """(scale rule, MXFP4 checkpoint, its dequantization, quantize's report)."""
     work = tmp_path_factory.mktemp(f"deq-{request.param}")
     mxfp4, bf16 = work / "mxfp4", work / "bf16"
-    run_cli("quantize", str(tiny_ckpt), str(mxfp4), "--quiet", "--scale-rule", request.param, "--json",
-            str(work / "q.json"), check=True)
+    run_cli(
+        "quantize",
+        str(tiny_ckpt),
+        str(mxfp4),
+        "--quiet",
+        "--scale-rule",
+        request.param,
+        "--json",
+        str(work / "q.json"),
+        check=True,
+    )
     proc = run_cli("dequantize", str(mxfp4), str(bf16), "--json", str(work / "d.json"), check=True)
     assert "dequantized" in proc.stdout
     return request.param, mxfp4, bf16, json.loads((work / "q.json").read_text())
@@ -53,7 +62,9 @@ def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouch
             want = quark_dequantize_weight(packed[name], packed[f"{name}_scale"], torch.bfloat16)
             assert torch.equal(t, want.to(torch.bfloat16)), name
         else:
-            assert t.dtype == packed[name].dtype and torch.equal(t.view(torch.uint8), packed[name].view(torch.uint8)), name
+            assert t.dtype == packed[name].dtype and torch.equal(t.view(torch.uint8), packed[name].view(torch.uint8)), (
+                name
+            )
     config = json.loads((bf16 / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["architectures"] == json.loads((mxfp4 / "config.json").read_text())["architectures"]
@@ -62,7 +73,10 @@ def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouch
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in unpacked.values())
     report = json.loads((bf16 / DEQUANTIZE_NAME).read_text())
     assert report["status"] == "done" and report["dequantized"] == len(scales)
-    assert not list(bf16.glob("*.partial")) and (bf16 / "tokenizer.json").read_bytes() == (mxfp4 / "tokenizer.json").read_bytes()
+    assert (
+        not list(bf16.glob("*.partial"))
+        and (bf16 / "tokenizer.json").read_bytes() == (mxfp4 / "tokenizer.json").read_bytes()
+    )
 
 
 def test_quantize_error_report_is_what_the_dequantized_checkpoint_shows(runs, tiny_ckpt):
@@ -73,7 +87,7 @@ def test_quantize_error_report_is_what_the_dequantized_checkpoint_shows(runs, ti
     total_err = total_ref = 0.0
     for name, measured in error["tensors"].items():
         x, q = source[name].double(), unpacked[name].double()
-        err, ref = ((x - q) ** 2).sum().item(), (x ** 2).sum().item()
+        err, ref = ((x - q) ** 2).sum().item(), (x**2).sum().item()
         total_err, total_ref = total_err + err, total_ref + ref
         assert measured["rel_rmse"] == pytest.approx((err / ref) ** 0.5, abs=2e-6), name
         assert measured["max_abs_err"] == pytest.approx((x - q).abs().max().item(), rel=1e-5), name
@@ -97,6 +111,8 @@ def test_refuses_a_foreign_out_and_a_checkpoint_without_mxfp4(runs, tiny_ckpt, t
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    assert "not a previous `mxforge dequantize` output" in one_error_line(run_cli("dequantize", str(mxfp4), str(foreign)))
+    assert "not a previous `mxforge dequantize` output" in one_error_line(
+        run_cli("dequantize", str(mxfp4), str(foreign))
+    )
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"] and (foreign / "notes.txt").read_text() == "mine"
     assert "no MXFP4 weight" in one_error_line(run_cli("dequantize", str(tiny_ckpt), str(tmp_path / "o")))

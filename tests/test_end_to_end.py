@@ -5,15 +5,14 @@ import shutil
 
 import pytest
 import torch
+from helpers import BASE, GLM5, MTP, run_cli
+from quark_like import write_quark_like
 from safetensors import safe_open
 
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.validation.profiles import all_profiles
-from quark_like import write_quark_like
-from mxforge.validation.validate import validate_checkpoint
 from mxforge.quantize.run import quantize_checkpoint
-
-from helpers import GLM5, BASE, MTP, run_cli
+from mxforge.validation.profiles import all_profiles
+from mxforge.validation.validate import validate_checkpoint
 
 pytestmark = pytest.mark.slow  # the real quantizer's output, fixed up and validated
 
@@ -32,7 +31,12 @@ def test_quantize_then_validate_fails_old_sglang_then_fixup_passes_everywhere(qu
     report = json.loads(proc.stdout)
     assert proc.returncode == 1
     failing = {r["profile"] for r in report["releases"] if not r["ok"]}
-    assert failing == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}  # before GLM's own draft class
+    assert failing == {
+        "sglang-0.5.9",
+        "sglang-0.5.10",
+        "sglang-0.5.11",
+        "sglang-0.5.15",
+    }  # before GLM's own draft class
     assert report["engines"]["sglang==0.5.15.post1"] is False and report["engines"]["sglang==0.5.16"] is True
     assert report["engines"]["vllm==0.33.0"] is True
     subjects = {p["subject"] for p in report["problems"]}
@@ -68,7 +72,11 @@ def test_mtp_from_reinjects_the_layer_as_the_quantizer_writes_it(tiny_ckpt, quan
         for name in mtp:
             with safe_open(str(quantized_tiny / reference[name]), "pt") as ref:
                 a, b = mine.get_tensor(name), ref.get_tensor(name)
-                assert a.dtype == b.dtype and a.shape == b.shape and a.view(-1).view(torch.uint8).equal(b.view(-1).view(torch.uint8)), name
+                assert (
+                    a.dtype == b.dtype
+                    and a.shape == b.shape
+                    and a.view(-1).view(torch.uint8).equal(b.view(-1).view(torch.uint8))
+                ), name
 
     again = fixup_checkpoint(ckpt, mtp_from=tiny_ckpt, recipe="glm-5.2-mxfp4")
     assert not again.changed and "already holds MTP layer(s) [7]" in again.warnings[0]

@@ -14,14 +14,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from engine_truth import matrix, probe_io
 from engine_truth.wheels import Release, available_versions
+
+from mxforge.models import FAMILIES
 from mxforge.validation.matching import DRAFT, TARGET
 from mxforge.validation.profiles import all_profiles, load_profile, release_ranges
 from mxforge.validation.validate import validate_checkpoint
-from mxforge.models import FAMILIES
-
 
 pytestmark = pytest.mark.engines
 
@@ -37,6 +36,7 @@ def family_loaded(family_cases):
         if family_name not in cache:
             cache[family_name] = {name: c.load() for name, c in family_cases(family_name).items()}
         return cache[family_name]
+
     return get
 
 
@@ -47,9 +47,13 @@ def family_reports(family_cases):
 
     def get(family_name: str) -> dict:
         if family_name not in cache:
-            cache[family_name] = {name: validate_checkpoint(c.path) for name, c in family_cases(family_name).items()
-                                  if "/run-" in name or name.endswith("recipe-default/fixed")}
+            cache[family_name] = {
+                name: validate_checkpoint(c.path)
+                for name, c in family_cases(family_name).items()
+                if "/run-" in name or name.endswith("recipe-default/fixed")
+            }
         return cache[family_name]
+
     return get
 
 
@@ -65,12 +69,14 @@ def answers(family_cases, family_loaded):
             requests = [matrix.request(profile, c, loaded[name]) for name, c in family_cases(family_name).items()]
             cache[family_name, release] = probe_io.run_probe(profile.engine, release, requests)
         return cache[family_name, release]
+
     return get
 
 
 @pytest.mark.parametrize("family_name,profile_name,release", RELEASES, ids=IDS)
-def test_profile_decides_every_module_as_the_release_does(family_name, profile_name, release, family_cases,
-                                                          family_loaded, answers):
+def test_profile_decides_every_module_as_the_release_does(
+    family_name, profile_name, release, family_cases, family_loaded, answers
+):
     profile, found = load_profile(profile_name, family_name), answers(family_name, profile_name, release)
     cases, loaded = family_cases(family_name), family_loaded(family_name)
     wrong = {name: matrix.mismatches(profile, loaded[name], found[name]) for name in cases}
@@ -79,8 +85,9 @@ def test_profile_decides_every_module_as_the_release_does(family_name, profile_n
 
 
 @pytest.mark.parametrize("family_name,profile_name,release", RELEASES, ids=IDS)
-def test_pipeline_output_loads_in_the_release(family_name, profile_name, release, family_loaded, answers,
-                                              family_reports):
+def test_pipeline_output_loads_in_the_release(
+    family_name, profile_name, release, family_loaded, answers, family_reports
+):
     """`mxforge run` output (and its full-layout counterpart) loads per the release's own decisions: every module
     it builds, served with the flags validate names, finds its tensors stored as it allocates them."""
     profile, loaded = load_profile(profile_name, family_name), family_loaded(family_name)
@@ -99,8 +106,11 @@ def test_pipeline_output_loads_in_the_release(family_name, profile_name, release
                 engine_form = probe_io.allocated(found[role]["decisions"][m.runtime])
                 stored = {ckpt.stored[lin.name].form for lin in m.shards}
                 if m.is_experts and fused:
-                    shared = [lin for local, lin in ckpt.linears[int(m.checkpoint.split(".")[2])].others.items()
-                              if local.startswith("mlp.shared_experts.")]
+                    shared = [
+                        lin
+                        for local, lin in ckpt.linears[int(m.checkpoint.split(".")[2])].others.items()
+                        if local.startswith("mlp.shared_experts.")
+                    ]
                     stored |= {ckpt.stored[lin.name].form for lin in shared}
                 assert stored == {engine_form}, f"{name}: {release} builds {m.runtime} {engine_form}, stored {stored}"
         eh = found[DRAFT]["eh_proj"]["decision"]
@@ -112,30 +122,51 @@ PERTURBATIONS = {
     "fused names honoured": lambda p: dataclasses.replace(p, fused_name_first=not p.fused_name_first),
     "expert child entries": lambda p: dataclasses.replace(p, expert_child_entries=not p.expert_child_entries),
     "packed modules": lambda p: dataclasses.replace(p, packed=frozenset(p.fused) - p.packed or frozenset()),
-    "draft remap": lambda p: dataclasses.replace(p, draft=dataclasses.replace(
-        p.draft, remap_mtp_entries=not p.draft.remap_mtp_entries)),
-    "whole-draft switch": lambda p: dataclasses.replace(p, draft=dataclasses.replace(
-        p.draft, whole_draft_switch=not p.draft.whole_draft_switch)),
-    "eh_proj quantizable": lambda p: dataclasses.replace(p, draft=dataclasses.replace(
-        p.draft, eh_proj_quantizable=not p.draft.eh_proj_quantizable)),
+    "draft remap": lambda p: dataclasses.replace(
+        p, draft=dataclasses.replace(p.draft, remap_mtp_entries=not p.draft.remap_mtp_entries)
+    ),
+    "whole-draft switch": lambda p: dataclasses.replace(
+        p, draft=dataclasses.replace(p.draft, whole_draft_switch=not p.draft.whole_draft_switch)
+    ),
+    "eh_proj quantizable": lambda p: dataclasses.replace(
+        p, draft=dataclasses.replace(p.draft, eh_proj_quantizable=not p.draft.eh_proj_quantizable)
+    ),
     "draft fusion": lambda p: dataclasses.replace(p, fusion=dataclasses.replace(p.fusion, draft=not p.fusion.draft)),
-    "fusion veto": lambda p: dataclasses.replace(p, fusion=dataclasses.replace(
-        p.fusion, veto="none" if p.fusion.veto != "none" else "shared-expert-entry")),
-    "expert allow-list": lambda p: dataclasses.replace(p, fusion=dataclasses.replace(p.fusion, n_routed_experts=(6, 256))),
-    "exclude source": lambda p: dataclasses.replace(p, exclude_source="raw" if p.exclude_source == "mapped" else "mapped",
-                                                    draft=dataclasses.replace(p.draft, name_mapper=(("model.layers.61", "model.decoder"),))),
-    "name mapper": lambda p: dataclasses.replace(p, draft=dataclasses.replace(
-        p.draft, name_mapper=() if p.draft.name_mapper else (("model.layers.61", "model.decoder"),))),
+    "fusion veto": lambda p: dataclasses.replace(
+        p, fusion=dataclasses.replace(p.fusion, veto="none" if p.fusion.veto != "none" else "shared-expert-entry")
+    ),
+    "expert allow-list": lambda p: dataclasses.replace(
+        p, fusion=dataclasses.replace(p.fusion, n_routed_experts=(6, 256))
+    ),
+    "exclude source": lambda p: dataclasses.replace(
+        p,
+        exclude_source="raw" if p.exclude_source == "mapped" else "mapped",
+        draft=dataclasses.replace(p.draft, name_mapper=(("model.layers.61", "model.decoder"),)),
+    ),
+    "name mapper": lambda p: dataclasses.replace(
+        p,
+        draft=dataclasses.replace(
+            p.draft, name_mapper=() if p.draft.name_mapper else (("model.layers.61", "model.decoder"),)
+        ),
+    ),
     "weights-only MXFP4": lambda p: dataclasses.replace(p, mxfp4_needs_fp4_inputs=not p.mxfp4_needs_fp4_inputs),
     "per-expert layer configs": lambda p: dataclasses.replace(p, expert_layer_configs=not p.expert_layer_configs),
 }
 
 
 # One release of each behaviour a perturbation flips.
-PINNING_RELEASES = [("sglang-0.5.9", "0.5.9"), ("sglang-0.5.10", "0.5.10"), ("sglang-0.5.11", "0.5.14"),
-                    ("sglang-0.5.15", "0.5.15.post1"),
-                    ("sglang-0.5.16", "0.5.16"), ("sglang-0.5.18", "0.5.18"), ("sglang-0.5.21", "0.5.21"),
-                    ("sglang-0.5.22", "0.5.23"), ("vllm-0.30.0", "0.30.0"), ("vllm-0.31.0", "0.33.0")]
+PINNING_RELEASES = [
+    ("sglang-0.5.9", "0.5.9"),
+    ("sglang-0.5.10", "0.5.10"),
+    ("sglang-0.5.11", "0.5.14"),
+    ("sglang-0.5.15", "0.5.15.post1"),
+    ("sglang-0.5.16", "0.5.16"),
+    ("sglang-0.5.18", "0.5.18"),
+    ("sglang-0.5.21", "0.5.21"),
+    ("sglang-0.5.22", "0.5.23"),
+    ("vllm-0.30.0", "0.30.0"),
+    ("vllm-0.31.0", "0.33.0"),
+]
 
 
 @pytest.mark.parametrize("family_name", [f.name for f in FAMILIES])
@@ -155,13 +186,20 @@ def test_a_profile_edited_wrong_fails_conformance(what, family_name, family_case
 
 
 # Releases on either side of the change in sglang 0.5.18 (the draft's fusion gate no longer reads the target's refusal).
-REFUSAL_RELEASES = [("sglang-0.5.11", "0.5.14"), ("sglang-0.5.15", "0.5.15"), ("sglang-0.5.16", "0.5.17"),
-                    ("sglang-0.5.18", "0.5.18"), ("sglang-0.5.19", "0.5.20"), ("sglang-0.5.22", "0.5.22")]
+REFUSAL_RELEASES = [
+    ("sglang-0.5.11", "0.5.14"),
+    ("sglang-0.5.15", "0.5.15"),
+    ("sglang-0.5.16", "0.5.17"),
+    ("sglang-0.5.18", "0.5.18"),
+    ("sglang-0.5.19", "0.5.20"),
+    ("sglang-0.5.22", "0.5.22"),
+]
 
 
 @pytest.mark.parametrize("profile_name,release", REFUSAL_RELEASES, ids=[r for _, r in REFUSAL_RELEASES])
-def test_whether_the_target_refusal_reaches_the_draft_is_pinned(profile_name, release, family_cases, family_loaded,
-                                                                answers):
+def test_whether_the_target_refusal_reaches_the_draft_is_pinned(
+    profile_name, release, family_cases, family_loaded, answers
+):
     """DeepSeek-V3.2's target never fuses its shared expert while its draft's own gate would, so its draft tells
     whether a target's refusal reaches the draft: flipping `fusion.target_refusal_reaches_draft` makes the release
     disagree, where it does (before 0.5.18) and where it does not. (In the other families the target fuses whenever
@@ -170,7 +208,9 @@ def test_whether_the_target_refusal_reaches_the_draft_is_pinned(profile_name, re
     cases, loaded = family_cases(family_name), family_loaded(family_name)
     profile = load_profile(profile_name, family_name)
     flipped = not profile.fusion.target_refusal_reaches_draft
-    wrong = dataclasses.replace(profile, fusion=dataclasses.replace(profile.fusion, target_refusal_reaches_draft=flipped))
+    wrong = dataclasses.replace(
+        profile, fusion=dataclasses.replace(profile.fusion, target_refusal_reaches_draft=flipped)
+    )
     found = answers(family_name, profile_name, release)
     caught = [name for name in cases if matrix.mismatches(wrong, loaded[name], found[name])]
     assert caught, f"{release}: target_refusal_reaches_draft = {flipped} went unnoticed by every case"
@@ -185,7 +225,9 @@ def test_anchors_and_serving_flags_exist_in_the_release(family_name, profile_nam
         module = anchor.file[:-3].replace("/", ".")
         text = rel.source(module)
         assert text is not None, f"{release}: {anchor.file} is gone ({anchor.rule})"
-        assert anchor.contains in text, f"{release}: {anchor.file} no longer contains {anchor.contains!r} ({anchor.rule})"
+        assert anchor.contains in text, (
+            f"{release}: {anchor.file} no longer contains {anchor.contains!r} ({anchor.rule})"
+        )
     sources = "\n".join(rel.source(m) or "" for m in rel.modules_under(profile.serve_source))
     flags = [w for w in profile.serve_command.split() if w.startswith("--")] + [profile.fusion.server_flag]
     for flag in flags:  # a command-line flag, or an environment variable NAME=VALUE

@@ -9,6 +9,7 @@ the releases' own code; a new profile falls under the newest behaviour unless it
 from __future__ import annotations
 
 import pytest
+from helpers import BEFORE_GLM_DRAFT, EH_PROJ_LINEAR, GLM5, MTP, NO_EXPERT_CHILD_RULE
 
 from mxforge.fixture import preset_config
 from mxforge.models import layout_of
@@ -18,8 +19,6 @@ from mxforge.validation.matching import ExcludeList, engine_excludes, is_glob
 from mxforge.validation.modules import checkpoint_linears
 from mxforge.validation.profiles import all_profiles
 from mxforge.validation.tensor_forms import BF16, MXFP4
-
-from helpers import BEFORE_GLM_DRAFT, EH_PROJ_LINEAR, GLM5, MTP, NO_EXPERT_CHILD_RULE
 
 PROFILES = all_profiles(GLM5)
 RAISES = None  # decide's form when the engine raises while deciding
@@ -40,25 +39,50 @@ DECISIONS = [
     ("nothing excluded: attention is MXFP4", [], "model.layers.0.self_attn.o_proj", lambda p: MXFP4),
     ("lm_head is never quantized", [], "lm_head", lambda p: BF16),
     ("the router is never quantized", [], f"model.layers.{EXPERT_LAYER}.mlp.gate", lambda p: BF16),
-    ("eh_proj is a plain nn.Linear in some drafts", [], f"model.layers.{MTP}.eh_proj",
-     lambda p: BF16 if p.name in EH_PROJ_LINEAR else MXFP4),
+    (
+        "eh_proj is a plain nn.Linear in some drafts",
+        [],
+        f"model.layers.{MTP}.eh_proj",
+        lambda p: BF16 if p.name in EH_PROJ_LINEAR else MXFP4,
+    ),
     ("globs match nothing", ["*self_attn*"], "model.layers.0.self_attn.o_proj", lambda p: MXFP4),
     ("re: entries match by regex", ["re:.*self_attn.*"], "model.layers.0.self_attn.o_proj", lambda p: BF16),
-    ("an exact entry excludes its module", ["model.layers.0.self_attn.o_proj"], "model.layers.0.self_attn.o_proj",
-     lambda p: BF16),
-    ("an MTP entry by its checkpoint name reaches the draft from sglang 0.5.16 on, and in vLLM",
-     [f"model.layers.{MTP}.self_attn.o_proj"], f"model.layers.{MTP}.self_attn.o_proj",
-     lambda p: MXFP4 if p.name in BEFORE_GLM_DRAFT else BF16),
-    ("sglang builds the draft as model.decoder; vLLM under the checkpoint's name",
-     ["model.decoder.self_attn.o_proj"], f"model.layers.{MTP}.self_attn.o_proj",
-     lambda p: MXFP4 if _vllm(p) else BF16),
-    ("entries naming every expert exclude the experts where the child rule exists", EXPERT_CHILDREN,
-     f"model.layers.{EXPERT_LAYER}.mlp.experts", lambda p: MXFP4 if p.name in NO_EXPERT_CHILD_RULE else BF16),
-    ("one shard of the fused qkv_a excluded: the engine raises", ["model.layers.0.self_attn.q_a_proj"],
-     "model.layers.0.self_attn.kv_a_proj_with_mqa", lambda p: RAISES),
-    ("both shards of the fused qkv_a excluded: bf16",
-     ["model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa"],
-     "model.layers.0.self_attn.kv_a_proj_with_mqa", lambda p: BF16),
+    (
+        "an exact entry excludes its module",
+        ["model.layers.0.self_attn.o_proj"],
+        "model.layers.0.self_attn.o_proj",
+        lambda p: BF16,
+    ),
+    (
+        "an MTP entry by its checkpoint name reaches the draft from sglang 0.5.16 on, and in vLLM",
+        [f"model.layers.{MTP}.self_attn.o_proj"],
+        f"model.layers.{MTP}.self_attn.o_proj",
+        lambda p: MXFP4 if p.name in BEFORE_GLM_DRAFT else BF16,
+    ),
+    (
+        "sglang builds the draft as model.decoder; vLLM under the checkpoint's name",
+        ["model.decoder.self_attn.o_proj"],
+        f"model.layers.{MTP}.self_attn.o_proj",
+        lambda p: MXFP4 if _vllm(p) else BF16,
+    ),
+    (
+        "entries naming every expert exclude the experts where the child rule exists",
+        EXPERT_CHILDREN,
+        f"model.layers.{EXPERT_LAYER}.mlp.experts",
+        lambda p: MXFP4 if p.name in NO_EXPERT_CHILD_RULE else BF16,
+    ),
+    (
+        "one shard of the fused qkv_a excluded: the engine raises",
+        ["model.layers.0.self_attn.q_a_proj"],
+        "model.layers.0.self_attn.kv_a_proj_with_mqa",
+        lambda p: RAISES,
+    ),
+    (
+        "both shards of the fused qkv_a excluded: bf16",
+        ["model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa"],
+        "model.layers.0.self_attn.kv_a_proj_with_mqa",
+        lambda p: BF16,
+    ),
 ]
 
 
@@ -105,8 +129,14 @@ def test_modules_cover_every_linear_once(profile):
 
 
 # (entry, is a glob): Quark's shell patterns vs the engines' exact names and re: regexes.
-GLOBS = [("*self_attn*", True), ("model.layers.[0-3].mlp", True), ("model.layers.?.eh_proj", True),
-         ("model.layers.0.self_attn.o_proj", False), ("re:.*self_attn.*", False), ("re:model\\.layers\\.[0-3]", False)]
+GLOBS = [
+    ("*self_attn*", True),
+    ("model.layers.[0-3].mlp", True),
+    ("model.layers.?.eh_proj", True),
+    ("model.layers.0.self_attn.o_proj", False),
+    ("re:.*self_attn.*", False),
+    ("re:model\\.layers\\.[0-3]", False),
+]
 
 
 @pytest.mark.parametrize("entry, glob", GLOBS)
@@ -135,4 +165,5 @@ def test_expert_child_rule(profile):
     """`engine_excludes` on the experts module: a child entry counts only where the release has the rule."""
     children = ExcludeList((f"model.layers.{EXPERT_LAYER}.mlp.experts.0.gate_proj",))
     assert engine_excludes(profile, f"model.layers.{EXPERT_LAYER}.mlp.experts", True, children) == (
-        profile.name not in NO_EXPERT_CHILD_RULE)
+        profile.name not in NO_EXPERT_CHILD_RULE
+    )

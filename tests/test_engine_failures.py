@@ -8,15 +8,14 @@ test_engine_conformance.py; these tests run offline.
 import json
 
 import pytest
+from helpers import AMD, BASE, BEFORE_GLM_DRAFT, EH_PROJ_LINEAR, GLM5, MTP, NO_EXPERT_CHILD_RULE
+from quark_like import write_quark_like
 
 from mxforge.errors import ConfigError
 from mxforge.fixture import write_fixture
 from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.validation.profiles import all_profiles, parse_engines_arg, select
-from quark_like import write_quark_like
 from mxforge.validation.validate import validate_checkpoint
-
-from helpers import AMD, BASE, BEFORE_GLM_DRAFT, EH_PROJ_LINEAR, GLM5, MTP, NO_EXPERT_CHILD_RULE
 
 PROFILES = [p.name for p in all_profiles(GLM5)]
 
@@ -27,6 +26,7 @@ def export(tiny_ckpt, tmp_path):
         out = tmp_path / f"q{len(list(tmp_path.iterdir()))}"
         write_quark_like(tiny_ckpt, out, patterns, **kw)
         return out
+
     return make
 
 
@@ -51,12 +51,19 @@ def test_mtp_exclusions_miss_the_draft_before_sglang_0_5_16_and_fixup_cures(expo
     assert failing(ckpt) == BEFORE_GLM_DRAFT
     assert report.verdict().startswith("loads: sglang 0.5.16-0.5.23, vllm 0.30.0-0.33.0; FAILS: sglang 0.5.9 (")
     old = {p.subject: p for p in report.problems if p.engine == "sglang-0.5.11"}
-    for name in ("model.decoder.mlp.shared_experts.gate_up_proj", "model.decoder.self_attn.fused_qkv_a_proj_with_mqa",
-                 "model.decoder.mlp.experts", "model.eh_proj", "model.decoder.self_attn.o_proj"):
+    for name in (
+        "model.decoder.mlp.shared_experts.gate_up_proj",
+        "model.decoder.self_attn.fused_qkv_a_proj_with_mqa",
+        "model.decoder.mlp.experts",
+        "model.eh_proj",
+        "model.decoder.self_attn.o_proj",
+    ):
         assert name in old, name
     assert old["model.decoder.mlp.shared_experts.gate_up_proj"].format() == (
-        "sglang-0.5.11: model.decoder.mlp.shared_experts.gate_up_proj: would be MXFP4 (uint8 [128, 128]) but the checkpoint "
-        f"holds bf16 [64, 256] x2 under model.layers.{MTP}.mlp.shared_experts.{{gate,up}}_proj: run mxforge fixup")
+        "sglang-0.5.11: model.decoder.mlp.shared_experts.gate_up_proj: would be MXFP4 (uint8 [128, 128]) "
+        "but the checkpoint "
+        f"holds bf16 [64, 256] x2 under model.layers.{MTP}.mlp.shared_experts.{{gate,up}}_proj: run mxforge fixup"
+    )
     # 0.5.9 and 0.5.10 do not expand gate_up_proj into its shards: the dense MLPs need their fused name too.
     assert "model.layers.0.mlp.gate_up_proj" in subjects(report, "sglang-0.5.9")
     assert "model.layers.0.mlp.gate_up_proj" not in subjects(report, "sglang-0.5.11")
@@ -64,11 +71,18 @@ def test_mtp_exclusions_miss_the_draft_before_sglang_0_5_16_and_fixup_cures(expo
     result = fixup_checkpoint(ckpt)
     added = {a["entry"] for a in result.applied}
     # Shard names for releases that ignore fused names in exclude, fused names for those that read them.
-    assert {"model.decoder.self_attn.q_a_proj", "model.decoder.self_attn.kv_a_proj_with_mqa",
-            "model.decoder.mlp.shared_experts.gate_proj", "model.decoder.mlp.shared_experts.up_proj",
-            "model.decoder.self_attn.fused_qkv_a_proj_with_mqa", "model.decoder.mlp.experts", "model.eh_proj",
-            "model.layers.0.mlp.gate_up_proj", f"model.layers.{MTP}.self_attn.fused_qkv_a_proj",
-            f"model.layers.{MTP}.mlp.experts"} <= added
+    assert {
+        "model.decoder.self_attn.q_a_proj",
+        "model.decoder.self_attn.kv_a_proj_with_mqa",
+        "model.decoder.mlp.shared_experts.gate_proj",
+        "model.decoder.mlp.shared_experts.up_proj",
+        "model.decoder.self_attn.fused_qkv_a_proj_with_mqa",
+        "model.decoder.mlp.experts",
+        "model.eh_proj",
+        "model.layers.0.mlp.gate_up_proj",
+        f"model.layers.{MTP}.self_attn.fused_qkv_a_proj",
+        f"model.layers.{MTP}.mlp.experts",
+    } <= added
     assert not result.remaining and not failing(ckpt)
     assert not fixup_checkpoint(ckpt).changed
 
@@ -104,7 +118,9 @@ def test_bf16_eh_proj_needs_model_eh_proj_where_it_is_quantizable_and_not_remapp
     report = validate_checkpoint(ckpt)
     assert "model.eh_proj" in subjects(report, "sglang-0.5.11")
     for profile in EH_PROJ_LINEAR | {"sglang-0.5.16", "sglang-0.5.22"}:  # never quantized, or remapped
-        assert "model.eh_proj" not in subjects(report, profile) and f"model.layers.{MTP}.eh_proj" not in subjects(report, profile)
+        assert "model.eh_proj" not in subjects(report, profile) and f"model.layers.{MTP}.eh_proj" not in subjects(
+            report, profile
+        )
     fixup_checkpoint(ckpt)
     assert "model.eh_proj" in json.loads((ckpt / "config.json").read_text())["quantization_config"]["exclude"]
     assert not failing(ckpt)
@@ -142,7 +158,10 @@ def test_fused_shards_that_disagree_in_exclude_are_cured_by_naming_every_shard(e
         assert "Found different quantization schemes" in p.message and "mxforge fixup" in p.remedy
     added = {a["entry"] for a in fixup_checkpoint(ckpt).applied if ".layers.0.self_attn" in a["entry"]}
     # The missing shard cures every release (vLLM's fused name is then not needed).
-    assert added == {"model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa"}
+    assert added == {
+        "model.layers.0.self_attn.kv_a_proj_with_mqa",
+        "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa",
+    }
     assert not failing(ckpt)
 
 
@@ -150,8 +169,11 @@ def test_fused_shards_stored_differently_are_reported_not_fixed(export):
     ckpt = export(["*q_a_proj", "*mlp.gate", "*lm_head", "*indexer*"])
     report = validate_checkpoint(ckpt)
     for profile in PROFILES:
-        assert any("re-quantize" in p.remedy and "fused_qkv_a_proj" in p.subject
-                   for p in report.problems if p.engine == profile), profile
+        assert any(
+            "re-quantize" in p.remedy and "fused_qkv_a_proj" in p.subject
+            for p in report.problems
+            if p.engine == profile
+        ), profile
     assert fixup_checkpoint(ckpt).remaining
 
 
@@ -182,7 +204,10 @@ def test_export_without_the_mtp_layer(export):
 
 def test_doctor_says_what_kind_of_export_it_is(export):
     notes = validate_checkpoint(export(AMD)).notes
-    assert any("exact module name" in n for n in notes) and f"MTP layer {MTP} is entirely bf16 (37 linear weights)" in notes
+    assert (
+        any("exact module name" in n for n in notes)
+        and f"MTP layer {MTP} is entirely bf16 (37 linear weights)" in notes
+    )
     notes = validate_checkpoint(export(BASE)).notes
     assert any(n.startswith(f"MTP layer {MTP}:") and "MXFP4" in n for n in notes)
 
@@ -207,7 +232,9 @@ def test_weights_only_mxfp4_loads_in_vllm_but_no_sglang(export):
     fixup_checkpoint(ckpt)
     report = validate_checkpoint(ckpt)
     assert failing(ckpt) == {p for p in PROFILES if p.startswith("sglang")}
-    problem = next(p for p in report.problems if p.engine == "sglang-0.5.22" and p.subject == "model.layers.3.mlp.experts")
+    problem = next(
+        p for p in report.problems if p.engine == "sglang-0.5.22" and p.subject == "model.layers.3.mlp.experts"
+    )
     assert "No quark compatible scheme" in problem.message
 
 
@@ -235,12 +262,18 @@ def test_shared_expert_fusion_at_256_experts(full_layout_ckpt, tmp_path):
     fused = {p.engine for p in report.requirements if "shared-expert fusion" in p.message}
     assert fused == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15", "sglang-0.5.22"}
     assert "serve with --disable-shared-experts-fusion (no exclude entry" in next(
-        p.remedy for p in report.requirements if p.engine == "sglang-0.5.11")
+        p.remedy for p in report.requirements if p.engine == "sglang-0.5.11"
+    )
     fixup_checkpoint(ckpt)
     report = validate_checkpoint(ckpt)
     assert report.ok, report.format()
     # An exclusion now vetoes the fusion from 0.5.18 on; before that only the server flag avoids it.
-    assert {p.engine for p in report.requirements} == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}
+    assert {p.engine for p in report.requirements} == {
+        "sglang-0.5.9",
+        "sglang-0.5.10",
+        "sglang-0.5.11",
+        "sglang-0.5.15",
+    }
     assert "sglang 0.5.9-0.5.15.post1 (with --disable-shared-experts-fusion)" in report.verdict()
     serve = {s["releases"]: s for s in report.serve}
     assert serve["sglang 0.5.9-0.5.15.post1"]["command"].endswith(" --disable-shared-experts-fusion")
@@ -267,8 +300,10 @@ def test_deepseek_v32_draft_decides_its_own_fusion_from_sglang_0_5_18(tmp_path):
     fixup_checkpoint(ckpt)
     report = validate_checkpoint(ckpt, "sglang")
     assert report.ok and not report.requirements, report.format()
-    assert any(e.startswith("model.decoder.mlp.shared_experts.") for e in
-               json.loads((ckpt / "config.json").read_text())["quantization_config"]["exclude"])
+    assert any(
+        e.startswith("model.decoder.mlp.shared_experts.")
+        for e in json.loads((ckpt / "config.json").read_text())["quantization_config"]["exclude"]
+    )
 
 
 def test_index_total_size_is_a_warning_that_fixup_repairs(export):
@@ -295,8 +330,11 @@ def test_engines_selection_by_name_range_and_version():
     assert picked("sglang-0.5.22, vllm") == picked("sglang-0.5.22 vllm") == picked("sglang==0.5.22 sglang==0.5.23 vllm")
     assert len(picked(None)) == sum(len(p.read) for p in all_profiles(GLM5))
     assert parse_engines_arg("sglang,vllm") == ["sglang", "vllm"]
-    for bad, says in (("sglang==0.5.24", "matches no supported sglang release"), ("trt-llm", "is not an engine"),
-                      ("sglang>>1", "not a version specifier")):
+    for bad, says in (
+        ("sglang==0.5.24", "matches no supported sglang release"),
+        ("trt-llm", "is not an engine"),
+        ("sglang>>1", "not a version specifier"),
+    ):
         with pytest.raises(ConfigError, match=says):
             select(bad, GLM5)
 

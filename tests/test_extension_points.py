@@ -15,9 +15,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from quark_like import write_quark_like
-
 from helpers import AMD, REPO, run_cli
+from quark_like import write_quark_like
 
 pytestmark = pytest.mark.slow
 
@@ -27,17 +26,33 @@ def package_copy(dest: Path) -> Path:
     directory to put on PYTHONPATH."""
     package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     for package, folder in sorted(package_dir.items()):  # "mxforge" first: the others go inside it
-        shutil.copytree(REPO / folder, dest / package.replace(".", "/"),
-                        ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        shutil.copytree(
+            REPO / folder,
+            dest / package.replace(".", "/"),
+            ignore=shutil.ignore_patterns("__pycache__"),
+            dirs_exist_ok=True,
+        )
     return dest
 
 
 def run_copy(root: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`mxforge ARGS` from the copy at `root` (it comes first on the path, before the installed package)."""
     env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-P", "-c", "import sys, mxforge.cli; assert mxforge.cli.__file__.startswith("
-                           f"{str(root)!r}), mxforge.cli.__file__; sys.argv[0] = 'mxforge'; sys.exit(mxforge.cli.main())",
-                           *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=root)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-c",
+            "import sys, mxforge.cli; assert mxforge.cli.__file__.startswith("
+            f"{str(root)!r}), mxforge.cli.__file__; sys.argv[0] = 'mxforge'; sys.exit(mxforge.cli.main())",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=root,
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
 
@@ -82,7 +97,8 @@ def test_a_new_engine_release_is_one_profile_file(copy, pristine, export):
     """A release that decides as its predecessor: manifests/engines/<engine>-<version>.toml extending it."""
     (copy / "mxforge/manifests/engines/sglang-0.5.99.toml").write_text(
         'extends = "sglang-0.5.22"\nreleases = ">=0.5.99,<0.5.100"\nread = ["0.5.99"]\n'
-        'summary = "a throwaway release that decides as 0.5.22 (tests/test_extension_points.py)"\n')
+        'summary = "a throwaway release that decides as 0.5.22 (tests/test_extension_points.py)"\n'
+    )
     assert changed_files(copy, pristine) == {"mxforge/manifests/engines/sglang-0.5.99.toml"}
 
     new = _validate(lambda *a: run_copy(copy, *a), str(export), "--engines", "sglang==0.5.99")
@@ -101,11 +117,14 @@ def test_a_new_model_family_is_a_module_a_registration_and_its_tables(copy, pris
         '"""A throwaway family (tests/test_extension_points.py): GLM-5.2\'s layout under another name."""\n\n'
         "from dataclasses import replace\n\nfrom .glm_moe_dsa import FAMILY as GLM\n\n"
         'FAMILY = replace(GLM, name="toy_moe", title="Toy MoE", architectures=("ToyMoeForCausalLM",), '
-        'model_types=("toy_moe",))\n')
+        'model_types=("toy_moe",))\n'
+    )
     init = copy / "mxforge/models/__init__.py"
     text = init.read_text()
-    text = text.replace("from . import deepseek_v3, deepseek_v32, glm_moe_dsa",
-                        "from . import deepseek_v3, deepseek_v32, glm_moe_dsa, toy_moe")
+    text = text.replace(
+        "from . import deepseek_v3, deepseek_v32, glm_moe_dsa",
+        "from . import deepseek_v3, deepseek_v32, glm_moe_dsa, toy_moe",
+    )
     text, n = re.subn(r"(FAMILIES: tuple\[Family, \.\.\.\] = \()(.*?)\)", r"\1\2, toy_moe.FAMILY)", text)
     assert n == 1
     init.write_text(text)
@@ -119,7 +138,8 @@ def test_a_new_model_family_is_a_module_a_registration_and_its_tables(copy, pris
     touched = changed_files(copy, pristine)
     assert {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} <= touched
     assert touched - {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} <= {
-        p.relative_to(copy).as_posix() for p in profiles}
+        p.relative_to(copy).as_posix() for p in profiles
+    }
 
     toy = tmp_path / "toy"
     shutil.copytree(export, toy, copy_function=os.link)
@@ -127,7 +147,10 @@ def test_a_new_model_family_is_a_module_a_registration_and_its_tables(copy, pris
     config.update(architectures=["ToyMoeForCausalLM"], model_type="toy_moe")
     (toy / "config.json").unlink()
     (toy / "config.json").write_text(json.dumps(config))
-    ours, glm = _validate(lambda *a: run_copy(copy, *a), str(toy)), _validate(lambda *a: run_copy(copy, *a), str(export))
+    ours, glm = (
+        _validate(lambda *a: run_copy(copy, *a), str(toy)),
+        _validate(lambda *a: run_copy(copy, *a), str(export)),
+    )
     assert ours["ok"] and ours["checked"]["engines"] == glm["checked"]["engines"]
     refused = run_cli("validate", str(toy))
     assert refused.returncode == 2 and "ToyMoeForCausalLM" in refused.stderr
@@ -141,8 +164,14 @@ def test_a_new_scale_rule_is_one_entry(copy, pristine, tiny_ckpt, tmp_path):
     text = rules.read_text()
     anchor = '    ScaleRule("quark", (0,),'
     assert anchor in text
-    rules.write_text(text.replace(anchor, '    ScaleRule("up", (0, 1), "a throwaway rule: Quark\'s exponent or one '
-                                  'above (tests/test_extension_points.py)"),\n' + anchor, 1))
+    rules.write_text(
+        text.replace(
+            anchor,
+            '    ScaleRule("up", (0, 1), "a throwaway rule: Quark\'s exponent or one '
+            'above (tests/test_extension_points.py)"),\n' + anchor,
+            1,
+        )
+    )
     assert changed_files(copy, pristine) == {"mxforge/quantize/scale_rules.py"}
 
     out = tmp_path / "out"

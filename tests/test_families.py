@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from helpers import TOKEN, hub_env, run_cli
 from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
@@ -16,8 +17,6 @@ from mxforge.models.layout import fp8_block_inventory
 from mxforge.quantize.plan import plan_checkpoint
 from mxforge.quantize.recipe import load_recipe
 from mxforge.tensor_kinds import layer_of
-
-from helpers import TOKEN, hub_env, run_cli
 
 PUBLISHED = [f for f in FAMILIES if f.published]
 
@@ -78,8 +77,10 @@ def test_deepseek_v32_figures():
     assert by_name["model.layers.61.self_attn.indexer.wq_b.weight"].shape == (8192, 1536)
     assert by_name["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == "BF16"
     assert by_name["model.layers.0.self_attn.indexer.wk.weight_scale_inv"].shape == (1, 56)
-    assert {by_name[n].dtype for n in ("model.norm.weight", "model.layers.61.enorm.weight",
-                                       "model.layers.5.self_attn.indexer.k_norm.bias")} == {"F32"}
+    assert {
+        by_name[n].dtype
+        for n in ("model.norm.weight", "model.layers.61.enorm.weight", "model.layers.5.self_attn.indexer.k_norm.bias")
+    } == {"F32"}
 
 
 def test_glm4_moe_figures():
@@ -93,26 +94,41 @@ def test_glm4_moe_figures():
     layout = layout_of(preset_config("full-layout", family=family)[0])
     tensors = layout.tensors()
     by_name = {t.name: t for t in tensors}
-    assert (len(tensors), sum(math.prod(t.shape) for t in tensors), sum(t.nbytes for t in tensors)) == \
-        (44691, 358337791296, 716675611392)
+    assert (len(tensors), sum(math.prod(t.shape) for t in tensors), sum(t.nbytes for t in tensors)) == (
+        44691,
+        358337791296,
+        716675611392,
+    )
     assert by_name["model.layers.0.self_attn.q_proj.weight"].shape == (12288, 5120)
     assert by_name["model.layers.0.self_attn.k_proj.bias"].shape == (1024,)
     assert by_name["model.layers.91.self_attn.k_norm.weight"].shape == (128,)
     assert by_name["model.layers.92.eh_proj.weight"].shape == (5120, 10240)
     assert by_name["model.layers.92.shared_head.head.weight"].shape == (151552, 5120)
-    assert "model.layers.2.mlp.down_proj.weight" in by_name and "model.layers.3.mlp.experts.159.down_proj.weight" in by_name
+    assert (
+        "model.layers.2.mlp.down_proj.weight" in by_name
+        and "model.layers.3.mlp.experts.159.down_proj.weight" in by_name
+    )
     assert by_name["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == "F32"
     assert not any("o_proj.bias" in n or "q_a_proj" in n or ".indexer." in n for n in by_name)
-    air = dict(family.reference(), num_hidden_layers=46, first_k_dense_replace=1, n_routed_experts=128, hidden_size=4096,
-               intermediate_size=10944, moe_intermediate_size=1408, use_qk_norm=False)
+    air = dict(
+        family.reference(),
+        num_hidden_layers=46,
+        first_k_dense_replace=1,
+        n_routed_experts=128,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        use_qk_norm=False,
+    )
     air_tensors = layout_of(air).tensors()
     assert round(sum(math.prod(t.shape) for t in air_tensors) / 1e9, 2) == 110.47
     assert "model.layers.46.eh_proj.weight" in {t.name for t in air_tensors}
     assert not any("q_norm" in t.name for t in air_tensors)
 
 
-@pytest.mark.parametrize("family_name,model", [("deepseek_v3", "DeepseekV3"), ("deepseek_v32", "DeepseekV32"),
-                                               ("glm4_moe", "Glm4Moe")])
+@pytest.mark.parametrize(
+    "family_name,model", [("deepseek_v3", "DeepseekV3"), ("deepseek_v32", "DeepseekV32"), ("glm4_moe", "Glm4Moe")]
+)
 def test_tiny_matches_what_transformers_saves(family_name, model, tmp_path):
     """Non-MTP names and shapes equal what transformers' own model class writes for the same config."""
     import transformers
@@ -154,7 +170,6 @@ def test_run_end_to_end_per_family(family, tmp_path):
     """`mxforge run` from the family's tiny bf16 fixture on a loopback Hub to a push there, default recipe: download,
     quantize, fixup, validate for every release that builds the family, push; the card names the family."""
     from huggingface_hub import HfApi
-
     from loopback_hub import LoopbackHub
 
     write_fixture(tmp_path / "src", "tiny", family=family, quiet=True)
@@ -162,14 +177,24 @@ def test_run_end_to_end_per_family(family, tmp_path):
     hub.add_repo_from_dir(f"zai/{family.name}-tiny", tmp_path / "src")
     hub.start()
     try:
-        proc = run_cli("run", f"zai/{family.name}-tiny", str(tmp_path / "out"), "--push", f"alice/{family.name}-mxfp4",
-                       "--quiet", "--json", "-", env=hub_env(hub, tmp_path))
+        proc = run_cli(
+            "run",
+            f"zai/{family.name}-tiny",
+            str(tmp_path / "out"),
+            "--push",
+            f"alice/{family.name}-mxfp4",
+            "--quiet",
+            "--json",
+            "-",
+            env=hub_env(hub, tmp_path),
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         stages = json.loads(proc.stdout)["stages"]
         assert all(stages[s]["status"] == "done" for s in ("download", "quantize", "fixup", "validate", "push")), stages
         assert stages["push"]["report"]["remote_hashes_match"] is True
-        card = HfApi(endpoint=hub.endpoint, token=TOKEN).hf_hub_download(f"alice/{family.name}-mxfp4", "README.md",
-                                                                         cache_dir=tmp_path / "dl")
+        card = HfApi(endpoint=hub.endpoint, token=TOKEN).hf_hub_download(
+            f"alice/{family.name}-mxfp4", "README.md", cache_dir=tmp_path / "dl"
+        )
         assert family.title in open(card).read()
     finally:
         hub.stop()
@@ -182,8 +207,8 @@ def test_run_end_to_end_per_family(family, tmp_path):
 def test_vllm_0_30_requantizing_deepseek_attention_is_a_warning_not_a_failure(tmp_path):
     """vLLM 0.30.0 loads a DeepSeek-family MXFP4 checkpoint's excluded attention bf16 and re-quantizes it to MXFP4
     (measured by the conformance suite): validate passes, and warns for that release alone; GLM-5 is not affected."""
-    from mxforge.validation.validate import validate_checkpoint
     from mxforge.quantize.run import quantize_checkpoint
+    from mxforge.validation.validate import validate_checkpoint
 
     for family, expect in (("deepseek_v3", {"vllm-0.30.0"}), ("glm_moe_dsa", set())):
         write_fixture(tmp_path / family, "tiny", family=family, quiet=True)

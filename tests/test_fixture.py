@@ -1,8 +1,8 @@
 import json
 import os
 
-import pytest
 import torch
+from helpers import run_cli
 from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
@@ -10,8 +10,6 @@ from mxforge.fixture import plan_shards, write_fixture
 from mxforge.models import family_named, layout_of
 from mxforge.safetensors_io import PlannedTensor
 from mxforge.tensor_kinds import layer_of
-
-from helpers import run_cli
 
 
 def _headers(ckpt):
@@ -41,8 +39,15 @@ def test_tiny_covers_every_layer_kind(tiny_ckpt):
     assert kinds == {(False, True), (True, True), (True, False)}  # dense, MoE full-indexer, MoE shared-indexer
     mtp = layout.num_hidden_layers
     assert list(layout.mtp_layers) == [mtp]
-    for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                 "self_attn.indexer.wk.weight", "mlp.shared_experts.gate_proj.weight", "mlp.experts.0.down_proj.weight"):
+    for part in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "self_attn.indexer.wk.weight",
+        "mlp.shared_experts.gate_proj.weight",
+        "mlp.experts.0.down_proj.weight",
+    ):
         assert f"model.layers.{mtp}.{part}" in infos
     assert infos[f"model.layers.{mtp}.eh_proj.weight"].shape == (layout["hidden_size"], 2 * layout["hidden_size"])
     assert infos["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == "F32"
@@ -109,7 +114,7 @@ def test_weights_are_deterministic_and_trained_like(tmp_path, tiny_ckpt):
         w = s.get_tensor(name).float()
     std = w.std().item()
     assert 0.015 < std < 0.05
-    assert (w.abs() > 6 * 0.02).any()            # rare outliers exist ...
+    assert (w.abs() > 6 * 0.02).any()  # rare outliers exist ...
     assert (w.abs() > 6 * 0.02).float().mean() < 0.01  # ... and are rare
     assert torch.isfinite(w).all()
 

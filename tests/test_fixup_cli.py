@@ -2,9 +2,8 @@
 
 import json
 
-from quark_like import write_quark_like
-
 from helpers import AMD, MTP, run_cli
+from quark_like import write_quark_like
 
 
 def test_validate_fixup_validate(tiny_ckpt, tmp_path):
@@ -30,7 +29,9 @@ def test_validate_fixup_validate(tiny_ckpt, tmp_path):
     assert (ckpt / "config.json.orig").read_text() == original
     record = json.loads((ckpt / "mxforge_fixups.json").read_text())
     assert record["command"].startswith("mxforge fixup ") and record["engines"][0] == "sglang-0.5.9"
-    assert {"fixup": "alias", "entry": "model.eh_proj"}.items() <= next(f for f in record["fixups"] if f["entry"] == "model.eh_proj").items()
+    assert {"fixup": "alias", "entry": "model.eh_proj"}.items() <= next(
+        f for f in record["fixups"] if f["entry"] == "model.eh_proj"
+    ).items()
     qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     assert "mxforge" not in json.dumps(qc)  # the record lives beside config.json, not inside quantization_config
     assert not list(ckpt.glob("*.partial"))

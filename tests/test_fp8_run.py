@@ -9,12 +9,11 @@ import json
 import sys
 
 import pytest
+from helpers import REPO, hub_env, run_cli
 
 from mxforge.fixture import write_fixture
-from mxforge.validation.validate import validate_checkpoint
 from mxforge.models import FAMILIES
-
-from helpers import REPO, hub_env, run_cli
+from mxforge.validation.validate import validate_checkpoint
 
 TOKEN = "hf_mxforgeFp8RunTestTokenNeverLogged5"
 PROVENANCE = {"mxforge_source.json", "mxforge_quantize.json", "mxforge_fixups.json", "README.md"}
@@ -37,8 +36,19 @@ def fp8_hub(tmp_path):
 
 
 def _run(hub, tmp_path, family: str, out, repo: str, *extra):
-    proc = run_cli("run", f"zai/{family}-fp8", str(out), "--push", repo, "--quiet", "--json", "-", *extra,
-                   env=hub_env(hub, tmp_path, TOKEN), timeout=600)
+    proc = run_cli(
+        "run",
+        f"zai/{family}-fp8",
+        str(out),
+        "--push",
+        repo,
+        "--quiet",
+        "--json",
+        "-",
+        *extra,
+        env=hub_env(hub, tmp_path, TOKEN),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout)
 
@@ -63,7 +73,10 @@ def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, tmp_path, family):
     card = pushed["README.md"].decode()
     assert "- source precision: fp8 (e4m3, 128x128 block scales, weight_scale_inv)" in card
     config = json.loads(pushed["config.json"])
-    assert config["quantization_config"]["quant_method"] == "quark" and "weight_block_size" not in pushed["config.json"].decode()
+    assert (
+        config["quantization_config"]["quant_method"] == "quark"
+        and "weight_block_size" not in pushed["config.json"].decode()
+    )
     index = json.loads(pushed["model.safetensors.index.json"])
     assert not any(n.endswith("_scale_inv") for n in index["weight_map"])
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import run_cli
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
@@ -21,8 +22,6 @@ from mxforge.models.layout import fp8_block_inventory
 from mxforge.quantize.fp8_source import dequantize_rows, source_precision
 from mxforge.quantize.mxfp4 import quantize_rows_cpu
 from mxforge.quantize.run import quantize_checkpoint
-
-from helpers import run_cli
 
 
 def _bf16_bits(t: torch.Tensor) -> np.ndarray:
@@ -52,9 +51,11 @@ def test_glm52_fp8_release_is_block_fp8_with_these_bf16_weights():
     fp8 = fp8_block_inventory(bf16, family.fp8_bf16_weights)
     assert (len(fp8), sum(t.nbytes for t in fp8)) == (118629, 755617140416)
     assert sum(t.name.endswith("_scale_inv") for t in fp8) == 118629 - 59585
-    for other in (family_named("deepseek_v3").fp8_bf16_weights,
-                  r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head)\.weight$",
-                  r"(\.mlp\.gate|embed_tokens|lm_head|indexer\.weights_proj)\.weight$"):
+    for other in (
+        family_named("deepseek_v3").fp8_bf16_weights,
+        r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head)\.weight$",
+        r"(\.mlp\.gate|embed_tokens|lm_head|indexer\.weights_proj)\.weight$",
+    ):
         alt = fp8_block_inventory(bf16, other)
         assert (len(alt), sum(t.nbytes for t in alt)) != (118629, 755617140416)
 
@@ -82,16 +83,22 @@ def test_dequantize_equals_sglang_block_quant_dequant(shape):
     """sglang's `block_quant_dequant` (its wheel's source; what its FP8 -> MXFP4 load path runs), to bf16: bit-equal,
     partial edge blocks included."""
     q, s = _random_fp8(*shape, seed=shape[0])
-    fn = _engine_functions("sglang", "0.5.23", "sglang.srt.layers.quantization.fp8_utils",
-                           ("block_quant_dequant",))["block_quant_dequant"]
+    fn = _engine_functions("sglang", "0.5.23", "sglang.srt.layers.quantization.fp8_utils", ("block_quant_dequant",))[
+        "block_quant_dequant"
+    ]
     assert np.array_equal(_bf16_bits(fn(q, s, [128, 128], torch.bfloat16)), _ours(q, s))
 
 
 def test_dequantize_equals_vllm_scaled_dequantize():
-    """vLLM's `scaled_dequantize` (its wheel's source) on whole blocks (its broadcast needs them), to bf16: bit-equal."""
+    """vLLM's `scaled_dequantize` (its wheel's source) on whole blocks (its broadcast needs them), to bf16:
+    bit-equal."""
     q, s = _random_fp8(384, 256, seed=3)
-    fns = _engine_functions("vllm", "0.33.0", "vllm.model_executor.layers.quantization.utils.quant_utils",
-                            ("scaled_dequantize", "group_broadcast", "prep_scale_for_group_broadcast"))
+    fns = _engine_functions(
+        "vllm",
+        "0.33.0",
+        "vllm.model_executor.layers.quantization.utils.quant_utils",
+        ("scaled_dequantize", "group_broadcast", "prep_scale_for_group_broadcast"),
+    )
     assert np.array_equal(_bf16_bits(fns["scaled_dequantize"](q, s, None, torch.bfloat16)), _ours(q, s))
 
 
@@ -110,9 +117,11 @@ def test_dequantize_equals_transformers_fine_grained_fp8():
 def test_unknown_fp8_layouts_are_one_clear_error():
     assert not source_precision({}).is_fp8
     assert source_precision({"quantization_config": FP8_QUANTIZATION_CONFIG}).block == (128, 128)
-    for qc in ({"quant_method": "compressed-tensors", "format": "float-quantized"},
-               {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
-               {"quant_method": "fp8", "activation_scheme": "static"}):
+    for qc in (
+        {"quant_method": "compressed-tensors", "format": "float-quantized"},
+        {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
+        {"quant_method": "fp8", "activation_scheme": "static"},
+    ):
         with pytest.raises(ConfigError, match="supported: .*weight_scale_inv"):
             source_precision({"quantization_config": qc})
 
@@ -145,12 +154,14 @@ def test_fp8_fixture_is_the_release_layout_of_the_bf16_fixture(family, tmp_path)
     planned = fp8_block_inventory(fam.layout(ckpt.config).tensors(), fam.fp8_bf16_weights)
     infos = ckpt.tensor_infos()
     assert {t.name: (t.dtype, t.shape) for t in planned} == {n: (i.dtype, i.shape) for n, i in infos.items()}
-    assert all(ckpt.weight_map[n] == ckpt.weight_map[n.removesuffix("_scale_inv")] for n in infos if n.endswith("_scale_inv"))
+    assert all(
+        ckpt.weight_map[n] == ckpt.weight_map[n.removesuffix("_scale_inv")] for n in infos if n.endswith("_scale_inv")
+    )
     bf16, fp8 = _tensors(tmp_path / "bf16"), _tensors(tmp_path / "fp8")
     for name, w in bf16.items():
         if fp8[name].dtype == torch.float8_e4m3fn:
             deq = torch.from_numpy(_ours(fp8[name], fp8[name + "_scale_inv"])).view(torch.bfloat16).float()
-            assert torch.allclose(deq, w.float(), rtol=2 ** -3, atol=float(fp8[name + "_scale_inv"].max()) * 2 ** -9)
+            assert torch.allclose(deq, w.float(), rtol=2**-3, atol=float(fp8[name + "_scale_inv"].max()) * 2**-9)
         else:
             assert torch.equal(fp8[name], w)
 
@@ -161,7 +172,9 @@ def test_quantize_fp8_equals_quantizing_its_dequantized_bf16(fp8_tiny, tmp_path)
     report = quantize_checkpoint(fp8_tiny, tmp_path / "q", quiet=True, workers=1)
     assert report["source_precision"].startswith("fp8") and report["fp8_scales_consumed"] > 0
     src, out = _tensors(fp8_tiny), _tensors(tmp_path / "q")
-    assert not any(n.endswith("_scale_inv") for n in out) and not any(t.dtype == torch.float8_e4m3fn for t in out.values())
+    assert not any(n.endswith("_scale_inv") for n in out) and not any(
+        t.dtype == torch.float8_e4m3fn for t in out.values()
+    )
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "quark" and "weight_block_size" not in json.dumps(config)
     quantized = set(report["tensors"]["quantized"])
@@ -188,8 +201,10 @@ def test_quantize_fp8_is_bit_reproducible_across_workers_and_resume(fp8_tiny, tm
     first.unlink()  # a shard lost: the rerun redoes it only
     again = quantize_checkpoint(fp8_tiny, tmp_path / "b", quiet=True, workers=2)
     assert (again["shards"]["quantized_now"], again["shards"]["skipped_complete"]) == (1, again["shards"]["total"] - 1)
-    for p in sorted((tmp_path / "a").glob("*.safetensors")) + [tmp_path / "a" / "config.json",
-                                                              tmp_path / "a" / "model.safetensors.index.json"]:
+    for p in sorted((tmp_path / "a").glob("*.safetensors")) + [
+        tmp_path / "a" / "config.json",
+        tmp_path / "a" / "model.safetensors.index.json",
+    ]:
         assert p.read_bytes() == (tmp_path / "b" / p.name).read_bytes(), p.name
 
 
@@ -218,9 +233,9 @@ def test_fp8_block_quantize_round_trips_within_e4m3_precision():
     q, s = fp8_block_quantize(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 3) and s.dtype == torch.float32
     back = torch.from_numpy(_ours(q, s)).view(torch.bfloat16).float()
-    step = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300] * 2 ** -9  # e4m3's subnormal step
-    assert bool(((back - w.float()).abs() <= w.float().abs() * 2 ** -3 + step).all())
-    assert float(back.abs().max()) == pytest.approx(float(w.float().abs().max()), rel=2 ** -3)
+    step = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300] * 2**-9  # e4m3's subnormal step
+    assert bool(((back - w.float()).abs() <= w.float().abs() * 2**-3 + step).all())
+    assert float(back.abs().max()) == pytest.approx(float(w.float().abs().max()), rel=2**-3)
 
 
 def _move_scale_to_next_shard(src: Path, dst: Path) -> str:
@@ -270,8 +285,11 @@ def test_mtp_from_an_fp8_source_is_refused_with_what_to_do(fp8_tiny):
 # The official FP8 releases' inventories: (tensors, bytes, shards or None where not known here). Sources: glm-5.2.md
 # (zai-org/GLM-5.2-FP8; its shard count is not recorded there), and the DeepSeek families' FP8 shard headers
 # (mxforge/models/deepseek_v3.py, deepseek_v32.py).
-FP8_RELEASES = {"glm_moe_dsa": (118629, 755617140416, None), "deepseek_v3": (91991, 688574839360, 163),
-                "deepseek_v32": (92425, 689471107200, 163)}
+FP8_RELEASES = {
+    "glm_moe_dsa": (118629, 755617140416, None),
+    "deepseek_v3": (91991, 688574839360, 163),
+    "deepseek_v32": (92425, 689471107200, 163),
+}
 
 
 @pytest.mark.parametrize("family", sorted(FP8_RELEASES))
@@ -280,8 +298,12 @@ def test_full_layout_fp8_fixture_reproduces_the_fp8_release(family, tmp_path):
     result = write_fixture(tmp_path / "fl", "full-layout", quiet=True, family=family, precision="fp8")
     ckpt = Checkpoint.open(tmp_path / "fl")
     infos = ckpt.tensor_infos()
-    assert (result.tensors, len(infos), result.total_size, sum(i.nbytes for i in infos.values())) == \
-        (tensors, tensors, nbytes, nbytes)
+    assert (result.tensors, len(infos), result.total_size, sum(i.nbytes for i in infos.values())) == (
+        tensors,
+        tensors,
+        nbytes,
+        nbytes,
+    )
     assert shards is None or len(ckpt.shard_names) == shards
     assert ckpt.config["quantization_config"] == FP8_QUANTIZATION_CONFIG
 

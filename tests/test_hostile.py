@@ -16,11 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
-
-from loopback_hub import LoopbackHub
-
 from helpers import TOKEN, hub_env, one_error_line, run_cli, start_cli
+from loopback_hub import LoopbackHub
+from safetensors.numpy import save_file
 
 SHARD = "model-00002-of-00003.safetensors"
 ONE = "w.safetensors"  # the only weight file of the repo zai/one
@@ -69,14 +67,21 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 # --- 1. remote file names ----------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["dotdot", "nested-dotdot", "absolute", "backslash", "nul", "long-component",
-                                  "reserved-cache"])
+@pytest.mark.parametrize(
+    "kind", ["dotdot", "nested-dotdot", "absolute", "backslash", "nul", "long-component", "reserved-cache"]
+)
 def test_hostile_file_names_are_refused_before_anything_is_written(hub, tmp_path, kind):
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"precious")  # the size the hostile file declares: the 'already present' path sees it
-    name = {"dotdot": "../victim.txt", "nested-dotdot": "sub/../../victim.txt", "absolute": str(victim),
-            "backslash": "..\\victim.txt", "nul": "victim\0.txt", "long-component": "x" * 300,
-            "reserved-cache": ".cache/mxforge/hashes.json"}[kind]
+    name = {
+        "dotdot": "../victim.txt",
+        "nested-dotdot": "sub/../../victim.txt",
+        "absolute": str(victim),
+        "backslash": "..\\victim.txt",
+        "nul": "victim\0.txt",
+        "long-component": "x" * 300,
+        "reserved-cache": ".cache/mxforge/hashes.json",
+    }[kind]
     hub.add_file("zai/glm-tiny", name, b"HOSTILE!")
     dest = tmp_path / "dest"
     line = one_error_line(_mx(hub, tmp_path, "download", "zai/glm-tiny", str(dest), "--quiet"))
@@ -115,7 +120,7 @@ def test_hostile_index_naming_a_shard_outside_the_checkpoint(tiny_ckpt, tmp_path
 
 # --- 2. transfer limits ------------------------------------------------------------------------------
 def test_hostile_short_body_with_ignored_range_stops_after_bounded_retries(hub, tmp_path):
-    hub.short_body[ONE] = 1_000_000   # every answer: the first 1 MB again, with a Content-Length that says so
+    hub.short_body[ONE] = 1_000_000  # every answer: the first 1 MB again, with a Content-Length that says so
     hub.ignore_range.add(ONE)
     dest = tmp_path / "dest"
     line = one_error_line(_mx(hub, tmp_path, "download", "zai/one", str(dest), "--quiet", MXFORGE_HUB_RETRIES="2"))
@@ -135,8 +140,8 @@ def test_hostile_short_body_with_ignored_range_stops_after_bounded_retries(hub, 
 
 
 def test_hostile_ignored_range_is_read_past_the_kept_bytes(hub, tmp_path):
-    hub.drop_at[ONE] = (2_000_000, 1)   # the first attempt dies at 2 MB
-    hub.ignore_range.add(ONE)           # the second gets the whole file again instead of the rest
+    hub.drop_at[ONE] = (2_000_000, 1)  # the first attempt dies at 2 MB
+    hub.ignore_range.add(ONE)  # the second gets the whole file again instead of the rest
     dest = tmp_path / "dest"
     proc = _mx(hub, tmp_path, "download", "zai/one", str(dest), "--quiet")
     assert proc.returncode == 0, proc.stderr
@@ -172,8 +177,11 @@ def test_hostile_stalls_at_every_endpoint_end_in_one_line(tmp_path, tiny_ckpt):
     cases = {  # stalled route: (command, extra env, what the line says)
         "repo_info": (["download", "zai/glm-tiny", "DEST"], {"MXFORGE_HUB_TIMEOUT": "1"}, "stopped answering"),
         "HEAD resolve": (["download", "zai/glm-tiny", "DEST"], {"HF_HUB_ETAG_TIMEOUT": "1"}, "stopped answering"),
-        "GET resolve": (["download", "zai/glm-tiny", "DEST"], {"HF_HUB_DOWNLOAD_TIMEOUT": "1", "MXFORGE_HUB_RETRIES": "1"},
-                        "no new byte in 2 attempt(s)"),
+        "GET resolve": (
+            ["download", "zai/glm-tiny", "DEST"],
+            {"HF_HUB_DOWNLOAD_TIMEOUT": "1", "MXFORGE_HUB_RETRIES": "1"},
+            "no new byte in 2 attempt(s)",
+        ),
         "preupload": (["push", "CKPT", "alice/out"], {"MXFORGE_HUB_TIMEOUT": "1"}, "stopped answering"),
         "commit": (["push", "CKPT", "alice/out", "--timeout", "1"], {}, "stopped answering"),
     }
@@ -308,16 +316,20 @@ OS_CASES = {  # id: (arguments, with RO = a read-only directory, LONG = a 300-ch
 def test_hostile_os_failures_are_one_line_and_exit_2(hub, tmp_path, tiny_ckpt, readonly, case):
     args, words = OS_CASES[case]
     if case == "fixup-readonly":
-        from quark_like import write_quark_like
         from helpers import AMD
+        from quark_like import write_quark_like
 
         write_quark_like(tiny_ckpt, tmp_path / "q", AMD)  # a checkpoint fixup has to edit
         tiny = tmp_path / "q"
     else:
         tiny = tiny_ckpt
-    subst = {"TINY": lambda: str(tiny_ckpt), "FROZEN": lambda: _readonly_copy(tiny, tmp_path),
-             "LOCKED": lambda: _unreadable_config(tiny_ckpt, tmp_path), "FULL": lambda: _full_report(tiny_ckpt, tmp_path),
-             "LONG": lambda: str(tmp_path / ("x" * 300))}
+    subst = {
+        "TINY": lambda: str(tiny_ckpt),
+        "FROZEN": lambda: _readonly_copy(tiny, tmp_path),
+        "LOCKED": lambda: _unreadable_config(tiny_ckpt, tmp_path),
+        "FULL": lambda: _full_report(tiny_ckpt, tmp_path),
+        "LONG": lambda: str(tmp_path / ("x" * 300)),
+    }
     args = [subst[a]() if a in subst else a.replace("RO/", f"{readonly}/") for a in args]
     proc = run_cli(*args, env=_env(hub, tmp_path), timeout=120, as_user=True)
     line = one_error_line(proc)
@@ -329,8 +341,11 @@ def test_hostile_os_failures_are_one_line_and_exit_2(hub, tmp_path, tiny_ckpt, r
 @pytest.mark.parametrize("command", ["download", "push", "run"])
 def test_hostile_300_character_repo_id_is_one_line(hub, tmp_path, tiny_ckpt, command):
     repo_id = "zai/" + "x" * 296
-    args = {"download": ["download", repo_id, str(tmp_path / "dest")], "push": ["push", str(tiny_ckpt), repo_id],
-            "run": ["run", repo_id, str(tmp_path / "out")]}[command]
+    args = {
+        "download": ["download", repo_id, str(tmp_path / "dest")],
+        "push": ["push", str(tiny_ckpt), repo_id],
+        "run": ["run", repo_id, str(tmp_path / "out")],
+    }[command]
     line = one_error_line(_mx(hub, tmp_path, *args, "--quiet"))
     assert "300 characters" in line and "96" in line and len(line) < 400
     assert not hub.requests and not (tmp_path / "dest").exists() and not (tmp_path / "out").exists()
@@ -421,8 +436,8 @@ def test_hostile_fixup_record_survives_an_interruption_between_its_two_writes(ti
     """Each write is atomic (temporary name, then rename), so a run that cannot write FAILS leaves what a
     kill -9 between the two writes leaves: the other file written or not, this one not. The rerun must
     end with every exclude entry fixup added recorded exactly once."""
-    from quark_like import write_quark_like
     from helpers import AMD
+    from quark_like import write_quark_like
 
     ckpt = tmp_path / "q"
     write_quark_like(tiny_ckpt, ckpt, AMD)

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import socket
 
 import numpy as np
 import pytest
+from helpers import BASE, MTP, OTHER_TOKEN, TOKEN, hub_env, run_cli
+from helpers import one_error_line as _one_line_error
 from safetensors.numpy import save_file
 
 from mxforge.validation.validate import validate_checkpoint
 
-from helpers import BASE, MTP, OTHER_TOKEN, TOKEN, hub_env, one_error_line as _one_line_error, run_cli
 SHARD = "model-00002-of-00003.safetensors"
 BIG = "big.safetensors"
 
@@ -53,7 +53,10 @@ def test_download_hub_normal_verifies_and_records_source(hub, tmp_path, tiny_ckp
     assert source["endpoint"] == hub.endpoint and source["command"].startswith("mxforge download zai/glm-tiny")
     recorded = {f["name"]: f for f in source["files"]}
     assert recorded[SHARD]["sha256"] == _sha256(tiny_ckpt / SHARD) and recorded[SHARD]["lfs"] is True
-    assert recorded["config.json"]["lfs"] is False and recorded["config.json"]["size"] == (tiny_ckpt / "config.json").stat().st_size
+    assert (
+        recorded["config.json"]["lfs"] is False
+        and recorded["config.json"]["size"] == (tiny_ckpt / "config.json").stat().st_size
+    )
 
     # A rerun is a no-op on the network: every file is already there and verified.
     hub.requests.clear()
@@ -72,8 +75,20 @@ def test_download_hub_normal_verifies_and_records_source(hub, tmp_path, tiny_ckp
 
     # Filters and a revision given as a commit sha.
     only = tmp_path / "only-json"
-    proc = _mx(hub, tmp_path, "download", "zai/glm-tiny", str(only), "--revision", commit, "--include", "*.json",
-               "--exclude", "generation_config.json", "--quiet")
+    proc = _mx(
+        hub,
+        tmp_path,
+        "download",
+        "zai/glm-tiny",
+        str(only),
+        "--revision",
+        commit,
+        "--include",
+        "*.json",
+        "--exclude",
+        "generation_config.json",
+        "--quiet",
+    )
     assert proc.returncode == 0, proc.stderr
     names = {f["name"] for f in json.loads((only / "mxforge_source.json").read_text())["files"]}
     assert "config.json" in names and "generation_config.json" not in names
@@ -287,10 +302,12 @@ def test_hub_token_never_leaks(hub, tmp_path, tiny_ckpt):
     dest = tmp_path / "dl"
     report = tmp_path / "reports"
     report.mkdir()
-    for args in (("download", "zai/glm-gated", str(dest), "--json", str(report / "dl.json")),
-                 ("push", str(dest), "alice/leak-check", "--json", str(report / "push.json")),
-                 ("download", "zai/glm-gated", str(tmp_path / "x"), "--revision", "nope"),
-                 ("push", str(dest), "zai/forbidden")):
+    for args in (
+        ("download", "zai/glm-gated", str(dest), "--json", str(report / "dl.json")),
+        ("push", str(dest), "alice/leak-check", "--json", str(report / "push.json")),
+        ("download", "zai/glm-gated", str(tmp_path / "x"), "--revision", "nope"),
+        ("push", str(dest), "zai/forbidden"),
+    ):
         proc = _mx(hub, tmp_path, *args)
         outputs += [proc.stdout, proc.stderr]
     assert (report / "push.json").exists() and (dest / "README.md").exists()
@@ -315,35 +332,82 @@ def test_push_model_card_precision_and_exclusions_on_a_quantized_checkpoint(tmp_
     ckpt.mkdir()
     config = json.loads((tiny_ckpt / "config.json").read_text())
     mtp = config["num_hidden_layers"]
-    config["quantization_config"] = {"quant_method": "quark", "exclude": [
-        "lm_head", f"model.layers.{mtp}.self_attn.o_proj", "model.decoder.self_attn.o_proj", "re:.*mlp\\.gate$"]}
+    config["quantization_config"] = {
+        "quant_method": "quark",
+        "exclude": [
+            "lm_head",
+            f"model.layers.{mtp}.self_attn.o_proj",
+            "model.decoder.self_attn.o_proj",
+            "re:.*mlp\\.gate$",
+        ],
+    }
     (ckpt / "config.json").write_text(json.dumps(config))
-    save_torch({
-        "model.layers.3.mlp.experts.0.up_proj.weight": torch.zeros(64, 128, dtype=torch.uint8),
-        "model.layers.3.mlp.experts.0.up_proj.weight_scale": torch.full((64, 8), 127, dtype=torch.uint8),
-        "model.layers.3.mlp.gate.e_score_correction_bias": torch.zeros(8, dtype=torch.float32),
-        f"model.layers.{mtp}.self_attn.o_proj.weight": torch.zeros(256, 128, dtype=torch.bfloat16),
-        "lm_head.weight": torch.zeros(16, 256, dtype=torch.bfloat16),
-    }, str(ckpt / "model.safetensors"))
-    (ckpt / "mxforge_quantize.json").write_text(json.dumps({
-        "recipe": {"name": "mxfp4-moe", "sha256": "ab" * 32, "source": "r.toml", "scheme": "mxfp4"},
-        "counts": {"quantized": 1, "kept": 3, "copied": 1}, "mtp_layers": [mtp], "mtp_tensors": 1,
-        "command": "mxforge quantize src q"}))
-    (ckpt / "mxforge_fixups.json").write_text(json.dumps({
-        "fixups": [{"fixup": "alias", "entry": "model.eh_proj", "module": f"model.layers.{mtp}.eh_proj",
-                    "engines": ["sglang-0.5.11"], "why": "stored bf16; the engine would build it MXFP4"}],
-        "engines": ["sglang-0.5.11", "vllm-0.31.0"], "config_backup": "config.json.orig", "command": "mxforge fixup q"}))
+    save_torch(
+        {
+            "model.layers.3.mlp.experts.0.up_proj.weight": torch.zeros(64, 128, dtype=torch.uint8),
+            "model.layers.3.mlp.experts.0.up_proj.weight_scale": torch.full((64, 8), 127, dtype=torch.uint8),
+            "model.layers.3.mlp.gate.e_score_correction_bias": torch.zeros(8, dtype=torch.float32),
+            f"model.layers.{mtp}.self_attn.o_proj.weight": torch.zeros(256, 128, dtype=torch.bfloat16),
+            "lm_head.weight": torch.zeros(16, 256, dtype=torch.bfloat16),
+        },
+        str(ckpt / "model.safetensors"),
+    )
+    (ckpt / "mxforge_quantize.json").write_text(
+        json.dumps(
+            {
+                "recipe": {"name": "mxfp4-moe", "sha256": "ab" * 32, "source": "r.toml", "scheme": "mxfp4"},
+                "counts": {"quantized": 1, "kept": 3, "copied": 1},
+                "mtp_layers": [mtp],
+                "mtp_tensors": 1,
+                "command": "mxforge quantize src q",
+            }
+        )
+    )
+    (ckpt / "mxforge_fixups.json").write_text(
+        json.dumps(
+            {
+                "fixups": [
+                    {
+                        "fixup": "alias",
+                        "entry": "model.eh_proj",
+                        "module": f"model.layers.{mtp}.eh_proj",
+                        "engines": ["sglang-0.5.11"],
+                        "why": "stored bf16; the engine would build it MXFP4",
+                    }
+                ],
+                "engines": ["sglang-0.5.11", "vllm-0.31.0"],
+                "config_backup": "config.json.orig",
+                "command": "mxforge fixup q",
+            }
+        )
+    )
     files = list(hash_files(ckpt, ["config.json", "model.safetensors"], quiet=True).values())
-    card = render_model_card(Checkpoint.open(ckpt), repo_id="me/q", files=files, forced=False, push_command="mxforge push q me/q",
-                             validation={"ok": True, "path": str(ckpt), "problems": [],
-                                         "verdict": "loads: sglang 0.5.11-0.5.15.post1; FAILS: vllm 0.31.0-0.33.0 (...)",
-                                         "serve": [{"releases": "sglang 0.5.11-0.5.15.post1", "ok": True,
-                                                    "command": f"python -m sglang.launch_server --model-path {ckpt}"},
-                                                   {"releases": "vllm 0.31.0-0.33.0", "ok": False,
-                                                    "command": f"vllm serve {ckpt}"}]})
+    card = render_model_card(
+        Checkpoint.open(ckpt),
+        repo_id="me/q",
+        files=files,
+        forced=False,
+        push_command="mxforge push q me/q",
+        validation={
+            "ok": True,
+            "path": str(ckpt),
+            "problems": [],
+            "verdict": "loads: sglang 0.5.11-0.5.15.post1; FAILS: vllm 0.31.0-0.33.0 (...)",
+            "serve": [
+                {
+                    "releases": "sglang 0.5.11-0.5.15.post1",
+                    "ok": True,
+                    "command": f"python -m sglang.launch_server --model-path {ckpt}",
+                },
+                {"releases": "vllm 0.31.0-0.33.0", "ok": False, "command": f"vllm serve {ckpt}"},
+            ],
+        },
+    )
     assert "base_model_relation" not in card and "- mxfp4" in card and "MXFP4 weights in AMD Quark's format" in card
     assert "| experts | 1 | MXFP4 ×1 |" in card
-    assert "| router | 1 | F32 ×1 |" in card and "| mtp | 1 | BF16 ×1 |" in card and "| embeddings | 1 | BF16 ×1 |" in card
+    assert (
+        "| router | 1 | F32 ×1 |" in card and "| mtp | 1 | BF16 ×1 |" in card and "| embeddings | 1 | BF16 ×1 |" in card
+    )
     assert "keeps 4 entries" in card and "| mtp | 1 |" in card and "| regex | 1 | `re:.*mlp\\.gate$` |" in card
     assert "| aliases and globals | 2 |" in card
     assert "- recipe: `mxfp4-moe` (r.toml)" in card and "1 quantized to MXFP4, 3 2-D weights kept" in card
@@ -359,8 +423,9 @@ def test_loopback_hub_serves_snapshot_download(hub, tmp_path, tiny_ckpt):
     """The tree listing that huggingface_hub's own snapshot_download needs (used by scripts/bench_hub.py)."""
     from huggingface_hub import snapshot_download
 
-    out = snapshot_download("zai/glm-tiny", local_dir=tmp_path / "snap", cache_dir=tmp_path / "cache",
-                            endpoint=hub.endpoint, token=False)
+    out = snapshot_download(
+        "zai/glm-tiny", local_dir=tmp_path / "snap", cache_dir=tmp_path / "cache", endpoint=hub.endpoint, token=False
+    )
     for src in tiny_ckpt.iterdir():
         if src.is_file():
             assert (tmp_path / "snap" / src.name).read_bytes() == src.read_bytes()
@@ -380,7 +445,12 @@ def test_quark_file_to_file_export_of_the_published_recipe_is_fixed_then_pushed(
     report = validate_checkpoint(ckpt)
     # Quark's index counts whole files in total_size: a warning no engine cares about, not a failure.
     assert [w.subject for w in report.warnings] == ["model.safetensors.index.json:metadata.total_size"]
-    assert {r["profile"] for r in report.releases() if not r["ok"]} == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}
+    assert {r["profile"] for r in report.releases() if not r["ok"]} == {
+        "sglang-0.5.9",
+        "sglang-0.5.10",
+        "sglang-0.5.11",
+        "sglang-0.5.15",
+    }
     assert {p.check for p in report.problems} == {"engine"}
 
     proc = run_cli("fixup", str(ckpt))

@@ -11,11 +11,27 @@ def test_inspect_json_report(tiny_ckpt):
     assert r["architecture"] == "GlmMoeDsaForCausalLM"
     assert r["tensors"] == sum(v["tensors"] for v in r["by_kind"].values()) == 258
     assert r["bytes"] == r["index_total_size"]
-    for kind in ("experts", "shared_experts", "attention", "indexer", "router", "norms", "embeddings", "mtp", "dense_mlp"):
+    for kind in (
+        "experts",
+        "shared_experts",
+        "attention",
+        "indexer",
+        "router",
+        "norms",
+        "embeddings",
+        "mtp",
+        "dense_mlp",
+    ):
         assert r["by_kind"][kind]["tensors"] > 0, kind
     assert r["by_kind"]["router"]["dtypes"] == {"BF16": 4, "F32": 4}
-    assert r["mtp"] == {"expected_layers": [7], "present_layers": [7], "tensors": 47,
-                        "orphan_layers_beyond_config": [], "present": True, "complete": True}
+    assert r["mtp"] == {
+        "expected_layers": [7],
+        "present_layers": [7],
+        "tensors": 47,
+        "orphan_layers_beyond_config": [],
+        "present": True,
+        "complete": True,
+    }
     assert r["layers"]["dense_layers"] == [0, 1, 2] and r["layers"]["moe_layers"] == [3, 4, 5, 6]
     assert r["layers"]["indexer_layers"] == [0, 1, 2, 6]
     assert r["quantization"] is None
@@ -35,8 +51,11 @@ def test_inspect_reports_missing_mtp_and_quant_config(tiny_ckpt, tmp_path):
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("model.layers.7.")}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "quark", "exclude": ["lm_head", "*self_attn*"],
-                                     "global_quant_config": {"weight": {"dtype": "fp4", "group_size": 32, "scale_format": "e8m0"}}}
+    config["quantization_config"] = {
+        "quant_method": "quark",
+        "exclude": ["lm_head", "*self_attn*"],
+        "global_quant_config": {"weight": {"dtype": "fp4", "group_size": 32, "scale_format": "e8m0"}},
+    }
     (ckpt / "config.json").write_text(json.dumps(config))
     r = json.loads(run_cli("inspect", str(ckpt), "--json").stdout)
     assert r["mtp"]["present"] is False and r["mtp"]["expected_layers"] == [7]

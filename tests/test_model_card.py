@@ -9,11 +9,10 @@ import os
 import shutil
 
 import pytest
+from helpers import TOKEN, hub_env, run_cli
 from loopback_hub import LoopbackHub
 
 from mxforge.provenance import CONFIG_BACKUP_NAME
-
-from helpers import TOKEN, hub_env, run_cli
 
 pytestmark = pytest.mark.slow  # a full run --push to build the card it reads
 
@@ -51,8 +50,11 @@ def pushed(tiny_ckpt, tmp_path_factory):
 
         api = HfApi(endpoint=hub.endpoint, token=TOKEN)
         remote = set(api.list_repo_files("alice/glm-tiny-mxfp4"))
-        card = open(hf_hub_download("alice/glm-tiny-mxfp4", "README.md", endpoint=hub.endpoint, token=TOKEN,
-                                    cache_dir=work / "dl")).read()
+        card = open(
+            hf_hub_download(
+                "alice/glm-tiny-mxfp4", "README.md", endpoint=hub.endpoint, token=TOKEN, cache_dir=work / "dl"
+            )
+        ).read()
         yield {"out": out, "report": json.loads(proc.stdout), "summary": summary.stdout, "remote": remote, "card": card}
     finally:
         hub.stop()
@@ -75,8 +77,10 @@ def test_card_has_the_error_table_and_the_scale_rule(pushed):
         assert f"| {cls} | {error['by_class'][cls]['tensors']:,} | {error['by_class'][cls]['rel_rmse']:.4f} |" in card
     assert f"`{error['worst'][0]['name']}`" in card
     assert "tensors" not in error  # the per-tensor figures stay in mxfp4/mxforge_quantize.json
-    assert len(json.loads((pushed["out"] / "mxfp4" / "mxforge_quantize.json").read_text())["error"]["tensors"]) == \
-        error["tensors_measured"]
+    assert (
+        len(json.loads((pushed["out"] / "mxfp4" / "mxforge_quantize.json").read_text())["error"]["tensors"])
+        == error["tensors_measured"]
+    )
 
 
 def test_run_summary_reports_the_error(pushed):

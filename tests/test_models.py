@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mxforge.errors import ConfigError
-from mxforge.validation.profiles import all_profiles, load_profile, profile_names, select, unsupported_reason
 from mxforge.models import FAMILIES, family_named, family_of, layout_of
+from mxforge.validation.profiles import all_profiles, load_profile, profile_names, select, unsupported_reason
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("mxforge", "quantize", "fixups", "scripts")  # the code that ships or operators run (tests may name families)
@@ -17,8 +17,9 @@ ARCH_RE = re.compile(r"\b[A-Z]\w*For(CausalLM|ConditionalGeneration)\w*")
 
 
 def _product_files() -> list[Path]:
-    return [p for d in PRODUCT for p in sorted((REPO / d).rglob("*.py"))
-            if (REPO / "mxforge" / "models") not in p.parents]
+    return [
+        p for d in PRODUCT for p in sorted((REPO / d).rglob("*.py")) if (REPO / "mxforge" / "models") not in p.parents
+    ]
 
 
 def test_no_module_outside_the_family_folder_names_an_architecture():

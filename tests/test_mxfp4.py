@@ -63,8 +63,18 @@ def test_bytes_equal_quark(name, path, references):
         if bf16_kernel() is None:
             pytest.skip("no working C compiler: the numba kernel serves bf16 here")
         quark_offsets = np.zeros(1, dtype=np.int32)
-        assert bf16_kernel()(rows.ctypes.data, codes.numpy().ctypes.data, scales.numpy().ctypes.data, *rows.shape,
-                             quark_offsets.ctypes.data, 1, None) == 0
+        assert (
+            bf16_kernel()(
+                rows.ctypes.data,
+                codes.numpy().ctypes.data,
+                scales.numpy().ctypes.data,
+                *rows.shape,
+                quark_offsets.ctypes.data,
+                1,
+                None,
+            )
+            == 0
+        )
     elif path == "numba_kernel":
         kernel = _mxfp4_kernel.quantize_bf16_rows if weight.dtype == torch.bfloat16 else _mxfp4_kernel.quantize_f32_rows
         assert kernel(rows, codes.numpy(), scales.numpy()) == 0

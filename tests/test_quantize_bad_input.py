@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cli
 from safetensors.torch import load_file, save_file
 
-from helpers import run_cli
 from mxforge.checkpoint import INDEX_NAME
 from mxforge.file_hashes import hash_files
 from mxforge.provenance import QUANTIZE_STATE_NAME
@@ -45,8 +45,13 @@ def _fails(src: Path, out: Path, *extra: str, match: str, preexec=None) -> str:
     if preexec is None:
         proc = run_cli("quantize", str(src), str(out), "--quiet", "--workers", "1", *extra)
     else:
-        proc = subprocess.run([sys.executable, "-m", "mxforge.cli", "quantize", str(src), str(out), "--quiet",
-                               "--workers", "1", *extra], capture_output=True, text=True, preexec_fn=preexec, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "mxforge.cli", "quantize", str(src), str(out), "--quiet", "--workers", "1", *extra],
+            capture_output=True,
+            text=True,
+            preexec_fn=preexec,
+            timeout=600,
+        )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -69,20 +74,22 @@ def test_header_sizes_that_lie(src, tmp_path):
     shard = sorted(src.glob("*.safetensors"))[0]
     raw = shard.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     name = next(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 2)
     header[name]["shape"][0] += 1
     new = json.dumps(header, separators=(",", ":")).encode()
     new += b" " * (n - len(new)) if len(new) <= n else b""
     assert len(new) == n
-    shard.write_bytes(raw[:8] + new + raw[8 + n:])
+    shard.write_bytes(raw[:8] + new + raw[8 + n :])
     msg = _fails(src, tmp_path / "out", match=shard.name)
     assert name in msg and "header lies" in msg
 
 
 def test_corrupt_data_caught_by_download_provenance(src, tmp_path):
     shards = sorted(src.glob("*.safetensors"))
-    files = [{"name": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in shards]
+    files = [
+        {"name": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in shards
+    ]
     (src / "mxforge_source.json").write_text(json.dumps({"repo_id": "t/tiny", "files": files}))
     raw = bytearray(shards[1].read_bytes())
     raw[-5] ^= 0xFF  # a flipped bit deep in the data: the header still parses
@@ -95,7 +102,9 @@ def test_download_verified_sha256_reused_until_the_shard_changes(src, tiny_ckpt,
     """What download leaves (mxforge_source.json + its hash cache) spares quantize the sha256 pass while the
     shards keep their size and mtime; a shard rewritten since is hashed again, and corruption is caught."""
     shards = sorted(src.glob("*.safetensors"))
-    files = [{"name": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in shards]
+    files = [
+        {"name": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in shards
+    ]
     (src / "mxforge_source.json").write_text(json.dumps({"repo_id": "t/tiny", "files": files}))
     hash_files(src, [p.name for p in shards], quiet=True)  # download's verified hashes, by size and mtime
     out, report = tmp_path / "out", tmp_path / "report.json"
@@ -152,8 +161,10 @@ def test_nan_in_a_kept_weight_is_copied(src, tmp_path):
 
 def test_recipe_pattern_matching_nothing(src, tmp_path):
     recipe = tmp_path / "r.toml"
-    recipe.write_text('name = "r"\nscheme = "mxfp4"\n[[quantize]]\nkinds = ["experts"]\n'
-                      '[[keep]]\nnames = ["model\\\\.layers\\\\.999\\\\..*"]\n')
+    recipe.write_text(
+        'name = "r"\nscheme = "mxfp4"\n[[quantize]]\nkinds = ["experts"]\n'
+        '[[keep]]\nnames = ["model\\\\.layers\\\\.999\\\\..*"]\n'
+    )
     msg = _fails(src, tmp_path / "out", "--recipe", str(recipe), match=str(recipe))
     assert "[[keep]] rule 1" in msg and "matches no 2-D weight" in msg
 
@@ -165,13 +176,14 @@ def test_mtp_rule_on_a_checkpoint_without_mtp(src, tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     recipe = tmp_path / "mtp.toml"
     recipe.write_text('name = "m"\nscheme = "mxfp4"\n[[quantize]]\nkinds = ["experts"]\nlayers = "mtp"\n')
-    msg = _fails(src, tmp_path / "out", "--recipe", str(recipe), match="no MTP layer")
+    _fails(src, tmp_path / "out", "--recipe", str(recipe), match="no MTP layer")
 
 
 def _file_size_limit(limit: int):
     def apply() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() rather than being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return apply
 
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cli
 from safetensors.torch import load_file
 
-from helpers import run_cli
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
-from mxforge.validation.validate import validate_checkpoint
+from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
 from mxforge.quantize.mxfp4 import quantize_mxfp4
 from mxforge.quantize.run import quantize_checkpoint
-from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
+from mxforge.validation.validate import validate_checkpoint
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -26,7 +26,9 @@ def _files(d: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def quantized_tiny(tiny_ckpt, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("q") / "tiny-mxfp4"
-    proc = run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", "--json", str(out.parent / "report.json"), check=True)
+    proc = run_cli(
+        "quantize", str(tiny_ckpt), str(out), "--quiet", "--json", str(out.parent / "report.json"), check=True
+    )
     assert "MXFP4" in proc.stdout
     return out, json.loads((out.parent / "report.json").read_text())
 
@@ -92,7 +94,12 @@ def test_every_source_tensor_accounted_for(tiny_ckpt, quantized_tiny):
     # `mxforge fixup`'s MTP aliases.
     validation = validate_checkpoint(out)
     assert not [p for p in validation.problems if p.engine is None]
-    assert {r["profile"] for r in validation.releases() if not r["ok"]} == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}
+    assert {r["profile"] for r in validation.releases() if not r["ok"]} == {
+        "sglang-0.5.9",
+        "sglang-0.5.10",
+        "sglang-0.5.11",
+        "sglang-0.5.15",
+    }
     config = json.loads((out / "config.json").read_text())
     exclude = config["quantization_config"]["exclude"]
     assert exclude == sorted(n.removesuffix(".weight") for n in report["tensors"]["kept"])
@@ -147,11 +154,12 @@ def test_rerun_skips_complete_shards_and_redoes_stale_ones(tiny_ckpt, tmp_path):
 
 
 def test_output_missing_an_mtp_tensor_fails_the_check(tiny_ckpt, quantized_tiny, tmp_path):
+    from safetensors.torch import save_file
+
     from mxforge.errors import CheckpointError
     from mxforge.quantize.plan import plan_checkpoint
     from mxforge.quantize.recipe import load_recipe
     from mxforge.quantize.run import verify_output
-    from safetensors.torch import save_file
 
     out = tmp_path / "out"
     shutil.copytree(quantized_tiny[0], out)

@@ -13,11 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 from mxforge.fixture import write_fixture
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
-
-from helpers import run_cli
 
 pytestmark = pytest.mark.slow  # quantize runs killed and resumed
 
@@ -38,14 +37,20 @@ def uninterrupted(multi_shard_ckpt, tmp_path_factory) -> Path:
 
 
 def _outputs(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir())  # files only: OUT/.cache holds the lock
-            if p.is_file() and p.name not in (QUANTIZE_NAME, QUANTIZE_STATE_NAME)}
+    return {
+        p.name: p.read_bytes()
+        for p in sorted(d.iterdir())  # files only: OUT/.cache holds the lock
+        if p.is_file() and p.name not in (QUANTIZE_NAME, QUANTIZE_STATE_NAME)
+    }
 
 
 def _start(src: Path, out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mxforge.cli", "quantize", str(src), str(out), "--quiet",
-                             "--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mxforge.cli", "quantize", str(src), str(out), "--quiet", "--workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _kill_group_when(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
@@ -75,9 +80,14 @@ def test_sigkill_then_rerun_is_byte_identical(multi_shard_ckpt, uninterrupted, t
     out = tmp_path / "out"
     proc = _start(multi_shard_ckpt, out)
     if moment == "mid_shard":
-        ready = lambda: out.exists() and any(p.name.endswith(".safetensors.partial") for p in out.iterdir())
+
+        def ready():
+            return out.exists() and any(p.name.endswith(".safetensors.partial") for p in out.iterdir())
     else:
-        ready = lambda: _finished_shards(out) >= 1
+
+        def ready():
+            return _finished_shards(out) >= 1
+
     assert _kill_group_when(proc, ready), "the run finished before the kill could land"
     assert not (out / "config.json").exists() and not (out / QUANTIZE_NAME).exists()
     rerun = run_cli("quantize", str(multi_shard_ckpt), str(out), "--quiet", "--json", "-", check=True)

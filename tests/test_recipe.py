@@ -26,10 +26,18 @@ def test_default_recipe_selects_experts_and_decoder_shared_experts(tiny_ckpt):
     quantized = {n for n, d in decisions.items() if d == "quantize"}
     assert f"{mtp}mlp.experts.0.gate_proj.weight" in quantized
     assert "model.layers.3.mlp.shared_experts.down_proj.weight" in quantized
-    for kept in (f"{mtp}mlp.shared_experts.up_proj.weight", f"{mtp}eh_proj.weight", f"{mtp}mlp.gate.weight",
-                 "model.layers.3.mlp.gate.weight", "model.layers.0.mlp.gate_proj.weight", "lm_head.weight",
-                 "model.embed_tokens.weight", "model.layers.6.self_attn.indexer.wq_b.weight",
-                 "model.layers.3.self_attn.q_a_proj.weight", "model.norm.weight"):
+    for kept in (
+        f"{mtp}mlp.shared_experts.up_proj.weight",
+        f"{mtp}eh_proj.weight",
+        f"{mtp}mlp.gate.weight",
+        "model.layers.3.mlp.gate.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.6.self_attn.indexer.wq_b.weight",
+        "model.layers.3.self_attn.q_a_proj.weight",
+        "model.norm.weight",
+    ):
         assert decisions[kept] == "keep", kept
     assert all(".experts." in n or ".shared_experts." in n for n in quantized)
 
@@ -57,17 +65,23 @@ def test_recipe_hash_and_name():
     assert recipe.name == "glm-5.2-mxfp4" and recipe.sha256 == hashlib.sha256(text).hexdigest()
 
 
-@pytest.mark.parametrize("body, message", [
-    ('name="x"\nscheme="mxfp4"\ncolour="red"\n[[quantize]]\nkinds=["experts"]\n', r"unknown key\(s\) \['colour'\]"),
-    ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nlayer="all"\n', r"unknown key\(s\) \['layer'\]"),
-    ('name="x"\nscheme="mxfp4"\n[[quantize]]\nnames=["mlp.(experts"]\n', "not a valid regular expression"),
-    ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["expert"]\n', "kinds"),
-    ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nlayers="78"\n', "layers '78'"),
-    ('name="x"\nscheme="nvfp4"\n[[quantize]]\nkinds=["experts"]\n', "scheme 'nvfp4'"),
-    ('name="x"\nscheme="mxfp4"\n', r"no \[\[quantize\]\] rule"),
-    ('name="x"\nscheme="mxfp4"\n[[quantize]\n', "malformed TOML"),
-    ('name="x"\nscheme="mxfp4"\nscale_rule="max"\n[[quantize]]\nkinds=["experts"]\n', "scale_rule 'max' is not known"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('name="x"\nscheme="mxfp4"\ncolour="red"\n[[quantize]]\nkinds=["experts"]\n', r"unknown key\(s\) \['colour'\]"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nlayer="all"\n', r"unknown key\(s\) \['layer'\]"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]]\nnames=["mlp.(experts"]\n', "not a valid regular expression"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["expert"]\n', "kinds"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nlayers="78"\n', "layers '78'"),
+        ('name="x"\nscheme="nvfp4"\n[[quantize]]\nkinds=["experts"]\n', "scheme 'nvfp4'"),
+        ('name="x"\nscheme="mxfp4"\n', r"no \[\[quantize\]\] rule"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]\n', "malformed TOML"),
+        (
+            'name="x"\nscheme="mxfp4"\nscale_rule="max"\n[[quantize]]\nkinds=["experts"]\n',
+            "scale_rule 'max' is not known",
+        ),
+    ],
+)
 def test_bad_recipes_are_clear_errors(tmp_path, body, message):
     path = tmp_path / "bad.toml"
     path.write_text(body)
@@ -130,11 +144,14 @@ def test_cached_quantization_config_equals_a_fresh_quark_build(tmp_path, monkeyp
     assert len(list(tmp_path.glob("quark-config-*.json"))) == 2
 
 
-@pytest.mark.parametrize("recipe_name, quantized", [
-    # 76 MoE layers (3..77 and MTP 78) x 256 experts x 3 projections + 75 decoder shared experts x 3
-    ("glm-5.2-mxfp4", 76 * 256 * 3 + 75 * 3),
-    ("glm-5.2-mxfp4-mtp-bf16", 75 * 256 * 3 + 75 * 3),
-])
+@pytest.mark.parametrize(
+    "recipe_name, quantized",
+    [
+        # 76 MoE layers (3..77 and MTP 78) x 256 experts x 3 projections + 75 decoder shared experts x 3
+        ("glm-5.2-mxfp4", 76 * 256 * 3 + 75 * 3),
+        ("glm-5.2-mxfp4-mtp-bf16", 75 * 256 * 3 + 75 * 3),
+    ],
+)
 def test_plan_on_the_full_glm52_layout(full_layout_ckpt, recipe_name, quantized):
     from mxforge.quantize.plan import plan_checkpoint
 

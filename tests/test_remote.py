@@ -14,14 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import AMD, TOKEN, hub_env, one_error_line, run_cli
+from quark_like import write_quark_like
 
 from mxforge.checkpoint import INDEX_NAME
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.validation.validate import validate_checkpoint
 from mxforge.models import FAMILIES
-from quark_like import write_quark_like
-
-from helpers import AMD, TOKEN, hub_env, one_error_line, run_cli
+from mxforge.validation.validate import validate_checkpoint
 
 SHARD = "model-00002-of-00003.safetensors"
 # The Quark-style exports of the issue: MTP exclusions as globs, or as Quark's exact model.layers.N.* names only.
@@ -100,7 +99,9 @@ def test_remote_doctor_validate_fix_by_pr_and_revalidate(export, exports, hub, t
     # The PR's config.json is exactly what a local fixup writes.
     fixed = _linked_copy(src, tmp_path / "fixed")
     fixup_checkpoint(fixed, command="test")
-    assert json.loads(head.files["config.json"].disk_path.read_text()) == json.loads((fixed / "config.json").read_text())
+    assert json.loads(head.files["config.json"].disk_path.read_text()) == json.loads(
+        (fixed / "config.json").read_text()
+    )
 
     after = _json(_mx(hub, tmp_path, "validate", "amd/glm-mxfp4", "--revision", "refs/pr/1", "--json"))
     assert after["ok"] is True and all(r["ok"] for r in after["releases"]) and len(after["releases"]) >= 10
@@ -147,7 +148,10 @@ def test_pull_request_endpoints_speak_the_clients_api(exports, hub, tmp_path):
     assert "safetensors" not in details.diff
     info = api.model_info("amd/glm-mxfp4", revision="refs/pr/1")
     assert info.sha == hub.repos["amd/glm-mxfp4"].branches["refs/pr/1"]
-    assert {e.path for e in api.list_repo_tree("amd/glm-mxfp4", revision="refs/pr/1")} >= {"config.json", "mxforge_fixups.json"}
+    assert {e.path for e in api.list_repo_tree("amd/glm-mxfp4", revision="refs/pr/1")} >= {
+        "config.json",
+        "mxforge_fixups.json",
+    }
 
 
 def test_inspect_remote_equals_local_and_a_second_read_comes_from_the_cache(exports, hub, tmp_path):
@@ -156,8 +160,9 @@ def test_inspect_remote_equals_local_and_a_second_read_comes_from_the_cache(expo
     hub.add_repo_from_dir("amd/glm-mxfp4", exports["layer-names"])
     remote = _json(_mx(hub, tmp_path, "inspect", "amd/glm-mxfp4", "--json"))
     local = inspect_checkpoint(exports["layer-names"])
-    assert {k: v for k, v in remote.items() if k not in ("path", "fetched")} == \
-        json.loads(json.dumps({k: v for k, v in local.items() if k != "path"}))
+    assert {k: v for k, v in remote.items() if k not in ("path", "fetched")} == json.loads(
+        json.dumps({k: v for k, v in local.items() if k != "path"})
+    )
     assert remote["fetched"]["requests"] > 0
     hub.requests.clear()
     cached = _json(_mx(hub, tmp_path, "validate", "amd/glm-mxfp4", "--json"))
@@ -245,8 +250,9 @@ print(json.dumps(out))
 
 def _comparable(report: dict) -> dict:
     """What the verdict is made of: everything but the checkpoint's name (a path or a repo id)."""
-    return {k: v for k, v in report.items() if k not in ("path", "serve", "checked")} | \
-        {"checked": {k: v for k, v in report["checked"].items() if k != "fetched"}}
+    return {k: v for k, v in report.items() if k not in ("path", "serve", "checked")} | {
+        "checked": {k: v for k, v in report["checked"].items() if k != "fetched"}
+    }
 
 
 @pytest.mark.slow  # builds and runs the whole conformance matrix of each family
@@ -262,8 +268,13 @@ def test_remote_and_local_agree_on_every_conformance_case(family, family_cases, 
         repo = f"m/{family}-" + case.name.replace("/", "-")
         hub.add_repo_from_dir(repo, case.path)
         repos[repo] = case
-    proc = subprocess.run([sys.executable, "-c", REMOTE_VALIDATE, json.dumps(list(repos))], capture_output=True,
-                          text=True, env={**os.environ, **_env(hub, tmp_path)}, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-c", REMOTE_VALIDATE, json.dumps(list(repos))],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **_env(hub, tmp_path)},
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr
     remote = json.loads(proc.stdout)
     for repo, case in repos.items():

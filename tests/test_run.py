@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO, TOKEN, hub_env, run_cli
 
 from mxforge.fixture import write_fixture
+from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME
+from mxforge.provenance import QUANTIZE_STATE_NAME as QUANTIZE_STATE
 from mxforge.validation.validate import validate_checkpoint
-from mxforge.provenance import PUBLISHED_RECORDS, QUANTIZE_STATE_NAME as QUANTIZE_STATE, RUN_STATE_NAME
-
-from helpers import REPO, TOKEN, hub_env, run_cli
 
 pytestmark = pytest.mark.slow  # the whole pipeline from the loopback Hub, with kills and resumes
 
@@ -34,13 +34,28 @@ def _product(out: Path) -> dict[str, bytes]:
 
 def test_run_from_hub_to_hub_with_push(hub, tmp_path):
     out = tmp_path / "run"
-    proc = run_cli("run", "zai/glm-tiny", str(out), "--push", "alice/glm-tiny-mxfp4", "--quiet", "--json", "-",
-                   env=_env(hub, tmp_path), timeout=600)
+    proc = run_cli(
+        "run",
+        "zai/glm-tiny",
+        str(out),
+        "--push",
+        "alice/glm-tiny-mxfp4",
+        "--quiet",
+        "--json",
+        "-",
+        env=_env(hub, tmp_path),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     stages = report["stages"]
-    assert [s for s in ("download", "quantize", "fixup", "validate", "push") if stages[s]["status"] == "done"] == \
-        ["download", "quantize", "fixup", "validate", "push"]
+    assert [s for s in ("download", "quantize", "fixup", "validate", "push") if stages[s]["status"] == "done"] == [
+        "download",
+        "quantize",
+        "fixup",
+        "validate",
+        "push",
+    ]
     assert stages["quantize"]["report"]["mtp_layers"] == [7]
     assert all(stages["validate"]["report"]["engines"].values()) and len(stages["validate"]["report"]["engines"]) == 23
     assert stages["push"]["report"]["remote_hashes_match"] is True
@@ -53,8 +68,18 @@ def test_run_from_hub_to_hub_with_push(hub, tmp_path):
     written = [proc.stdout, proc.stderr] + [p.read_text(errors="ignore") for p in out.rglob("*.json")]
     assert not any(TOKEN in text for text in written)
     # A rerun finds every stage done (validate is always checked again) and pushes nothing new.
-    again = run_cli("run", "zai/glm-tiny", str(out), "--push", "alice/glm-tiny-mxfp4", "--quiet", "--json", "-",
-                    env=_env(hub, tmp_path), timeout=600)
+    again = run_cli(
+        "run",
+        "zai/glm-tiny",
+        str(out),
+        "--push",
+        "alice/glm-tiny-mxfp4",
+        "--quiet",
+        "--json",
+        "-",
+        env=_env(hub, tmp_path),
+        timeout=600,
+    )
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["reused_from_earlier_run"] == ["download", "fixup", "push", "quantize"]
 
@@ -62,8 +87,13 @@ def test_run_from_hub_to_hub_with_push(hub, tmp_path):
 def test_run_human_summary_and_local_source(tiny_ckpt, tmp_path):
     proc = run_cli("run", str(tiny_ckpt), str(tmp_path / "run"), "--quiet")
     assert proc.returncode == 0, proc.stderr
-    for text in ("download  skipped", "quantize  done", "engines: loads: sglang 0.5.9-0.5.23, vllm 0.30.0-0.33.0",
-                 "132 MXFP4", "MTP layer(s) [7]"):
+    for text in (
+        "download  skipped",
+        "quantize  done",
+        "engines: loads: sglang 0.5.9-0.5.23, vllm 0.30.0-0.33.0",
+        "132 MXFP4",
+        "MTP layer(s) [7]",
+    ):
         assert text in proc.stdout, proc.stdout
     state = json.loads((tmp_path / "run" / RUN_STATE_NAME).read_text())
     assert state["inputs"]["recipe"] == "glm-5.2-mxfp4"
@@ -84,8 +114,18 @@ def test_run_stops_before_push_when_validation_fails(hub, tmp_path, tiny_ckpt):
     text = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
     recipe.write_text(text + '\n[[quantize]]\nkinds = ["mtp_proj"]\nlayers = "mtp"\n')
     out = tmp_path / "run"
-    proc = run_cli("run", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--push", "alice/never", "--quiet",
-                   env=_env(hub, tmp_path), timeout=600)
+    proc = run_cli(
+        "run",
+        str(tiny_ckpt),
+        str(out),
+        "--recipe",
+        str(recipe),
+        "--push",
+        "alice/never",
+        "--quiet",
+        env=_env(hub, tmp_path),
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "vllm" in proc.stderr and "nothing was pushed" in proc.stderr
     assert not any("/api/repos/create" in r[1] for r in hub.requests)
@@ -102,9 +142,12 @@ def test_sigkill_during_quantize_then_rerun_is_byte_identical(bench_src, tmp_pat
     reference = tmp_path / "reference"
     run_cli("run", str(bench_src), str(reference), "--quiet", "--workers", "2", check=True)
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "mxforge.cli", "run", str(bench_src), str(out), "--quiet",
-                             "--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mxforge.cli", "run", str(bench_src), str(out), "--quiet", "--workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     mxfp4 = out / "mxfp4"
     deadline = time.monotonic() + 300
     while not (mxfp4.exists() and any(p.name.endswith(".safetensors.partial") for p in mxfp4.iterdir())):
@@ -129,8 +172,13 @@ def test_run_unreachable_hub_is_one_line_and_recorded(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
-    proc = run_cli("run", "zai/glm-tiny", str(out), "--quiet",
-                   env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1"})
+    proc = run_cli(
+        "run",
+        "zai/glm-tiny",
+        str(out),
+        "--quiet",
+        env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1"},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("mxforge run: error:") == 1 and "cannot reach the Hub" in proc.stderr
     state = json.loads((out / RUN_STATE_NAME).read_text())

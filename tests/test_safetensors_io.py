@@ -80,7 +80,7 @@ def test_read_header_rejects_truncated_and_lying_files(tmp_path):
     with pytest.raises(CheckpointError, match="truncated"):
         read_header(tmp_path / "tiny.safetensors")
     n = struct.unpack("<Q", data[:8])[0]
-    lying = data[: 8 + n].replace(b'"shape":[4,6]', b'"shape":[4,7]') + data[8 + n:]
+    lying = data[: 8 + n].replace(b'"shape":[4,6]', b'"shape":[4,7]') + data[8 + n :]
     (tmp_path / "lie.safetensors").write_bytes(lying)
     with pytest.raises(CheckpointError, match=r"b\.weight.*header lies"):
         read_header(tmp_path / "lie.safetensors")

@@ -21,7 +21,7 @@ from mxforge.quantize.mxfp4 import dequantize_mxfp4, quantize_mxfp4, quantize_ro
 from mxforge.quantize.scale_rules import SCALE_RULES, get_scale_rule
 
 MSE = SCALE_RULES["mse"].offsets
-GRID = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+GRID = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -30,8 +30,13 @@ def _weights() -> dict[str, torch.Tensor]:
     heavy[::7, ::13] *= 9  # outliers: blocks where clipping and the exponent choice matter
     short = torch.randn(8, 40, generator=g)  # a short last block (40 = 32 + 8)
     zeros = torch.cat([torch.zeros(4, 32), torch.randn(4, 32, generator=g)], dim=1)
-    return {"heavy_bf16": heavy.to(torch.bfloat16), "heavy_f32": heavy, "short_bf16": short.to(torch.bfloat16),
-            "zeros_bf16": zeros.to(torch.bfloat16), "gaussian_bf16": (0.02 * torch.randn(128, 1024, generator=g)).to(torch.bfloat16)}
+    return {
+        "heavy_bf16": heavy.to(torch.bfloat16),
+        "heavy_f32": heavy,
+        "short_bf16": short.to(torch.bfloat16),
+        "zeros_bf16": zeros.to(torch.bfloat16),
+        "gaussian_bf16": (0.02 * torch.randn(128, 1024, generator=g)).to(torch.bfloat16),
+    }
 
 
 def _kernels(weight: torch.Tensor) -> list[str]:
@@ -46,7 +51,9 @@ def _run(kernel: str, weight: torch.Tensor, offsets, stats):
     codes = np.empty((out, inner // 2), np.uint8)
     scales = np.empty((out, -(-inner // 32)), np.uint8)
     if kernel == "torch":
-        mxfp4._quantize_torch(weight, torch.from_numpy(codes), torch.from_numpy(scales), torch.device("cpu"), offsets, stats)
+        mxfp4._quantize_torch(
+            weight, torch.from_numpy(codes), torch.from_numpy(scales), torch.device("cpu"), offsets, stats
+        )
         return codes, scales
     rows = weight.view(torch.int16).numpy() if weight.dtype == torch.bfloat16 else weight.numpy()
     if kernel == "c":
@@ -54,7 +61,9 @@ def _run(kernel: str, weight: torch.Tensor, offsets, stats):
     else:
         bits = (rows.astype(np.int32) << 16) if rows.dtype == np.int16 else rows.view(np.int32)
         sink = stats if stats is not None else np.zeros(ERROR_STATS)
-        quantize_rows_rule(bits, bits.view(np.float32), codes, scales, np.asarray(offsets, np.int64), sink, stats is not None)
+        quantize_rows_rule(
+            bits, bits.view(np.float32), codes, scales, np.asarray(offsets, np.int64), sink, stats is not None
+        )
     return codes, scales
 
 
@@ -65,7 +74,7 @@ def _reference_stats(weight: torch.Tensor, codes, scales) -> list[float]:
     q = dequantize_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales), inner).double()
     top = 6 * torch.ldexp(torch.ones(scales.shape, dtype=torch.float64), torch.from_numpy(scales).double() - 127)
     top = top.repeat_interleave(32, dim=1)[:, :inner]
-    return [((x - q) ** 2).sum().item(), (x ** 2).sum().item(), (x - q).abs().max().item(), int((x.abs() > top).sum())]
+    return [((x - q) ** 2).sum().item(), (x**2).sum().item(), (x - q).abs().max().item(), int((x.abs() > top).sum())]
 
 
 @pytest.mark.parametrize("rule", sorted(SCALE_RULES))
@@ -104,8 +113,15 @@ def _brute_force_mse(weight: torch.Tensor, quark_scales: np.ndarray) -> tuple[np
         byte = torch.from_numpy(quark_scales).double() + d
         scale = torch.ldexp(torch.ones_like(byte), byte - 127).unsqueeze(-1)
         q = x / scale
-        code = (q >= 0.75).long() + (q >= 1.75).long() + (q >= 3.5).long() + (q > 0.25).long() + (q > 1.25).long() \
-            + (q > 2.5).long() + (q > 5.0).long()
+        code = (
+            (q >= 0.75).long()
+            + (q >= 1.75).long()
+            + (q >= 3.5).long()
+            + (q > 0.25).long()
+            + (q > 1.25).long()
+            + (q > 2.5).long()
+            + (q > 5.0).long()
+        )
         err = ((x - GRID[code] * scale) ** 2).sum(-1)
         errors.append(torch.where((byte >= 1) & (byte <= 254), err, torch.full_like(err, float("inf"))))
     stacked = torch.stack(errors)
@@ -139,12 +155,16 @@ def test_mse_rule_keeps_quarks_exponent_on_a_tie():
 
 
 def test_report_aggregates_pooled_sums_and_names_the_worst():
-    records = {"model.layers.0.mlp.experts.0.up_proj.weight": tensor_record([1.0, 100.0, 0.5, 10], 1000),
-               "model.layers.0.self_attn.o_proj.weight": tensor_record([4.0, 100.0, 0.25, 0], 1000),
-               "model.layers.3.mlp.experts.1.up_proj.weight": tensor_record([9.0, 100.0, 1.0, 30], 1000),
-               "model.layers.3.mlp.experts.2.up_proj.weight": tensor_record([0.0, 0.0, 0.0, 0], 0)}
+    records = {
+        "model.layers.0.mlp.experts.0.up_proj.weight": tensor_record([1.0, 100.0, 0.5, 10], 1000),
+        "model.layers.0.self_attn.o_proj.weight": tensor_record([4.0, 100.0, 0.25, 0], 1000),
+        "model.layers.3.mlp.experts.1.up_proj.weight": tensor_record([9.0, 100.0, 1.0, 30], 1000),
+        "model.layers.3.mlp.experts.2.up_proj.weight": tensor_record([0.0, 0.0, 0.0, 0], 0),
+    }
     report = error_report(records, mtp_layers=[3], scale_rule="quark")
-    assert report["tensors_measured"] == 3 and report["tensors_not_measured"] == ["model.layers.3.mlp.experts.2.up_proj.weight"]
+    assert report["tensors_measured"] == 3 and report["tensors_not_measured"] == [
+        "model.layers.3.mlp.experts.2.up_proj.weight"
+    ]
     assert report["overall"]["rel_rmse"] == pytest.approx((14 / 300) ** 0.5, rel=1e-5)
     assert report["overall"]["clipped_fraction"] == pytest.approx(40 / 3000)
     assert set(report["by_class"]) == {"experts", "attention", "mtp"}  # layer 3 is the MTP layer here

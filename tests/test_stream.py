@@ -12,11 +12,10 @@ import sys
 import threading
 
 import pytest
+from helpers import hub_env, run_cli
 
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME, STREAM_STATE_NAME
 from mxforge.stream import choose_stream, plan_disk
-
-from helpers import hub_env, run_cli
 
 pytestmark = pytest.mark.slow  # streamed and Ray runs end to end, with real kills
 
@@ -26,8 +25,19 @@ PROVENANCE = {*PUBLISHED_RECORDS, "README.md"}
 
 
 def _run(hub, tmp_path, out, repo, *extra):
-    return run_cli("run", "zai/glm-tiny", str(out), "--push", repo, "--quiet", "--json", "-", *extra,
-                   env=hub_env(hub, tmp_path), timeout=600)
+    return run_cli(
+        "run",
+        "zai/glm-tiny",
+        str(out),
+        "--push",
+        repo,
+        "--quiet",
+        "--json",
+        "-",
+        *extra,
+        env=hub_env(hub, tmp_path),
+        timeout=600,
+    )
 
 
 def _pushed(hub, repo: str) -> dict[str, bytes]:
@@ -74,7 +84,9 @@ def test_stream_pushes_the_same_checkpoint_as_a_sequential_run(hub, tmp_path):
     assert len(puts) == 3 and len(commits) == 1 and max(puts) < commits[0]
     # Every bf16 shard was deleted once quantized; only the small files stay.
     assert not list((out / "bf16").glob("*.safetensors"))
-    assert stream["peak_source_bytes_on_disk"] <= stream["disk_plan"]["peak_bytes"] - stream["disk_plan"]["output_bytes"]
+    assert (
+        stream["peak_source_bytes_on_disk"] <= stream["disk_plan"]["peak_bytes"] - stream["disk_plan"]["output_bytes"]
+    )
     # Headers were planned from byte ranges, not whole-file downloads: each shard was fetched whole once.
     whole = [r for r in hub.requests if r[0] == "GET" and r[1].endswith(".safetensors") and r[2] is None]
     assert sorted(r[1].rsplit("/", 1)[1] for r in whole) == SHARDS
@@ -108,8 +120,13 @@ def _killed_run(hub, tmp_path, out, repo: str, route: str, condition, *extra: st
 
     hub.before[route] = hook
     args = [sys.executable, "-m", "mxforge.cli", "run", "zai/glm-tiny", str(out), "--push", repo, "--quiet", *extra]
-    box["proc"] = subprocess.Popen(args, env={**os.environ, **hub_env(hub, tmp_path)}, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, start_new_session=True)
+    box["proc"] = subprocess.Popen(
+        args,
+        env={**os.environ, **hub_env(hub, tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     box["proc"].wait(timeout=600)
     hub.before.clear()
     assert fired.is_set() and box["proc"].returncode == -signal.SIGKILL
@@ -118,7 +135,10 @@ def _killed_run(hub, tmp_path, out, repo: str, route: str, condition, *extra: st
 def _whole_get(shard: str):
     def condition(handler) -> bool:
         rng = handler.headers.get("Range") or ""
-        return handler.command == "GET" and handler.path.endswith(shard) and not rng.rstrip().endswith(tuple("0123456789"))
+        return (
+            handler.command == "GET" and handler.path.endswith(shard) and not rng.rstrip().endswith(tuple("0123456789"))
+        )
+
     return condition
 
 
@@ -128,6 +148,7 @@ def _nth_put(n: int):
     def condition(handler) -> bool:
         seen.append(handler.path)
         return len(seen) == n
+
     return condition
 
 
@@ -135,7 +156,9 @@ def _nth_put(n: int):
 def test_sigkill_mid_stream_then_rerun_commits_the_same_bytes(hub, tmp_path, point, sequential_reference):
     out = tmp_path / "stream"
     route, condition = ("resolve", _whole_get(SHARDS[1])) if point.startswith("download") else ("lfs_put", _nth_put(2))
-    _killed_run(hub, tmp_path, out, "alice/streamed", route, condition, "--stream", "--workers", "1", "--in-flight", "1")
+    _killed_run(
+        hub, tmp_path, out, "alice/streamed", route, condition, "--stream", "--workers", "1", "--in-flight", "1"
+    )
     # Killed before the commit: nothing of the product is on the Hub, and the run is recorded unfinished.
     assert _commits(hub) == []
     assert json.loads((out / RUN_STATE_NAME).read_text())["stages"]["stream"]["status"] == "running"
@@ -164,13 +187,24 @@ def test_stream_from_a_local_source_keeps_it_and_matches_sequential(tiny_ckpt, t
     before = {p.name: p.stat().st_mtime_ns for p in tiny_ckpt.iterdir()}
     run_cli("run", str(tiny_ckpt), str(tmp_path / "seq"), "--quiet", check=True)
     # The single-node path never imports Ray, installed or not.
-    code = ("import sys; from mxforge.cli import main; rc = main(['run', sys.argv[1], sys.argv[2], '--stream', '--quiet']); "
-            "assert rc == 0 and 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))")
-    proc = subprocess.run([sys.executable, "-c", code, str(tiny_ckpt), str(tmp_path / "str")], capture_output=True, text=True)
+    code = (
+        "import sys; from mxforge.cli import main; "
+        "rc = main(['run', sys.argv[1], sys.argv[2], '--stream', '--quiet']); "
+        "assert rc == 0 and 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_ckpt), str(tmp_path / "str")], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert {p.name: p.stat().st_mtime_ns for p in tiny_ckpt.iterdir()} == before
-    files = lambda d: {p.name: p.read_bytes() for p in (d / "mxfp4").iterdir()  # noqa: E731
-                       if p.is_file() and p.name.endswith((".safetensors", ".index.json", "config.json"))}
+
+    def files(d):
+        return {
+            p.name: p.read_bytes()
+            for p in (d / "mxfp4").iterdir()
+            if p.is_file() and p.name.endswith((".safetensors", ".index.json", "config.json"))
+        }
+
     assert files(tmp_path / "str") == files(tmp_path / "seq")
 
 
@@ -178,12 +212,20 @@ def test_stream_applies_the_scale_rule_and_reports_the_same_errors_as_sequential
     """--scale-rule reaches the streamed shard jobs, and the streamed quantize report carries the error report."""
     for mode, extra in (("seq", ()), ("str", ("--stream",))):
         run_cli("run", str(tiny_ckpt), str(tmp_path / mode), "--scale-rule", "mse", "--quiet", *extra, check=True)
-    files = lambda d: {p.name: p.read_bytes() for p in (d / "mxfp4").iterdir()  # noqa: E731
-                       if p.is_file() and p.name.endswith((".safetensors", "config.json"))}
+
+    def files(d):
+        return {
+            p.name: p.read_bytes()
+            for p in (d / "mxfp4").iterdir()
+            if p.is_file() and p.name.endswith((".safetensors", "config.json"))
+        }
+
     assert files(tmp_path / "str") == files(tmp_path / "seq")
     config = json.loads((tmp_path / "str" / "mxfp4" / "config.json").read_text())
     assert config["quantization_config"]["mxforge"]["scale_rule"] == "mse"
-    errors = [json.loads((tmp_path / m / "mxfp4" / "mxforge_quantize.json").read_text())["error"] for m in ("seq", "str")]
+    errors = [
+        json.loads((tmp_path / m / "mxfp4" / "mxforge_quantize.json").read_text())["error"] for m in ("seq", "str")
+    ]
     assert errors[0] is not None and errors[0] == errors[1]
 
 
@@ -263,9 +305,8 @@ def test_a_downloaded_shard_whose_header_is_not_the_planned_one_is_refused(tiny_
 
     from mxforge.checkpoint import Checkpoint
     from mxforge.errors import CheckpointError
-    from mxforge.quantize.plan import plan_checkpoint
+    from mxforge.quantize.plan import check_planned_header, plan_checkpoint
     from mxforge.quantize.recipe import load_recipe
-    from mxforge.quantize.plan import check_planned_header
 
     plan = {s.name: s for s in plan_checkpoint(Checkpoint.open(tiny_ckpt), load_recipe(None)).shards}
     shard = tmp_path / SHARDS[1]

@@ -2,14 +2,13 @@
 
 import json
 
+from helpers import AMD, MTP
+from quark_like import write_quark_like
+
 from mxforge.checkpoint import Checkpoint
 from mxforge.fixups.fixup import fixup_checkpoint
-from quark_like import write_quark_like
-from mxforge.validation.validate import validate_checkpoint
 from mxforge.safetensors_io import PlannedTensor, ShardWriter
-
-from helpers import AMD, MTP
-
+from mxforge.validation.validate import validate_checkpoint
 
 
 def _fixed_export(tiny_ckpt, path):
@@ -32,6 +31,7 @@ def test_malformed_quantization_config(tiny_ckpt, tmp_path):
         del qc["export"]
         qc["global_quant_config"]["weight"]["group_size"] = 16
         qc["exclude"].append("re:model.layers.(")
+
     _edit_qc(ckpt, edit)
     found = {p.subject: p.message for p in validate_checkpoint(ckpt).problems if p.check == "quant_config"}
     assert "export key" in found["config.json:quantization_config.export"]
@@ -57,14 +57,17 @@ def test_missing_mtp_tensor_and_wrong_scale_shape(tiny_ckpt, tmp_path):
     infos = src.tensor_infos()
     for shard in {src.weight_map[gone], src.weight_map[bad]}:
         names = [n for n, s in src.weight_map.items() if s == shard and n != gone]
-        planned = [PlannedTensor(n, infos[n].dtype, (infos[n].shape[0], infos[n].shape[1] + 1) if n == bad else infos[n].shape)
-                   for n in names]
+        planned = [
+            PlannedTensor(n, infos[n].dtype, (infos[n].shape[0], infos[n].shape[1] + 1) if n == bad else infos[n].shape)
+            for n in names
+        ]
         with ShardWriter(ckpt / shard, planned) as w:
             w.skip_to_end()
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
     del index["weight_map"][gone]
     index["metadata"]["total_size"] = sum(
-        i.nbytes for s in set(index["weight_map"].values()) for i in Checkpoint.open(ckpt).headers[s].tensors.values())
+        i.nbytes for s in set(index["weight_map"].values()) for i in Checkpoint.open(ckpt).headers[s].tensors.values()
+    )
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     report = validate_checkpoint(ckpt)
     by_subject = {p.subject: p for p in report.problems}
@@ -75,13 +78,16 @@ def test_missing_mtp_tensor_and_wrong_scale_shape(tiny_ckpt, tmp_path):
 
 def test_stored_form_uses_the_quantizers_packed_shapes():
     """Expected MXFP4 shapes come from quantize's packed_shapes; an odd in-dimension is a defect, not a crash."""
-    from mxforge.validation.modules import Linear
-    from mxforge.validation.tensor_forms import MXFP4, stored_form
     from mxforge.quantize.mxfp4 import packed_shapes
     from mxforge.safetensors_io import TensorInfo
+    from mxforge.validation.modules import Linear
+    from mxforge.validation.tensor_forms import MXFP4, stored_form
 
     codes, scales = packed_shapes((8, 96))
-    infos = {"m.weight": TensorInfo("m.weight", "U8", codes, 0, 0), "m.weight_scale": TensorInfo("m.weight_scale", "U8", scales, 0, 0)}
+    infos = {
+        "m.weight": TensorInfo("m.weight", "U8", codes, 0, 0),
+        "m.weight_scale": TensorInfo("m.weight_scale", "U8", scales, 0, 0),
+    }
     assert stored_form(Linear("m", 8, 96), infos).defect is None
     odd = stored_form(Linear("m", 8, 95), infos)
     assert odd.form == MXFP4 and "odd" in odd.defect and "m.weight" in odd.defect

@@ -6,15 +6,14 @@ import os
 import shutil
 
 import pytest
+from helpers import AMD, run_cli
+from quark_like import write_quark_like
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import CheckpointError
 from mxforge.file_hashes import HashCache, hash_files
 from mxforge.fixups.fixup import fixup_checkpoint
-from quark_like import write_quark_like
 from mxforge.validation.validate import validate_checkpoint
-
-from helpers import AMD, run_cli
 
 
 def test_nan_scale_byte_is_found_only_by_deep(tiny_ckpt, tmp_path):
@@ -38,8 +37,10 @@ def test_nan_scale_byte_is_found_only_by_deep(tiny_ckpt, tmp_path):
 def test_sha256_manifest(tiny_ckpt, tmp_path):
     ckpt = tmp_path / "c"
     shutil.copytree(tiny_ckpt, ckpt)
-    files = [{"name": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-             for p in sorted(ckpt.glob("*.safetensors"))]
+    files = [
+        {"name": p.name, "size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(ckpt.glob("*.safetensors"))
+    ]
     (ckpt / "mxforge_source.json").write_text(json.dumps({"files": files}))
     report = validate_checkpoint(ckpt, deep=True)
     assert report.ok and report.checked["deep"]["sha256"]["files"] == 3
@@ -51,12 +52,15 @@ def test_sha256_manifest(tiny_ckpt, tmp_path):
     assert validate_checkpoint(ckpt).ok  # headers alone cannot see a flipped data byte
 
 
-@pytest.mark.parametrize("manifest, named", [
-    ('{"files": ["a"]}', "files[0]"),
-    ('{"files": [{"size": 1}]}', "files[0]"),
-    ('{"files": 3}', "'files' list"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "manifest, named",
+    [
+        ('{"files": ["a"]}', "files[0]"),
+        ('{"files": [{"size": 1}]}', "files[0]"),
+        ('{"files": 3}', "'files' list"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_malformed_sha256_manifest_is_one_error(tiny_ckpt, tmp_path, manifest, named):
     ckpt = tmp_path / "c"
     shutil.copytree(tiny_ckpt, ckpt)
@@ -84,8 +88,9 @@ def test_deep_sha256_does_not_trust_the_hash_cache(tiny_ckpt, tmp_path):
     shutil.copytree(tiny_ckpt, ckpt)
     names = sorted(p.name for p in ckpt.glob("*.safetensors"))
     hashes = hash_files(ckpt, names, quiet=True)  # fills the cache, as download does
-    (ckpt / "mxforge_source.json").write_text(json.dumps({"files": [
-        {"name": n, "size": h.size, "sha256": h.sha256} for n, h in hashes.items()]}))
+    (ckpt / "mxforge_source.json").write_text(
+        json.dumps({"files": [{"name": n, "size": h.size, "sha256": h.sha256} for n, h in hashes.items()]})
+    )
     shard = ckpt / names[0]
     st = shard.stat()
     data = bytearray(shard.read_bytes())

@@ -2,10 +2,9 @@ import json
 import shutil
 
 import pytest
+from helpers import run_cli
 
 from mxforge.validation.validate import validate_checkpoint
-
-from helpers import run_cli
 
 
 @pytest.fixture
@@ -54,7 +53,10 @@ def test_missing_shard_orphans_and_truncation(ckpt):
     assert any(s.endswith(name) and "not mapped" in m for s, m in subjects.items())
     assert "truncated" in subjects["model-00003-of-00003.safetensors"]
     (ckpt / "model-00002-of-00003.safetensors").unlink()
-    assert "missing from the checkpoint" in {p.subject: p.message for p in validate_checkpoint(ckpt).problems}["model-00002-of-00003.safetensors"]
+    assert (
+        "missing from the checkpoint"
+        in {p.subject: p.message for p in validate_checkpoint(ckpt).problems}["model-00002-of-00003.safetensors"]
+    )
 
 
 def test_cannot_run_exits_2(tmp_path):

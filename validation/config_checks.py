@@ -30,8 +30,15 @@ def check_quant_config(qc: Mapping | None, has_uint8: bool) -> list[Problem]:
     """Problems with `quantization_config` that stop every engine (or make `exclude` entries dead letters)."""
     if qc is None:
         if has_uint8:
-            return [Problem("quant_config", QC, "missing, but the checkpoint holds uint8 (MXFP4) weights: engines would "
-                            "load the packed bytes as bf16", "restore the quantization_config written by the quantizer")]
+            return [
+                Problem(
+                    "quant_config",
+                    QC,
+                    "missing, but the checkpoint holds uint8 (MXFP4) weights: engines would "
+                    "load the packed bytes as bf16",
+                    "restore the quantization_config written by the quantizer",
+                )
+            ]
         return []
     problems = []
 
@@ -39,38 +46,59 @@ def check_quant_config(qc: Mapping | None, has_uint8: bool) -> list[Problem]:
         problems.append(Problem("quant_config", f"{QC}.{subject}", message, remedy))
 
     if qc.get("quant_method") != "quark":
-        bad("quant_method", f"is {qc.get('quant_method')!r}, expected 'quark'", "write the quantizer's quantization_config")
+        bad(
+            "quant_method",
+            f"is {qc.get('quant_method')!r}, expected 'quark'",
+            "write the quantizer's quantization_config",
+        )
     export = qc.get("export")
     if not isinstance(export, dict):
-        bad("export", "missing: both engines raise \"The export key should be included\"", "write Quark's export block")
+        bad("export", 'missing: both engines raise "The export key should be included"', "write Quark's export block")
     elif export.get("pack_method") not in ("reorder", "order"):
         bad("export.pack_method", f"is {export.get('pack_method')!r}, expected 'reorder'", "write Quark's export block")
-    weight = (qc.get("global_quant_config") or {}).get("weight") if isinstance(qc.get("global_quant_config"), dict) else None
+    weight = (
+        (qc.get("global_quant_config") or {}).get("weight") if isinstance(qc.get("global_quant_config"), dict) else None
+    )
     if not isinstance(weight, dict):
         bad("global_quant_config.weight", "missing", "write the quantizer's quantization_config")
     else:
         for key, want in MXFP4_WEIGHT_SPEC.items():
             if weight.get(key) != want:
-                bad(f"global_quant_config.weight.{key}", f"is {weight.get(key)!r}, expected {want!r} for MXFP4",
-                    "write the quantizer's quantization_config")
+                bad(
+                    f"global_quant_config.weight.{key}",
+                    f"is {weight.get(key)!r}, expected {want!r} for MXFP4",
+                    "write the quantizer's quantization_config",
+                )
     entries = qc.get("exclude", [])
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
         bad("exclude", "must be a list of module names", "write exclude as a JSON list of strings")
         return problems
     for i, entry in enumerate(entries):
         if is_glob(entry):
-            bad(f"exclude[{i}]", f"{entry!r} is a glob; engines match exact names or 're:' regexes only, so it matches nothing",
-                "run mxforge fixup (rewrites it into the exact module names it covers)")
+            bad(
+                f"exclude[{i}]",
+                f"{entry!r} is a glob; engines match exact names or 're:' regexes only, so it matches nothing",
+                "run mxforge fixup (rewrites it into the exact module names it covers)",
+            )
         elif entry.startswith("re:"):
             try:
                 re.compile(entry[3:])
             except re.error as e:
-                bad(f"exclude[{i}]", f"{entry!r} is not a valid regex ({e}); engines raise on it", "fix or remove the entry")
+                bad(
+                    f"exclude[{i}]",
+                    f"{entry!r} is not a valid regex ({e}); engines raise on it",
+                    "fix or remove the entry",
+                )
     return problems
 
 
-def check_layout(layout: MoeLayout, planned: list[PlannedTensor], stored: Mapping[str, Stored],
-                 infos: Mapping[str, TensorInfo], skip: frozenset[str]) -> tuple[list[Problem], dict]:
+def check_layout(
+    layout: MoeLayout,
+    planned: list[PlannedTensor],
+    stored: Mapping[str, Stored],
+    infos: Mapping[str, TensorInfo],
+    skip: frozenset[str],
+) -> tuple[list[Problem], dict]:
     """Every tensor config.json implies is stored (a linear as bf16 or MXFP4); the MTP layer is complete.
 
     Returns the problems and the count of stored linears per form.
@@ -89,16 +117,27 @@ def check_layout(layout: MoeLayout, planned: list[PlannedTensor], stored: Mappin
         missing_by_layer.setdefault(layer, []).append(t.name)
     for layer, names in missing_by_layer.items():
         if layer is not None and layout.is_mtp(layer) and not mtp_present[layer]:
-            problems.append(Problem(
-                "mtp", f"model.layers.{layer}",
-                f"the checkpoint ships no MTP layer tensors (num_nextn_predict_layers = {len(layout.mtp_layers)}, so "
-                f"model.layers.{layer}.* is expected): engines cannot build the draft model for speculative decoding",
-                "re-inject it from the bf16 source: mxforge fixup CKPT --mtp-from BF16_SRC --recipe RECIPE "
-                "(or set num_nextn_predict_layers to 0 to ship without MTP)"))
+            problems.append(
+                Problem(
+                    "mtp",
+                    f"model.layers.{layer}",
+                    "the checkpoint ships no MTP layer tensors "
+                    f"(num_nextn_predict_layers = {len(layout.mtp_layers)}, so model.layers.{layer}.* is expected): "
+                    "engines cannot build the draft model for speculative decoding",
+                    "re-inject it from the bf16 source: mxforge fixup CKPT --mtp-from BF16_SRC --recipe RECIPE "
+                    "(or set num_nextn_predict_layers to 0 to ship without MTP)",
+                )
+            )
             continue
         check = "mtp" if layer is not None and layout.is_mtp(layer) else "layout"
         for name in names:
             what = "linear weight (bf16 or MXFP4)" if name.removesuffix(".weight") in stored else "tensor"
-            problems.append(Problem(check, name, f"config.json implies this {what} but no shard holds it",
-                                    "re-create the checkpoint from its source (or restore the tensor)"))
+            problems.append(
+                Problem(
+                    check,
+                    name,
+                    f"config.json implies this {what} but no shard holds it",
+                    "re-create the checkpoint from its source (or restore the tensor)",
+                )
+            )
     return problems, counts

@@ -15,11 +15,13 @@ from mxforge.safetensors_io import TensorInfo
 
 from .report import Problem
 
-NAN_SCALE = 255           # E8M0 0xFF encodes NaN: every weight of that 32-block dequantizes to NaN
+NAN_SCALE = 255  # E8M0 0xFF encodes NaN: every weight of that 32-block dequantizes to NaN
 CHUNK = 16 << 20
 
 
-def scan_scales(root: Path, weight_map: Mapping[str, str], infos: Mapping[str, TensorInfo], quiet: bool = False) -> tuple[list[Problem], int]:
+def scan_scales(
+    root: Path, weight_map: Mapping[str, str], infos: Mapping[str, TensorInfo], quiet: bool = False
+) -> tuple[list[Problem], int]:
     """Every uint8 `*.weight_scale` tensor read in full; a 255 byte is a NaN block. Returns problems, bytes read."""
     scales = [info for name, info in infos.items() if name.endswith(".weight_scale") and info.dtype == "U8"]
     total = sum(i.nbytes for i in scales)
@@ -41,9 +43,15 @@ def scan_scales(root: Path, weight_map: Mapping[str, str], infos: Mapping[str, T
                     bar.update(len(chunk))
             if first is not None:
                 row, col = divmod(first, info.shape[1]) if len(info.shape) == 2 else (0, first)
-                problems.append(Problem("scales", info.name, f"holds E8M0 byte 255 (NaN) first at [{row}, {col}]: that block "
-                                        "of 32 weights dequantizes to NaN", "the source weights were not finite there: "
-                                        "fix the source and re-quantize this tensor"))
+                problems.append(
+                    Problem(
+                        "scales",
+                        info.name,
+                        f"holds E8M0 byte 255 (NaN) first at [{row}, {col}]: that block "
+                        "of 32 weights dequantizes to NaN",
+                        "the source weights were not finite there: fix the source and re-quantize this tensor",
+                    )
+                )
     return problems, total
 
 
@@ -59,8 +67,10 @@ def _manifest_files(manifest: Path) -> list[dict]:
         raise CheckpointError(f"{manifest}: download manifest has no 'files' list; re-run mxforge download")
     for i, entry in enumerate(files):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise CheckpointError(f"{manifest}: files[{i}] ({json.dumps(entry)[:80]}) is not an object with a "
-                                  "'name'; re-run mxforge download")
+            raise CheckpointError(
+                f"{manifest}: files[{i}] ({json.dumps(entry)[:80]}) is not an object with a "
+                "'name'; re-run mxforge download"
+            )
     return files
 
 
@@ -84,7 +94,9 @@ def check_sha256(root: Path, quiet: bool = False) -> tuple[list[Problem], dict]:
         if (root / entry["name"]).is_file():
             present.append(entry)
         else:
-            problems.append(Problem("hash", entry["name"], "listed in the download manifest but missing", "re-run mxforge download"))
+            problems.append(
+                Problem("hash", entry["name"], "listed in the download manifest but missing", "re-run mxforge download")
+            )
     try:
         hashes = hash_files(root, [e["name"] for e in present], quiet=quiet, desc="validate: sha256", use_cache=False)
     except OSError as e:
@@ -92,6 +104,12 @@ def check_sha256(root: Path, quiet: bool = False) -> tuple[list[Problem], dict]:
     for entry in present:
         got, want = hashes[entry["name"]].sha256, entry.get("sha256")
         if want and got != want:
-            problems.append(Problem("hash", entry["name"], f"sha256 {got[:16]}... differs from the "
-                                    f"download manifest's {str(want)[:16]}...", "re-download the file"))
+            problems.append(
+                Problem(
+                    "hash",
+                    entry["name"],
+                    f"sha256 {got[:16]}... differs from the download manifest's {str(want)[:16]}...",
+                    "re-download the file",
+                )
+            )
     return problems, {"files": len(files), "bytes": sum(h.size for h in hashes.values())}

@@ -13,8 +13,13 @@ from .modules import LayerLinears
 from .tensor_forms import BF16, MXFP4, Stored
 
 
-def diagnose(layout: MoeLayout, linears: dict[int | None, LayerLinears], stored: Mapping[str, Stored],
-             infos: Mapping[str, TensorInfo], qc: Mapping | None) -> list[str]:
+def diagnose(
+    layout: MoeLayout,
+    linears: dict[int | None, LayerLinears],
+    stored: Mapping[str, Stored],
+    infos: Mapping[str, TensorInfo],
+    qc: Mapping | None,
+) -> list[str]:
     """Sentences describing the export: exclude style (exact / glob / regex) and the MTP layer's state."""
     notes = []
     if qc is None:
@@ -25,26 +30,34 @@ def diagnose(layout: MoeLayout, linears: dict[int | None, LayerLinears], stored:
         regexes = [e for e in entries if e.startswith("re:")]
         exact = len(entries) - len(globs) - len(regexes)
         if globs:
-            notes.append(f"exclude holds {len(globs)} glob entr{'y' if len(globs) == 1 else 'ies'} ({', '.join(globs[:6])}"
-                         f"{', ...' if len(globs) > 6 else ''}): Quark understands them, no engine does; "
-                         "mxforge fixup rewrites them into exact names")
+            notes.append(
+                f"exclude holds {len(globs)} glob entr{'y' if len(globs) == 1 else 'ies'} ({', '.join(globs[:6])}"
+                f"{', ...' if len(globs) > 6 else ''}): Quark understands them, no engine does; "
+                "mxforge fixup rewrites them into exact names"
+            )
         if exact:
             notes.append(f"exclude lists {exact} exact module name(s) (the form Quark writes on export)")
         if regexes:
             notes.append(f"exclude holds {len(regexes)} 're:' regex entr{'y' if len(regexes) == 1 else 'ies'}")
         if any(".shared_experts" in e for e in entries):
-            notes.append("exclude names shared experts: sglang and vLLM then run them unfused from the routed experts "
-                         "(a speed cost, not an error)")
+            notes.append(
+                "exclude names shared experts: sglang and vLLM then run them unfused from the routed experts "
+                "(a speed cost, not an error)"
+            )
     for layer in layout.mtp_layers:
         prefix = f"model.layers.{layer}."
         group = linears[layer]
         forms = [stored[lin.name].form for lin in (*group.experts, *group.others.values())]
         if all(f is None for f in forms):
-            notes.append(f"MTP layer {layer} is missing: the export ships no {prefix}* tensors, so MTP cannot be used; "
-                         "re-inject it with mxforge fixup --mtp-from BF16_SRC --recipe RECIPE")
+            notes.append(
+                f"MTP layer {layer} is missing: the export ships no {prefix}* tensors, so MTP cannot be used; "
+                "re-inject it with mxforge fixup --mtp-from BF16_SRC --recipe RECIPE"
+            )
         elif forms and all(f == BF16 for f in forms):
             notes.append(f"MTP layer {layer} is entirely bf16 ({len(forms)} linear weights)")
         else:
-            notes.append(f"MTP layer {layer}: {forms.count(MXFP4)} linear weights MXFP4, {forms.count(BF16)} bf16"
-                         + (f", {forms.count(None)} missing" if None in forms else ""))
+            notes.append(
+                f"MTP layer {layer}: {forms.count(MXFP4)} linear weights MXFP4, {forms.count(BF16)} bf16"
+                + (f", {forms.count(None)} missing" if None in forms else "")
+            )
     return notes

@@ -9,8 +9,18 @@ from mxforge.errors import ConfigError
 from mxforge.models import MoeLayout
 
 from .loaded import LoadedCheckpoint
-from .matching import (DRAFT, TARGET, RoleView, SchemeError, ShardsDisagree, engine_excludes, fuses_shared_experts,
-                       is_mxfp4_config, module_config, role_views)
+from .matching import (
+    DRAFT,
+    TARGET,
+    RoleView,
+    SchemeError,
+    ShardsDisagree,
+    engine_excludes,
+    fuses_shared_experts,
+    is_mxfp4_config,
+    module_config,
+    role_views,
+)
 from .modules import EngineModule, LayerLinears, engine_modules
 from .profiles import EngineProfile
 from .report import Problem
@@ -25,10 +35,10 @@ class Verdict:
     """The engine's decision for one module: MXFP4 or bf16, or an error it raises while deciding."""
 
     module: EngineModule
-    form: str | None                 # MXFP4 / BF16 / OTHER (a scheme mxforge never writes); None when the engine raises
-    reason: str                      # why: the matching entry, "never quantized", "not excluded", the error ...
+    form: str | None  # MXFP4 / BF16 / OTHER (a scheme mxforge never writes); None when the engine raises
+    reason: str  # why: the matching entry, "never quantized", "not excluded", the error ...
     disagree: ShardsDisagree | None = None
-    requantized: bool = False        # loaded as `form` (bf16), then re-quantized to MXFP4 by the engine
+    requantized: bool = False  # loaded as `form` (bf16), then re-quantized to MXFP4 by the engine
 
 
 @dataclass
@@ -38,12 +48,17 @@ class EngineView:
 
     profile: EngineProfile
     roles: dict[str, RoleView]
-    fused: frozenset[str]            # roles that append the shared expert to the routed-expert bank
+    fused: frozenset[str]  # roles that append the shared expert to the routed-expert bank
     modules: list[EngineModule] = field(default_factory=list)
 
 
-def engine_view(profile: EngineProfile, layout: MoeLayout, linears: dict[int | None, LayerLinears],
-                exclude: list[str], qc: dict | None = None) -> EngineView:
+def engine_view(
+    profile: EngineProfile,
+    layout: MoeLayout,
+    linears: dict[int | None, LayerLinears],
+    exclude: list[str],
+    qc: dict | None = None,
+) -> EngineView:
     """`profile`'s release reading `exclude` (and the per-layer configs of `qc`, the quantization_config)."""
     roles = role_views(profile, exclude, layout, qc)
     fused = frozenset(r for r in (TARGET, DRAFT) if fuses_shared_experts(profile, r, layout, roles[r].gate_entries))
@@ -66,8 +81,9 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         return Verdict(module, BF16, f"{profile.name} never quantizes {module.local}")
     role = view.roles[module.role]
     if role.unquantized:
-        return Verdict(module, BF16, f"the whole draft is built unquantized ({profile.draft.class_name} finds "
-                                     f"its layer excluded)")
+        return Verdict(
+            module, BF16, f"the whole draft is built unquantized ({profile.draft.class_name} finds its layer excluded)"
+        )
     try:
         excluded = engine_excludes(profile, module.runtime, module.is_experts, role.entries)
     except ShardsDisagree as e:
@@ -82,9 +98,15 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         except SchemeError as e:
             return Verdict(module, None, f"the engine raises: {e}")
         if not requant:
-            return Verdict(module, None, why + f", but {profile.name} re-quantizes it with its layer config, which is not "
-                                              "an MXFP4 scheme: the engine raises \"No quark compatible scheme\"")
-        return Verdict(module, BF16, why + f"; {profile.name} loads it bf16 and re-quantizes it to MXFP4", requantized=True)
+            return Verdict(
+                module,
+                None,
+                why + f", but {profile.name} re-quantizes it with its layer config, which is not "
+                'an MXFP4 scheme: the engine raises "No quark compatible scheme"',
+            )
+        return Verdict(
+            module, BF16, why + f"; {profile.name} loads it bf16 and re-quantizes it to MXFP4", requantized=True
+        )
     try:
         config = module_config(profile, role, module.runtime, module.is_experts)
     except SchemeError as e:
@@ -93,16 +115,25 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         return Verdict(module, MXFP4, "no exclude entry matches it")
     weight = (config or {}).get("weight")
     if not isinstance(weight, dict):
-        return Verdict(module, None, "no exclude entry matches it and its layer config quantizes nothing: the engine raises "
-                                     "\"No quark compatible scheme\"")
+        return Verdict(
+            module,
+            None,
+            "no exclude entry matches it and its layer config quantizes nothing: the engine raises "
+            '"No quark compatible scheme"',
+        )
     if weight.get("dtype") == "fp4":
-        return Verdict(module, None, "its layer config is not an MXFP4 scheme the engine takes (MXFP4 weights need dynamic "
-                                     "MXFP4 activations declared): the engine raises \"No quark compatible scheme\"")
+        return Verdict(
+            module,
+            None,
+            "its layer config is not an MXFP4 scheme the engine takes (MXFP4 weights need dynamic "
+            'MXFP4 activations declared): the engine raises "No quark compatible scheme"',
+        )
     return Verdict(module, OTHER, f"its layer config asks for {weight.get('dtype')!r} weights")
 
 
-def check_engine(view: EngineView, stored: Mapping[str, Stored], quantized_checkpoint: bool,
-                 skip: frozenset[str] = frozenset()) -> list[Problem]:
+def check_engine(
+    view: EngineView, stored: Mapping[str, Stored], quantized_checkpoint: bool, skip: frozenset[str] = frozenset()
+) -> list[Problem]:
     """Every disagreement between what the profile's engine allocates and what the checkpoint stores.
 
     Modules with a missing tensor are left to the layout check; names in `skip` (tensors in unreadable
@@ -128,7 +159,10 @@ def expected_text(module: EngineModule, form: str) -> str:
         n = sum(s.name.endswith("gate_proj") for s in shards)
         hidden, inter = gate.in_features, gate.out_features
         if form == MXFP4:
-            return f"MXFP4 (uint8 w13_weight [{n}, {2 * inter}, {hidden // 2}], w2_weight [{n}, {down.out_features}, {inter // 2}])"
+            return (
+                f"MXFP4 (uint8 w13_weight [{n}, {2 * inter}, {hidden // 2}], "
+                f"w2_weight [{n}, {down.out_features}, {inter // 2}])"
+            )
         return f"bf16 (w13_weight [{n}, {2 * inter}, {hidden}], w2_weight [{n}, {down.out_features}, {inter}])"
     out = sum(s.out_features for s in shards)
     if form == MXFP4:
@@ -155,25 +189,36 @@ def _compare(view: EngineView, verdict: Verdict, stored: list[Stored]) -> Proble
         return None
     names = [s.linear.name for s in stored]
     shared_names = [n for n in names if ".shared_experts." in n] if module.fused_shared else []
-    where = braced([n for n in names if n not in shared_names]) + (f" and {braced(shared_names)}" if shared_names else "")
+    where = braced([n for n in names if n not in shared_names]) + (
+        f" and {braced(shared_names)}" if shared_names else ""
+    )
     found = describe_stored(stored)
 
     def problem(message: str, remedy: str, flag: str | None = None) -> Problem:
         return Problem("engine", module.runtime, message, remedy, profile.name, flag)
 
     if verdict.form is None and verdict.disagree is None:
-        return problem(f"{verdict.reason} (the checkpoint holds {found} under {where})",
-                       RUN_FIXUP if forms == {BF16} else "write an MXFP4 quantization_config (the quantizer's), or exclude it")
+        return problem(
+            f"{verdict.reason} (the checkpoint holds {found} under {where})",
+            RUN_FIXUP if forms == {BF16} else "write an MXFP4 quantization_config (the quantizer's), or exclude it",
+        )
     if verdict.form == OTHER:
-        return problem(f"{verdict.reason}; the checkpoint holds {found} under {where}",
-                       "exclude it or give it an MXFP4 layer config (mxforge writes and checks MXFP4 and bf16 only)")
+        return problem(
+            f"{verdict.reason}; the checkpoint holds {found} under {where}",
+            "exclude it or give it an MXFP4 layer config (mxforge writes and checks MXFP4 and bf16 only)",
+        )
     if verdict.disagree is not None:
         d = verdict.disagree
-        remedy = (f"{RUN_FIXUP} (writes the shard entries this release needs)" if forms == {BF16}
-                  else "re-quantize so that every shard is stored alike, and exclude all of them or none")
-        return problem(f"exclude entries match {', '.join(d.matched)} but not {', '.join(d.unmatched)}: the engine raises "
-                       f"\"Found different quantization schemes\" and stops loading (the checkpoint holds {found} under {where})",
-                       remedy)
+        remedy = (
+            f"{RUN_FIXUP} (writes the shard entries this release needs)"
+            if forms == {BF16}
+            else "re-quantize so that every shard is stored alike, and exclude all of them or none"
+        )
+        return problem(
+            f"exclude entries match {', '.join(d.matched)} but not {', '.join(d.unmatched)}: the engine raises "
+            f'"Found different quantization schemes" and stops loading (the checkpoint holds {found} under {where})',
+            remedy,
+        )
     if defects:
         more = f" (and {len(defects) - 1} more)" if len(defects) > 1 else ""
         return problem(f"malformed tensors: {defects[0]}{more}", "re-quantize or re-download these tensors")
@@ -181,24 +226,32 @@ def _compare(view: EngineView, verdict: Verdict, stored: list[Stored]) -> Proble
     message = f"would be {expected_text(module, verdict.form)} but the checkpoint holds {found} under {where}"
     if module.fused_shared and len(forms) > 1:
         shared = [s for s in stored if ".shared_experts." in s.linear.name]
-        return problem(f"{profile.draft.class_name if module.is_mtp else 'the target model'} appends the shared expert "
-                       f"({describe_stored(shared)} under {braced([s.linear.name for s in shared])}) to the routed-expert "
-                       f"bank, which it builds {expected_text(module, verdict.form)} (its routed-expert count opens "
-                       "the shared-expert fusion gate)", fusion_remedy(profile), profile.fusion.server_flag)
+        return problem(
+            f"{profile.draft.class_name if module.is_mtp else 'the target model'} appends the shared expert "
+            f"({describe_stored(shared)} under {braced([s.linear.name for s in shared])}) to the routed-expert "
+            f"bank, which it builds {expected_text(module, verdict.form)} (its routed-expert count opens "
+            "the shared-expert fusion gate)",
+            fusion_remedy(profile),
+            profile.fusion.server_flag,
+        )
     if len(forms) > 1:
-        return problem(message + "; its shards are stored in different formats and the engine loads them into one parameter",
-                       "re-quantize so that every shard of this module is stored alike")
+        return problem(
+            message + "; its shards are stored in different formats and the engine loads them into one parameter",
+            "re-quantize so that every shard of this module is stored alike",
+        )
     if verdict.form == MXFP4:
         return problem(message, RUN_FIXUP)
     if not module.quantizable:
-        return problem(message + f" ({verdict.reason})",
-                       f"re-quantize with {module.checkpoint} excluded (kept bf16)")
-    return problem(message + f" ({verdict.reason})",
-                   "remove that exclude entry (the tensors are MXFP4 on disk), or re-quantize the module in bf16")
+        return problem(message + f" ({verdict.reason})", f"re-quantize with {module.checkpoint} excluded (kept bf16)")
+    return problem(
+        message + f" ({verdict.reason})",
+        "remove that exclude entry (the tensors are MXFP4 on disk), or re-quantize the module in bf16",
+    )
 
 
-def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exclude: list[str],
-                    qc: dict | None) -> tuple[list, dict]:
+def engine_problems(
+    loaded: LoadedCheckpoint, profiles: list[EngineProfile], exclude: list[str], qc: dict | None
+) -> tuple[list, dict]:
     """Per-profile disagreements between what each release allocates under `exclude` (and the rest of `qc`,
     the quantization_config) and what is stored (no `qc`: engines build everything bf16)."""
     quantized = qc is not None
@@ -209,9 +262,15 @@ def engine_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], exc
         if any(p.server_flag for p in found):
             # Served with the flag, the shared expert is a module of its own: that setup must load too.
             unfused = without_fusion(view, loaded.layout, loaded.linears)
-            found = [p for p in found if p.server_flag] + check_engine(unfused, loaded.stored, quantized, loaded.unreadable)
+            found = [p for p in found if p.server_flag] + check_engine(
+                unfused, loaded.stored, quantized, loaded.unreadable
+            )
         problems += found
         requantized = [m.runtime for m in view.modules if decide(view, m, quantized).requantized]
-        checked[profile.name] = {"modules": len(view.modules), "problems": len(found),
-                                 "fused_shared_experts": sorted(view.fused), "requantized_at_load": len(requantized)}
+        checked[profile.name] = {
+            "modules": len(view.modules),
+            "problems": len(found),
+            "fused_shared_experts": sorted(view.fused),
+            "requantized_at_load": len(requantized),
+        }
     return problems, checked

@@ -23,12 +23,25 @@ def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], list[Proble
     problems: list[Problem] = []
     source = ckpt.source
     for key in ckpt.duplicate_index_keys:
-        problems.append(Problem("integrity", f"{INDEX_NAME}:{key}", "tensor listed more than once in weight_map",
-                                "keep one entry per tensor (the shard that really holds it)"))
+        problems.append(
+            Problem(
+                "integrity",
+                f"{INDEX_NAME}:{key}",
+                "tensor listed more than once in weight_map",
+                "keep one entry per tensor (the shard that really holds it)",
+            )
+        )
     headers = {}
     for shard in ckpt.shard_names:
         if not source.exists(shard):
-            problems.append(Problem("integrity", shard, "named by the index but missing from the checkpoint", f"{REDOWNLOAD}, or fix the index"))
+            problems.append(
+                Problem(
+                    "integrity",
+                    shard,
+                    "named by the index but missing from the checkpoint",
+                    f"{REDOWNLOAD}, or fix the index",
+                )
+            )
             continue
         try:
             headers[shard] = source.read_header(shard)
@@ -41,24 +54,49 @@ def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], list[Proble
             continue
         info = header.tensors.get(name)
         if info is None:
-            problems.append(Problem("integrity", name, f"index maps it to {shard}, whose header does not hold it",
-                                    "fix the index or restore the tensor"))
+            problems.append(
+                Problem(
+                    "integrity",
+                    name,
+                    f"index maps it to {shard}, whose header does not hold it",
+                    "fix the index or restore the tensor",
+                )
+            )
         else:
             total += info.nbytes
     for shard, header in headers.items():
         for name in header.tensors:
             if ckpt.weight_map.get(name) != shard:
-                problems.append(Problem("integrity", f"{shard}:{name}", "tensor in the shard is not mapped to it by the index",
-                                        "add it to the index's weight_map or remove it from the shard"))
+                problems.append(
+                    Problem(
+                        "integrity",
+                        f"{shard}:{name}",
+                        "tensor in the shard is not mapped to it by the index",
+                        "add it to the index's weight_map or remove it from the shard",
+                    )
+                )
     referenced = set(ckpt.shard_names)
     unreferenced = [n for n in source.file_names() if n.endswith(".safetensors") and n not in referenced]
     for name in unreferenced:
-        problems.append(Problem("integrity", name, "safetensors file not referenced by the index",
-                                "remove it, or add its tensors to the index"))
+        problems.append(
+            Problem(
+                "integrity",
+                name,
+                "safetensors file not referenced by the index",
+                "remove it, or add its tensors to the index",
+            )
+        )
     warnings = []
     declared = ckpt.index_metadata.get("total_size")
     if ckpt.has_index and not problems and declared != total:
-        warnings.append(Problem("index", TOTAL_SIZE, f"says {declared} but the tensors hold {total} bytes (no engine "
-                                "reads it; Quark's file-to-file export counts whole files)", "run mxforge fixup (sets it)"))
+        warnings.append(
+            Problem(
+                "index",
+                TOTAL_SIZE,
+                f"says {declared} but the tensors hold {total} bytes (no engine "
+                "reads it; Quark's file-to-file export counts whole files)",
+                "run mxforge fixup (sets it)",
+            )
+        )
     counts = {"shards": len(ckpt.shard_names), "tensors": len(ckpt.weight_map), "bytes": total}
     return problems, warnings, counts, headers

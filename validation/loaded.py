@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mxforge.checkpoint import Checkpoint, CheckpointSource
-from mxforge.models import layout_of, MoeLayout
+from mxforge.models import MoeLayout, layout_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
 
 from .integrity import check_index_and_shards
@@ -20,11 +20,11 @@ class LoadedCheckpoint:
 
     ckpt: Checkpoint
     layout: MoeLayout
-    planned: list[PlannedTensor]   # every tensor config.json implies, bf16 shapes
+    planned: list[PlannedTensor]  # every tensor config.json implies, bf16 shapes
     linears: dict[int | None, LayerLinears]
     infos: dict[str, TensorInfo]
-    stored: dict[str, Stored]      # how each linear is stored, by module name
-    unreadable: frozenset[str]     # tensors whose shard is missing or corrupt
+    stored: dict[str, Stored]  # how each linear is stored, by module name
+    unreadable: frozenset[str]  # tensors whose shard is missing or corrupt
 
 
 def load_checkpoint(root: str | Path | CheckpointSource | Checkpoint) -> tuple[LoadedCheckpoint, list, list, dict]:

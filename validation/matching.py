@@ -27,7 +27,8 @@ def is_glob(entry: str) -> bool:
 
 
 class ShardsDisagree(Exception):
-    """The engine raises "Found different quantization schemes": some shards of a fused module are excluded, others not."""
+    """The engine raises "Found different quantization schemes": some shards of a fused module are excluded, others
+    not."""
 
     def __init__(self, matched: list[str], unmatched: list[str]):
         super().__init__(f"excluded: {matched}; not excluded: {unmatched}")
@@ -112,15 +113,16 @@ class SchemeError(Exception):
 class RoleView:
     """What one model (the target, or the MTP draft) of one engine release sees of `quantization_config`."""
 
-    entries: ExcludeList        # the exclude list its modules are tested against
-    gate_entries: ExcludeList   # the list its shared-expert fusion gate reads (before any draft remap)
-    unquantized: bool = False   # the whole model is built without a quantization config
+    entries: ExcludeList  # the exclude list its modules are tested against
+    gate_entries: ExcludeList  # the list its shared-expert fusion gate reads (before any draft remap)
+    unquantized: bool = False  # the whole model is built without a quantization config
     layer_configs: dict = field(default_factory=dict)  # layer_quant_config: fnmatch pattern -> layer config
     global_config: dict | None = None
 
 
-def role_views(profile: EngineProfile, exclude: list[str], layout: MoeLayout,
-               qc: dict | None = None) -> dict[str, RoleView]:
+def role_views(
+    profile: EngineProfile, exclude: list[str], layout: MoeLayout, qc: dict | None = None
+) -> dict[str, RoleView]:
     """The target's and the draft's view of `exclude` (and of the per-layer configs of `qc`) in `profile`'s release."""
     qc = qc or {}
     raw_layers, raw_global = qc.get("layer_quant_config"), qc.get("global_quant_config")
@@ -164,7 +166,7 @@ def module_config(profile: EngineProfile, view: RoleView, prefix: str, is_expert
         if (prefix in pattern) if (substring and "*" not in pattern) else fnmatch.fnmatch(prefix, pattern):
             return config
     if is_experts and profile.expert_layer_configs:
-        pinned = {k[len(prefix) + 1:]: v for k, v in view.layer_configs.items() if k.startswith(prefix + ".")}
+        pinned = {k[len(prefix) + 1 :]: v for k, v in view.layer_configs.items() if k.startswith(prefix + ".")}
         if pinned:
             return _pinned_experts_config(prefix, pinned)
     return view.global_config
@@ -178,8 +180,11 @@ def _pinned_experts_config(prefix: str, pinned: dict) -> dict:
             raise SchemeError(f"per-expert entry {suffix!r} in {prefix} is not <expert>.<projection>")
         by_expert.setdefault(int(index), set()).add(proj)
     configs = list(pinned.values())
-    if (set(by_expert) != set(range(max(by_expert) + 1)) or any(p != next(iter(by_expert.values())) for p in by_expert.values())
-            or any(c != configs[0] for c in configs)):
+    if (
+        set(by_expert) != set(range(max(by_expert) + 1))
+        or any(p != next(iter(by_expert.values())) for p in by_expert.values())
+        or any(c != configs[0] for c in configs)
+    ):
         raise SchemeError(f"per-expert entries of {prefix} skip experts or differ")
     return configs[0]
 
@@ -196,8 +201,11 @@ def is_mxfp4_config(profile: EngineProfile, config: dict | None) -> bool:
         return False
     if inputs is None:
         return not profile.mxfp4_needs_fp4_inputs
-    return isinstance(inputs, dict) and inputs.get("is_dynamic") is not False and all(
-        inputs.get(k) == v for k, v in spec.items())
+    return (
+        isinstance(inputs, dict)
+        and inputs.get("is_dynamic") is not False
+        and all(inputs.get(k) == v for k, v in spec.items())
+    )
 
 
 def _with_mtp_remap(profile: EngineProfile, entries: ExcludeList, layer: int) -> ExcludeList:
@@ -216,7 +224,7 @@ def _with_mtp_remap(profile: EngineProfile, entries: ExcludeList, layer: int) ->
 def _draft_name(profile: EngineProfile, name: str, layer: int) -> str:
     """`model.layers.N.X` under the draft's runtime name; any other name as it is."""
     prefix = f"model.layers.{layer}."
-    return profile.mtp_runtime_name(layer, name[len(prefix):]) if name.startswith(prefix) else name
+    return profile.mtp_runtime_name(layer, name[len(prefix) :]) if name.startswith(prefix) else name
 
 
 def fuses_shared_experts(profile: EngineProfile, role: str, layout: MoeLayout, gate_entries: ExcludeList) -> bool:
@@ -226,7 +234,9 @@ def fuses_shared_experts(profile: EngineProfile, role: str, layout: MoeLayout, g
     if not (rule.target if role == TARGET else rule.draft):
         return False
     experts = int(layout["n_routed_experts"])
-    if (rule.n_routed_experts and experts not in rule.n_routed_experts) or int(layout.config.get("n_shared_experts", 1) or 0) != 1:
+    if (rule.n_routed_experts and experts not in rule.n_routed_experts) or int(
+        layout.config.get("n_shared_experts", 1) or 0
+    ) != 1:
         return False
     if rule.veto == "none":
         return True

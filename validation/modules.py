@@ -32,14 +32,14 @@ class Linear:
 class EngineModule:
     """A module as one engine builds it."""
 
-    runtime: str                 # the prefix the engine asks its quantization config about
-    checkpoint: str              # the checkpoint-side module name (fused: the common parent + fused name)
-    local: str                   # layer-relative name (global modules: the full name)
-    shards: tuple[Linear, ...]   # checkpoint linears loaded into it (one, a fused group, or every expert projection)
+    runtime: str  # the prefix the engine asks its quantization config about
+    checkpoint: str  # the checkpoint-side module name (fused: the common parent + fused name)
+    local: str  # layer-relative name (global modules: the full name)
+    shards: tuple[Linear, ...]  # checkpoint linears loaded into it (one, a fused group, or every expert projection)
     is_experts: bool
     is_mtp: bool
-    quantizable: bool            # False: the engine builds it unquantized whatever `exclude` says
-    fused_shared: bool = False   # routed experts with the shared expert appended to the bank
+    quantizable: bool  # False: the engine builds it unquantized whatever `exclude` says
+    fused_shared: bool = False  # routed experts with the shared expert appended to the bank
 
     @property
     def role(self) -> str:
@@ -68,7 +68,7 @@ def checkpoint_linears(layout: MoeLayout, planned: list[PlannedTensor] | None = 
         if m is None:
             out[None].others[lin.name] = lin
             continue
-        local = lin.name[m.end():]
+        local = lin.name[m.end() :]
         group = out[int(m.group(1))]
         if EXPERT_RE.match(local):
             group.experts.append(lin)
@@ -81,21 +81,28 @@ def all_linears(linears: dict[int | None, LayerLinears]) -> list[Linear]:
     return [lin for group in linears.values() for lin in (*group.experts, *group.others.values())]
 
 
-def engine_modules(profile: EngineProfile, layout: MoeLayout, linears: dict[int | None, LayerLinears] | None = None,
-                   fused_roles: frozenset[str] = frozenset()) -> list[EngineModule]:
+def engine_modules(
+    profile: EngineProfile,
+    layout: MoeLayout,
+    linears: dict[int | None, LayerLinears] | None = None,
+    fused_roles: frozenset[str] = frozenset(),
+) -> list[EngineModule]:
     """Every module `profile`'s engine builds, with the checkpoint linears each one loads; in the roles
     (target / draft) listed in `fused_roles` the shared expert is loaded into the routed-expert bank."""
     linears = linears if linears is not None else checkpoint_linears(layout)
-    modules = [EngineModule(name, name, name, (lin,), False, False, profile.quantizable(name, False))
-               for name, lin in linears[None].others.items()]
+    modules = [
+        EngineModule(name, name, name, (lin,), False, False, profile.quantizable(name, False))
+        for name, lin in linears[None].others.items()
+    ]
     for layer in layout.all_layers:
         role = DRAFT if layout.is_mtp(layer) else TARGET
         modules += _layer_modules(profile, layer, layout.is_mtp(layer), linears[layer], role in fused_roles)
     return modules
 
 
-def _layer_modules(profile: EngineProfile, layer: int, is_mtp: bool, linears: LayerLinears,
-                   fuse_shared: bool) -> list[EngineModule]:
+def _layer_modules(
+    profile: EngineProfile, layer: int, is_mtp: bool, linears: LayerLinears, fuse_shared: bool
+) -> list[EngineModule]:
     prefix = f"model.layers.{layer}."
     groups: dict[str, list[Linear]] = {}
     shared = [lin for local, lin in linears.others.items() if local.startswith("mlp.shared_experts.")]
@@ -120,6 +127,16 @@ def _layer_modules(profile: EngineProfile, layer: int, is_mtp: bool, linears: La
     for local, members in groups.items():
         runtime = profile.mtp_runtime_name(layer, local) if is_mtp else prefix + local
         experts = local == "mlp.experts"
-        out.append(EngineModule(runtime, prefix + local, local, tuple(members), experts, is_mtp,
-                                profile.quantizable(local, is_mtp), fused_shared=experts and fuse_shared))
+        out.append(
+            EngineModule(
+                runtime,
+                prefix + local,
+                local,
+                tuple(members),
+                experts,
+                is_mtp,
+                profile.quantizable(local, is_mtp),
+                fused_shared=experts and fuse_shared,
+            )
+        )
     return out

@@ -35,13 +35,13 @@ class DraftRule:
     """How the engine builds the MTP draft and which exclude entries reach it."""
 
     class_name: str
-    block_prefix: str                           # runtime prefix of the draft's decoder block ("{layer}" filled in)
-    outer_prefix: str                           # runtime prefix of eh_proj / enorm / hnorm / shared_head
+    block_prefix: str  # runtime prefix of the draft's decoder block ("{layer}" filled in)
+    outer_prefix: str  # runtime prefix of eh_proj / enorm / hnorm / shared_head
     outer_modules: tuple[str, ...]
     eh_proj_quantizable: bool
-    name_mapper: tuple[tuple[str, str], ...]    # substring replacements applied to every entry (replacing it)
-    remap_mtp_entries: bool                     # model.layers.N.X entries also added under the draft's names
-    whole_draft_switch: bool                    # `model.layers.N` excluded -> the whole draft unquantized
+    name_mapper: tuple[tuple[str, str], ...]  # substring replacements applied to every entry (replacing it)
+    remap_mtp_entries: bool  # model.layers.N.X entries also added under the draft's names
+    whole_draft_switch: bool  # `model.layers.N` excluded -> the whole draft unquantized
 
 
 @dataclass(frozen=True)
@@ -67,21 +67,21 @@ class Anchor:
 
 @dataclass(frozen=True)
 class EngineProfile:
-    name: str                                   # e.g. "sglang-0.5.16": engine and first release of the range
-    family: str                                 # the model family it was read for (mxforge/models/)
+    name: str  # e.g. "sglang-0.5.16": engine and first release of the range
+    family: str  # the model family it was read for (mxforge/models/)
     engine: str
     releases: SpecifierSet
-    read: tuple[str, ...]                       # the releases whose wheels were read and are tested
+    read: tuple[str, ...]  # the releases whose wheels were read and are tested
     summary: str
-    exclude_source: str                         # "raw" quantization_config exclude, or "mapped" by the draft's mapper
-    fused_name_first: bool                      # an entry naming a fused module excludes it
-    expert_child_entries: bool                  # any `<layer>.mlp.experts.*` entry excludes the experts
-    packed: frozenset[str]                      # fused modules decided by their shards' entries
-    mxfp4_needs_fp4_inputs: bool                # MXFP4 weights load only with dynamic fp4 activations declared
-    expert_layer_configs: bool                  # per-expert layer_quant_config entries configure the experts
-    layer_config_match: str                     # how layer_quant_config keys match: "fnmatch", "substring-or-fnmatch"
-    fused: dict[str, tuple[str, ...]]           # fused module -> the checkpoint linears it is built from
-    never_quantized: frozenset[str]             # layer-relative or global module names built unquantized
+    exclude_source: str  # "raw" quantization_config exclude, or "mapped" by the draft's mapper
+    fused_name_first: bool  # an entry naming a fused module excludes it
+    expert_child_entries: bool  # any `<layer>.mlp.experts.*` entry excludes the experts
+    packed: frozenset[str]  # fused modules decided by their shards' entries
+    mxfp4_needs_fp4_inputs: bool  # MXFP4 weights load only with dynamic fp4 activations declared
+    expert_layer_configs: bool  # per-expert layer_quant_config entries configure the experts
+    layer_config_match: str  # how layer_quant_config keys match: "fnmatch", "substring-or-fnmatch"
+    fused: dict[str, tuple[str, ...]]  # fused module -> the checkpoint linears it is built from
+    never_quantized: frozenset[str]  # layer-relative or global module names built unquantized
     # Excluded linears whose name contains one of these are loaded bf16, then re-quantized to MXFP4 after
     # loading when the checkpoint's global weight dtype is fp4 (vLLM 0.30.0's dynamic_mxfp4_quant for DeepSeek).
     requantized_when_excluded: tuple[str, ...]
@@ -100,8 +100,11 @@ class EngineProfile:
     def requantizes(self, runtime: str, global_config: dict | None) -> bool:
         """Whether this release re-quantizes excluded module `runtime` to MXFP4 after loading it in bf16."""
         weight = (global_config or {}).get("weight")
-        return (isinstance(weight, dict) and weight.get("dtype") == "fp4"
-                and any(s in runtime for s in self.requantized_when_excluded))
+        return (
+            isinstance(weight, dict)
+            and weight.get("dtype") == "fp4"
+            and any(s in runtime for s in self.requantized_when_excluded)
+        )
 
     def quantizable(self, local: str, is_mtp: bool) -> bool:
         """Whether this engine builds module `local` with the checkpoint's quantization method at all."""
@@ -124,8 +127,15 @@ def profile_names() -> tuple[str, ...]:
     """Every profile, oldest release first within each engine."""
     files = resources.files("mxforge.manifests").joinpath("engines")
     names = [p.name[:-5] for p in files.iterdir() if p.name.endswith(".toml")]
-    return tuple(sorted(names, key=lambda n: (ENGINES.index(n.split("-", 1)[0]) if n.split("-", 1)[0] in ENGINES
-                                              else len(ENGINES), Version(n.split("-", 1)[1]))))
+    return tuple(
+        sorted(
+            names,
+            key=lambda n: (
+                ENGINES.index(n.split("-", 1)[0]) if n.split("-", 1)[0] in ENGINES else len(ENGINES),
+                Version(n.split("-", 1)[1]),
+            ),
+        )
+    )
 
 
 def _family_name(family: Family | str) -> str:
@@ -201,20 +211,44 @@ def _load(name: str, family: str) -> EngineProfile:
         ex, mod, dr, fu, sv = data["exclude"], data["modules"], data["draft"], data["fusion"], data["serve"]
         sc = data["schemes"]
         profile = EngineProfile(
-            name=name, family=family, engine=data["engine"], releases=SpecifierSet(data["releases"]), read=tuple(data["read"]),
-            summary=data["summary"], exclude_source=ex["source"], fused_name_first=bool(ex["fused_name_first"]),
-            expert_child_entries=bool(ex["expert_child_entries"]), packed=frozenset(ex["packed"]),
-            mxfp4_needs_fp4_inputs=bool(sc["mxfp4_needs_fp4_inputs"]), expert_layer_configs=bool(sc["expert_layer_configs"]),
+            name=name,
+            family=family,
+            engine=data["engine"],
+            releases=SpecifierSet(data["releases"]),
+            read=tuple(data["read"]),
+            summary=data["summary"],
+            exclude_source=ex["source"],
+            fused_name_first=bool(ex["fused_name_first"]),
+            expert_child_entries=bool(ex["expert_child_entries"]),
+            packed=frozenset(ex["packed"]),
+            mxfp4_needs_fp4_inputs=bool(sc["mxfp4_needs_fp4_inputs"]),
+            expert_layer_configs=bool(sc["expert_layer_configs"]),
             layer_config_match=sc.get("layer_config_match", "fnmatch"),
-            fused={k: tuple(v) for k, v in mod["fused"].items()}, never_quantized=frozenset(mod["never_quantized"]),
+            fused={k: tuple(v) for k, v in mod["fused"].items()},
+            never_quantized=frozenset(mod["never_quantized"]),
             requantized_when_excluded=tuple(mod.get("requantized_when_excluded", ())),
-            draft=DraftRule(dr["class"], dr["block_prefix"], dr["outer_prefix"], tuple(dr["outer_modules"]),
-                            bool(dr["eh_proj_quantizable"]), tuple(tuple(p) for p in dr["name_mapper"]),
-                            bool(dr["remap_mtp_entries"]), bool(dr["whole_draft_switch"])),
-            fusion=FusionRule(bool(fu["target"]), bool(fu["draft"]), tuple(fu["n_routed_experts"]), fu["veto"],
-                              fu["server_flag"], bool(fu.get("target_refusal_reaches_draft", False))),
-            serve_command=sv["command"], serve_source=tuple(sv["source"]),
-            anchors=tuple(Anchor(a["rule"], a["file"], a["contains"]) for a in data.get("anchor", [])))
+            draft=DraftRule(
+                dr["class"],
+                dr["block_prefix"],
+                dr["outer_prefix"],
+                tuple(dr["outer_modules"]),
+                bool(dr["eh_proj_quantizable"]),
+                tuple(tuple(p) for p in dr["name_mapper"]),
+                bool(dr["remap_mtp_entries"]),
+                bool(dr["whole_draft_switch"]),
+            ),
+            fusion=FusionRule(
+                bool(fu["target"]),
+                bool(fu["draft"]),
+                tuple(fu["n_routed_experts"]),
+                fu["veto"],
+                fu["server_flag"],
+                bool(fu.get("target_refusal_reaches_draft", False)),
+            ),
+            serve_command=sv["command"],
+            serve_source=tuple(sv["source"]),
+            anchors=tuple(Anchor(a["rule"], a["file"], a["contains"]) for a in data.get("anchor", [])),
+        )
     except KeyError as e:
         raise ConfigError(f"{where}: missing field {e}") from None
     except (InvalidSpecifier, TypeError, ValueError) as e:
@@ -226,13 +260,21 @@ def _load(name: str, family: str) -> EngineProfile:
 def _check(p: EngineProfile, where: str, family_from_later_release: bool = False) -> None:
     if p.engine not in ENGINES or not p.name.startswith(p.engine + "-"):
         raise ConfigError(f"{where}: engine {p.engine!r} must be one of {ENGINES} and prefix the file name")
-    if p.exclude_source not in SOURCES or p.fusion.veto not in VETOES or p.layer_config_match not in LAYER_CONFIG_MATCHES:
-        raise ConfigError(f"{where}: exclude.source must be one of {SOURCES}, fusion.veto one of {VETOES}, "
-                          f"schemes.layer_config_match one of {LAYER_CONFIG_MATCHES}")
+    if (
+        p.exclude_source not in SOURCES
+        or p.fusion.veto not in VETOES
+        or p.layer_config_match not in LAYER_CONFIG_MATCHES
+    ):
+        raise ConfigError(
+            f"{where}: exclude.source must be one of {SOURCES}, fusion.veto one of {VETOES}, "
+            f"schemes.layer_config_match one of {LAYER_CONFIG_MATCHES}"
+        )
     outside = [v for v in p.read if Version(v) not in p.releases]
     if not p.read or outside or (p.read[0] != p.name.split("-", 1)[1] and not family_from_later_release):
-        raise ConfigError(f"{where}: `read` must list the releases read, all inside {p.releases}, starting with the "
-                          f"release the file is named after (outside the range: {outside})")
+        raise ConfigError(
+            f"{where}: `read` must list the releases read, all inside {p.releases}, starting with the "
+            f"release the file is named after (outside the range: {outside})"
+        )
     unknown = p.packed - set(p.fused)
     if unknown:
         raise ConfigError(f"{where}: exclude.packed names {sorted(unknown)}, which modules.fused does not define")
@@ -253,8 +295,9 @@ class Selection:
 _Key = TypeVar("_Key")
 
 
-def release_runs(selections: list[Selection],
-                 key: Callable[[Selection], _Key]) -> list[tuple[str, _Key, list[Selection]]]:
+def release_runs(
+    selections: list[Selection], key: Callable[[Selection], _Key]
+) -> list[tuple[str, _Key, list[Selection]]]:
     """Consecutive selections of one engine for which `key(selection)` is equal, merged: (label, key, selections),
     e.g. ("sglang 0.5.16-0.5.23", ..., [...]); releases left out between two selections (not selected, or not
     building the family) break the run, so a label never spans a release it does not cover."""
@@ -263,14 +306,19 @@ def release_runs(selections: list[Selection],
     for s in selections:
         k = key(s)
         last = runs[-1][1][-1] if runs else None
-        adjacent = last is not None and last.profile.engine == s.profile.engine and \
-            order[s.profile.engine, s.releases[0]] == order[last.profile.engine, last.releases[-1]] + 1
+        adjacent = (
+            last is not None
+            and last.profile.engine == s.profile.engine
+            and order[s.profile.engine, s.releases[0]] == order[last.profile.engine, last.releases[-1]] + 1
+        )
         if runs and runs[-1][0] == k and adjacent:
             runs[-1][1].append(s)
         else:
             runs.append((k, [s]))
-    return [(release_label(group[0].profile.engine, group[0].releases[0], group[-1].releases[-1]), k, group)
-            for k, group in runs]
+    return [
+        (release_label(group[0].profile.engine, group[0].releases[0], group[-1].releases[-1]), k, group)
+        for k, group in runs
+    ]
 
 
 @dataclass(frozen=True)
@@ -310,20 +358,27 @@ def select(text: str | list[str] | None, family: Family | str) -> list[Selection
         if not usable and item not in ("all",) + ENGINES:
             r = hits[0][0]
             why = unsupported_reason(r.name, family) or "a later release of its range is the first to build it"
-            raise ConfigError(f"--engines: {item!r}: {r.engine} {', '.join(v for _, v in hits)} do(es) not build "
-                              f"{_family_name(family)} models ({why})")
+            raise ConfigError(
+                f"--engines: {item!r}: {r.engine} {', '.join(v for _, v in hits)} do(es) not build "
+                f"{_family_name(family)} models ({why})"
+            )
         for r, release in usable:
             chosen.setdefault(r.name, set()).add(release)
     if not chosen:
-        raise ConfigError(f"--engines: no selected engine release builds {_family_name(family)} models; "
-                          f"releases that do: {', '.join(p.name for p in all_profiles(family)) or 'none read yet'}")
-    return [Selection(p, tuple(r for r in p.read if r in chosen[p.name])) for p in all_profiles(family)
-            if p.name in chosen]
+        raise ConfigError(
+            f"--engines: no selected engine release builds {_family_name(family)} models; "
+            f"releases that do: {', '.join(p.name for p in all_profiles(family)) or 'none read yet'}"
+        )
+    return [
+        Selection(p, tuple(r for r in p.read if r in chosen[p.name])) for p in all_profiles(family) if p.name in chosen
+    ]
 
 
-ENGINES_HELP = ("engine releases to fix up and validate for: engine names (sglang, vllm), profiles (sglang-0.5.16) or "
-                "versions (sglang==0.5.15.post1, 'vllm>=0.32', 'sglang>=0.5.16,<0.5.21'), separated by spaces or ';' "
-                "(default: every supported release; profiles in manifests/engines/)")
+ENGINES_HELP = (
+    "engine releases to fix up and validate for: engine names (sglang, vllm), profiles (sglang-0.5.16) or "
+    "versions (sglang==0.5.15.post1, 'vllm>=0.32', 'sglang>=0.5.16,<0.5.21'), separated by spaces or ';' "
+    "(default: every supported release; profiles in manifests/engines/)"
+)
 
 
 def parse_engines_arg(text: str | None) -> list[str] | None:
@@ -346,7 +401,7 @@ def check_engine_items(text: str | list[str] | None) -> None:
         ConfigError: an item names no known engine, profile or supported release.
     """
     ranges = release_ranges()
-    for item in (_split(text) if isinstance(text, str) else list(text or [])):
+    for item in _split(text) if isinstance(text, str) else list(text or []):
         _releases_for(item, ranges)
 
 
@@ -367,9 +422,11 @@ def _releases_for(item: str, profiles: list[ReleaseRange]) -> list[tuple[Release
         return named
     m = re.fullmatch(r"(sglang|vllm)\s*([=<>!~].*)", item)
     if m is None:
-        raise ConfigError(f"--engines: {item!r} is not an engine ({', '.join(ENGINES)}), a profile "
-                          f"({', '.join(p.name for p in profiles)}) or an engine with versions (e.g. 'sglang==0.5.15.post1', "
-                          "'vllm>=0.32')")
+        raise ConfigError(
+            f"--engines: {item!r} is not an engine ({', '.join(ENGINES)}), a profile "
+            f"({', '.join(p.name for p in profiles)}) or an engine with versions (e.g. 'sglang==0.5.15.post1', "
+            "'vllm>=0.32')"
+        )
     engine, spec_text = m.groups()
     try:
         spec = SpecifierSet(spec_text.replace(" ", ""))
@@ -378,8 +435,10 @@ def _releases_for(item: str, profiles: list[ReleaseRange]) -> list[tuple[Release
     hits = [(p, r) for p, r in everything if p.engine == engine and _contains(spec, r)]
     if not hits:
         known = [r for p, r in everything if p.engine == engine]
-        raise ConfigError(f"--engines: {item!r} matches no supported {engine} release (supported: {', '.join(known)}); "
-                          "a release mxforge has not read cannot be vouched for")
+        raise ConfigError(
+            f"--engines: {item!r} matches no supported {engine} release (supported: {', '.join(known)}); "
+            "a release mxforge has not read cannot be vouched for"
+        )
     return hits
 
 

@@ -13,10 +13,10 @@ MAX_LISTED = 60  # problems listed in the human summary; the JSON report has eve
 class Problem:
     """One disagreement: which check found it, for which engine profile (None: every engine), about what."""
 
-    check: str      # "integrity" | "quant_config" | "mtp" | "layout" | "engine" | "hash"
-    subject: str    # the file, tensor, module or config entry at fault
-    message: str    # what is wrong, expected vs found
-    remedy: str     # what to do about it
+    check: str  # "integrity" | "quant_config" | "mtp" | "layout" | "engine" | "hash"
+    subject: str  # the file, tensor, module or config entry at fault
+    message: str  # what is wrong, expected vs found
+    remedy: str  # what to do about it
     engine: str | None = None
     server_flag: str | None = None  # a serving flag that avoids it: the release loads with that flag set
 
@@ -57,18 +57,35 @@ class ValidationReport:
         out = []
         for s in self.selections:
             found = [p for p in self.problems if p.engine in (None, s.profile.name)]
-            out += [{"engine": s.profile.engine, "version": v, "profile": s.profile.name, "ok": not found,
-                     "problems": len(found), "flags": self.flags(s.profile.name)} for v in s.releases]
+            out += [
+                {
+                    "engine": s.profile.engine,
+                    "version": v,
+                    "profile": s.profile.name,
+                    "ok": not found,
+                    "problems": len(found),
+                    "flags": self.flags(s.profile.name),
+                }
+                for v in s.releases
+            ]
         return out
 
     def as_dict(self) -> dict:
         releases = self.releases()
-        return {"stage": "validate", "path": self.path, "ok": self.ok,
-                "engines": {f"{r['engine']}=={r['version']}": r["ok"] for r in releases}, "releases": releases,
-                "verdict": self.verdict(), "problems": [asdict(p) for p in self.problems],
-                "warnings": [asdict(p) for p in self.warnings], "requirements": [asdict(p) for p in self.requirements],
-                "checked": self.checked, "notes": self.notes,
-                "serve": self.serve}
+        return {
+            "stage": "validate",
+            "path": self.path,
+            "ok": self.ok,
+            "engines": {f"{r['engine']}=={r['version']}": r["ok"] for r in releases},
+            "releases": releases,
+            "verdict": self.verdict(),
+            "problems": [asdict(p) for p in self.problems],
+            "warnings": [asdict(p) for p in self.warnings],
+            "requirements": [asdict(p) for p in self.requirements],
+            "checked": self.checked,
+            "notes": self.notes,
+            "serve": self.serve,
+        }
 
     def verdict(self) -> str:
         """`loads: sglang 0.5.16-0.5.23, vllm 0.30.0-0.33.0; FAILS: sglang 0.5.9-0.5.15.post1 (2 modules: ...)`."""
@@ -97,8 +114,10 @@ class ValidationReport:
         labels: dict[str | None, str] = {s.profile.name: s.label for s in self.selections}
         for p in self.requirements:
             grouped.setdefault((p.server_flag, p.subject, p.message), []).append(labels.get(p.engine, str(p.engine)))
-        return [f"  needs {flag} in {', '.join(who)}: {subject}: {message}"
-                for (flag, subject, message), who in list(grouped.items())[:MAX_LISTED]]
+        return [
+            f"  needs {flag} in {', '.join(who)}: {subject}: {message}"
+            for (flag, subject, message), who in list(grouped.items())[:MAX_LISTED]
+        ]
 
     def format(self) -> str:
         head = f"{self.path}: OK" if self.ok else f"{self.path}: {len(self.problems)} problem(s)"

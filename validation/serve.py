@@ -20,9 +20,12 @@ def command_for(selection: Selection, model: str, flags: list[str]) -> str:
 def serving_commands(report, model: str, selections: list[Selection]) -> list[dict]:
     """Per range of consecutive releases that serve alike: whether they load the checkpoint, the flags they
     need and the command."""
+
     def how(s: Selection) -> tuple[bool, list[str], str]:
         flags = report.flags(s.profile.name)
         return report.engine_ok(s.profile.name), flags, command_for(s, model, flags)
 
-    return [{"releases": label, "profiles": [s.profile.name for s in group], "ok": ok, "flags": flags, "command": command}
-            for label, (ok, flags, command), group in release_runs(selections, how)]
+    return [
+        {"releases": label, "profiles": [s.profile.name for s in group], "ok": ok, "flags": flags, "command": command}
+        for label, (ok, flags, command), group in release_runs(selections, how)
+    ]

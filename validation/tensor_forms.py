@@ -33,7 +33,7 @@ class Stored:
     form: str | None
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
-    defect: str | None = None   # e.g. a scale with the wrong shape; None when well-formed
+    defect: str | None = None  # e.g. a scale with the wrong shape; None when well-formed
 
 
 def stored_form(lin: Linear, infos: Mapping[str, TensorInfo]) -> Stored:
@@ -88,8 +88,8 @@ def braced(names: list[str]) -> str:
     if len(names) == 1:
         return names[0]
     pre = _common_prefix(names)
-    suf = _common_prefix([n[len(pre):][::-1] for n in names])[::-1]
-    middles = list(dict.fromkeys(n[len(pre):len(n) - len(suf)] for n in names))
+    suf = _common_prefix([n[len(pre) :][::-1] for n in names])[::-1]
+    middles = list(dict.fromkeys(n[len(pre) : len(n) - len(suf)] for n in names))
     split = [m.split(".", 1) for m in middles]
     if all(len(p) == 2 and p[0].isdigit() for p in split):
         ids = sorted({int(p[0]) for p in split})

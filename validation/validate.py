@@ -34,15 +34,27 @@ def requantization_warnings(selections, checked: dict) -> list[Problem]:
     for s in selections:
         n = checked.get("engines", {}).get(s.profile.name, {}).get("requantized_at_load", 0)
         if n:
-            out.append(Problem("engine", s.profile.name, f"{s.label} loads {n} excluded attention module(s) bf16 and "
-                               "re-quantizes them to MXFP4 after loading (dynamic_mxfp4_quant): the checkpoint loads, "
-                               "but those modules do not compute in bf16 there", "serve with a later release to keep "
-                               "them bf16", s.profile.name))
+            out.append(
+                Problem(
+                    "engine",
+                    s.profile.name,
+                    f"{s.label} loads {n} excluded attention module(s) bf16 and "
+                    "re-quantizes them to MXFP4 after loading (dynamic_mxfp4_quant): the checkpoint loads, "
+                    "but those modules do not compute in bf16 there",
+                    "serve with a later release to keep them bf16",
+                    s.profile.name,
+                )
+            )
     return out
 
 
-def validate_checkpoint(root: str | Path | CheckpointSource | Checkpoint, engines: str | list[str] | None = None, *, deep: bool = False,
-                        quiet: bool = True) -> ValidationReport:
+def validate_checkpoint(
+    root: str | Path | CheckpointSource | Checkpoint,
+    engines: str | list[str] | None = None,
+    *,
+    deep: bool = False,
+    quiet: bool = True,
+) -> ValidationReport:
     """Check integrity, quantization_config, layout/MTP completeness and, per engine release, loadability.
 
     `root` is a checkpoint directory, a CheckpointSource (a Hub repo: mxforge.hub_source) or an open Checkpoint.
@@ -76,4 +88,3 @@ def validate_checkpoint(root: str | Path | CheckpointSource | Checkpoint, engine
     if fetched is not None:
         report.checked["fetched"] = fetched
     return report
-

@@ -38,8 +38,10 @@ def family_of(config: Mapping[str, Any]) -> Family:
             if model_type in family.model_types:
                 return family
     supported = "; ".join(f"{f.title}: {', '.join(f.architectures)}" for f in FAMILIES)
-    raise ConfigError(f"config.json: architecture {arch!r} (model_type {model_type!r}) is not a model family mxforge "
-                      f"supports ({supported}); check that this is the checkpoint you meant")
+    raise ConfigError(
+        f"config.json: architecture {arch!r} (model_type {model_type!r}) is not a model family mxforge "
+        f"supports ({supported}); check that this is the checkpoint you meant"
+    )
 
 
 def layout_of(config: Mapping[str, Any]) -> MoeLayout:

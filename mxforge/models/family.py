@@ -14,16 +14,16 @@ class Family:
     a release without that table does not build this family.
     """
 
-    name: str                                  # key in manifests (engine profiles, fixture presets): the model_type
-    title: str                                 # the models, for people: "GLM-5 / 5.1 / 5.2"
-    architectures: tuple[str, ...]             # config.json `architectures[0]` values
-    model_types: tuple[str, ...]               # config.json `model_type` values
-    layout: type                               # a MoeLayout subclass, built from config.json alone
-    reference_config: str                      # manifests path of the real published config.json
-    fixtures: str                              # manifests path of the fixture presets
-    recipes: tuple[str, ...]                   # shipped recipes for this family; the first is the default
+    name: str  # key in manifests (engine profiles, fixture presets): the model_type
+    title: str  # the models, for people: "GLM-5 / 5.1 / 5.2"
+    architectures: tuple[str, ...]  # config.json `architectures[0]` values
+    model_types: tuple[str, ...]  # config.json `model_type` values
+    layout: type  # a MoeLayout subclass, built from config.json alone
+    reference_config: str  # manifests path of the real published config.json
+    fixtures: str  # manifests path of the fixture presets
+    recipes: tuple[str, ...]  # shipped recipes for this family; the first is the default
     kind_rules: tuple[tuple[str, re.Pattern], ...]  # tensor kinds, first match wins (mxforge.tensor_kinds)
-    inventory_source: str = ""                 # where the published inventory figures come from
+    inventory_source: str = ""  # where the published inventory figures come from
     # The published checkpoint's inventory, for the full-layout fixture to reproduce: tensors, parameters
     # (elements), shards, and its precision ("bf16", or "fp8-block" for 128x128 block-scaled e4m3); where only
     # the Hub's rounded figure is known, "parameters_b" (billions, to 0.01) instead of "parameters".

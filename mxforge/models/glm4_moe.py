@@ -37,7 +37,9 @@ class Glm4MoeLayout(MoeLayout):
 
     @property
     def head_dim(self) -> int:
-        return int(self.config.get("head_dim") or int(self.config["hidden_size"]) // int(self.config["num_attention_heads"]))
+        return int(
+            self.config.get("head_dim") or int(self.config["hidden_size"]) // int(self.config["num_attention_heads"])
+        )
 
     def attention_tensors(self, layer: int) -> list[Spec]:
         """GQA projections (q/k/v with biases when attention_bias), o_proj, and qk-norm when use_qk_norm."""
@@ -70,13 +72,15 @@ FAMILY = Family(
     recipes=("glm-4.5-mxfp4", "glm-4.5-mxfp4-mtp-bf16"),
     kind_rules=KIND_RULES,
     inventory_source="zai-org/GLM-4.5 config.json; transformers' glm4_moe and sglang's Glm4MoeForCausalLMNextN for the "
-                     "names; checked against the Hub's published parameter count (358.34 B) and shard count (93)",
+    "names; checked against the Hub's published parameter count (358.34 B) and shard count (93)",
     # The Hub gives zai-org/GLM-4.5's safetensors parameter count to 0.01 B ("parameters_b"): the derived count
     # must round to it; no published tensor count or index total_size could be read here.
     published=(("parameters_b", 358.34), ("shards", 93), ("precision", "bf16")),
     # zai-org/GLM-4.5-FP8 (and 4.6 / 4.7-FP8) are compressed-tensors FP8: e4m3 weights with one `weight_scale` per
     # output channel ([out, 1]) and static input scales (HabanaAI/vllm-hpu-extension PRs #350, #353, #397).
-    fp8_release_not_block=("its official FP8 releases (zai-org/GLM-4.5-FP8, 4.6, 4.7) are compressed-tensors FP8 "
-                           "with a per-channel weight_scale, which mxforge does not read yet"),
+    fp8_release_not_block=(
+        "its official FP8 releases (zai-org/GLM-4.5-FP8, 4.6, 4.7) are compressed-tensors FP8 "
+        "with a per-channel weight_scale, which mxforge does not read yet"
+    ),
 )
 Glm4MoeLayout.family = FAMILY

@@ -17,8 +17,16 @@ from dataclasses import dataclass
 from mxforge.tensor_kinds import LINEAGE_KIND_RULES
 
 from .family import Family
-from .layout import (DSA_FIELDS, LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MLA_FIELDS, MoeLayout, Spec,
-                     dsa_indexer_tensors, mla_tensors)
+from .layout import (
+    DSA_FIELDS,
+    LINEAGE_FIELDS,
+    LINEAGE_OPTIONAL_INT_FIELDS,
+    MLA_FIELDS,
+    MoeLayout,
+    Spec,
+    dsa_indexer_tensors,
+    mla_tensors,
+)
 
 
 @dataclass(frozen=True)
@@ -27,7 +35,7 @@ class GlmMoeDsaLayout(MoeLayout):
     OPTIONAL_INT_FIELDS = LINEAGE_OPTIONAL_INT_FIELDS + ("index_topk_freq", "index_skip_topk_offset")
 
     def indexer_types(self) -> list[str]:
-        """"full" or "shared" per decoder layer, as transformers derives it (explicit list, pattern, or schedule)."""
+        """ "full" or "shared" per decoder layer, as transformers derives it (explicit list, pattern, or schedule)."""
         explicit = self.config.get("indexer_types")
         if explicit:
             return list(explicit)

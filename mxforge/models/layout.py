@@ -21,8 +21,16 @@ Spec = tuple[str, tuple[int, ...], str]  # layer-relative name, shape, dtype
 NORM_RE = re.compile(r"norm\.(weight|bias)$")
 
 # Fields every family of the lineage reads (a family's REQUIRED_FIELDS adds its attention's).
-LINEAGE_FIELDS: tuple[str, ...] = ("hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
-                  "n_routed_experts", "num_attention_heads", "vocab_size", "first_k_dense_replace")
+LINEAGE_FIELDS: tuple[str, ...] = (
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "num_attention_heads",
+    "vocab_size",
+    "first_k_dense_replace",
+)
 LINEAGE_OPTIONAL_INT_FIELDS = ("num_nextn_predict_layers", "n_shared_experts", "moe_layer_freq")
 
 
@@ -35,19 +43,25 @@ class MoeLayout:
     family: ClassVar[Any] = None
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_FIELDS
     OPTIONAL_INT_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_OPTIONAL_INT_FIELDS
-    NORM_DTYPE: ClassVar[str] = "BF16"         # how the published checkpoint stores its norms (DeepSeek-V3.2: F32)
+    NORM_DTYPE: ClassVar[str] = "BF16"  # how the published checkpoint stores its norms (DeepSeek-V3.2: F32)
 
     def __post_init__(self):
         missing = [k for k in self.REQUIRED_FIELDS if k not in self.config]
         if missing:
-            raise ConfigError(f"config.json lacks {self.family.title} fields {missing}; is this a "
-                              f"{'/'.join(self.family.architectures)} checkpoint?")
+            raise ConfigError(
+                f"config.json lacks {self.family.title} fields {missing}; is this a "
+                f"{'/'.join(self.family.architectures)} checkpoint?"
+            )
         for key in self.REQUIRED_FIELDS + self.OPTIONAL_INT_FIELDS:
             value = self.config.get(key)
-            if (key in self.REQUIRED_FIELDS or value is not None) and (isinstance(value, bool) or not isinstance(value, int)):
+            if (key in self.REQUIRED_FIELDS or value is not None) and (
+                isinstance(value, bool) or not isinstance(value, int)
+            ):
                 digits = value.strip() if isinstance(value, str) and value.strip().isdigit() else "<integer>"
-                raise ConfigError(f"config.json: {key} is {value!r} ({type(value).__name__}), not a whole number; "
-                                  f"write it as a JSON integer (\"{key}\": {digits}, no quotes)")
+                raise ConfigError(
+                    f"config.json: {key} is {value!r} ({type(value).__name__}), not a whole number; "
+                    f'write it as a JSON integer ("{key}": {digits}, no quotes)'
+                )
 
     def __getitem__(self, key: str) -> Any:
         return self.config[key]
@@ -97,7 +111,11 @@ class MoeLayout:
         p = f"model.layers.{layer}."
         out: list[Spec] = []
         if self.is_mtp(layer):
-            out += [("enorm.weight", (h,), "BF16"), ("hnorm.weight", (h,), "BF16"), ("eh_proj.weight", (h, 2 * h), "BF16")]
+            out += [
+                ("enorm.weight", (h,), "BF16"),
+                ("hnorm.weight", (h,), "BF16"),
+                ("eh_proj.weight", (h, 2 * h), "BF16"),
+            ]
         out.append(("input_layernorm.weight", (h,), "BF16"))
         out += self.attention_tensors(layer)
         out.append(("post_attention_layernorm.weight", (h,), "BF16"))
@@ -119,7 +137,8 @@ class MoeLayout:
         return self.NORM_DTYPE if NORM_RE.search(name) else dtype
 
     def mtp_head_tensors(self) -> list[Spec]:
-        """The MTP layer's own head after its block (shared_head.norm; a family may add shared_head.head, embed_tokens)."""
+        """The MTP layer's own head after its block (shared_head.norm; a family may add shared_head.head,
+        embed_tokens)."""
         return [("shared_head.norm.weight", (int(self.config["hidden_size"]),), "BF16")]
 
     def tensors(self) -> list[PlannedTensor]:
@@ -140,8 +159,11 @@ def mtp_own_head_tensors(c: Mapping[str, Any]) -> list[Spec]:
     """An MTP layer with its own output head and embedding (DeepSeek-V3, GLM-4.5): shared_head.norm, shared_head.head
     and embed_tokens, after its block."""
     h, v = int(c["hidden_size"]), int(c["vocab_size"])
-    return [("shared_head.norm.weight", (h,), "BF16"), ("shared_head.head.weight", (v, h), "BF16"),
-            ("embed_tokens.weight", (v, h), "BF16")]
+    return [
+        ("shared_head.norm.weight", (h,), "BF16"),
+        ("shared_head.head.weight", (v, h), "BF16"),
+        ("embed_tokens.weight", (v, h), "BF16"),
+    ]
 
 
 def mlp_tensors(prefix: str, hidden: int, inter: int) -> list[Spec]:
@@ -200,8 +222,7 @@ def fp8_block_inventory(tensors: list[PlannedTensor], bf16_weights: str) -> list
         if len(t.shape) == 2 and t.name.endswith(".weight") and not keep.search(t.name):
             rows, cols = t.shape
             out.append(PlannedTensor(t.name, "F8_E4M3", t.shape))
-            out.append(PlannedTensor(t.name + "_scale_inv", "F32",
-                                     (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))))
+            out.append(PlannedTensor(t.name + "_scale_inv", "F32", (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))))
         else:
             out.append(t)
     return out

@@ -16,15 +16,16 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from quark_like import write_quark_like
+
 from mxforge.fixture import write_fixture
-from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.fixups.fixup import fixup_checkpoint
+from mxforge.models import Family
+from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.validation.loaded import load_checkpoint
 from mxforge.validation.matching import DRAFT, TARGET
 from mxforge.validation.profiles import EngineProfile
-from quark_like import write_quark_like
 from mxforge.validation.tensor_forms import BF16, MXFP4
-from mxforge.models import Family
 
 from . import probe_io
 
@@ -32,8 +33,10 @@ from . import probe_io
 BASE_GLOBS = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj"]
 # A layer config that quantizes nothing (Quark's QLayerConfig() as exported).
 NULL_LAYER_CONFIG = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
-SIZES = {"e6": ("tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}),  # a small replica
-         "e256": ("full-layout", {})}                                          # the family's real layout
+SIZES = {
+    "e6": ("tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}),  # a small replica
+    "e256": ("full-layout", {}),
+}  # the family's real layout
 
 
 @dataclass
@@ -80,8 +83,9 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
             # The same exclusions written as globs, as hand-edited exports carry them.
             "amd-globs": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "*"], glob_exclude=True),
             # The write-up's recipe: MTP shared expert and eh_proj kept, as globs.
-            "wafer-globs": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "mlp.shared_experts*", mtp + "eh_proj"],
-                                                        glob_exclude=True),
+            "wafer-globs": lambda out: write_quark_like(
+                src, out, BASE_GLOBS + [mtp + "mlp.shared_experts*", mtp + "eh_proj"], glob_exclude=True
+            ),
             # Exact names, but the MTP layer's bf16 modules as one `re:` entry.
             "re-mtp": lambda out: _regex_mtp(src, out, n),
             # The MTP layer's bf16 modules given a layer config that quantizes nothing, not an exclude entry.
@@ -110,8 +114,13 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
 def _regex_mtp(src: Path, out: Path, n: int) -> None:
     write_quark_like(src, out, BASE_GLOBS + [f"*layers.{n}.mlp.shared_experts*", f"*layers.{n}.eh_proj"])
     prefix = f"model.layers.{n}."
-    _edit_qc(out, lambda qc: qc.update(exclude=[e for e in qc["exclude"] if not e.startswith(prefix)] + [
-        "re:" + re.escape(prefix) + r"(self_attn\..*|mlp\.shared_experts\..*|eh_proj)$"]))
+    _edit_qc(
+        out,
+        lambda qc: qc.update(
+            exclude=[e for e in qc["exclude"] if not e.startswith(prefix)]
+            + ["re:" + re.escape(prefix) + r"(self_attn\..*|mlp\.shared_experts\..*|eh_proj)$"]
+        ),
+    )
 
 
 def _edit_qc(out: Path, edit) -> None:
@@ -128,14 +137,22 @@ def _layer_config_mtp(src: Path, out: Path, n: int) -> None:
     def edit(qc: dict) -> None:
         qc["exclude"] = [e for e in qc["exclude"] if not e.startswith(prefix)]
         qc["layer_quant_config"] = {g: dict(NULL_LAYER_CONFIG) for g in groups}
+
     _edit_qc(out, edit)
 
 
 def _fused_names(src: Path, out: Path) -> None:
     """Every excluded shard group replaced by the fused module's names (sglang's and vLLM's)."""
     write_quark_like(src, out, BASE_GLOBS)
-    fused = {"q_a_proj": ["fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj"], "kv_a_proj_with_mqa": [],
-             "q_proj": ["qkv_proj"], "k_proj": [], "v_proj": [], "gate_proj": ["gate_up_proj"], "up_proj": []}
+    fused = {
+        "q_a_proj": ["fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj"],
+        "kv_a_proj_with_mqa": [],
+        "q_proj": ["qkv_proj"],
+        "k_proj": [],
+        "v_proj": [],
+        "gate_proj": ["gate_up_proj"],
+        "up_proj": [],
+    }
 
     def edit(qc: dict) -> None:
         entries = []
@@ -143,6 +160,7 @@ def _fused_names(src: Path, out: Path) -> None:
             head, _, proj = e.rpartition(".")
             entries += [f"{head}.{f}" for f in fused[proj]] if proj in fused else [e]
         qc["exclude"] = entries
+
     _edit_qc(out, edit)
 
 
@@ -157,9 +175,13 @@ def _pinned_experts(src: Path, out: Path, recipe: str) -> None:
 
     def edit(qc: dict) -> None:
         spec = json.loads(json.dumps(qc["global_quant_config"]))
-        qc["layer_quant_config"] = {f"model.layers.3.mlp.experts.{k}.{p}": spec for k in range(experts)
-                                    for p in ("gate_proj", "up_proj", "down_proj")}
+        qc["layer_quant_config"] = {
+            f"model.layers.3.mlp.experts.{k}.{p}": spec
+            for k in range(experts)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
         qc["global_quant_config"]["input_tensors"] = None
+
     _edit_qc(out, edit)
 
 

@@ -22,6 +22,8 @@ REQUANTIZED = "bf16>mxfp4"  # allocated and loaded bf16, re-quantized to MXFP4 a
 def allocated(decision: str) -> str:
     """What the release allocates (and so must be stored) for a decision."""
     return BF16 if decision == REQUANTIZED else decision
+
+
 LINEAR, EXPERTS = "linear", "experts"
 
 
@@ -69,9 +71,14 @@ def run_probe(engine: str, version: str, cases: list[dict], timeout: float = 600
     probe = Path(__file__).with_name(f"{engine}_probe.py")
     with tempfile.TemporaryDirectory(prefix="mxforge-probe-") as tmp:
         answer = Path(tmp) / "answer.json"
-        proc = subprocess.run([sys.executable, str(probe), version, str(answer)], input=json.dumps({"cases": cases}),
-                              capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"})
+        proc = subprocess.run(
+            [sys.executable, str(probe), version, str(answer)],
+            input=json.dumps({"cases": cases}),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"},
+        )
         if proc.returncode != 0 or not answer.exists():
             raise RuntimeError(f"{engine} {version} probe exited {proc.returncode}:\n{proc.stderr[-4000:]}")
         return json.loads(answer.read_text())["cases"]

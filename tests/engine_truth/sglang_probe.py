@@ -25,11 +25,25 @@ from engine_truth import probe_io, stubs  # noqa: E402
 from engine_truth.wheels import Release  # noqa: E402
 
 PKG = "sglang.srt."
-MODULES = [PKG + m for m in (
-    "layers.quantization.base_config", "layers.quantization.quark.utils", "layers.quantization.quark.quark", "models.utils",
-    "models.deepseek_v2", "models.deepseek_nextn", "models.glm4_moe", "models.glm4_moe_nextn", "models.deepseek_common.utils",
-    "configs.model_config", "model_loader.loader", "model_loader.weight_utils", "layers.moe.utils", "configs.shared_experts",
-)]
+MODULES = [
+    PKG + m
+    for m in (
+        "layers.quantization.base_config",
+        "layers.quantization.quark.utils",
+        "layers.quantization.quark.quark",
+        "models.utils",
+        "models.deepseek_v2",
+        "models.deepseek_nextn",
+        "models.glm4_moe",
+        "models.glm4_moe_nextn",
+        "models.deepseek_common.utils",
+        "configs.model_config",
+        "model_loader.loader",
+        "model_loader.weight_utils",
+        "layers.moe.utils",
+        "configs.shared_experts",
+    )
+]
 UTILS = PKG + "utils.common"
 MODEL_MODULES = ("models.glm4_moe", "models.glm4_moe_nextn", "models.deepseek_nextn", "models.deepseek_v2")
 # The layer stack each model class builds, recorded instead of built: (module, class) where its constructor looks
@@ -37,11 +51,24 @@ MODEL_MODULES = ("models.glm4_moe", "models.glm4_moe_nextn", "models.deepseek_ne
 TARGET_STACKS = (("models.deepseek_v2", "DeepseekV2Model"), ("models.glm4_moe", "Glm4MoeModel"))
 DRAFT_BLOCKS = (("models.deepseek_nextn", "DeepseekV2DecoderLayer"), ("models.glm4_moe_nextn", "Glm4MoeDecoderLayer"))
 AMD_MI355X = (9, 5)
-PLATFORM = {name: (lambda value: (lambda *a, **k: value))(value) for name, value in {
-    "is_hip": True, "is_cuda": False, "is_npu": False, "is_cpu": False, "is_xpu": False, "is_musa": False,
-    "is_cuda_alike": True, "is_hpu": False, "is_blackwell_supported": False, "is_sm90_supported": False,
-    "is_sm100_supported": False, "get_device_capability": AMD_MI355X, "is_gfx95_supported": True,
-}.items()}
+PLATFORM = {
+    name: (lambda value: lambda *a, **k: value)(value)
+    for name, value in {
+        "is_hip": True,
+        "is_cuda": False,
+        "is_npu": False,
+        "is_cpu": False,
+        "is_xpu": False,
+        "is_musa": False,
+        "is_cuda_alike": True,
+        "is_hpu": False,
+        "is_blackwell_supported": False,
+        "is_sm90_supported": False,
+        "is_sm100_supported": False,
+        "get_device_capability": AMD_MI355X,
+        "is_gfx95_supported": True,
+    }.items()
+}
 
 
 class Recorder:
@@ -61,8 +88,10 @@ def load(version: str) -> dict[str, types.ModuleType]:
     sources = release.fetch(MODULES + release.package_modules(PKG + "layers.quantization.quark.schemes"))
     utils = {**PLATFORM, **stubs.functions_from_source(release.fetch([UTILS])[UTILS], ("add_prefix",))}
     declare = {"declare_load_time_override": load_time_override(release)}
-    stubs.install("sglang", sources, overrides={PKG + "utils": utils, UTILS: utils, OVERRIDES: declare})  # aiter (ROCm kernels) is present, as on an AMD host: a stub
-    return {m[len(PKG):]: importlib.import_module(m) for m in MODULES if m in sources}
+    stubs.install(
+        "sglang", sources, overrides={PKG + "utils": utils, UTILS: utils, OVERRIDES: declare}
+    )  # aiter (ROCm kernels) is present, as on an AMD host: a stub
+    return {m[len(PKG) :]: importlib.import_module(m) for m in MODULES if m in sources}
 
 
 # arg_groups/overrides.py::declare_load_time_override (0.5.15 - 0.5.17: how a model that refuses shared-expert
@@ -71,24 +100,27 @@ def load(version: str) -> dict[str, types.ModuleType]:
 OVERRIDES = PKG + "arg_groups.overrides"
 DECLARE_WRITES = (
     ("setattr(ctx.server_args, field, value)", "server_args"),  # 0.5.15: onto the published server arguments ...
-    ("ctx.record_runtime_overrides(", "flags"),                 # ... then the flags tier is re-resolved from them
+    ("ctx.record_runtime_overrides(", "flags"),  # ... then the flags tier is re-resolved from them
     ('getattr(server_args, "override", None)', "server_args"),  # 0.5.16: ServerArgs.override
-    ("context.override(source, **declared)", "bag"),            # 0.5.17: RuntimeContext.override, into the field's
-)                                                               # config bag (its NS("...") namespace in server_args.py)
+    ("context.override(source, **declared)", "bag"),  # 0.5.17: RuntimeContext.override, into the field's
+)  # config bag (its NS("...") namespace in server_args.py)
 
 
 def load_time_override(release: Release):
     """A stand-in for the release's declare_load_time_override that writes where the release's own body writes:
     into the process-wide stores a model built later in the same process (the MTP draft) reads."""
+
     def declare_load_time_override(source: str, declared: dict) -> None:
         path = release.fetch([OVERRIDES]).get(OVERRIDES)
         text = path.read_text() if path else ""
         start = text.find("def declare_load_time_override(")
-        body = text[start:text.find("\ndef ", start + 1)] if start >= 0 else ""
+        body = text[start : text.find("\ndef ", start + 1)] if start >= 0 else ""
         stores = [store for form, store in DECLARE_WRITES if form in body]
         if not stores:  # a release that writes elsewhere: fail loudly rather than guess
-            raise LookupError(f"sglang {release.version}: {OVERRIDES}.declare_load_time_override writes none of the "
-                              f"known ways (engine_truth/sglang_probe.py DECLARE_WRITES); read it again")
+            raise LookupError(
+                f"sglang {release.version}: {OVERRIDES}.declare_load_time_override writes none of the "
+                f"known ways (engine_truth/sglang_probe.py DECLARE_WRITES); read it again"
+            )
         for field, value in declared.items():
             for store in stores:
                 if store != "bag":
@@ -99,6 +131,7 @@ def load_time_override(release: Release):
                 for part in namespace[1:]:
                     bag = getattr(bag, part)
                 setattr(bag, field, value)
+
     return declare_load_time_override
 
 
@@ -139,11 +172,19 @@ def quant_config(mods: dict, cls: type, hf, is_draft: bool):
         raw["hf_config"] = hf
         return qc_cls.from_config(raw)
 
-    model_config = stubs.Namespace(quantization="quark", hf_config=hf, hf_text_config=hf, is_draft_model=is_draft,
-                                   dtype=__import__("torch").bfloat16, model_path="/nonexistent")
-    with mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)), \
-            mock.patch.object(loader, "get_quant_config", get_quant_config), \
-            mock.patch.object(loader, "get_device_capability", lambda *a: AMD_MI355X, create=True):
+    model_config = stubs.Namespace(
+        quantization="quark",
+        hf_config=hf,
+        hf_text_config=hf,
+        is_draft_model=is_draft,
+        dtype=__import__("torch").bfloat16,
+        model_path="/nonexistent",
+    )
+    with (
+        mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)),
+        mock.patch.object(loader, "get_quant_config", get_quant_config),
+        mock.patch.object(loader, "get_device_capability", lambda *a: AMD_MI355X, create=True),
+    ):
         return loader._get_quantization_config(model_config, stubs.Namespace())
 
 
@@ -183,8 +224,11 @@ def decide(mods: dict, qc, prefix: str, kind: str) -> str:
     if qc is None:
         return probe_io.BF16
     quark = mods["layers.quantization.quark.quark"]
-    layer_cls = quark.LinearBase if kind == probe_io.LINEAR else stubs.stub_class(
-        "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE")
+    layer_cls = (
+        quark.LinearBase
+        if kind == probe_io.LINEAR
+        else stubs.stub_class("sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE")
+    )
     layer = layer_cls()
     try:
         with amd_device():
@@ -206,21 +250,31 @@ def probe_case(mods: dict, case: dict) -> dict:
     target_cls = model_class(mods, hf.architectures[0])
     target_qc = quant_config(mods, target_cls, hf, is_draft=False)
     target_model = build(mods, target_cls, hf, target_qc, TARGET_STACKS)
-    target = {"class": target_cls.__name__, "packed_modules_mapping": dict(target_qc.packed_modules_mapping),
-              "fused_shared_experts": fused_shared_experts(target_model),
-              "decisions": {p: decide(mods, target_qc, p, k) for p, k in case["target"]}}
+    target = {
+        "class": target_cls.__name__,
+        "packed_modules_mapping": dict(target_qc.packed_modules_mapping),
+        "fused_shared_experts": fused_shared_experts(target_model),
+        "decisions": {p: decide(mods, target_qc, p, k) for p, k in case["target"]},
+    }
     draft_hf = probe_io.hf_config(case["config"])
     draft_cls = model_class(mods, draft_architecture(mods, draft_hf))
     draft_qc = quant_config(mods, draft_cls, draft_hf, is_draft=True)
     draft_model = build(mods, draft_cls, draft_hf, draft_qc, DRAFT_BLOCKS)
     block, eh = draft_model.model.decoder, draft_model.model.eh_proj
     eh_kwargs = getattr(eh, "_stub_kwargs", {})
-    draft = {"class": draft_cls.__name__, "packed_modules_mapping": dict(draft_qc.packed_modules_mapping),
-             "block_prefix": block.prefix, "block_quantized": block.quant_config is not None,
-             "eh_proj": {"type": type(eh).__name__, "prefix": eh_kwargs.get("prefix"),
-                         "decision": decide(mods, eh_kwargs.get("quant_config"), "model.eh_proj", probe_io.LINEAR)},
-             "fused_shared_experts": fused_shared_experts(draft_model),
-             "decisions": {p: decide(mods, block.quant_config, p, k) for p, k in case["draft"]}}
+    draft = {
+        "class": draft_cls.__name__,
+        "packed_modules_mapping": dict(draft_qc.packed_modules_mapping),
+        "block_prefix": block.prefix,
+        "block_quantized": block.quant_config is not None,
+        "eh_proj": {
+            "type": type(eh).__name__,
+            "prefix": eh_kwargs.get("prefix"),
+            "decision": decide(mods, eh_kwargs.get("quant_config"), "model.eh_proj", probe_io.LINEAR),
+        },
+        "fused_shared_experts": fused_shared_experts(draft_model),
+        "decisions": {p: decide(mods, block.quant_config, p, k) for p, k in case["draft"]},
+    }
     return {"target": target, "draft": draft}
 
 

@@ -24,8 +24,16 @@ from pathlib import Path
 
 def _passthrough(args: tuple, kwargs: dict):
     """A stub used as a bare decorator returns what it decorates."""
-    if len(args) == 1 and not kwargs and (inspect.isfunction(args[0]) or inspect.isclass(args[0])
-                                          or inspect.ismethod(args[0]) or isinstance(args[0], (staticmethod, classmethod))):
+    if (
+        len(args) == 1
+        and not kwargs
+        and (
+            inspect.isfunction(args[0])
+            or inspect.isclass(args[0])
+            or inspect.ismethod(args[0])
+            or isinstance(args[0], (staticmethod, classmethod))
+        )
+    ):
         return args[0]
     return None
 
@@ -154,8 +162,9 @@ def stub_class(name: str) -> type:
     """The stub class for a dotted name (one class per name, so `from m import A` twice gives the same A)."""
     cls = _CLASSES.get(name)
     if cls is None:
-        cls = _CLASSES[name] = StubMeta(name.rsplit(".", 1)[-1], (StubBase,),
-                                        {"__module__": "stub", "__qualname__": name, "_stub": True})
+        cls = _CLASSES[name] = StubMeta(
+            name.rsplit(".", 1)[-1], (StubBase,), {"__module__": "stub", "__qualname__": name, "_stub": True}
+        )
     return cls
 
 
@@ -198,12 +207,17 @@ class _StubLoader(importlib.abc.Loader):
 class EngineFinder(importlib.abc.MetaPathFinder):
     """Resolves the engine's package from fetched sources and stubs; stubs missing third-party modules."""
 
-    def __init__(self, package: str, sources: dict[str, Path], overrides: dict[str, dict] | None = None,
-                 absent: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        package: str,
+        sources: dict[str, Path],
+        overrides: dict[str, dict] | None = None,
+        absent: tuple[str, ...] = (),
+    ):
         self.package = package
-        self.sources = sources                        # module -> fetched file (the real modules)
+        self.sources = sources  # module -> fetched file (the real modules)
         self.overrides = overrides or {}
-        self.absent = absent                          # third-party top-level names that must raise ImportError
+        self.absent = absent  # third-party top-level names that must raise ImportError
         self.parents = {m.rsplit(".", i)[0] for m in sources for i in range(1, m.count(".") + 1)}
         self.stubbed: set[str] = set()
 
@@ -216,7 +230,8 @@ class EngineFinder(importlib.abc.MetaPathFinder):
             if src is not None:
                 is_pkg = src.name == "__init__.py"
                 return importlib.util.spec_from_file_location(
-                    name, src, submodule_search_locations=[str(src.parent)] if is_pkg else None)
+                    name, src, submodule_search_locations=[str(src.parent)] if is_pkg else None
+                )
             return self._stub(name)
         return None
 
@@ -256,8 +271,9 @@ class MissingFinder(importlib.abc.MetaPathFinder):
         return self.engine._stub(name)
 
 
-def install(package: str, sources: dict[str, Path], overrides: dict[str, dict] | None = None,
-            absent: tuple[str, ...] = ()) -> EngineFinder:
+def install(
+    package: str, sources: dict[str, Path], overrides: dict[str, dict] | None = None, absent: tuple[str, ...] = ()
+) -> EngineFinder:
     """Route imports of `package` (and of missing third-party modules) through stubs; for a probe process only."""
     finder = EngineFinder(package, sources, overrides, absent)
     sys.meta_path.insert(0, finder)
@@ -324,8 +340,15 @@ class State(StubBase):
 # (get_exec, get_model, get_spec: snapshots of the server arguments taken at publish, not written through afterwards)
 # and the parallel topology (get_parallel). One store for all would let a value the engine writes into one (a model's
 # fusion decision, a runtime flag) be read back from another (the user's configured intent), as no release does.
-STATE_ACCESSORS = {"get_global_server_args": "server_args", "get_server_args": "server_args", "get_flags": "flags",
-                   "get_exec": "exec", "get_model": "model", "get_spec": "spec", "get_parallel": "parallel"}
+STATE_ACCESSORS = {
+    "get_global_server_args": "server_args",
+    "get_server_args": "server_args",
+    "get_flags": "flags",
+    "get_exec": "exec",
+    "get_model": "model",
+    "get_spec": "spec",
+    "get_parallel": "parallel",
+}
 SERVER_STATE: dict[str, State] = {}
 
 
@@ -354,8 +377,11 @@ def packed_mappings(package: str) -> dict[type, dict]:
 
     out = {}
     for mod in list(sys.modules.values()):
-        if (not mod.__name__.startswith(package + ".") or isinstance(mod, StubModule)
-                or not isinstance(getattr(mod, "__file__", None), str)):
+        if (
+            not mod.__name__.startswith(package + ".")
+            or isinstance(mod, StubModule)
+            or not isinstance(getattr(mod, "__file__", None), str)
+        ):
             continue
         for cls in vars(mod).values():
             if isinstance(cls, type) and isinstance(cls.__dict__.get("packed_modules_mapping"), dict):

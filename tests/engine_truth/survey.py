@@ -49,45 +49,105 @@ def diagnostic_cases(engine: str) -> list[dict]:
             c["quantization_config"]["layer_quant_config"] = {k: (spec if v else NULL_SPEC) for k, v in lqc.items()}
         if not global_weight:
             c["quantization_config"]["global_quant_config"] = NULL_SPEC
-        return {"name": name, "config": c, "target": [list(t) for t in target], "draft": [list(d) for d in draft],
-                **({"env": env} if env else {})}
+        return {
+            "name": name,
+            "config": c,
+            "target": [list(t) for t in target],
+            "draft": [list(d) for d in draft],
+            **({"env": env} if env else {}),
+        }
 
     shared = ("gate_proj", "up_proj", "down_proj")
     cases = [
-        case("plain", [], target=[("model.layers.0.mlp.gate_up_proj", "linear")],
-             draft=[(f"{draft_block}.mlp.experts", "experts")]),
-        case("fused_name", [f"model.layers.0.self_attn.{fused_qkv}", "model.layers.0.mlp.gate_up_proj"],
-             target=[(f"model.layers.0.self_attn.{fused_qkv}", "linear"), ("model.layers.0.mlp.gate_up_proj", "linear")]),
-        case("shard_names", ["model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa",
-                             "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
-             target=[(f"model.layers.0.self_attn.{fused_qkv}", "linear"), ("model.layers.0.mlp.gate_up_proj", "linear")]),
+        case(
+            "plain",
+            [],
+            target=[("model.layers.0.mlp.gate_up_proj", "linear")],
+            draft=[(f"{draft_block}.mlp.experts", "experts")],
+        ),
+        case(
+            "fused_name",
+            [f"model.layers.0.self_attn.{fused_qkv}", "model.layers.0.mlp.gate_up_proj"],
+            target=[(f"model.layers.0.self_attn.{fused_qkv}", "linear"), ("model.layers.0.mlp.gate_up_proj", "linear")],
+        ),
+        case(
+            "shard_names",
+            [
+                "model.layers.0.self_attn.q_a_proj",
+                "model.layers.0.self_attn.kv_a_proj_with_mqa",
+                "model.layers.0.mlp.gate_proj",
+                "model.layers.0.mlp.up_proj",
+            ],
+            target=[(f"model.layers.0.self_attn.{fused_qkv}", "linear"), ("model.layers.0.mlp.gate_up_proj", "linear")],
+        ),
         case("one_shard", ["model.layers.0.mlp.gate_proj"], target=[("model.layers.0.mlp.gate_up_proj", "linear")]),
-        case("expert_child", ["model.layers.3.mlp.experts.0.gate_proj"], target=[("model.layers.3.mlp.experts", "experts")]),
-        case("mtp_names", [f"{mtp}.self_attn.o_proj", f"{mtp}.eh_proj", f"{mtp}.mlp.experts.0.gate_proj"],
-             draft=[(f"{draft_block}.self_attn.o_proj", "linear"), (f"{draft_block}.mlp.experts", "experts")]),
-        case("layer61", ["model.layers.61.self_attn.o_proj"],
-             target=[("model.layers.61.self_attn.o_proj", "linear")], draft=[(f"{draft_block}.self_attn.o_proj", "linear")]),
+        case(
+            "expert_child",
+            ["model.layers.3.mlp.experts.0.gate_proj"],
+            target=[("model.layers.3.mlp.experts", "experts")],
+        ),
+        case(
+            "mtp_names",
+            [f"{mtp}.self_attn.o_proj", f"{mtp}.eh_proj", f"{mtp}.mlp.experts.0.gate_proj"],
+            draft=[(f"{draft_block}.self_attn.o_proj", "linear"), (f"{draft_block}.mlp.experts", "experts")],
+        ),
+        case(
+            "layer61",
+            ["model.layers.61.self_attn.o_proj"],
+            target=[("model.layers.61.self_attn.o_proj", "linear")],
+            draft=[(f"{draft_block}.self_attn.o_proj", "linear")],
+        ),
         case("whole_mtp", [mtp], draft=[(f"{draft_block}.self_attn.o_proj", "linear")]),
-        case("alias_names", ["model.decoder.self_attn.o_proj", "model.eh_proj"],
-             draft=[(f"{draft_block}.self_attn.o_proj", "linear")]),
+        case(
+            "alias_names",
+            ["model.decoder.self_attn.o_proj", "model.eh_proj"],
+            draft=[(f"{draft_block}.self_attn.o_proj", "linear")],
+        ),
         case("fuse_none", [], experts=256),
         case("fuse_6", [], experts=6),
         case("fuse_veto_target", [f"model.layers.3.mlp.shared_experts.{p}" for p in shared]),
         case("fuse_veto_mtp", [f"{mtp}.mlp.shared_experts.{p}" for p in shared]),
         case("fuse_veto_alias", [f"model.decoder.mlp.shared_experts.{p}" for p in shared]),
-        case("lqc_null_mtp", [], lqc={f"{mtp}.*": False},
-             target=[("model.layers.0.self_attn.o_proj", "linear")], draft=[(f"{draft_block}.self_attn.o_proj", "linear")]),
+        case(
+            "lqc_null_mtp",
+            [],
+            lqc={f"{mtp}.*": False},
+            target=[("model.layers.0.self_attn.o_proj", "linear")],
+            draft=[(f"{draft_block}.self_attn.o_proj", "linear")],
+        ),
         case("lqc_null_glob", [], lqc={f"*layers.{n}.*": False}, draft=[(f"{draft_block}.self_attn.o_proj", "linear")]),
-        case("lqc_experts_only", [], lqc={"*mlp.experts*": True}, global_weight=False,
-             target=[("model.layers.3.mlp.experts", "experts"), ("model.layers.3.self_attn.o_proj", "linear")]),
-        case("lqc_expert_entry", [], lqc={"model.layers.3.mlp.experts.0.gate_proj": True}, global_weight=False,
-             target=[("model.layers.3.mlp.experts", "experts")]),
-        case("lqc_fused_shards", [], lqc={"*q_a_proj": False},
-             target=[(f"model.layers.0.self_attn.{fused_qkv}", "linear")]),
-        case("weights_only", [], inputs=False, target=[("model.layers.3.mlp.experts", "experts"),
-                                                       ("model.layers.3.self_attn.o_proj", "linear")]),
-        case("lqc_excluded", ["model.layers.0.self_attn.o_proj"], lqc={"*o_proj": False},
-             target=[("model.layers.0.self_attn.o_proj", "linear")]),
+        case(
+            "lqc_experts_only",
+            [],
+            lqc={"*mlp.experts*": True},
+            global_weight=False,
+            target=[("model.layers.3.mlp.experts", "experts"), ("model.layers.3.self_attn.o_proj", "linear")],
+        ),
+        case(
+            "lqc_expert_entry",
+            [],
+            lqc={"model.layers.3.mlp.experts.0.gate_proj": True},
+            global_weight=False,
+            target=[("model.layers.3.mlp.experts", "experts")],
+        ),
+        case(
+            "lqc_fused_shards",
+            [],
+            lqc={"*q_a_proj": False},
+            target=[(f"model.layers.0.self_attn.{fused_qkv}", "linear")],
+        ),
+        case(
+            "weights_only",
+            [],
+            inputs=False,
+            target=[("model.layers.3.mlp.experts", "experts"), ("model.layers.3.self_attn.o_proj", "linear")],
+        ),
+        case(
+            "lqc_excluded",
+            ["model.layers.0.self_attn.o_proj"],
+            lqc={"*o_proj": False},
+            target=[("model.layers.0.self_attn.o_proj", "linear")],
+        ),
     ]
     if engine == "vllm":
         # vLLM only: the indexer's wk + weights_proj are one linear built without a quant config; shared-expert
@@ -96,8 +156,12 @@ def diagnostic_cases(engine: str) -> list[dict]:
         fse = {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}
         indexer = [f"model.layers.0.self_attn.indexer.{m}" for m in ("wq_b", "wk_weights_proj")]
         cases += [
-            case("indexer", [], target=[(m, "linear") for m in indexer],
-                 draft=[(f"{mtp}.self_attn.indexer.{m}", "linear") for m in ("wq_b", "wk_weights_proj")]),
+            case(
+                "indexer",
+                [],
+                target=[(m, "linear") for m in indexer],
+                draft=[(f"{mtp}.self_attn.indexer.{m}", "linear") for m in ("wq_b", "wk_weights_proj")],
+            ),
             case("fuse_env_only", [], env={"VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}),
             case("fuse_aiter", [], env=fse),
             case("fuse_aiter_6", [], experts=6, env=fse),
@@ -120,9 +184,12 @@ def summarize(answers: dict) -> dict:
     plain = answers["plain"]
     if "error" in plain:
         return {"error": plain["error"].splitlines()[-1]}
-    row = {"draft": plain["draft"]["class"], "block": plain["draft"].get("block_prefix"),
-           "eh_proj": f"{plain['draft']['eh_proj']['type']}/{short(plain['draft']['eh_proj']['decision'])}",
-           "packed": ",".join(sorted(plain["target"]["packed_modules_mapping"]))}
+    row = {
+        "draft": plain["draft"]["class"],
+        "block": plain["draft"].get("block_prefix"),
+        "eh_proj": f"{plain['draft']['eh_proj']['type']}/{short(plain['draft']['eh_proj']['decision'])}",
+        "packed": ",".join(sorted(plain["target"]["packed_modules_mapping"])),
+    }
     for name, a in answers.items():
         if "error" in a:
             row[name] = "ERR " + a["error"].strip().splitlines()[-1][:60]
@@ -131,9 +198,12 @@ def summarize(answers: dict) -> dict:
         if name.startswith("fuse_") and name != "fused_name":
             vals = [f"t{a['target']['fused_shared_experts']}d{a['draft']['fused_shared_experts']}"]
             # vLLM: the model-level flag its weight loader reads, where it disagrees with what the MoE blocks built
-            vals += [f"{role[0]}loader:{a[role]['loader_fuses_shared_experts']}" for role in ("target", "draft")
-                     if "loader_fuses_shared_experts" in a[role]
-                     and bool(a[role]["loader_fuses_shared_experts"]) != bool(a[role]["fused_shared_experts"])]
+            vals += [
+                f"{role[0]}loader:{a[role]['loader_fuses_shared_experts']}"
+                for role in ("target", "draft")
+                if "loader_fuses_shared_experts" in a[role]
+                and bool(a[role]["loader_fuses_shared_experts"]) != bool(a[role]["fused_shared_experts"])
+            ]
         if name == "whole_mtp":
             vals.append("blockQ" if a["draft"]["block_quantized"] else "blockBF16")
         if name == "alias_names" or name == "mtp_names":

@@ -31,7 +31,6 @@ from typing import NamedTuple
 from unittest import mock
 
 import torch  # real torch and transformers before any stub is installed
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,15 +40,34 @@ from engine_truth.wheels import Release  # noqa: E402
 Q = "vllm.model_executor.layers.quantization."
 MODELS = "vllm.model_executor.models."
 MODULES = [
-    Q[:-1], Q + "base_config", Q + "quark.quark", Q + "quark.quark_moe", Q + "quark.utils",
-    Q + "utils.config_utils", Q + "utils.ocp_mx_utils", Q + "utils.quant_utils",
-    "vllm.envs", "vllm._aiter_ops", "vllm.model_executor.layers.fused_moe.utils",
-    "vllm.model_executor.layers.fused_moe.fused_moe_method_base", "vllm.transformers_utils.model_arch_config_convertor",
-    "vllm.model_executor.model_loader.utils", "vllm.model_executor.model_loader.weight_utils",
-    MODELS + "registry", MODELS + "utils", MODELS + "interfaces", MODELS + "deepseek_v2", MODELS + "deepseek_mtp",
-    "vllm.models.deepseek_v32", "vllm.models.deepseek_v32.attention", "vllm.models.deepseek_v32.amd",
-    "vllm.models.deepseek_v32.amd.model", "vllm.models.deepseek_v32.amd.mtp", "vllm.models.deepseek_v32.amd.rocm",
-    MODELS + "glm4_moe", MODELS + "glm4_moe_mtp",
+    Q[:-1],
+    Q + "base_config",
+    Q + "quark.quark",
+    Q + "quark.quark_moe",
+    Q + "quark.utils",
+    Q + "utils.config_utils",
+    Q + "utils.ocp_mx_utils",
+    Q + "utils.quant_utils",
+    "vllm.envs",
+    "vllm._aiter_ops",
+    "vllm.model_executor.layers.fused_moe.utils",
+    "vllm.model_executor.layers.fused_moe.fused_moe_method_base",
+    "vllm.transformers_utils.model_arch_config_convertor",
+    "vllm.model_executor.model_loader.utils",
+    "vllm.model_executor.model_loader.weight_utils",
+    MODELS + "registry",
+    MODELS + "utils",
+    MODELS + "interfaces",
+    MODELS + "deepseek_v2",
+    MODELS + "deepseek_mtp",
+    "vllm.models.deepseek_v32",
+    "vllm.models.deepseek_v32.attention",
+    "vllm.models.deepseek_v32.amd",
+    "vllm.models.deepseek_v32.amd.model",
+    "vllm.models.deepseek_v32.amd.mtp",
+    "vllm.models.deepseek_v32.amd.rocm",
+    MODELS + "glm4_moe",
+    MODELS + "glm4_moe_mtp",
 ]
 # The MoE blocks whose shared-expert fusion the probe reads: (module, class), those the release has.
 MOE_BLOCKS = ((MODELS + "deepseek_v2", "DeepseekV2MoE"), (MODELS + "glm4_moe", "Glm4MoE"))
@@ -60,8 +78,16 @@ SOURCE_ONLY = (  # methods of pydantic config classes (their modules cannot be i
     ("vllm.config.speculative", "SpeculativeConfig.hf_config_override"),
     ("vllm.config.model", "ModelConfig.use_mla"),  # a property: called with the model config
 )
-LINEAR_CLASSES = ("LinearBase", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
-                  "ReplicatedLinear", "RowParallelLinear", "DCPGroupColumnParallelLinear", "MergedReplicatedLinear")
+LINEAR_CLASSES = (
+    "LinearBase",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "ReplicatedLinear",
+    "RowParallelLinear",
+    "DCPGroupColumnParallelLinear",
+    "MergedReplicatedLinear",
+)
 FUSED_MOE = "vllm.model_executor.layers.fused_moe"
 MXFP4_ORACLE = FUSED_MOE + ".oracle.mxfp4"
 
@@ -102,15 +128,27 @@ class RocmPlatform(stubs.StubBase):
     fp8_dtype = _value(torch.float8_e4m3fn)
     get_device_capability = _value(AMD_MI355X)
     is_device_capability = staticmethod(lambda cap, *a: cap in (AMD_MI355X, AMD_MI355X.to_int()))
-    has_device_capability = staticmethod(lambda cap, *a: AMD_MI355X.to_int() >= (cap if isinstance(cap, int)
-                                                                                 else DeviceCapability(*cap).to_int()))
+    has_device_capability = staticmethod(
+        lambda cap, *a: AMD_MI355X.to_int() >= (cap if isinstance(cap, int) else DeviceCapability(*cap).to_int())
+    )
     is_device_capability_family = _value(False)
     get_device_name = _value("AMD Instinct MI355X")
 
 
-ROCM_ARCH = {"on_gfx9": True, "on_gfx950": True, "on_mi3xx": True, "on_cdna": True, "get_cdna_version": 4,
-             "on_gfx942": False, "on_gfx90a": False, "on_gfx1x": False, "on_rdna": False, "on_rdna4": False,
-             "on_gfx1250": False, "get_rdna_version": 0}
+ROCM_ARCH = {
+    "on_gfx9": True,
+    "on_gfx950": True,
+    "on_mi3xx": True,
+    "on_cdna": True,
+    "get_cdna_version": 4,
+    "on_gfx942": False,
+    "on_gfx90a": False,
+    "on_gfx1x": False,
+    "on_rdna": False,
+    "on_rdna4": False,
+    "on_gfx1250": False,
+    "get_rdna_version": 0,
+}
 
 
 class _Group(stubs.StubBase):
@@ -119,9 +157,16 @@ class _Group(stubs.StubBase):
     device_group = stubs.Namespace(size=_value(1), rank=_value(0))
 
 
-ONE_GPU = {"get_tensor_model_parallel_world_size": _value(1), "get_tensor_model_parallel_rank": _value(0),
-           "get_pp_group": _value(_Group()), "get_tp_group": _value(_Group()), "get_ep_group": _value(_Group()),
-           "get_dp_group": _value(_Group()), "get_pcp_group": _value(_Group()), "get_dcp_group": _value(_Group())}
+ONE_GPU = {
+    "get_tensor_model_parallel_world_size": _value(1),
+    "get_tensor_model_parallel_rank": _value(0),
+    "get_pp_group": _value(_Group()),
+    "get_tp_group": _value(_Group()),
+    "get_ep_group": _value(_Group()),
+    "get_dp_group": _value(_Group()),
+    "get_pcp_group": _value(_Group()),
+    "get_dcp_group": _value(_Group()),
+}
 
 
 class InertAttentionBase(torch.nn.Module):
@@ -144,17 +189,23 @@ def overrides() -> dict[str, dict]:
     linear = {}
     base = stubs.stub_class("vllm.model_executor.layers.linear.LinearBase")
     for name in LINEAR_CLASSES[1:]:
-        linear[name] = stubs.StubMeta(name, (base,), {"__module__": "stub", "_stub": True,
-                                                      "__qualname__": f"vllm.model_executor.layers.linear.{name}"})
+        linear[name] = stubs.StubMeta(
+            name,
+            (base,),
+            {"__module__": "stub", "_stub": True, "__qualname__": f"vllm.model_executor.layers.linear.{name}"},
+        )
     linear["LinearBase"] = base
     routed = stubs.stub_class(f"{FUSED_MOE}.RoutedExperts")
     gate = stubs.StubMeta("GateLinear", (linear["ReplicatedLinear"],), {"__module__": "stub", "_stub": True})
-    experts = {name: stubs.StubMeta(name, (routed,), {"__module__": "stub", "_stub": True})
-               for name in ("FusedMoE", "SharedFusedMoE", "FusedMoEFactory")}
+    experts = {
+        name: stubs.StubMeta(name, (routed,), {"__module__": "stub", "_stub": True})
+        for name in ("FusedMoE", "SharedFusedMoE", "FusedMoEFactory")
+    }
     return {
         "vllm.platforms": {"current_platform": RocmPlatform()},
         "vllm.platforms.rocm": {k: _value(v) for k, v in ROCM_ARCH.items()},
-        "vllm.distributed": ONE_GPU, "vllm.distributed.parallel_state": ONE_GPU,
+        "vllm.distributed": ONE_GPU,
+        "vllm.distributed.parallel_state": ONE_GPU,
         "vllm.distributed.utils": {"get_pp_indices": lambda n, rank, size: (0, n)},
         "vllm.model_executor.offloader": {"get_offloader": _value(stubs.Namespace(wrap_modules=list))},
         "vllm.model_executor.layers.linear": linear,
@@ -211,11 +262,23 @@ def model_config(mods: dict, hf, max_model_len: int = 4096):
     """The server's ModelConfig for `hf` (config.json as loaded): a record of the fields the code reads, with
     `use_mla` computed by the release (`ModelConfig.use_mla`, the arch convertor's `is_deepseek_mla`)."""
     mc = stubs.stub_class("vllm.config.ModelConfig")(
-        model="/nonexistent", hf_config=hf, hf_text_config=hf, quantization="quark", quantization_config=None,
-        dtype=torch.bfloat16, revision=None, hf_overrides={}, max_model_len=max_model_len, convert_type="none",
-        runner_type="generate", model_impl="auto", trust_remote_code=False, enforce_eager=False,
+        model="/nonexistent",
+        hf_config=hf,
+        hf_text_config=hf,
+        quantization="quark",
+        quantization_config=None,
+        dtype=torch.bfloat16,
+        revision=None,
+        hf_overrides={},
+        max_model_len=max_model_len,
+        convert_type="none",
+        runner_type="generate",
+        model_impl="auto",
+        trust_remote_code=False,
+        enforce_eager=False,
         architectures=list(hf.architectures),
-        using_transformers_backend=_value(False))  # the registry resolved a vLLM class, not the Transformers backend
+        using_transformers_backend=_value(False),
+    )  # the registry resolved a vLLM class, not the Transformers backend
     convertor = mods["vllm.transformers_utils.model_arch_config_convertor"].ModelArchConfigConvertorBase(hf, hf)
     mc.is_deepseek_mla = convertor.is_deepseek_mla()
     mc.use_mla = mods["ModelConfig.use_mla"](mc)
@@ -226,18 +289,42 @@ def vllm_config(target_mc, qc, draft_mc=None):
     """The server's VllmConfig with default settings on one GPU (a record of the fields the code reads)."""
     cfg = stubs.stub_class("vllm.config.VllmConfig")
     parallel = stubs.stub_class("vllm.config.ParallelConfig")(
-        tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False,
-        enable_eplb=False, use_sequence_parallel_moe=False, eplb_config=stubs.Namespace(num_redundant_experts=0),
-        prefill_context_parallel_size=1, decode_context_parallel_size=1, dcp_q_replicate=False)
-    spec = None if draft_mc is None else stubs.stub_class("vllm.config.SpeculativeConfig")(
-        method="mtp", num_speculative_tokens=1, draft_model_config=draft_mc, draft_tensor_parallel_size=1,
-        moe_backend=None, attention_backend=None, kv_cache_dtype=None)
-    return cfg(model_config=target_mc, quant_config=qc, parallel_config=parallel, speculative_config=spec,
-               scheduler_config=stubs.Namespace(max_num_batched_tokens=8, max_num_seqs=1),
-               cache_config=stubs.stub_class("vllm.config.CacheConfig")(cache_dtype="auto", block_size=64),
-               load_config=stubs.Namespace(load_format="auto", device=None, model_loader_extra_config={}),
-               device_config=stubs.Namespace(device=torch.device("meta")),
-               lora_config=None, kv_transfer_config=None)
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+        enable_expert_parallel=False,
+        enable_eplb=False,
+        use_sequence_parallel_moe=False,
+        eplb_config=stubs.Namespace(num_redundant_experts=0),
+        prefill_context_parallel_size=1,
+        decode_context_parallel_size=1,
+        dcp_q_replicate=False,
+    )
+    spec = (
+        None
+        if draft_mc is None
+        else stubs.stub_class("vllm.config.SpeculativeConfig")(
+            method="mtp",
+            num_speculative_tokens=1,
+            draft_model_config=draft_mc,
+            draft_tensor_parallel_size=1,
+            moe_backend=None,
+            attention_backend=None,
+            kv_cache_dtype=None,
+        )
+    )
+    return cfg(
+        model_config=target_mc,
+        quant_config=qc,
+        parallel_config=parallel,
+        speculative_config=spec,
+        scheduler_config=stubs.Namespace(max_num_batched_tokens=8, max_num_seqs=1),
+        cache_config=stubs.stub_class("vllm.config.CacheConfig")(cache_dtype="auto", block_size=64),
+        load_config=stubs.Namespace(load_format="auto", device=None, model_loader_extra_config={}),
+        device_config=stubs.Namespace(device=torch.device("meta")),
+        lora_config=None,
+        kv_transfer_config=None,
+    )
 
 
 def quant_config(mods: dict, mc):
@@ -300,8 +387,9 @@ def decide(mods: dict, qc, prefix: str, layer) -> str:
     except Exception as e:  # the release raises while building the layer: a load failure
         return probe_io.error(e)
     if method is None:
-        return probe_io.error(ValueError("All linear layers should support quant method.")) if is_linear \
-            else probe_io.BF16
+        return (
+            probe_io.error(ValueError("All linear layers should support quant method.")) if is_linear else probe_io.BF16
+        )
     if isinstance(method, (quark.UnquantizedLinearMethod, quark.UnquantizedFusedMoEMethod)):
         return probe_io.BF16
     scheme = layer.__dict__.get("scheme") if is_linear else method
@@ -349,8 +437,11 @@ def loader_fuses(mods: dict, model) -> bool | None:
     """The model-level flag the release's weight loader reads to route shared experts into the bank (None: the
     model has no such flag, its loader never does)."""
     moe_cls = moe_classes(mods)
-    flags = [m.__dict__["is_fused_shared_expert_enabled"] for _, m in walk(model)
-             if "is_fused_shared_expert_enabled" in getattr(m, "__dict__", {}) and not isinstance(m, moe_cls)]
+    flags = [
+        m.__dict__["is_fused_shared_expert_enabled"]
+        for _, m in walk(model)
+        if "is_fused_shared_expert_enabled" in getattr(m, "__dict__", {}) and not isinstance(m, moe_cls)
+    ]
     return bool(flags[0]) if flags else None
 
 
@@ -436,10 +527,14 @@ def probe_case(mods: dict, case: dict) -> dict:
         wanted = {p: k for p, k in case["target"]}
         target_model, rec, _ = build(mods, target_cls, vllm_config(target_mc, qc), target_mc, wanted)
         target_dec, target_unbuilt = decisions(mods, rec, target_model, qc, wanted)
-        target = {"class": target_cls.__name__, "packed_modules_mapping": dict(qc.packed_modules_mapping),
-                  "fused_shared_experts": fused_shared_experts(mods, target_model),
-                  "loader_fuses_shared_experts": loader_fuses(mods, target_model),
-                  "decisions": target_dec, "unbuilt": target_unbuilt}
+        target = {
+            "class": target_cls.__name__,
+            "packed_modules_mapping": dict(qc.packed_modules_mapping),
+            "fused_shared_experts": fused_shared_experts(mods, target_model),
+            "loader_fuses_shared_experts": loader_fuses(mods, target_model),
+            "decisions": target_dec,
+            "unbuilt": target_unbuilt,
+        }
 
         draft_hf = draft_hf_config(mods, case["config"])
         draft_mc = model_config(mods, draft_hf)
@@ -455,16 +550,24 @@ def probe_case(mods: dict, case: dict) -> dict:
         if eh is None:
             raise LookupError(f"{draft_cls.__name__} has no eh_proj")
         stand_in = isinstance(eh, stubs.StubBase)  # else a torch layer, which never consults the quant config
-        draft = {"class": draft_cls.__name__, "architecture": draft_hf.architectures[0],
-                 "packed_modules_mapping": dict(qc.packed_modules_mapping), "block_prefix": block,
-                 "block_quantized": any(quant_config_of(mods, o) is not None for o in under),
-                 "eh_proj": {"type": type(eh).__name__,
-                             "prefix": eh._stub_kwargs.get("prefix") if stand_in else eh_path,
-                             "decision": decide(mods, quant_config_of(mods, eh), eh._stub_kwargs.get("prefix"), eh)
-                             if stand_in else probe_io.BF16},
-                 "fused_shared_experts": fused_shared_experts(mods, draft_model),
-                 "loader_fuses_shared_experts": loader_fuses(mods, draft_model),
-                 "decisions": draft_dec, "unbuilt": draft_unbuilt}
+        draft = {
+            "class": draft_cls.__name__,
+            "architecture": draft_hf.architectures[0],
+            "packed_modules_mapping": dict(qc.packed_modules_mapping),
+            "block_prefix": block,
+            "block_quantized": any(quant_config_of(mods, o) is not None for o in under),
+            "eh_proj": {
+                "type": type(eh).__name__,
+                "prefix": eh._stub_kwargs.get("prefix") if stand_in else eh_path,
+                "decision": decide(mods, quant_config_of(mods, eh), eh._stub_kwargs.get("prefix"), eh)
+                if stand_in
+                else probe_io.BF16,
+            },
+            "fused_shared_experts": fused_shared_experts(mods, draft_model),
+            "loader_fuses_shared_experts": loader_fuses(mods, draft_model),
+            "decisions": draft_dec,
+            "unbuilt": draft_unbuilt,
+        }
     return {"target": target, "draft": draft}
 
 

@@ -74,7 +74,7 @@ def available_versions(dist: str, first: str, last: str) -> list[str]:
         name = f["filename"]
         if name.endswith(".whl") and name.startswith(prefix) and not f.get("yanked"):
             try:
-                found.add(Version(name[len(prefix):].split("-", 1)[0]))
+                found.add(Version(name[len(prefix) :].split("-", 1)[0]))
             except InvalidVersion:
                 continue
     lo, hi = Version(first), Version(last)
@@ -125,9 +125,15 @@ class Release:
             wheel = _choose_wheel(dist, version)
             with self._zip(wheel["url"], wheel["size"]) as z:
                 names = z.namelist()
-            self.meta = {"dist": dist, "version": version, "wheel": wheel["filename"], "url": wheel["url"],
-                         "size": wheel["size"], "sha256": wheel["hashes"]["sha256"],
-                         "members": [n for n in names if n.endswith(".py")]}
+            self.meta = {
+                "dist": dist,
+                "version": version,
+                "wheel": wheel["filename"],
+                "url": wheel["url"],
+                "size": wheel["size"],
+                "sha256": wheel["hashes"]["sha256"],
+                "members": [n for n in names if n.endswith(".py")],
+            }
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = meta.with_suffix(".partial")
             tmp.write_text(json.dumps(self.meta, indent=1))
@@ -149,8 +155,11 @@ class Release:
     def package_modules(self, package: str) -> list[str]:
         """Every module of `package` (dotted) in this release, the package itself included."""
         base = package.replace(".", "/") + "/"
-        return sorted(m[:-3].removesuffix("/__init__").replace("/", ".")
-                      for m in self.members if m.startswith(base) and m.count("/") == base.count("/"))
+        return sorted(
+            m[:-3].removesuffix("/__init__").replace("/", ".")
+            for m in self.members
+            if m.startswith(base) and m.count("/") == base.count("/")
+        )
 
     def modules_under(self, paths: tuple[str, ...] | list[str]) -> list[str]:
         """The modules of this release whose file is one of `paths` (wheel paths) or lies below one of them."""
