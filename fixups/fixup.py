@@ -354,7 +354,7 @@ def load_fixups_record(root: Path) -> dict:
     return read_fixups_record(LocalDir(root))
 
 
-def add_to_record(record: dict, applied: list[dict], engines: list[str], command: str) -> dict:
+def add_to_record(record: dict, applied: list[dict], engines: list[str], command: str | None) -> dict:
     """`record` (from read_fixups_record) with one more run that applied `applied`; each fixup listed once."""
     record["fixups"] += [a for a in applied if a not in record["fixups"]]  # a rerun after a kill: recorded once
     record["runs"].append({"command": command, "engines": engines, "applied": len(applied)})
@@ -362,7 +362,7 @@ def add_to_record(record: dict, applied: list[dict], engines: list[str], command
     return record
 
 
-def record_fixups(root: Path, record: dict, applied: list[dict], engines: list[str], command: str) -> None:
+def record_fixups(root: Path, record: dict, applied: list[dict], engines: list[str], command: str | None) -> None:
     """Append what was applied to `record` (from load_fixups_record) and write it as mxforge_fixups.json
     (beside config.json, never inside quantization_config).
 

@@ -87,7 +87,7 @@ def config_bytes(config: dict) -> bytes:
     return (json.dumps(config, indent=2) + "\n").encode()
 
 
-def describe(fixup: FixupResult, labels: dict[str, str], before: str, after: str, command: str) -> str:
+def describe(fixup: FixupResult, labels: dict[str, str], before: str, after: str, command: str | None) -> str:
     """The pull request's description: what changes, for which releases, and validate before/after."""
     lines = [
         "This pull request was opened by `mxforge fixup --create-pr`. It changes only "

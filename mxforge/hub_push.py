@@ -124,7 +124,7 @@ def write_model_card(
     repo_id: str,
     validation: dict,
     forced: bool,
-    command: str,
+    command: str | None,
     workers: int,
     quiet: bool,
     follow_symlinks: bool = False,

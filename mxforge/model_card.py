@@ -189,14 +189,16 @@ def _serving_lines(validation: dict, repo_id: str) -> list[str]:
     return lines
 
 
-def _command_lines(source: dict | None, quantize: dict | None, fixups: dict | None, push_command: str) -> list[str]:
+def _command_lines(
+    source: dict | None, quantize: dict | None, fixups: dict | None, push_command: str | None
+) -> list[str]:
     """Each recorded command once, in stage order (`mxforge run` did every stage with one command)."""
     lines: list[str] = []
     for label, data in (
         ("download", source),
         ("quantize", quantize),
         ("fixup", fixups),
-        ("push", {"command": push_command}),
+        ("push", {"command": push_command} if push_command else None),
     ):
         line = data["command"] if data and data.get("command") else f"# {label}: {NOT_RECORDED}"
         if line not in lines:
@@ -205,7 +207,7 @@ def _command_lines(source: dict | None, quantize: dict | None, fixups: dict | No
 
 
 def render_model_card(
-    ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], validation: dict, forced: bool, push_command: str
+    ckpt: Checkpoint, *, repo_id: str, files: list[FileHash], validation: dict, forced: bool, push_command: str | None
 ) -> str:
     """The README.md text for `ckpt`. `validation` is ValidationReport.as_dict()."""
     root = ckpt.root

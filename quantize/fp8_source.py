@@ -99,7 +99,7 @@ def _e4m3fn_table() -> np.ndarray:
 E4M3_TO_F32 = _e4m3fn_table()
 
 
-def scales_as_f32(raw, dtype: str, shape: tuple[int, int]) -> np.ndarray:
+def scales_as_f32(raw, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """A stored scale tensor as float32 [block rows, block cols]."""
     if dtype == "F32":
         return np.frombuffer(raw, dtype="<f4").reshape(shape)

@@ -106,11 +106,16 @@ class QuantizePlan:
         Raises:
             ConfigError: names the first such weight.
         """
-        split = [(s.name, t) for s in self.shards for t in s.tensors if t.fp8_scale and t.fp8_scale.shard != s.name]
+        split = [
+            (s.name, t.source.name, t.fp8_scale.shard)
+            for s in self.shards
+            for t in s.tensors
+            if t.fp8_scale and t.fp8_scale.shard != s.name
+        ]
         if split:
-            shard, t = split[0]
+            shard, weight, scale_shard = split[0]
             raise ConfigError(
-                f"{shard}: FP8 weight {t.source.name!r} has its block scales in {t.fp8_scale.shard} "
+                f"{shard}: FP8 weight {weight!r} has its block scales in {scale_shard} "
                 f"({len(split)} such weight(s)); {why}: download the checkpoint, then quantize it"
             )
 
@@ -181,7 +186,10 @@ def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: Source
             f"{where(name)}: tensor {name!r} is {FP8_DTYPE} but config.json has no FP8 "
             "quantization_config; restore the release's config.json (it says how to scale the weights)"
         )
-    out = {}
+    out: dict[str, Fp8Scale] = {}
+    block = precision.block
+    if block is None:  # a bf16 source (an FP8 tensor under it was refused above)
+        return out
     for name, info in fp8.items():
         scale = infos.get(name + SCALE_SUFFIX)
         if len(info.shape) != 2 or not is_linear_weight_name(name) or scale is None:
@@ -195,9 +203,9 @@ def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: Source
             raise CheckpointError(
                 f"{where(scale.name)}: {scale.name!r} is {scale.dtype}{list(scale.shape)}, expected "
                 f"F32{list(expected)} for {name!r} {list(info.shape)} with weight_block_size "
-                f"{list(precision.block)}; the shard or config.json is not from the same release"
+                f"{list(block)}; the shard or config.json is not from the same release"
             )
-        out[name] = Fp8Scale(ckpt.weight_map[scale.name], scale, precision.block)
+        out[name] = Fp8Scale(ckpt.weight_map[scale.name], scale, block)
     return out
 
 

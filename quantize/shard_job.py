@@ -319,6 +319,12 @@ def _read_fp8_scales(reader: _HashingReader, job: ShardJob) -> dict[str, np.ndar
     return out
 
 
+def _fp8_block(t: TensorPlan) -> tuple[int, int]:
+    """The scale block of an FP8 weight (planned with its scales: fp8_scales)."""
+    assert t.fp8_scale is not None, f"{t.source.name}: an FP8 weight planned without its block scales"
+    return t.fp8_scale.block
+
+
 def _dequantize_tensor(
     reader: _HashingReader, out_fd: int, t: TensorPlan, dest: int, progress, where: Path, scales: np.ndarray
 ) -> None:
@@ -328,7 +334,7 @@ def _dequantize_tensor(
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, inner))
     for r0 in range(0, rows, rows_per_chunk):
         n = min(rows_per_chunk, rows - r0)
-        x = dequantize_rows(reader.read(s.start + r0 * inner, n * inner), scales, r0, inner, t.fp8_scale.block)
+        x = dequantize_rows(reader.read(s.start + r0 * inner, n * inner), scales, r0, inner, _fp8_block(t))
         _pwrite_all(out_fd, x.data, dest + r0 * inner * 2, where)
         progress(n * inner)
 
@@ -365,7 +371,7 @@ def _quantize_tensor(
         x = (
             _as_rows(raw, s.dtype, n, inner)
             if fp8_scales is None
-            else dequantize_rows(raw, fp8_scales, r0, inner, t.fp8_scale.block)
+            else dequantize_rows(raw, fp8_scales, r0, inner, _fp8_block(t))
         )
         codes = codes_buf[: n * (inner // 2)].reshape(n, inner // 2)
         scales = scales_buf[: n * nblocks].reshape(n, nblocks)
@@ -436,7 +442,7 @@ def _handle_nonfinite(
     rows = (
         _as_rows(raw, s.dtype, *s.shape)
         if fp8_scales is None
-        else dequantize_rows(raw, fp8_scales, 0, s.shape[1], t.fp8_scale.block)
+        else dequantize_rows(raw, fp8_scales, 0, s.shape[1], _fp8_block(t))
     )
     w = torch.from_numpy(rows.copy())
     codes, scales = _quark_reference(w.view(torch.bfloat16) if t.read_dtype == "BF16" else w)

@@ -10,6 +10,7 @@ bin=${LINT_BIN:-$repo/.venv/bin}
 status=0
 
 "$bin/ruff" check || status=1
+"$bin/ruff" format --check --quiet || { echo "ruff format: files above are not formatted (run: .venv/bin/ruff format .)"; status=1; }
 
 tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
