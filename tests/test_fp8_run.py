@@ -82,8 +82,8 @@ def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, tmp_path, family):
     assert not any(n.endswith(("_scale_inv", ".input_scale")) for n in index["weight_map"])
 
 
-def test_streamed_fp8_run_pushes_the_same_bytes_as_sequential(fp8_hub, tmp_path):
-    family = "glm_moe_dsa"
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm4_moe"])  # block FP8, compressed-tensors FP8
+def test_streamed_fp8_run_pushes_the_same_bytes_as_sequential(fp8_hub, tmp_path, family):
     streamed = _run(fp8_hub, tmp_path, family, tmp_path / "s", "alice/streamed", "--stream", "--workers", "2")
     assert streamed["mode"] == "stream"
     assert streamed["stages"]["stream"]["report"]["source_precision"].startswith("fp8")

@@ -326,6 +326,30 @@ def test_quantize_compressed_tensors_fp8_equals_quantizing_the_bf16_it_stands_fo
     assert not any(n.endswith(".input_scale") for n in names)
 
 
+def test_quantize_per_tensor_compressed_tensors_fp8_equals_quantizing_the_bf16_it_stands_for(tmp_path):
+    """strategy "tensor": one F32 `weight_scale` [1] per weight, read as the whole weight's block."""
+    from safetensors.torch import save_file
+
+    write_fixture(tmp_path / "fp8", "tiny", quiet=True, family="glm4_moe", precision="fp8")
+    for shard in sorted((tmp_path / "fp8").glob("*.safetensors")):
+        tensors = _tensors_of(shard)
+        for name in [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]:
+            w = _reference_bf16(tensors, name).float()
+            scale = (w.abs().max() / 448).reshape(1)
+            tensors[name] = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            tensors[name + "_scale"] = scale
+        save_file(tensors, shard, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"] = _ct_config(strategy="tensor")
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    _write_reference_bf16(tmp_path / "fp8", tmp_path / "bf16")
+    report = quantize_checkpoint(tmp_path / "fp8", tmp_path / "a", quiet=True)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "b", quiet=True)
+    assert report["source_precision"] == "fp8 (e4m3, compressed-tensors, per-tensor weight_scale)"
+    for p in sorted((tmp_path / "b").glob("*.safetensors")) + [tmp_path / "b" / "config.json"]:
+        assert p.read_bytes() == (tmp_path / "a" / p.name).read_bytes(), p.name
+
+
 def test_compressed_tensors_fp8_without_or_with_misshapen_scales_is_refused(tmp_path):
     from safetensors.torch import save_file
 
