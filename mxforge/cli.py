@@ -46,7 +46,7 @@ def register_fixture(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "fixture",
         help="write a model family's bf16 or FP8 checkpoint (tests, benchmarks, demos)",
-        description="Write a bf16 (or, --precision fp8, block-FP8) checkpoint of a model family laid "
+        description="Write a bf16 (or, --precision fp8, FP8) checkpoint of a model family laid "
         "out like its real one. Presets: "
         "tiny (seconds, a few MB, every layer kind and the MTP layer); bench (real expert shapes, "
         "--gib sets the size); full-layout (the real model's every tensor and shard, e.g. GLM-5.2's "
@@ -67,9 +67,10 @@ def register_fixture(sub) -> argparse.ArgumentParser:
         "--precision",
         choices=("bf16", "fp8"),
         default="bf16",
-        help="bf16 (default), or fp8: the layout of the family's official FP8 release (F8_E4M3 weights with "
-        "F32 128x128 block scales `weight_scale_inv`, the same bf16 content quantized as DeepSeek's "
-        "block FP8, and its quantization_config)",
+        help="bf16 (default), or fp8: the layout of the family's official FP8 release, the same bf16 content "
+        "as F8_E4M3 weights with their scales and the release's quantization_config (DeepSeek-V3/V3.2, GLM-5.x: "
+        "F32 128x128 block scales `weight_scale_inv`; GLM-4.5: compressed-tensors, per-channel `weight_scale` "
+        "and a static `input_scale`)",
     )
     p.add_argument("--seed", type=int, default=0, help="weights are deterministic for a seed (default 0)")
     p.add_argument(

@@ -5,9 +5,11 @@ dimensions shrink per preset (the family's fixture presets in manifests/models/)
 for a seed and drawn like trained weights: a small Gaussian with rare large outliers, so quantization error
 measured on them means something.
 
-`precision="fp8"` writes the layout of the family's official FP8 release (mxforge.models.layout.fp8_block_inventory):
-the same bf16 weights quantized to F8_E4M3 per 128x128 block with scale amax/448 (DeepSeek's block FP8), each with
-its float32 `weight_scale_inv`, and the release's `quantization_config`; a weight and its scales share a shard.
+`precision="fp8"` writes the layout of the family's official FP8 release (`Family.fp8_format`,
+mxforge.models.layout.fp8_inventory): the same bf16 weights quantized to F8_E4M3 with scale amax/448, per 128x128
+block with a float32 `weight_scale_inv` (DeepSeek's block FP8), or per output channel with a bf16 `weight_scale`
+[out, 1] and a static `input_scale` (compressed-tensors, GLM-4.5-FP8), and the release's `quantization_config`; a
+weight and its scales share a shard.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from .checkpoint import write_index
 from .errors import ConfigError, MxforgeError
 from .models import DEFAULT_FAMILY, Family, family_named, layout_of
-from .models.layout import FP8_BLOCK, fp8_block_inventory
+from .models.layout import FP8_BLOCK, FP8_LAYOUTS, fp8_inventory
 from .progress import byte_progress
 from .safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
 
@@ -33,7 +35,37 @@ FP8_QUANTIZATION_CONFIG = {
     "quant_method": "fp8",
     "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
 }
+# compressed-tensors FP8, per-channel weights and static per-tensor activations, as zai-org/GLM-4.5-FP8's config.json
+# describes it (the `ignore` list is filled in per checkpoint: the modules kept bf16)
+_CT_FP8_ARGS: dict[str, object] = {
+    "actorder": None,
+    "block_structure": None,
+    "dynamic": False,
+    "group_size": None,
+    "num_bits": 8,
+    "observer": "minmax",
+    "observer_kwargs": {},
+    "symmetric": True,
+    "type": "float",
+}
+CT_FP8_CHANNEL_QUANTIZATION_CONFIG: dict[str, object] = {
+    "config_groups": {
+        "group_0": {
+            "input_activations": {**_CT_FP8_ARGS, "strategy": "tensor"},
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {**_CT_FP8_ARGS, "strategy": "channel"},
+        }
+    },
+    "format": "float-quantized",
+    "global_compression_ratio": None,
+    "ignore": [],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
 E4M3_MAX = 448.0
+FP8_COMPANIONS = ("_scale_inv", ".weight_scale", ".input_scale")  # stored after their FP8 weight (FP8_LAYOUTS)
 OUTLIER_RATE = 1e-3
 
 
@@ -113,7 +145,9 @@ def plan_shards(
         out: list[list[PlannedTensor]] = [[]]
         size = 0
         for t in tensors:
-            if out[-1] and size + t.nbytes > cap and not t.name.endswith("_scale_inv"):  # scales stay with their weight
+            if (
+                out[-1] and size + t.nbytes > cap and not t.name.endswith(FP8_COMPANIONS)
+            ):  # scales stay with their weight
                 out.append([])
                 size = 0
             out[-1].append(t)
@@ -178,26 +212,81 @@ def fp8_block_quantize(w):
     return q.reshape(br * FP8_BLOCK, bc * FP8_BLOCK)[:rows, :cols].contiguous(), scale.contiguous()
 
 
-def _fp8_data(seed: int, bf16_shapes: dict[str, tuple[int, ...]]):
-    """Each tensor's data for an FP8 fixture: a weight and its scale_inv come from one quantization of the bf16
-    fixture's weight (whichever is written first computes both; safetensors order puts F32 scales first)."""
+def fp8_channel_quantize(w):
+    """(F8_E4M3 weight, bf16 weight_scale [out, 1]) of a 2-D bf16 weight, as llm-compressor's FP8 per-channel scheme:
+    scale = row amax / 448 in the weight's dtype (1 for an all-zero row), weight = (w / scale) cast to e4m3."""
     import torch
 
+    scale = (w.float().abs().amax(dim=1, keepdim=True) / E4M3_MAX).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (w.float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
+
+
+def _block_parts(weight: str, w, seed: int) -> dict:
+    q, scale = fp8_block_quantize(w)
+    return {weight: q, weight + "_scale_inv": scale}
+
+
+def _channel_parts(weight: str, w, seed: int) -> dict:
+    import torch
+
+    q, scale = fp8_channel_quantize(w)
+    input_scale = 0.01 * (1 + tensor_seed(seed, weight) % 100 / 100)  # a calibrated activation amax / 448
+    return {
+        weight: q,
+        weight + "_scale": scale,
+        weight.removesuffix("weight") + "input_scale": torch.tensor([input_scale], dtype=torch.bfloat16),
+    }
+
+
+def _block_config(ignore: list[str]) -> dict:
+    return dict(FP8_QUANTIZATION_CONFIG)
+
+
+def _channel_config(ignore: list[str]) -> dict:
+    return {**CT_FP8_CHANNEL_QUANTIZATION_CONFIG, "ignore": ignore}
+
+
+# Per FP8 release layout (FP8_LAYOUTS): a weight's stored tensors from its bf16, and the release's quantization_config
+# given the modules it keeps bf16.
+FP8_WRITERS = {
+    "block": (_block_parts, _block_config),
+    "compressed-tensors-channel": (_channel_parts, _channel_config),
+}
+assert set(FP8_WRITERS) == set(FP8_LAYOUTS)
+
+
+def fp8_ignore(tensors: list[PlannedTensor]) -> list[str]:
+    """The Linear modules an FP8 inventory keeps bf16 (2-D weights other than embeddings): compressed-tensors'
+    `ignore`."""
+    return sorted(
+        t.name.removesuffix(".weight")
+        for t in tensors
+        if len(t.shape) == 2 and t.name.endswith(".weight") and t.dtype != "F8_E4M3" and "embed_tokens" not in t.name
+    )
+
+
+def _fp8_data(seed: int, bf16_shapes: dict[str, tuple[int, ...]], fp8_format: str, tensors: list[PlannedTensor]):
+    """Each tensor's data for an FP8 fixture: a weight and its scales come from one quantization of the bf16
+    fixture's weight (whichever is written first computes all; safetensors order may put the scales first)."""
+    import torch
+
+    parts_of = FP8_WRITERS[fp8_format][0]
+    owner = {c.name: t.name for t in tensors if t.dtype == "F8_E4M3" for c in FP8_LAYOUTS[fp8_format](t.name, t.shape)}
+    owner.update({t.name: t.name for t in tensors if t.dtype == "F8_E4M3"})
     pending: dict[str, object] = {}
 
     def data(t: PlannedTensor):
-        if t.dtype != "F8_E4M3" and not t.name.endswith("_scale_inv"):
-            return synth_weight(t, seed)
         if t.name in pending:
             return pending.pop(t.name)
-        weight = t.name.removesuffix("_scale_inv")
-        q, scale = fp8_block_quantize(synth_weight(PlannedTensor(weight, "BF16", bf16_shapes[weight]), seed))
-        q = q.view(torch.uint8)
-        if t.name == weight:
-            pending[weight + "_scale_inv"] = scale
-            return q
-        pending[weight] = q
-        return scale
+        weight = owner.get(t.name)
+        if weight is None:
+            return synth_weight(t, seed)
+        parts = parts_of(weight, synth_weight(PlannedTensor(weight, "BF16", bf16_shapes[weight]), seed), seed)
+        parts[weight] = parts[weight].view(torch.uint8)
+        pending.update(parts)
+        return pending.pop(t.name)
 
     return data
 
@@ -238,9 +327,9 @@ def write_fixture(
     family: Family | str | None = None,
     precision: str = "bf16",
 ) -> FixtureResult:
-    """Write a bf16 (or `precision="fp8"`: block-FP8, as the family's FP8 release) checkpoint of `family` (default:
-    DEFAULT_FAMILY) to `out` (created; must be empty or absent); `overrides` change config fields after the preset's
-    (e.g. `n_routed_experts`).
+    """Write a bf16 (or `precision="fp8"`: FP8, in the layout of the family's FP8 release) checkpoint of `family`
+    (default: DEFAULT_FAMILY) to `out` (created; must be empty or absent); `overrides` change config fields after the
+    preset's (e.g. `n_routed_experts`).
 
     Raises:
         ConfigError: unknown family, preset or precision, or bad size.
@@ -253,10 +342,10 @@ def write_fixture(
     family = _family(family)
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if precision == "fp8" and not family.has_block_fp8_release:
+    if precision == "fp8" and not family.has_fp8_release:
         raise ConfigError(
-            f"--precision fp8: {family.title} ({family.name}) has no block-FP8 release to reproduce: "
-            f"{family.fp8_release_not_block or 'its FP8 layout is not known'}; use --precision bf16"
+            f"--precision fp8: the FP8 release layout of {family.title} ({family.name}) is not known; "
+            "use --precision bf16"
         )
     config, settings = preset_config(preset, gib, family)
     config.update(overrides or {})
@@ -264,9 +353,10 @@ def write_fixture(
     tensors = layout.tensors()
     data = lambda t: synth_weight(t, seed)  # noqa: E731
     if precision == "fp8":
-        data = _fp8_data(seed, {t.name: t.shape for t in tensors})
-        tensors = fp8_block_inventory(tensors, family.fp8_bf16_weights)
-        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+        bf16_shapes = {t.name: t.shape for t in tensors}
+        tensors = fp8_inventory(tensors, family.fp8_format, family.fp8_bf16_weights)
+        data = _fp8_data(seed, bf16_shapes, family.fp8_format, tensors)
+        config["quantization_config"] = FP8_WRITERS[family.fp8_format][1](fp8_ignore(tensors))
     shards = plan_shards(tensors, settings.get("shards"), settings.get("shard_bytes"))
     sparse = bool(settings.get("sparse", False))
     out.mkdir(parents=True, exist_ok=True)

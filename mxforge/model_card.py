@@ -132,7 +132,7 @@ def _quantize_lines(q: dict | None) -> list[str]:
             f"- tensors: {counts.get('quantized', 0):,} quantized to MXFP4, {counts.get('kept', 0):,} 2-D weights "
             f"{kept}, {counts.get('copied', 0):,} other tensors copied"
             + (
-                f", {q['fp8_scales_consumed']:,} FP8 block scales folded into their weights"
+                f", {q['fp8_scales_consumed']:,} FP8 scale tensors folded into their weights (not written)"
                 if q.get("fp8_scales_consumed")
                 else ""
             )

@@ -12,14 +12,15 @@ from .scale_rules import SCALE_RULES
 def register_quantize(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "quantize",
-        help="quantize a bf16 or block-FP8 checkpoint to MXFP4 in Quark's format (streaming, parallel, resumable)",
+        help="quantize a bf16 or FP8 checkpoint to MXFP4 in Quark's format (streaming, parallel, resumable)",
         description="Quantize SRC into OUT as AMD Quark 0.13's file-to-file mode would, bit for bit, "
         "with the weights a recipe selects. Rerun with the same OUT to resume after a crash: finished "
-        "shards that still match their source, recipe and tool versions are skipped. A block-FP8 source (F8_E4M3 "
-        "weights with weight_scale_inv, as the DeepSeek-V3/R1/V3.2 and GLM-5.x FP8 releases) is read as "
-        "the bf16 it stands for (DeepSeek's weight_dequant); its scales are not written.",
+        "shards that still match their source, recipe and tool versions are skipped. An FP8 source (F8_E4M3 "
+        "weights with block weight_scale_inv, as the DeepSeek-V3/R1/V3.2 and GLM-5.x FP8 releases, or compressed-"
+        "tensors per-channel/per-tensor weight_scale, as GLM-4.5/4.6/4.7-FP8) is read as the bf16 it stands for "
+        "(DeepSeek's weight_dequant, compressed-tensors' dequantize); its scales are not written.",
     )
-    p.add_argument("src", help="bf16 or block-FP8 checkpoint directory (config.json, index, shards)")
+    p.add_argument("src", help="bf16 or FP8 checkpoint directory (config.json, index, shards)")
     p.add_argument("out", help="output directory: new, empty, or a previous quantize output to resume")
     p.add_argument(
         "--recipe",

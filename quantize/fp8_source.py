@@ -1,58 +1,166 @@
 """FP8 sources: which FP8 layouts mxforge reads, and how a stored FP8 weight becomes the bf16 it stands for.
 
-Supported: DeepSeek-style block-scaled FP8, the layout of every official FP8 release of the families mxforge
-knows (deepseek-ai/DeepSeek-V3, R1, V3.1, V3.2; zai-org/GLM-5-FP8 .. GLM-5.2-FP8): config.json's
-`quantization_config` = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], ...}; each
-quantized 2-D `X.weight` is F8_E4M3 (float8_e4m3fn) with a float32 `X.weight_scale_inv` holding one scale per
-block of the weight ([ceil(rows/bm), ceil(cols/bn)]).
+Supported (FP8_SCHEMES, one entry per layout; config.json's `quantization_config` picks it, READERS per quant_method):
+- "block": DeepSeek-style block-scaled FP8, the layout of the official FP8 releases of deepseek-ai/DeepSeek-V3, R1,
+  V3.1, V3.2 and zai-org/GLM-5-FP8 .. GLM-5.2-FP8: {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128,
+  128], ...}; each quantized 2-D `X.weight` is F8_E4M3 with a float32 `X.weight_scale_inv` holding one scale per
+  block ([ceil(rows/bm), ceil(cols/bn)]).
+- "channel" / "tensor": compressed-tensors FP8 ({"quant_method": "compressed-tensors", "format": "float-quantized",
+  config_groups whose weights are {num_bits 8, type float, symmetric, strategy channel | tensor}}), the layout of
+  zai-org/GLM-4.5-FP8 (and 4.6 / 4.7-FP8, channel): each quantized `X.weight` is F8_E4M3 with `X.weight_scale` (F32 or
+  BF16) of shape [out, 1] (channel) or one value (tensor), and a static `X.input_scale` (activations; consumed, not
+  written: the output's weights are bf16 / MXFP4, its activations dynamic).
 
-Dequantization is the reference's: DeepSeek-V3's `inference/kernel.py` `weight_dequant` (and transformers'
-fine-grained FP8 dequantization, sglang's and vLLM's block dequant, which agree): the e4m3 value and its block
-scale multiplied in float32, the product rounded to bf16 (round to nearest even). tests/test_fp8_source.py
-checks it bit for bit against transformers' code and the engines' wheels.
+Dequantization is the reference's: DeepSeek-V3's `inference/kernel.py` `weight_dequant` for block FP8 (transformers'
+fine-grained FP8 dequantization, sglang's and vLLM's block dequant agree), compressed-tensors' `_dequantize` (what its
+FP8 decompressor runs; vLLM's `scaled_dequantize` agrees) for the others: the e4m3 value and its scale multiplied in
+float32, the product rounded to bf16 (round to nearest even). tests/test_fp8_source.py checks both bit for bit
+against that code, executed from transformers and from the wheels.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from mxforge.errors import ConfigError
 
-SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """One FP8 layout: how its weights' scales are named and shaped, and which other per-weight tensors it stores."""
+
+    name: str
+    scale_suffix: str  # appended to the weight's name: "X.weight" -> "X.weight_scale_inv"
+    siblings: tuple[str, ...]  # other tensors of the module consumed with the weight ("input_scale": X.input_scale)
+    label: str  # for people (inspect, the card): "{block} block scales, weight_scale_inv"
+
+
+FP8_SCHEMES = {
+    s.name: s
+    for s in (
+        Fp8Scheme("block", "_scale_inv", (), "{rows}x{cols} block scales, weight_scale_inv"),
+        Fp8Scheme("channel", "_scale", ("input_scale",), "compressed-tensors, per-channel weight_scale"),
+        Fp8Scheme("tensor", "_scale", ("input_scale",), "compressed-tensors, per-tensor weight_scale"),
+    )
+}
 SUPPORTED = (
     '{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [m, n]} with F8_E4M3 weights and '
-    "F32 `weight_scale_inv` (DeepSeek-V3/R1/V3.1/V3.2, GLM-5/5.1/5.2 FP8 releases), or no quantization_config (bf16)"
+    "F32 `weight_scale_inv` (DeepSeek-V3/R1/V3.1/V3.2, GLM-5/5.1/5.2 FP8 releases); compressed-tensors "
+    '"float-quantized" with 8-bit float symmetric weights, strategy "channel" or "tensor", and `weight_scale` '
+    "(GLM-4.5/4.6/4.7 FP8 releases); or no quantization_config (bf16)"
 )
 
 
 @dataclass(frozen=True)
 class SourcePrecision:
-    """What the source's weights are stored as: "bf16", or block-scaled FP8 with its block shape."""
+    """What the source's weights are stored as: "bf16", or FP8 under one of FP8_SCHEMES (block FP8: its block)."""
 
     name: str  # "bf16" or "fp8"
-    block: tuple[int, int] | None = None  # fp8: (rows, cols) of one scale block
+    block: tuple[int, int] | None = None  # block FP8: (rows, cols) of one scale block
+    scheme: str = ""  # FP8: a key of FP8_SCHEMES
 
     @property
     def is_fp8(self) -> bool:
-        return self.block is not None
+        return bool(self.scheme)
+
+    @property
+    def fp8(self) -> Fp8Scheme:
+        return FP8_SCHEMES[self.scheme]
 
     def describe(self) -> str:
-        if self.block is None:
+        if not self.is_fp8:
             return self.name
-        return f"fp8 (e4m3, {self.block[0]}x{self.block[1]} block scales, weight_scale_inv)"
+        rows, cols = self.block or (0, 0)
+        return f"fp8 (e4m3, {self.fp8.label.format(rows=rows, cols=cols)})"
+
+    def scale_rule(self) -> str:
+        """How config.json says the scales are laid out (for error messages)."""
+        return f"weight_block_size {list(self.block)}" if self.block else f"compressed-tensors strategy {self.scheme!r}"
+
+    def block_of(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The rows x cols one scale covers in a weight of `shape` (per channel: one row; per tensor: all of it)."""
+        if self.block is not None:
+            return self.block
+        return (1, shape[1]) if self.scheme == "channel" else (shape[0], shape[1])
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        """The `weight_scale_inv` shape of a weight of `shape`: one scale per block, the last ones partial."""
-        assert self.block is not None
-        return -(-shape[0] // self.block[0]), -(-shape[1] // self.block[1])
+        """The scales of a weight of `shape` as a 2-D grid: one per block, the last ones partial."""
+        bm, bn = self.block_of(shape)
+        return -(-shape[0] // bm), -(-shape[1] // bn)
+
+    def stored_scale_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The shapes a weight's scale tensor may have on disk (compressed-tensors: [out, 1] or [out]; [] or [1])."""
+        grid = self.scale_shape(shape)
+        if self.scheme == "channel":
+            return grid, grid[:1]
+        if self.scheme == "tensor":
+            return grid, (1,), ()
+        return (grid,)
+
+    def sibling_names(self, weight: str) -> list[str]:
+        """The other tensors of `weight`'s module this layout stores with it (consumed, not written)."""
+        module = weight.removesuffix("weight")
+        return [module + s for s in self.fp8.siblings] if self.is_fp8 else []
 
 
 BF16 = SourcePrecision("bf16")
+
+
+def _block_fp8(qc: Mapping[str, Any]) -> SourcePrecision | str:
+    fmt = qc.get("fmt", "e4m3")
+    block = qc.get("weight_block_size")
+    if (
+        fmt == "e4m3"
+        and isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        return SourcePrecision("fp8", (block[0], block[1]), "block")
+    return f"fmt {fmt!r}, weight_block_size {block!r}"
+
+
+def _compressed_tensors(qc: Mapping[str, Any]) -> SourcePrecision | str:
+    """compressed-tensors FP8: every config group's weights 8-bit float (e4m3), symmetric, per channel or tensor."""
+    groups = qc.get("config_groups")
+    what = f"quant_method 'compressed-tensors', format {qc.get('format')!r}"
+    if not isinstance(groups, dict) or not groups:
+        return what + ", no config_groups"
+    if qc.get("kv_cache_scheme"):
+        return what + f", kv_cache_scheme {qc.get('kv_cache_scheme')!r}"
+    strategies = set()
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        fmt = (group.get("format") if isinstance(group, dict) else None) or qc.get("format")
+        if (
+            not isinstance(weights, dict)
+            or fmt != "float-quantized"
+            or weights.get("type") != "float"
+            or weights.get("num_bits") != 8
+            or weights.get("symmetric", True) is not True
+            or weights.get("dynamic", False) is not False
+            or weights.get("strategy") not in ("channel", "tensor")
+            or weights.get("group_size") is not None
+            or weights.get("block_structure") is not None
+        ):
+            keys = ("type", "num_bits", "strategy", "symmetric", "group_size", "block_structure")
+            described = {k: weights.get(k) for k in keys} if isinstance(weights, dict) else weights
+            return f"{what}, config group {name!r}: format {fmt!r}, weights {described!r}"
+        strategies.add(weights["strategy"])
+    if len(strategies) > 1:
+        return f"{what}, weight strategies {sorted(strategies)} mixed across config groups"
+    return SourcePrecision("fp8", None, strategies.pop())
+
+
+READERS: dict[str, Callable[[Mapping[str, Any]], SourcePrecision | str]] = {
+    "fp8": _block_fp8,
+    "compressed-tensors": _compressed_tensors,
+}
 
 
 def source_precision(config: Mapping[str, Any], where: str = "config.json") -> SourcePrecision:
@@ -65,17 +173,12 @@ def source_precision(config: Mapping[str, Any], where: str = "config.json") -> S
     if qc is None:
         return BF16
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method == "fp8":
-        fmt = qc.get("fmt", "e4m3")
-        block = qc.get("weight_block_size")
-        if (
-            fmt == "e4m3"
-            and isinstance(block, list)
-            and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-        ):
-            return SourcePrecision("fp8", (block[0], block[1]))
-        what = f"fmt {fmt!r}, weight_block_size {block!r}"
+    reader = READERS.get(method) if isinstance(method, str) else None
+    if reader is not None:
+        found = reader(qc)
+        if isinstance(found, SourcePrecision):
+            return found
+        what = found
     else:
         what = f"quant_method {method!r}" + (
             f", format {qc.get('format')!r}" if isinstance(qc, dict) and qc.get("format") else ""
@@ -100,29 +203,39 @@ E4M3_TO_F32 = _e4m3fn_table()
 
 
 def scales_as_f32(raw, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A stored scale tensor as float32 [block rows, block cols]."""
+    """A stored scale tensor (F32 or BF16) as float32 of `shape` (SourcePrecision.scale_shape: its 2-D grid)."""
     if dtype == "F32":
         return np.frombuffer(raw, dtype="<f4").reshape(shape)
     bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
     return bits.view(np.float32).reshape(shape)
 
 
+TABLE_ROWS = 128  # weight rows whose lookup tables are built at once (one 128-row block, or 128 per-channel scales)
+
+
 def dequantize_rows(codes, scales: np.ndarray, first_row: int, cols: int, block: tuple[int, int]) -> np.ndarray:
     """Rows [first_row, first_row + n) of an FP8 weight (raw e4m3 bytes, n x cols) as bf16 bit patterns (int16):
-    float32(e4m3) * float32(block scale), rounded to nearest even bf16 (NaN stays NaN).
+    float32(e4m3) * float32(scale of its block), rounded to nearest even bf16 (NaN stays NaN). `scales` is the
+    2-D grid of one scale per `block` (per channel: block (1, cols); per tensor: the whole weight).
 
-    Each block row's 256 possible products per block column are tabulated once (exactly that formula), so a weight
-    costs one table lookup per element."""
+    The 256 possible products of each scale are tabulated once (exactly that formula), so a weight costs one table
+    lookup per element."""
     c = np.frombuffer(codes, dtype=np.uint8).reshape(-1, cols)
     n, (bm, bn) = c.shape[0], block
     out = np.empty((n, cols), dtype=np.int16)
     column_table = (np.arange(cols, dtype=np.intp) // bn) * 256  # where each column's block's table starts
+    per_block_row = scales.shape[1] * 256
+    block_rows_per_step = max(1, TABLE_ROWS // bm)
     r = 0
     while r < n:
-        block_row = (first_row + r) // bm
-        end = min(n, (block_row + 1) * bm - first_row)
-        table = f32_to_bf16_bits(scales[block_row][:, None] * E4M3_TO_F32[None, :]).ravel()
-        np.take(table, c[r:end] + column_table, out=out[r:end], mode="clip")
+        first = (first_row + r) // bm
+        end = min(n, (first + block_rows_per_step) * bm - first_row)
+        last = (first_row + end - 1) // bm
+        table = f32_to_bf16_bits(scales[first : last + 1][:, :, None] * E4M3_TO_F32).ravel()
+        index = c[r:end] + column_table
+        if last > first:
+            index += (((first_row + np.arange(r, end)) // bm - first) * per_block_row)[:, None]
+        np.take(table, index, out=out[r:end], mode="clip")
         r = end
     return out
 

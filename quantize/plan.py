@@ -4,8 +4,9 @@ An output shard keeps its source shard's name and holds, in safetensors order, e
 shard: kept ones unchanged, each quantized `X.weight` as U8 codes `X.weight` plus U8 `X.weight_scale`.
 Headers carry no `__metadata__`, as Quark's file-to-file writes them.
 
-FP8 sources (fp8_source.py): an F8_E4M3 weight is read as the bf16 its block scales make of it, so it is
-quantized from that bf16, or kept as that bf16; its `weight_scale_inv` is consumed (fate "scale"), not written.
+FP8 sources (fp8_source.py): an F8_E4M3 weight is read as the bf16 its scales make of it, so it is quantized from
+that bf16, or kept as that bf16; its scales (`weight_scale_inv`, or compressed-tensors' `weight_scale` and the
+module's static `input_scale`) are consumed (fate "scale"), not written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mxforge.errors import CheckpointError, ConfigError
 from mxforge.models import MoeLayout, layout_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, read_header, safetensors_order
 
-from .fp8_source import BF16, FP8_DTYPE, SCALE_DTYPES, SCALE_SUFFIX, SourcePrecision, source_precision
+from .fp8_source import BF16, FP8_DTYPE, SCALE_DTYPES, SourcePrecision, source_precision
 from .mxfp4 import packed_shapes
 from .recipe import Recipe, is_linear_weight_name
 
@@ -31,18 +32,20 @@ SHARD_METADATA: dict[str, str] = {}
 
 @dataclass(frozen=True)
 class Fp8Scale:
-    """Where an FP8 weight's block scales are: the shard holding them (maybe another one) and their header entry."""
+    """Where an FP8 weight's scales are: the shard holding them (maybe another one), their header entry, the rows x
+    cols one scale covers and the 2-D grid they are read as (SourcePrecision.block_of, scale_shape)."""
 
     shard: str
     info: TensorInfo
     block: tuple[int, int]
+    grid: tuple[int, int]
 
 
 @dataclass(frozen=True)
 class TensorPlan:
     """One source tensor: `quantized` (MXFP4), `kept` (a 2-D linear weight left as is, listed in `exclude`;
     an FP8 one as its dequantized bf16), `copied` (anything else, byte for byte) or `scale` (an FP8 weight's
-    block scales, consumed by dequantization and not written)."""
+    scales, or its module's input scale: consumed and not written)."""
 
     source: TensorInfo
     fate: Fate
@@ -152,7 +155,9 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
             )
     scales = fp8_scales(ckpt, infos, precision)
     recipe.check_matches([n for n, i in infos.items() if is_quantizable(i) or n in scales], layout, str(ckpt.root))
-    consumed = {s.info.name for s in scales.values()}
+    consumed = {s.info.name for s in scales.values()} | {
+        n for weight in scales for n in precision.sibling_names(weight) if n in infos
+    }
     if not scales:  # e.g. fp8_cast_bf16.py's output, which keeps the release's FP8 quantization_config
         precision = BF16
     shards = []
@@ -169,11 +174,11 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
 
 
 def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: SourcePrecision) -> dict[str, Fp8Scale]:
-    """Each FP8 weight's block scales (empty for a bf16 source), checked against the weight they scale.
+    """Each FP8 weight's scales (empty for a bf16 source), checked against the weight they scale.
 
     Raises:
         CheckpointError: an F8_E4M3 tensor in a bf16 source, an FP8 weight without its scales, or scales whose
-            dtype or shape do not fit the weight and the config's weight_block_size.
+            dtype or shape do not fit the weight and the config's layout (weight_block_size, strategy).
     """
     fp8 = {n: i for n, i in infos.items() if i.dtype == FP8_DTYPE}
 
@@ -187,25 +192,27 @@ def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: Source
             "quantization_config; restore the release's config.json (it says how to scale the weights)"
         )
     out: dict[str, Fp8Scale] = {}
-    block = precision.block
-    if block is None:  # a bf16 source (an FP8 tensor under it was refused above)
+    if not precision.is_fp8:  # a bf16 source (an FP8 tensor under it was refused above)
         return out
+    suffix = precision.fp8.scale_suffix
     for name, info in fp8.items():
-        scale = infos.get(name + SCALE_SUFFIX)
+        scale = infos.get(name + suffix)
         if len(info.shape) != 2 or not is_linear_weight_name(name) or scale is None:
             raise CheckpointError(
-                f"{where(name)}: FP8 tensor {name!r} {list(info.shape)} has no {name + SCALE_SUFFIX!r} "
-                "block scales (or is not a 2-D linear weight); the checkpoint is incomplete or not a "
-                "block-scaled FP8 release: re-download it"
+                f"{where(name)}: FP8 tensor {name!r} {list(info.shape)} has no {name + suffix!r} "
+                f"scales (or is not a 2-D linear weight); the checkpoint is incomplete or not a "
+                f"{precision.describe()} checkpoint as its config.json says: re-download it"
             )
-        expected = precision.scale_shape(info.shape)
-        if scale.dtype not in SCALE_DTYPES or scale.shape != expected:
+        expected = precision.stored_scale_shapes(info.shape)
+        if scale.dtype not in SCALE_DTYPES or scale.shape not in expected:
             raise CheckpointError(
                 f"{where(scale.name)}: {scale.name!r} is {scale.dtype}{list(scale.shape)}, expected "
-                f"F32{list(expected)} for {name!r} {list(info.shape)} with weight_block_size "
-                f"{list(block)}; the shard or config.json is not from the same release"
+                f"F32{list(expected[0])} for {name!r} {list(info.shape)} with {precision.scale_rule()}; the shard "
+                "or config.json is not from the same release"
             )
-        out[name] = Fp8Scale(ckpt.weight_map[scale.name], scale, block)
+        out[name] = Fp8Scale(
+            ckpt.weight_map[scale.name], scale, precision.block_of(info.shape), precision.scale_shape(info.shape)
+        )
     return out
 
 

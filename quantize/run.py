@@ -464,7 +464,7 @@ def _report(
         "shards": {"total": len(plan.shards), "quantized_now": done, "skipped_complete": skipped},
         "shards_sha256_from_download": sha256_from_download,  # download's verified hash reused, not recomputed
         "counts": {k: accounted[k] for k in ("quantized", "kept", "copied")},
-        "fp8_scales_consumed": accounted["scale"],  # FP8 sources: block scales folded into the weights, not written
+        "fp8_scales_consumed": accounted["scale"],  # FP8 sources: weight and input scale tensors consumed, not written
         "mtp_layers": list(plan.layout.mtp_layers),
         "mtp_tensors": accounted["mtp_tensors"],
         "bytes_in": sum(s.source_size for s in plan.shards),

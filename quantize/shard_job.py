@@ -315,7 +315,7 @@ def _read_fp8_scales(reader: _HashingReader, job: ShardJob) -> dict[str, np.ndar
                 ) from None
         if len(raw) != sc.info.nbytes:
             raise CheckpointError(f"{Path(job.src_dir) / sc.shard}: truncated at {sc.info.name!r}; re-download it")
-        out[t.source.name] = scales_as_f32(raw, sc.info.dtype, sc.info.shape)
+        out[t.source.name] = scales_as_f32(raw, sc.info.dtype, sc.grid)
     return out
 
 

@@ -34,13 +34,31 @@ from bench_quantize import run_measured, warm, weight_bytes  # noqa: E402
 QUARK_FP8_SNIPPET = bench_quantize.QUARK_SNIPPET  # the same file-to-file call, on the FP8 source
 
 
+SCALE_SUFFIXES = ("_scale_inv", "_scale")  # block FP8 (DeepSeek), compressed-tensors (GLM-4.5-FP8)
+CONSUMED = ("_scale_inv", ".weight_scale", ".input_scale")  # an FP8 source's tensors the bf16 it stands for lacks
+
+
+def scale_of(f, name: str):
+    """The scale tensor of FP8 weight `name` in an open safetensors file."""
+    keys = set(f.keys())
+    return f.get_tensor(next(name + s for s in SCALE_SUFFIXES if name + s in keys))
+
+
+def expanded_scale(q, s):
+    """A weight's scales as float32, broadcastable to it: per channel [out, 1], per tensor [1, 1], or 128x128 blocks
+    repeated."""
+    rows, cols = q.shape
+    s = s.float()
+    if s.numel() == 1 or tuple(s.shape) in ((rows, 1), (rows,)):
+        return s.reshape(-1, 1)
+    return s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+
+
 def reference_bf16(q, s):
-    """The bf16 an FP8 weight stands for: float32(e4m3) * float32(block scale), rounded to bf16 (torch)."""
+    """The bf16 an FP8 weight stands for: float32(e4m3) * float32(its scale), rounded to bf16 (torch)."""
     import torch
 
-    rows, cols = q.shape
-    scale = s.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
-    return (q.float() * scale).to(torch.bfloat16)
+    return (q.float() * expanded_scale(q, s)).to(torch.bfloat16)
 
 
 def write_dequantized(src: Path, dst: Path) -> None:
@@ -57,12 +75,10 @@ def write_dequantized(src: Path, dst: Path) -> None:
         out = {}
         with safe_open(shard, "pt") as f:
             for name in f.keys():
-                if name.endswith("_scale_inv"):
+                if name.endswith(CONSUMED):
                     continue
                 t = f.get_tensor(name)
-                out[name] = (
-                    reference_bf16(t, f.get_tensor(name + "_scale_inv")) if t.dtype == torch.float8_e4m3fn else t
-                )
+                out[name] = reference_bf16(t, scale_of(f, name)) if t.dtype == torch.float8_e4m3fn else t
         save_file(out, dst / shard.name, metadata={"format": "pt"})
         weight_map.update({n: shard.name for n in out})
         total += sum(t.numel() * t.element_size() for t in out.values())
@@ -93,9 +109,8 @@ def fp32_vs_bf16_numerics(src: Path, limit: int = 24) -> dict:
                 q = f.get_tensor(name)
                 if q.dtype != torch.float8_e4m3fn:
                     continue
-                s = f.get_tensor(name + "_scale_inv")
                 rows, cols = q.shape
-                fp32 = q.float() * s.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+                fp32 = q.float() * expanded_scale(q, scale_of(f, name))
                 results = []
                 for x in (fp32.numpy(), fp32.to(torch.bfloat16).view(torch.int16).numpy()):
                     codes = np.empty((rows, cols // 2), np.uint8)

@@ -80,7 +80,7 @@ def family_cases(tmp_path_factory):
                     check=True,
                 )
                 out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
-            if family.has_block_fp8_release:
+            if family.has_fp8_release:
                 fp8, name = root / "fp8-e6", f"run-fp8-{family.recipes[0]}"
                 write_fixture(
                     fp8,

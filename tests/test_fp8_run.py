@@ -12,7 +12,8 @@ import pytest
 from helpers import REPO, hub_env, run_cli
 
 from mxforge.fixture import write_fixture
-from mxforge.models import FAMILIES
+from mxforge.models import FAMILIES, family_named
+from mxforge.quantize.fp8_source import source_precision
 from mxforge.validation.validate import validate_checkpoint
 
 TOKEN = "hf_mxforgeFp8RunTestTokenNeverLogged5"
@@ -26,7 +27,7 @@ def fp8_hub(tmp_path):
     from loopback_hub import LoopbackHub
 
     hub = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
-    for family in (f for f in FAMILIES if f.has_block_fp8_release):
+    for family in (f for f in FAMILIES if f.has_fp8_release):
         src = tmp_path / "src" / family.name
         write_fixture(src, "tiny", quiet=True, family=family, precision="fp8")
         hub.add_repo_from_dir(f"zai/{family.name}-fp8", src)
@@ -58,7 +59,7 @@ def _pushed(hub, repo: str) -> dict[str, bytes]:
     return {name: f.disk_path.read_bytes() for name, f in commit.files.items()}
 
 
-@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.has_block_fp8_release])
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.has_fp8_release])
 def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, tmp_path, family):
     out = tmp_path / "run"
     report = _run(fp8_hub, tmp_path, family, out, f"alice/{family}-mxfp4", "--no-stream")
@@ -71,18 +72,18 @@ def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, tmp_path, family):
     assert validate_checkpoint(out / "mxfp4").ok
     pushed = _pushed(fp8_hub, f"alice/{family}-mxfp4")
     card = pushed["README.md"].decode()
-    assert "- source precision: fp8 (e4m3, 128x128 block scales, weight_scale_inv)" in card
+    described = source_precision(json.loads((tmp_path / "src" / family / "config.json").read_text())).describe()
+    assert quantize["source_precision"] == described
+    assert f"- source precision: {described} (model family: {family_named(family).title})" in card
     config = json.loads(pushed["config.json"])
-    assert (
-        config["quantization_config"]["quant_method"] == "quark"
-        and "weight_block_size" not in pushed["config.json"].decode()
-    )
+    assert config["quantization_config"]["quant_method"] == "quark"
+    assert not any(k in pushed["config.json"].decode() for k in ("weight_block_size", "compressed-tensors"))
     index = json.loads(pushed["model.safetensors.index.json"])
-    assert not any(n.endswith("_scale_inv") for n in index["weight_map"])
+    assert not any(n.endswith(("_scale_inv", ".input_scale")) for n in index["weight_map"])
 
 
-def test_streamed_fp8_run_pushes_the_same_bytes_as_sequential(fp8_hub, tmp_path):
-    family = "glm_moe_dsa"
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm4_moe"])  # block FP8, compressed-tensors FP8
+def test_streamed_fp8_run_pushes_the_same_bytes_as_sequential(fp8_hub, tmp_path, family):
     streamed = _run(fp8_hub, tmp_path, family, tmp_path / "s", "alice/streamed", "--stream", "--workers", "2")
     assert streamed["mode"] == "stream"
     assert streamed["stages"]["stream"]["report"]["source_precision"].startswith("fp8")

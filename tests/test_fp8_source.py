@@ -6,6 +6,7 @@ bit-reproducible across runs, workers and a resume."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,9 +17,15 @@ from helpers import run_cli
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
-from mxforge.fixture import FP8_QUANTIZATION_CONFIG, fp8_block_quantize, write_fixture
+from mxforge.fixture import (
+    CT_FP8_CHANNEL_QUANTIZATION_CONFIG,
+    FP8_QUANTIZATION_CONFIG,
+    fp8_block_quantize,
+    fp8_channel_quantize,
+    write_fixture,
+)
 from mxforge.models import FAMILIES, family_named
-from mxforge.models.layout import fp8_block_inventory
+from mxforge.models.layout import fp8_block_inventory, fp8_inventory
 from mxforge.quantize.fp8_source import dequantize_rows, source_precision
 from mxforge.quantize.mxfp4 import quantize_rows_cpu
 from mxforge.quantize.run import quantize_checkpoint
@@ -114,11 +121,97 @@ def test_dequantize_equals_transformers_fine_grained_fp8():
     assert np.array_equal(part, _bf16_bits(ref)[100:230])
 
 
+def _ct_dequantize():
+    """compressed-tensors' `_dequantize` (its wheel's source): what its FP8 decompressor (`dequantize`, strategies
+    tensor / channel via `_apply_quantize_op`) runs; the result is in the scale's dtype, cast to bf16 on load."""
+    return _engine_functions(
+        "compressed-tensors", "0.20.0", "compressed_tensors.quantization.lifecycle.forward_helpers", ("_dequantize",)
+    )["_dequantize"]
+
+
+def _random_channel_fp8(rows: int, cols: int, seed: int, scale_dtype, per_tensor: bool = False):
+    """Every e4m3 code (NaN aside) at random, with one positive scale per row (or one in all) of all magnitudes."""
+    q, _ = _random_fp8(rows, cols, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = 1 if per_tensor else rows
+    scale = torch.exp2(torch.randint(-20, 4, (n, 1), generator=gen).float()) * (torch.rand((n, 1), generator=gen) + 0.5)
+    return q, scale.to(scale_dtype)
+
+
+def _ours_ct(q: torch.Tensor, scale: torch.Tensor, first_row: int = 0, rows: int | None = None) -> np.ndarray:
+    from mxforge.quantize.fp8_source import scales_as_f32
+
+    raw = scale.contiguous().view(torch.uint8 if scale.dtype == torch.float32 else torch.int16).numpy().tobytes()
+    grid = scales_as_f32(raw, "F32" if scale.dtype == torch.float32 else "BF16", tuple(scale.shape))
+    block = (q.shape[0], q.shape[1]) if scale.shape[0] == 1 else (1, q.shape[1])
+    part = q.view(torch.uint8)[first_row : first_row + (rows or q.shape[0])]
+    return dequantize_rows(part.numpy().tobytes(), grid, first_row, q.shape[1], block)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_dequantize_equals_compressed_tensors_dequantize(scale_dtype, per_tensor):
+    """compressed-tensors FP8 (GLM-4.5-FP8's format): `_dequantize(x_q, weight_scale)` then bf16, bit-equal for F32 and
+    BF16 scales, per channel and per tensor; a chunk of rows starting anywhere uses its rows' scales."""
+    q, scale = _random_channel_fp8(300, 200, seed=11, scale_dtype=scale_dtype, per_tensor=per_tensor)
+    ref = _bf16_bits(_ct_dequantize()(q, scale).to(torch.bfloat16))
+    assert np.array_equal(_ours_ct(q, scale), ref)
+    assert np.array_equal(_ours_ct(q, scale, 77, 150), ref[77:227])
+
+
+def test_channel_dequantize_equals_vllm_scaled_dequantize():
+    """vLLM's `scaled_dequantize` (its wheel's source) with a per-channel [out, 1] scale, to bf16: bit-equal."""
+    q, scale = _random_channel_fp8(256, 384, seed=5, scale_dtype=torch.float32)
+    fns = _engine_functions(
+        "vllm",
+        "0.33.0",
+        "vllm.model_executor.layers.quantization.utils.quant_utils",
+        ("scaled_dequantize", "group_broadcast", "prep_scale_for_group_broadcast"),
+    )
+    assert np.array_equal(_bf16_bits(fns["scaled_dequantize"](q, scale, None, torch.bfloat16)), _ours_ct(q, scale))
+
+
+def _ct_config(**weights) -> dict:
+    group = CT_FP8_CHANNEL_QUANTIZATION_CONFIG["config_groups"]["group_0"]
+    return {
+        **CT_FP8_CHANNEL_QUANTIZATION_CONFIG,
+        "config_groups": {"group_0": {**group, "weights": {**group["weights"], **weights}}},
+    }
+
+
+def test_compressed_tensors_fp8_is_read_per_channel_or_tensor_and_anything_else_refused():
+    channel = source_precision({"quantization_config": CT_FP8_CHANNEL_QUANTIZATION_CONFIG})
+    assert (channel.scheme, channel.block_of((64, 256)), channel.scale_shape((64, 256))) == (
+        "channel",
+        (1, 256),
+        (64, 1),
+    )
+    assert channel.describe() == "fp8 (e4m3, compressed-tensors, per-channel weight_scale)"
+    tensor = source_precision({"quantization_config": _ct_config(strategy="tensor")})
+    assert (tensor.scheme, tensor.scale_shape((64, 256)), tensor.stored_scale_shapes((64, 256))[1:]) == (
+        "tensor",
+        (1, 1),
+        ((1,), ()),
+    )
+    for qc, found in (
+        (_ct_config(strategy="group", group_size=128), "'strategy': 'group'"),
+        (_ct_config(strategy="block", block_structure=[128, 128]), "'strategy': 'block'"),
+        (_ct_config(type="int"), "'type': 'int'"),
+        (_ct_config(num_bits=4), "'num_bits': 4"),
+        (_ct_config(symmetric=False), "'symmetric': False"),
+        ({**CT_FP8_CHANNEL_QUANTIZATION_CONFIG, "format": "pack-quantized"}, "format 'pack-quantized'"),
+        ({**CT_FP8_CHANNEL_QUANTIZATION_CONFIG, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
+    ):
+        with pytest.raises(ConfigError, match="does not read; supported: .*per-channel|does not read; supported") as e:
+            source_precision({"quantization_config": qc})
+        assert found in str(e.value) and 'strategy "channel" or "tensor"' in str(e.value), str(e.value)
+
+
 def test_unknown_fp8_layouts_are_one_clear_error():
     assert not source_precision({}).is_fp8
     assert source_precision({"quantization_config": FP8_QUANTIZATION_CONFIG}).block == (128, 128)
     for qc in (
-        {"quant_method": "compressed-tensors", "format": "float-quantized"},
+        {"quant_method": "compressed-tensors", "format": "float-quantized"},  # no config_groups
         {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
         {"quant_method": "fp8", "activation_scheme": "static"},
     ):
@@ -142,28 +235,134 @@ def fp8_tiny(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.has_block_fp8_release])
+def _reference_bf16(fp8: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The bf16 an FP8 fixture weight stands for, by the reference: DeepSeek's block formula (float32 product, bf16) or
+    compressed-tensors' `_dequantize` (executed from its wheel) cast to bf16."""
+    q = fp8[name]
+    if name + "_scale_inv" in fp8:
+        s = fp8[name + "_scale_inv"]
+        rows, cols = q.shape
+        return (q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]).to(torch.bfloat16)
+    return _ct_dequantize()(q, fp8[name + "_scale"]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.has_fp8_release])
 def test_fp8_fixture_is_the_release_layout_of_the_bf16_fixture(family, tmp_path):
-    """Same names as the family's FP8 release (its bf16 weights bf16, every other 2-D weight e4m3 + F32 scales,
-    each pair in one shard), its quantization_config, and weights within e4m3's rounding of the bf16 fixture's."""
+    """Same names as the family's FP8 release (its bf16 weights bf16, every other 2-D weight e4m3 + its scales, each
+    weight's tensors in one shard), its quantization_config, and weights within e4m3's rounding of the bf16
+    fixture's."""
     fam = family_named(family)
     write_fixture(tmp_path / "bf16", "tiny", quiet=True, family=fam)
     write_fixture(tmp_path / "fp8", "tiny", quiet=True, family=fam, precision="fp8")
     ckpt = Checkpoint.open(tmp_path / "fp8")
-    assert ckpt.config["quantization_config"] == FP8_QUANTIZATION_CONFIG
-    planned = fp8_block_inventory(fam.layout(ckpt.config).tensors(), fam.fp8_bf16_weights)
+    planned = fp8_inventory(fam.layout(ckpt.config).tensors(), fam.fp8_format, fam.fp8_bf16_weights)
     infos = ckpt.tensor_infos()
     assert {t.name: (t.dtype, t.shape) for t in planned} == {n: (i.dtype, i.shape) for n, i in infos.items()}
-    assert all(
-        ckpt.weight_map[n] == ckpt.weight_map[n.removesuffix("_scale_inv")] for n in infos if n.endswith("_scale_inv")
-    )
+    precision = source_precision(ckpt.config)
+    if fam.fp8_format == "block":
+        assert ckpt.config["quantization_config"] == FP8_QUANTIZATION_CONFIG
+    else:
+        kept = sorted(n.removesuffix(".weight") for n, i in infos.items() if re.search(fam.fp8_bf16_weights, n))
+        assert ckpt.config["quantization_config"]["ignore"] == [n for n in kept if "embed_tokens" not in n]
+        assert precision.scheme == "channel"
+    for n, i in infos.items():
+        if i.dtype == "F8_E4M3":
+            siblings = [n + precision.fp8.scale_suffix, *precision.sibling_names(n)]
+            assert {ckpt.weight_map[x] for x in siblings} == {ckpt.weight_map[n]}, n
     bf16, fp8 = _tensors(tmp_path / "bf16"), _tensors(tmp_path / "fp8")
     for name, w in bf16.items():
         if fp8[name].dtype == torch.float8_e4m3fn:
-            deq = torch.from_numpy(_ours(fp8[name], fp8[name + "_scale_inv"])).view(torch.bfloat16).float()
-            assert torch.allclose(deq, w.float(), rtol=2**-3, atol=float(fp8[name + "_scale_inv"].max()) * 2**-9)
+            deq = _reference_bf16(fp8, name).float()
+            scale = fp8.get(name + "_scale_inv", fp8.get(name + "_scale"))
+            assert torch.allclose(deq, w.float(), rtol=2**-3, atol=float(scale.float().max()) * 2**-9)
         else:
             assert torch.equal(fp8[name], w)
+
+
+def _write_reference_bf16(fp8_dir: Path, out: Path) -> None:
+    """The bf16 checkpoint an FP8 one stands for, each weight dequantized by the reference (_reference_bf16), scales
+    and FP8 quantization_config dropped; the shard plan kept."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for p in fp8_dir.iterdir():
+        if p.suffix != ".safetensors":
+            shutil.copy(p, out / p.name)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    precision = source_precision(json.loads((fp8_dir / "config.json").read_text()))
+    for shard in sorted(fp8_dir.glob("*.safetensors")):
+        tensors = _tensors_of(shard)
+        fp8_names = [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+        dropped = {x for n in fp8_names for x in (n + precision.fp8.scale_suffix, *precision.sibling_names(n))}
+        bf16 = {
+            n: (_reference_bf16(tensors, n) if n in fp8_names else t) for n, t in tensors.items() if n not in dropped
+        }
+        save_file(bf16, out / shard.name, metadata={"format": "pt"})
+        for n in dropped:
+            index["weight_map"].pop(n, None)
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_quantize_compressed_tensors_fp8_equals_quantizing_the_bf16_it_stands_for(tmp_path):
+    """GLM-4.5-FP8's layout: the MXFP4 checkpoint (every shard, config.json, index) is byte for byte the one quantized
+    from the bf16 made by compressed-tensors' own dequantization; no weight_scale/input_scale of the source left."""
+    write_fixture(tmp_path / "fp8", "tiny", quiet=True, family="glm4_moe", precision="fp8")
+    _write_reference_bf16(tmp_path / "fp8", tmp_path / "bf16")
+    report = quantize_checkpoint(tmp_path / "fp8", tmp_path / "a", quiet=True, workers=2)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "b", quiet=True, workers=1)
+    assert report["source_precision"] == "fp8 (e4m3, compressed-tensors, per-channel weight_scale)"
+    fp8_weights = sum(i.dtype == "F8_E4M3" for i in Checkpoint.open(tmp_path / "fp8").tensor_infos().values())
+    assert report["fp8_scales_consumed"] == 2 * fp8_weights  # weight_scale and input_scale of each
+    kept_fp8 = [n for n in report["tensors"]["kept"] if not re.search(family_named("glm4_moe").fp8_bf16_weights, n)]
+    assert report["tensors"]["quantized"] and kept_fp8  # both fates of an FP8 weight are covered
+    out = sorted((tmp_path / "a").glob("*.safetensors"))
+    assert [p.name for p in out] == [p.name for p in sorted((tmp_path / "b").glob("*.safetensors"))]
+    for p in out + [tmp_path / "a" / "config.json", tmp_path / "a" / "model.safetensors.index.json"]:
+        assert p.read_bytes() == (tmp_path / "b" / p.name).read_bytes(), p.name
+    names = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any(n.endswith(".input_scale") for n in names)
+
+
+def test_quantize_per_tensor_compressed_tensors_fp8_equals_quantizing_the_bf16_it_stands_for(tmp_path):
+    """strategy "tensor": one F32 `weight_scale` [1] per weight, read as the whole weight's block."""
+    from safetensors.torch import save_file
+
+    write_fixture(tmp_path / "fp8", "tiny", quiet=True, family="glm4_moe", precision="fp8")
+    for shard in sorted((tmp_path / "fp8").glob("*.safetensors")):
+        tensors = _tensors_of(shard)
+        for name in [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]:
+            w = _reference_bf16(tensors, name).float()
+            scale = (w.abs().max() / 448).reshape(1)
+            tensors[name] = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            tensors[name + "_scale"] = scale
+        save_file(tensors, shard, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"] = _ct_config(strategy="tensor")
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    _write_reference_bf16(tmp_path / "fp8", tmp_path / "bf16")
+    report = quantize_checkpoint(tmp_path / "fp8", tmp_path / "a", quiet=True)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "b", quiet=True)
+    assert report["source_precision"] == "fp8 (e4m3, compressed-tensors, per-tensor weight_scale)"
+    for p in sorted((tmp_path / "b").glob("*.safetensors")) + [tmp_path / "b" / "config.json"]:
+        assert p.read_bytes() == (tmp_path / "a" / p.name).read_bytes(), p.name
+
+
+def test_compressed_tensors_fp8_without_or_with_misshapen_scales_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    write_fixture(tmp_path / "fp8", "tiny", quiet=True, family="glm4_moe", precision="fp8")
+    shard = sorted((tmp_path / "fp8").glob("*.safetensors"))[0]
+    tensors = _tensors_of(shard)
+    scale = next(n for n in sorted(tensors) if n.endswith(".weight_scale"))
+    tensors[scale] = tensors[scale][:-1]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointError, match=r"weight_scale.*expected F32\[\d+, 1\].*compressed-tensors strategy 'channel'"
+    ):
+        quantize_checkpoint(tmp_path / "fp8", tmp_path / "o", quiet=True)
 
 
 def test_quantize_fp8_equals_quantizing_its_dequantized_bf16(fp8_tiny, tmp_path):
@@ -226,6 +425,22 @@ def test_inspect_names_precision_family_and_recipe(fp8_tiny):
     proc = run_cli("inspect", str(fp8_tiny), check=True)
     assert "precision: fp8 (e4m3, 128x128 block scales, weight_scale_inv); default recipe: glm-5.2-mxfp4" in proc.stdout
     assert "(GLM-5 / 5.1 / 5.2)" in proc.stdout
+
+
+def test_inspect_names_compressed_tensors_fp8(tmp_path):
+    write_fixture(tmp_path / "fp8", "tiny", quiet=True, family="glm4_moe", precision="fp8")
+    proc = run_cli("inspect", str(tmp_path / "fp8"), check=True)
+    assert "precision: fp8 (e4m3, compressed-tensors, per-channel weight_scale); default recipe: glm-4.5-mxfp4" in (
+        proc.stdout
+    )
+
+
+def test_fp8_channel_quantize_round_trips_within_e4m3_precision():
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q, s = fp8_channel_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (200, 1) and s.dtype == torch.bfloat16
+    back = _ct_dequantize()(q, s).float()
+    assert bool(((back - w.float()).abs() <= w.float().abs() * 2**-3 + s.float() * 2**-9).all())
 
 
 def test_fp8_block_quantize_round_trips_within_e4m3_precision():
@@ -322,11 +537,13 @@ def test_bf16_weights_under_an_fp8_config_are_a_bf16_source(tiny_ckpt, tmp_path)
         assert p.read_bytes() == (tmp_path / "a" / p.name).read_bytes(), p.name
 
 
-def test_fp8_fixture_is_refused_for_a_family_whose_fp8_release_is_not_block_fp8(tmp_path):
-    """GLM-4.5's FP8 releases are compressed-tensors per-channel FP8: no block-FP8 replica is written in its name,
-    and the error says what the release is and what to use instead."""
-    with pytest.raises(ConfigError, match=r"glm4_moe.*compressed-tensors.*--precision bf16"):
-        write_fixture(tmp_path / "fp8", "tiny", quiet=True, family="glm4_moe", precision="fp8")
-    assert not (tmp_path / "fp8").exists()
-    proc = run_cli("fixture", str(tmp_path / "cli"), "--family", "glm4_moe", "--precision", "fp8")
-    assert proc.returncode == 2 and "compressed-tensors" in proc.stderr, proc.stdout + proc.stderr
+def test_fp8_fixture_of_glm45_is_its_compressed_tensors_release_layout(tmp_path):
+    """GLM-4.5's FP8 releases are compressed-tensors per-channel FP8: that is what --precision fp8 writes for it."""
+    proc = run_cli("fixture", str(tmp_path / "cli"), "--family", "glm4_moe", "--precision", "fp8", "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    qc = json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"]
+    assert (
+        qc["quant_method"] == "compressed-tensors"
+        and qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
+    )
+    assert "lm_head" in qc["ignore"]

@@ -50,6 +50,7 @@ FAMILY = Family(
     inventory_source="deepseek-ai/DeepSeek-V3 config.json; shard headers of the FP8 release (deepseek-ai/DeepSeek-R1 "
     "dump); README_WEIGHTS.md",
     published=(("tensors", 91991), ("parameters", 684531386000), ("shards", 163), ("precision", "fp8-block")),
+    fp8_format="block",
     fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|shared_head\.head)\.weight$",
 )
 DeepseekV3Layout.family = FAMILY

@@ -43,6 +43,7 @@ FAMILY = Family(
     kind_rules=KIND_RULES,
     inventory_source="deepseek-ai/DeepSeek-V3.2 config.json; shard headers of its FP8 release (public dump)",
     published=(("tensors", 92425), ("parameters", 685396921376), ("shards", 163), ("precision", "fp8-block")),
+    fp8_format="block",
     fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|shared_head\.head|indexer\.weights_proj)\.weight$",
 )
 DeepseekV32Layout.family = FAMILY

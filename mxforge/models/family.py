@@ -28,15 +28,16 @@ class Family:
     # (elements), shards, and its precision ("bf16", or "fp8-block" for 128x128 block-scaled e4m3); where only
     # the Hub's rounded figure is known, "parameters_b" (billions, to 0.01) instead of "parameters".
     published: tuple[tuple[str, object], ...] = ()
-    # fp8-block releases: the 2-D weights kept bf16 (a regex on the tensor name); every other 2-D linear weight
-    # is e4m3 with a float32 `weight_scale_inv` of one scale per 128x128 block.
+    # The layout of the family's official FP8 release (a key of mxforge.models.layout.FP8_LAYOUTS: "block" for
+    # DeepSeek-style 128x128 `weight_scale_inv`, "compressed-tensors-channel" for per-channel `weight_scale` with a
+    # static `input_scale`), and the 2-D weights it keeps bf16 (a regex on the tensor name; compressed-tensors: the
+    # config's `ignore` list); every other 2-D linear weight is e4m3 with its scales. "" = no FP8 release known.
+    fp8_format: str = ""
     fp8_bf16_weights: str = ""
-    # Families whose official FP8 release is not block FP8: what it is instead (`--precision fp8` is refused with it).
-    fp8_release_not_block: str = ""
 
     @property
-    def has_block_fp8_release(self) -> bool:
-        return bool(self.fp8_bf16_weights) and not self.fp8_release_not_block
+    def has_fp8_release(self) -> bool:
+        return bool(self.fp8_format)
 
     @property
     def default_recipe(self) -> str:

@@ -77,10 +77,10 @@ FAMILY = Family(
     # must round to it; no published tensor count or index total_size could be read here.
     published=(("parameters_b", 358.34), ("shards", 93), ("precision", "bf16")),
     # zai-org/GLM-4.5-FP8 (and 4.6 / 4.7-FP8) are compressed-tensors FP8: e4m3 weights with one `weight_scale` per
-    # output channel ([out, 1]) and static input scales (HabanaAI/vllm-hpu-extension PRs #350, #353, #397).
-    fp8_release_not_block=(
-        "its official FP8 releases (zai-org/GLM-4.5-FP8, 4.6, 4.7) are compressed-tensors FP8 "
-        "with a per-channel weight_scale, which mxforge does not read yet"
-    ),
+    # output channel ([out, 1]) and static per-tensor input scales (HabanaAI/vllm-hpu-extension PRs #350, #353,
+    # #397). The release's `ignore` list could not be read here: assumed the modules DeepSeek's FP8 release keeps
+    # bf16 (router, eh_proj, embeddings, heads), which compressed-tensors' Linear targets also leave out.
+    fp8_format="compressed-tensors-channel",
+    fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|shared_head\.head)\.weight$",
 )
 Glm4MoeLayout.family = FAMILY

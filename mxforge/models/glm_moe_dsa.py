@@ -65,6 +65,7 @@ FAMILY = Family(
     recipes=("glm-5.2-mxfp4", "glm-5.2-mxfp4-mtp-bf16"),
     kind_rules=LINEAGE_KIND_RULES,
     inventory_source="zai-org/GLM-5.2 config.json and model.safetensors.index.json (59,585 tensors, 282 shards)",
+    fp8_format="block",
     fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|indexer\.weights_proj)\.weight$",
 )
 GlmMoeDsaLayout.family = FAMILY

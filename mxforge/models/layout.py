@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 from mxforge.errors import ConfigError
 from mxforge.safetensors_io import PlannedTensor
@@ -212,17 +212,43 @@ DSA_FIELDS: tuple[str, ...] = ("index_n_heads", "index_head_dim")
 FP8_BLOCK = 128
 
 
-def fp8_block_inventory(tensors: list[PlannedTensor], bf16_weights: str) -> list[PlannedTensor]:
-    """The same checkpoint as a DeepSeek-style FP8 release stores it: every 2-D `.weight` not matching
-    `bf16_weights` is F8_E4M3 followed by its F32 `weight_scale_inv` of shape [ceil(out/128), ceil(in/128)]
-    (README_WEIGHTS.md of deepseek-ai/DeepSeek-V3: 128x128 blocks, the last ones zero-padded)."""
-    keep = re.compile(bf16_weights)
+def _block_scales(weight: str, shape: tuple[int, ...]) -> list[PlannedTensor]:
+    """DeepSeek-style: F32 `weight_scale_inv` of shape [ceil(out/128), ceil(in/128)] (README_WEIGHTS.md of
+    deepseek-ai/DeepSeek-V3: 128x128 blocks, the last ones zero-padded)."""
+    rows, cols = shape
+    return [PlannedTensor(weight + "_scale_inv", "F32", (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)))]
+
+
+def _channel_scales(weight: str, shape: tuple[int, ...]) -> list[PlannedTensor]:
+    """compressed-tensors FP8 per channel with static activations: `weight_scale` [out, 1] and the module's
+    `input_scale` [1], in the model's dtype (bf16), as llm-compressor writes them."""
+    return [
+        PlannedTensor(weight + "_scale", "BF16", (shape[0], 1)),
+        PlannedTensor(weight.removesuffix("weight") + "input_scale", "BF16", (1,)),
+    ]
+
+
+# A family's FP8 release layout (Family.fp8_format): the tensors stored after each e4m3 weight.
+FP8_LAYOUTS: dict[str, Callable[[str, tuple[int, ...]], list[PlannedTensor]]] = {
+    "block": _block_scales,
+    "compressed-tensors-channel": _channel_scales,
+}
+
+
+def fp8_inventory(tensors: list[PlannedTensor], fp8_format: str, bf16_weights: str) -> list[PlannedTensor]:
+    """The same checkpoint as an FP8 release of `fp8_format` stores it: every 2-D `.weight` not matching
+    `bf16_weights` is F8_E4M3, followed by its scales (FP8_LAYOUTS)."""
+    keep, companions = re.compile(bf16_weights), FP8_LAYOUTS[fp8_format]
     out = []
     for t in tensors:
         if len(t.shape) == 2 and t.name.endswith(".weight") and not keep.search(t.name):
-            rows, cols = t.shape
             out.append(PlannedTensor(t.name, "F8_E4M3", t.shape))
-            out.append(PlannedTensor(t.name + "_scale_inv", "F32", (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))))
+            out += companions(t.name, t.shape)
         else:
             out.append(t)
     return out
+
+
+def fp8_block_inventory(tensors: list[PlannedTensor], bf16_weights: str) -> list[PlannedTensor]:
+    """`fp8_inventory` of a DeepSeek-style block-FP8 release."""
+    return fp8_inventory(tensors, "block", bf16_weights)
