@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,7 +206,13 @@ def _fetch_all(
 
         pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(files))))
         try:
-            failures = [(f, e) for f, e in zip(files, pool.map(one, files)) if e is not None]
+            futures = [pool.submit(one, f) for f in files]
+            # Wait in short slices, as quantize and stream do: a Ctrl-C the kernel delivers to a download thread
+            # reaches Python only when the main thread runs again, which a blocking wait would delay until a
+            # stalled read times out.
+            while wait(futures, timeout=0.2).not_done:
+                pass
+            failures = [(f, e) for f, e in zip(files, (fu.result() for fu in futures)) if e is not None]
         except KeyboardInterrupt:
             CANCEL.set()  # transfers stop at their next chunk; the process exits without waiting for them
             pool.shutdown(wait=False, cancel_futures=True)
