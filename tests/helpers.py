@@ -105,3 +105,9 @@ def one_error_line(proc, code: int = 2) -> str:
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("mxforge ")]
     assert len(lines) == 1, proc.stderr
     return lines[0]
+
+
+def pushed_files(hub, repo: str) -> dict[str, bytes]:
+    """The files of `repo`'s main branch on a loopback Hub, by name: what a push committed."""
+    commit = hub.repos[repo].resolve("main")
+    return {name: f.disk_path.read_bytes() for name, f in commit.files.items()}

@@ -9,7 +9,7 @@ import json
 import sys
 
 import pytest
-from helpers import REPO, hub_env, run_cli
+from helpers import REPO, hub_env, pushed_files, run_cli
 
 from mxforge.fixture import write_fixture
 from mxforge.models import FAMILIES, family_named
@@ -54,11 +54,6 @@ def _run(hub, tmp_path, family: str, out, repo: str, *extra):
     return json.loads(proc.stdout)
 
 
-def _pushed(hub, repo: str) -> dict[str, bytes]:
-    commit = hub.repos[repo].resolve("main")
-    return {name: f.disk_path.read_bytes() for name, f in commit.files.items()}
-
-
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.has_fp8_release])
 def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, tmp_path, family):
     out = tmp_path / "run"
@@ -70,7 +65,7 @@ def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, tmp_path, family):
     engines = stages["validate"]["report"]["engines"]
     assert engines and all(engines.values()), engines
     assert validate_checkpoint(out / "mxfp4").ok
-    pushed = _pushed(fp8_hub, f"alice/{family}-mxfp4")
+    pushed = pushed_files(fp8_hub, f"alice/{family}-mxfp4")
     card = pushed["README.md"].decode()
     described = source_precision(json.loads((tmp_path / "src" / family / "config.json").read_text())).describe()
     assert quantize["source_precision"] == described
@@ -88,6 +83,6 @@ def test_streamed_fp8_run_pushes_the_same_bytes_as_sequential(fp8_hub, tmp_path,
     assert streamed["mode"] == "stream"
     assert streamed["stages"]["stream"]["report"]["source_precision"].startswith("fp8")
     _run(fp8_hub, tmp_path, family, tmp_path / "q", "alice/sequential", "--no-stream", "--workers", "2")
-    a, b = _pushed(fp8_hub, "alice/streamed"), _pushed(fp8_hub, "alice/sequential")
+    a, b = pushed_files(fp8_hub, "alice/streamed"), pushed_files(fp8_hub, "alice/sequential")
     assert sorted(a) == sorted(b)
     assert all(a[n] == b[n] for n in a if n not in PROVENANCE)

@@ -12,7 +12,7 @@ import sys
 import threading
 
 import pytest
-from helpers import hub_env, run_cli
+from helpers import hub_env, pushed_files, run_cli
 
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME, STREAM_STATE_NAME
 from mxforge.stream import choose_stream, plan_disk
@@ -38,11 +38,6 @@ def _run(hub, tmp_path, out, repo, *extra):
         env=hub_env(hub, tmp_path),
         timeout=600,
     )
-
-
-def _pushed(hub, repo: str) -> dict[str, bytes]:
-    commit = hub.repos[repo].resolve("main")
-    return {name: f.disk_path.read_bytes() for name, f in commit.files.items()}
 
 
 def _same_checkpoint(a: dict[str, bytes], b: dict[str, bytes]) -> None:
@@ -94,7 +89,7 @@ def test_stream_pushes_the_same_checkpoint_as_a_sequential_run(hub, tmp_path):
     sequential = _run(hub, tmp_path, tmp_path / "sequential", "alice/sequential", "--no-stream", "--workers", "2")
     assert sequential.returncode == 0, sequential.stderr
     assert "download" in json.loads(sequential.stdout)["stages"]
-    _same_checkpoint(_pushed(hub, "alice/streamed"), _pushed(hub, "alice/sequential"))
+    _same_checkpoint(pushed_files(hub, "alice/streamed"), pushed_files(hub, "alice/sequential"))
 
     # A rerun has nothing left to do and commits nothing new.
     hub.requests.clear()
@@ -180,7 +175,7 @@ def test_sigkill_mid_stream_then_rerun_commits_the_same_bytes(hub, tmp_path, poi
         # Killed as the second object arrived (the Hub stored it; the client never heard back).
         assert puts_before == 2 and {hub.requests[i][1].rsplit("/", 1)[1] for i in _puts(hub)[:2]} <= held
         assert set(stream_state["uploaded"]) <= {SHARDS[0]}
-    _same_checkpoint(_pushed(hub, "alice/streamed"), sequential_reference)
+    _same_checkpoint(pushed_files(hub, "alice/streamed"), sequential_reference)
 
 
 def test_stream_from_a_local_source_keeps_it_and_matches_sequential(tiny_ckpt, tmp_path):
@@ -260,7 +255,7 @@ def sequential_reference(hub, tmp_path):
     """What a sequential run pushes; then the Hub forgets the shards' objects, so a later run must send them."""
     proc = _run(hub, tmp_path, tmp_path / "sequential", "alice/sequential", "--no-stream", "--workers", "1")
     assert proc.returncode == 0, proc.stderr
-    expected = _pushed(hub, "alice/sequential")
+    expected = pushed_files(hub, "alice/sequential")
     for f in hub.repos["alice/sequential"].resolve("main").files.values():
         if f.lfs:
             f.disk_path.unlink(missing_ok=True)
@@ -285,7 +280,7 @@ def test_ray_task_whose_worker_is_killed_is_retried_without_duplicates(hub, tmp_
     report = json.loads(proc.stdout)["stages"]["stream"]["report"]
     assert report["stages"]["quantize"]["shards"] == 3 and report["stages"]["upload"]["shards"] == 3
     assert len(_commits(hub)) == 1 and _commits(hub)[0] > max(_puts(hub))
-    _same_checkpoint(_pushed(hub, "alice/ray"), sequential_reference)
+    _same_checkpoint(pushed_files(hub, "alice/ray"), sequential_reference)
 
 
 def test_ray_driver_killed_mid_run_then_rerun_commits_the_same_bytes(hub, tmp_path, sequential_reference):
@@ -296,7 +291,7 @@ def test_ray_driver_killed_mid_run_then_rerun_commits_the_same_bytes(hub, tmp_pa
     rerun = _run(hub, tmp_path, out, "alice/ray", "--executor", "ray", "--workers", "2")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert len(_commits(hub)) == 1
-    _same_checkpoint(_pushed(hub, "alice/ray"), sequential_reference)
+    _same_checkpoint(pushed_files(hub, "alice/ray"), sequential_reference)
 
 
 def test_a_downloaded_shard_whose_header_is_not_the_planned_one_is_refused(tiny_ckpt, tmp_path):
