@@ -1,6 +1,7 @@
 """FP8 sources: which FP8 layouts mxforge reads, and how a stored FP8 weight becomes the bf16 it stands for.
 
-Supported (FP8_SCHEMES, one entry per layout; config.json's `quantization_config` picks it, READERS per quant_method):
+Supported (FP8_SCHEMES, one entry per layout; config.json's `quantization_config` picks it, READERS per quant_method;
+a new layout is an entry and, for a new quant_method, a reader: tests/test_extension_points.py adds one):
 - "block": DeepSeek-style block-scaled FP8, the layout of the official FP8 releases of deepseek-ai/DeepSeek-V3, R1,
   V3.1, V3.2 and zai-org/GLM-5-FP8 .. GLM-5.2-FP8: {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128,
   128], ...}; each quantized 2-D `X.weight` is F8_E4M3 with a float32 `X.weight_scale_inv` holding one scale per
@@ -31,30 +32,70 @@ FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16")
 
 
+GRANULARITIES = ("block", "channel", "tensor")  # what one scale covers: a config-given block, an output row, all
+
+
 @dataclass(frozen=True)
 class Fp8Scheme:
-    """One FP8 layout: how its weights' scales are named and shaped, and which other per-weight tensors it stores."""
+    """One FP8 layout: what one scale covers, how the scales are named and shaped, which other per-weight
+    tensors it stores, and how people and errors name it."""
 
     name: str
+    granularity: str  # one of GRANULARITIES ("block": SourcePrecision.block, from config.json)
     scale_suffix: str  # appended to the weight's name: "X.weight" -> "X.weight_scale_inv"
     siblings: tuple[str, ...]  # other tensors of the module consumed with the weight ("input_scale": X.input_scale)
-    label: str  # for people (inspect, the card): "{block} block scales, weight_scale_inv"
+    label: str  # for people (inspect, the card): "{rows}x{cols} block scales, weight_scale_inv"
+    rule: str  # how config.json states the layout, for errors: "weight_block_size [{rows}, {cols}]"
+    supported: str  # the quantization_config that selects it and the releases that store it (for errors)
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"FP8 scheme {self.name!r}: granularity {self.granularity!r} is not one of {GRANULARITIES}"
+            )
 
 
+_BLOCK_FP8 = (
+    '{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [m, n]} with F8_E4M3 weights and '
+    "F32 `weight_scale_inv` (DeepSeek-V3/R1/V3.1/V3.2, GLM-5/5.1/5.2 FP8 releases)"
+)
+_CT_FP8 = (
+    'compressed-tensors "float-quantized" with 8-bit float symmetric weights, strategy "channel" or "tensor", and '
+    "`weight_scale` (GLM-4.5/4.6/4.7 FP8 releases)"
+)
 FP8_SCHEMES = {
     s.name: s
     for s in (
-        Fp8Scheme("block", "_scale_inv", (), "{rows}x{cols} block scales, weight_scale_inv"),
-        Fp8Scheme("channel", "_scale", ("input_scale",), "compressed-tensors, per-channel weight_scale"),
-        Fp8Scheme("tensor", "_scale", ("input_scale",), "compressed-tensors, per-tensor weight_scale"),
+        Fp8Scheme(
+            "block",
+            "block",
+            "_scale_inv",
+            (),
+            "{rows}x{cols} block scales, weight_scale_inv",
+            "weight_block_size [{rows}, {cols}]",
+            _BLOCK_FP8,
+        ),
+        Fp8Scheme(
+            "channel",
+            "channel",
+            "_scale",
+            ("input_scale",),
+            "compressed-tensors, per-channel weight_scale",
+            "compressed-tensors strategy 'channel'",
+            _CT_FP8,
+        ),
+        Fp8Scheme(
+            "tensor",
+            "tensor",
+            "_scale",
+            ("input_scale",),
+            "compressed-tensors, per-tensor weight_scale",
+            "compressed-tensors strategy 'tensor'",
+            _CT_FP8,
+        ),
     )
 }
-SUPPORTED = (
-    '{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [m, n]} with F8_E4M3 weights and '
-    "F32 `weight_scale_inv` (DeepSeek-V3/R1/V3.1/V3.2, GLM-5/5.1/5.2 FP8 releases); compressed-tensors "
-    '"float-quantized" with 8-bit float symmetric weights, strategy "channel" or "tensor", and `weight_scale` '
-    "(GLM-4.5/4.6/4.7 FP8 releases); or no quantization_config (bf16)"
-)
+SUPPORTED = "; ".join(dict.fromkeys(s.supported for s in FP8_SCHEMES.values())) + "; or no quantization_config (bf16)"
 
 
 @dataclass(frozen=True)
@@ -81,13 +122,19 @@ class SourcePrecision:
 
     def scale_rule(self) -> str:
         """How config.json says the scales are laid out (for error messages)."""
-        return f"weight_block_size {list(self.block)}" if self.block else f"compressed-tensors strategy {self.scheme!r}"
+        rows, cols = self.block or (0, 0)
+        return self.fp8.rule.format(rows=rows, cols=cols)
 
     def block_of(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """The rows x cols one scale covers in a weight of `shape` (per channel: one row; per tensor: all of it)."""
-        if self.block is not None:
+        granularity = self.fp8.granularity
+        if granularity == "block" and self.block is not None:
             return self.block
-        return (1, shape[1]) if self.scheme == "channel" else (shape[0], shape[1])
+        if granularity == "channel":
+            return 1, shape[1]
+        if granularity == "tensor":
+            return shape[0], shape[1]
+        raise ValueError(f"FP8 scheme {self.scheme!r}: granularity {granularity!r} without its block")
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """The scales of a weight of `shape` as a 2-D grid: one per block, the last ones partial."""
@@ -97,9 +144,9 @@ class SourcePrecision:
     def stored_scale_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         """The shapes a weight's scale tensor may have on disk (compressed-tensors: [out, 1] or [out]; [] or [1])."""
         grid = self.scale_shape(shape)
-        if self.scheme == "channel":
+        if self.fp8.granularity == "channel":
             return grid, grid[:1]
-        if self.scheme == "tensor":
+        if self.fp8.granularity == "tensor":
             return grid, (1,), ()
         return (grid,)
 
