@@ -181,3 +181,64 @@ def test_a_new_scale_rule_is_one_entry(copy, pristine, tiny_ckpt, tmp_path):
     assert _validate(lambda *a: run_copy(copy, *a), str(out))["ok"]
     refused = run_cli("quantize", str(tiny_ckpt), str(tmp_path / "other"), "--scale-rule", "up")
     assert refused.returncode == 2 and "up" in refused.stderr
+
+
+def test_a_new_fp8_source_layout_is_one_scheme_entry_and_its_reader(copy, pristine, tmp_path):
+    """Another FP8 layout to read: one Fp8Scheme in FP8_SCHEMES and, for a new quant_method, its reader in READERS,
+    both in quantize/fp8_source.py; planning, reading and dequantizing follow. The example, "toy": per-channel
+    `weight_scale` as compressed-tensors stores it but without `input_scale`, selected by quant_method "toy_fp8";
+    it quantizes to the tensors the compressed-tensors checkpoint it was made from quantizes to."""
+    from safetensors.torch import load_file, save_file
+
+    from mxforge.fixture import write_fixture
+    from mxforge.models import family_named
+
+    source = copy / "mxforge/quantize/fp8_source.py"
+    text = source.read_text()
+    scheme_anchor, reader_anchor = (
+        '        Fp8Scheme(\n            "tensor",',
+        '    "compressed-tensors": _compressed_tensors,',
+    )
+    assert text.count(scheme_anchor) == 1 and text.count(reader_anchor) == 1
+    toy = (
+        '        Fp8Scheme("toy", "channel", "_scale", (), "toy per-channel weight_scale", "quant_method toy_fp8", '
+        '"{\\"quant_method\\": \\"toy_fp8\\"} (tests/test_extension_points.py)"),\n'
+    )
+    text = text.replace(scheme_anchor, toy + scheme_anchor)
+    text = text.replace(
+        reader_anchor, reader_anchor + '\n    "toy_fp8": lambda qc: SourcePrecision("fp8", None, "toy"),'
+    )
+    source.write_text(text)
+    assert changed_files(copy, pristine) == {"mxforge/quantize/fp8_source.py"}
+
+    channel = tmp_path / "channel"
+    write_fixture(channel, "tiny", quiet=True, family=family_named("glm4_moe"), precision="fp8")
+    ours = tmp_path / "toy"
+    shutil.copytree(channel, ours)
+    index = json.loads((ours / "model.safetensors.index.json").read_text())
+    dropped = {n for n in index["weight_map"] if n.endswith(".input_scale")}
+    assert dropped
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(ours / shard)
+        save_file({n: t for n, t in tensors.items() if n not in dropped}, ours / shard, metadata={"format": "pt"})
+    kept = {n: s for n, s in index["weight_map"].items() if n not in dropped}
+    sizes = {n: t.numel() * t.element_size() for s in set(kept.values()) for n, t in load_file(ours / s).items()}
+    index.update(weight_map=kept, metadata={**index.get("metadata", {}), "total_size": sum(sizes.values())})
+    (ours / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = json.loads((ours / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "toy_fp8"}
+    (ours / "config.json").write_text(json.dumps(config, indent=2))
+
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    proc = run_copy(copy, "quantize", str(ours), str(out), "--quiet", "--workers", "1", "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["source_precision"] == "fp8 (e4m3, toy per-channel weight_scale)"
+    run_cli("quantize", str(channel), str(reference), "--quiet", "--workers", "1", check=True)
+    shards = sorted(p.name for p in reference.glob("*.safetensors"))
+    assert shards and sorted(p.name for p in out.glob("*.safetensors")) == shards
+    for shard in shards:
+        got, want = load_file(out / shard), load_file(reference / shard)
+        assert got.keys() == want.keys() and all(got[n].equal(want[n]) for n in want), shard
+    refused = run_cli("quantize", str(ours), str(tmp_path / "other"))
+    assert refused.returncode == 2 and "toy_fp8" in refused.stderr
