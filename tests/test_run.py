@@ -32,9 +32,9 @@ def _product(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((out / "mxfp4").iterdir()) if p.is_file() and p.name not in skip}
 
 
-def test_run_from_hub_to_hub_with_push(hub, tmp_path):
-    out = tmp_path / "run"
-    proc = run_cli(
+def _run_to_push(hub, tmp_path, out):
+    """`mxforge run zai/glm-tiny OUT --push alice/glm-tiny-mxfp4` on the loopback Hub, with a JSON report."""
+    return run_cli(
         "run",
         "zai/glm-tiny",
         str(out),
@@ -46,6 +46,11 @@ def test_run_from_hub_to_hub_with_push(hub, tmp_path):
         env=_env(hub, tmp_path),
         timeout=600,
     )
+
+
+def test_run_from_hub_to_hub_with_push(hub, tmp_path):
+    out = tmp_path / "run"
+    proc = _run_to_push(hub, tmp_path, out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     stages = report["stages"]
@@ -68,18 +73,7 @@ def test_run_from_hub_to_hub_with_push(hub, tmp_path):
     written = [proc.stdout, proc.stderr] + [p.read_text(errors="ignore") for p in out.rglob("*.json")]
     assert not any(TOKEN in text for text in written)
     # A rerun finds every stage done (validate is always checked again) and pushes nothing new.
-    again = run_cli(
-        "run",
-        "zai/glm-tiny",
-        str(out),
-        "--push",
-        "alice/glm-tiny-mxfp4",
-        "--quiet",
-        "--json",
-        "-",
-        env=_env(hub, tmp_path),
-        timeout=600,
-    )
+    again = _run_to_push(hub, tmp_path, out)
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["reused_from_earlier_run"] == ["download", "fixup", "push", "quantize"]
 
