@@ -161,6 +161,24 @@ def _bar_proxy(bar):
     return FileBar
 
 
+def _fetch(
+    api: HfApi, repo_id: str, commit: str, dest: Path, f: RemoteFile, limits: HubLimits, bar, file_bar
+) -> FileHash | None:
+    """hub_transfer.fetch_file for one file of repo_id@commit, from the api's endpoint with its token."""
+    return fetch_file(
+        repo_id,
+        f.name,
+        commit,
+        f.size,
+        dest,
+        endpoint=api.endpoint,
+        token=api.token,
+        limits=limits,
+        bar=bar,
+        hf_tqdm_class=file_bar,
+    )
+
+
 def _fetch_all(
     api: HfApi,
     repo_id: str,
@@ -186,18 +204,7 @@ def _fetch_all(
 
         def one(f: RemoteFile) -> Exception | None:
             try:
-                streamed = fetch_file(
-                    repo_id,
-                    f.name,
-                    commit,
-                    f.size,
-                    dest,
-                    endpoint=api.endpoint,
-                    token=api.token,
-                    limits=limits,
-                    bar=bar,
-                    hf_tqdm_class=file_bar,
-                )
+                streamed = _fetch(api, repo_id, commit, dest, f, limits, bar, file_bar)
                 if streamed is not None:
                     cache.put(streamed)
                 return None
@@ -265,18 +272,7 @@ def fetch_verified(
     """
     bar = bar if bar is not None else byte_progress(0, f.name, disable=True)
     try:
-        got = fetch_file(
-            repo_id,
-            f.name,
-            commit,
-            f.size,
-            dest,
-            endpoint=api.endpoint,
-            token=api.token,
-            limits=limits,
-            bar=bar,
-            hf_tqdm_class=_bar_proxy(bar),
-        )
+        got = _fetch(api, repo_id, commit, dest, f, limits, bar, _bar_proxy(bar))
     except KeyboardInterrupt:
         raise
     except Exception as e:
