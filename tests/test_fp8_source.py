@@ -69,20 +69,9 @@ def test_glm52_fp8_release_is_block_fp8_with_these_bf16_weights():
 
 def _engine_functions(dist: str, version: str, module: str, names: tuple[str, ...]) -> dict:
     """The release's own definitions of `names` in `module` (its wheel's source), run with torch as their globals."""
-    import ast
-
     from engine_truth.wheels import Release
 
-    path = Release(dist, version).fetch([module])[module]
-    tree = ast.parse(path.read_text(), str(path))
-    namespace: dict = {"torch": torch, "List": list, "GroupShape": object}
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in names:
-            node.decorator_list, node.returns = [], None
-            for arg in (*node.args.args, *node.args.kwonlyargs):
-                arg.annotation = None
-            exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
-    return {n: namespace[n] for n in names}
+    return Release(dist, version).functions(module, names, {"torch": torch, "List": list, "GroupShape": object})
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (300, 200)])

@@ -190,3 +190,26 @@ class Release:
     def source(self, module: str) -> str | None:
         paths = self.fetch([module])
         return paths[module].read_text() if module in paths else None
+
+    def functions(self, module: str, names: tuple[str, ...], namespace: dict, owner: str | None = None) -> dict:
+        """The release's own definitions of `names` (module-level functions, or methods of class `owner`) in
+        `module`, executed from its wheel's source with a copy of `namespace` as their shared globals (so one may
+        call another; annotations and decorators dropped: they would name the engine's other modules)."""
+        import ast
+
+        path = self.fetch([module])[module]
+        body = ast.parse(path.read_text(), str(path)).body
+        if owner is not None:
+            body = next(n.body for n in body if isinstance(n, ast.ClassDef) and n.name == owner)
+        scope, found = dict(namespace), {}
+        for node in body:
+            if isinstance(node, ast.FunctionDef) and node.name in names:
+                node.decorator_list, node.returns = [], None
+                for arg in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs):
+                    arg.annotation = None
+                exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), scope)
+                found[node.name] = scope[node.name]
+        missing = set(names) - set(found)
+        if missing:
+            raise FetchError(f"{self.dist}=={self.version}: {module} defines no {sorted(missing)}")
+        return found
