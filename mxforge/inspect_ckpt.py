@@ -67,7 +67,8 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
     }
     mtp["present"] = bool(mtp["present_layers"])
     mtp["complete"] = layout is not None and all(
-        {t.name for t in layout.layer_tensors(i)} <= {n.replace(".weight_scale", ".weight") for n in infos}
+        {t.name for t in layout.layer_tensors(i)} - layout.omittable()
+        <= {n.replace(".weight_scale", ".weight") for n in infos}
         for i in mtp_layers
     )
     return {

@@ -110,8 +110,9 @@ def check_layout(
         if s.form:
             counts[s.form] += 1
     mtp_present = {layer: any(t.name in infos for t in layout.layer_tensors(layer)) for layer in layout.mtp_layers}
+    omittable = layout.omittable()
     for t in planned:
-        if t.name in infos or t.name in skip:
+        if t.name in infos or t.name in skip or t.name in omittable:
             continue
         layer = layer_of(t.name)
         missing_by_layer.setdefault(layer, []).append(t.name)

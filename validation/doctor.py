@@ -47,7 +47,12 @@ def diagnose(
     for layer in layout.mtp_layers:
         prefix = f"model.layers.{layer}."
         group = linears[layer]
-        forms = [stored[lin.name].form for lin in (*group.experts, *group.others.values())]
+        omitted = sorted(n for n in layout.omittable() if n.startswith(prefix) and n not in infos)
+        forms = [
+            stored[lin.name].form
+            for lin in (*group.experts, *group.others.values())
+            if lin.name + ".weight" not in omitted
+        ]
         if all(f is None for f in forms):
             notes.append(
                 f"MTP layer {layer} is missing: the export ships no {prefix}* tensors, so MTP cannot be used; "
@@ -59,5 +64,11 @@ def diagnose(
             notes.append(
                 f"MTP layer {layer}: {forms.count(MXFP4)} linear weights MXFP4, {forms.count(BF16)} bf16"
                 + (f", {forms.count(None)} missing" if None in forms else "")
+                + (
+                    f"; without its own {', '.join(n.removeprefix(prefix) for n in omitted)} (as the release ships "
+                    "it: engines use the model's embedding and head)"
+                    if omitted
+                    else ""
+                )
             )
     return notes

@@ -4,7 +4,8 @@ Grouped-query attention (q_proj, k_proj, v_proj with biases when `attention_bias
 q_norm / k_norm when `use_qk_norm`; partial rotary, which stores nothing); layers below
 `first_k_dense_replace` dense; one MTP layer stored as `model.layers.{num_hidden_layers}` (GLM-4.5 / 4.6 /
 4.7: 92, Air: 46) with enorm, hnorm, eh_proj, shared_head.norm, and its own copies of the embedding
-(`embed_tokens`) and output head (`shared_head.head`), as DeepSeek-V3's MTP layer.
+(`embed_tokens`) and output head (`shared_head.head`), as DeepSeek-V3's MTP layer; GLM-4.6 ships the MTP layer
+without those two (vLLM's and sglang's own code then use the model's; both layouts validate).
 
 Where the numbers come from: the config is zai-org/GLM-4.5's published config.json (92 layers, 160 routed
 experts, hidden 5120, 96 heads / 8 KV heads of 128, GQA; GLM-4.6 and 4.7 publish the same shapes with
@@ -34,6 +35,10 @@ from .layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec
 class Glm4MoeLayout(MoeLayout):
     REQUIRED_FIELDS = LINEAGE_FIELDS + ("num_key_value_heads",)
     OPTIONAL_INT_FIELDS = LINEAGE_OPTIONAL_INT_FIELDS + ("head_dim",)
+    # GLM-4.6 (unlike GLM-4.5) ships its MTP layer without its own embedding and head; vLLM's Glm4MoeMTP loads
+    # lm_head.weight / model.embed_tokens.weight into them, sglang's NextN worker gives the draft the target's
+    # (tests/test_mtp_own_head.py runs and reads that code of every release).
+    OMITTABLE_MTP_TENSORS = ("embed_tokens.weight", "shared_head.head.weight")
 
     @property
     def head_dim(self) -> int:

@@ -44,6 +44,9 @@ class MoeLayout:
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_FIELDS
     OPTIONAL_INT_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_OPTIONAL_INT_FIELDS
     NORM_DTYPE: ClassVar[str] = "BF16"  # how the published checkpoint stores its norms (DeepSeek-V3.2: F32)
+    # Layer-relative names of MTP-layer tensors a release may leave out because every engine loads them from
+    # elsewhere (GLM-4.6's MTP layer has no embed_tokens / shared_head.head: engines use the model's).
+    OMITTABLE_MTP_TENSORS: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
         missing = [k for k in self.REQUIRED_FIELDS if k not in self.config]
@@ -140,6 +143,10 @@ class MoeLayout:
         """The MTP layer's own head after its block (shared_head.norm; a family may add shared_head.head,
         embed_tokens)."""
         return [("shared_head.norm.weight", (int(self.config["hidden_size"]),), "BF16")]
+
+    def omittable(self) -> frozenset[str]:
+        """Full names of the tensors config.json implies that a checkpoint may lack (OMITTABLE_MTP_TENSORS)."""
+        return frozenset(f"model.layers.{i}.{n}" for i in self.mtp_layers for n in self.OMITTABLE_MTP_TENSORS)
 
     def tensors(self) -> list[PlannedTensor]:
         """Every tensor of the bf16 checkpoint in storage order: embeddings, decoder layers, head, MTP layers last."""
