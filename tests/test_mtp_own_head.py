@@ -167,18 +167,20 @@ def test_sglang_gives_a_nextn_draft_the_targets_embedding_and_head(release):
     from engine_truth.wheels import Release
 
     rel = Release("sglang", release)
-    workers = [m for m in rel.package_modules("sglang.srt.speculative") if m.endswith(".eagle_worker_v2")]
-    assert workers, f"{release}: no eagle_worker_v2"
-    tree = ast.parse(rel.source(workers[0]) or "")
-    branches = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If)
-        and "is_eagle3" in ast.unparse(node.test)
-        and not ast.unparse(node.test).startswith("not")
-    ]
-    not_eagle3 = "\n".join(ast.unparse(stmt) for node in branches for stmt in node.orelse)
-    assert "set_embed_and_head(embed, head)" in not_eagle3, f"{release}: {workers[0]}"
+    suffixes = (".eagle_worker", ".eagle_worker_v2")  # the v1 worker, where the release still has it, and v2
+    workers = [m for m in rel.package_modules("sglang.srt.speculative") if m.endswith(suffixes)]
+    assert any(m.endswith(".eagle_worker_v2") for m in workers), f"{release}: no eagle_worker_v2"
+    for worker in workers:
+        tree = ast.parse(rel.source(worker) or "")
+        branches = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If)
+            and "is_eagle3" in ast.unparse(node.test)
+            and not ast.unparse(node.test).startswith("not")
+        ]
+        not_eagle3 = "\n".join(ast.unparse(stmt) for node in branches for stmt in node.orelse)
+        assert "set_embed_and_head(embed, head)" in not_eagle3, f"{release}: {worker}"
     models = "\n".join(
         rel.source(f"sglang.srt.models.{m}") or "" for m in ("glm4_moe_nextn", "glm4_moe", "deepseek_v2")
     )
