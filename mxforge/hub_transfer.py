@@ -17,6 +17,7 @@ up, even in the middle of a response. A server that ignores `Range` is read past
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import threading
@@ -226,10 +227,13 @@ class _Stream:
         return start
 
 
-def kept_partial_bytes(dest: Path) -> int:
-    """Bytes of unfinished downloads under DEST that a rerun continues from (one finished meanwhile counts 0)."""
+def kept_partial_bytes(dest: Path, name: str | None = None) -> int:
+    """Bytes of unfinished downloads under DEST that a rerun continues from (of file `name` only, if given; one
+    finished meanwhile counts 0)."""
     total = 0
-    for p in (dest / PARTIAL_DIR).rglob("*.partial") if (dest / PARTIAL_DIR).exists() else ():
+    root = dest / PARTIAL_DIR
+    found = root.glob(glob.escape(name) + ".*.partial") if name is not None else root.rglob("*.partial")
+    for p in found if root.exists() else ():
         try:
             total += p.stat().st_size
         except FileNotFoundError:  # renamed into place since it was listed

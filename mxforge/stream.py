@@ -545,16 +545,20 @@ class StreamRun:
         return fh
 
     def _source_bytes_on_disk(self, todo: list[_Shard]) -> int:
+        """bf16 bytes on disk now: each source shard's file, else its unfinished download. The download is looked at
+        first, so one renamed into place meanwhile counts once (summing all partials, then all files, had counted
+        such a shard twice under load)."""
         if self.o.local:
             return 0
         from .hub_transfer import kept_partial_bytes
 
-        total = kept_partial_bytes(self.o.bf16_dir)
+        total = 0
         for s in todo:
+            partial = kept_partial_bytes(self.o.bf16_dir, s.plan.name)
             try:
                 total += (self.o.bf16_dir / s.plan.name).stat().st_size
             except FileNotFoundError:
-                pass
+                total += partial
         return total
 
     # --- 3: report ------------------------------------------------------------------------------------

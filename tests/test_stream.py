@@ -310,3 +310,26 @@ def test_a_downloaded_shard_whose_header_is_not_the_planned_one_is_refused(tiny_
     with pytest.raises(CheckpointError, match="differs from the one the Hub served by byte range"):
         check_planned_header(shard, plan[SHARDS[0]])
     assert not shard.exists()
+
+
+def test_the_reported_disk_peak_counts_each_source_shard_once(tmp_path):
+    """Each source shard counts as its file, else its unfinished download: while a finished download is renamed
+    into place both can be seen, and counting both (all partials, then all files) once reported a peak above the
+    disk plan in CI."""
+    from types import SimpleNamespace
+
+    from mxforge.hub_session import HubLimits
+    from mxforge.hub_transfer import partial_path
+    from mxforge.stream import StreamOptions, StreamRun, _Shard
+
+    bf16 = tmp_path / "bf16"
+    for name, size in (("a.safetensors", 40), ("b.safetensors", 30), ("sub/c.safetensors", 20)):
+        partial = partial_path(bf16, name, "etag-" + name)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(b"x" * size)
+    (bf16 / "a.safetensors").write_bytes(b"x" * 100)  # a's download is complete: its partial is being renamed
+    (bf16 / "other.json").write_bytes(b"x" * 7)  # not a source shard
+    limits = HubLimits(api_timeout=1, metadata_timeout=1, data_timeout=1, retries=1)
+    run = StreamRun(StreamOptions("zai/x", False, bf16, tmp_path / "out", tmp_path / "state.json", None, limits=limits))
+    shards = [_Shard(SimpleNamespace(name=n)) for n in ("a.safetensors", "b.safetensors", "sub/c.safetensors")]
+    assert run._source_bytes_on_disk(shards) == 100 + 30 + 20
