@@ -17,7 +17,6 @@ up, even in the middle of a response. A server that ignores `Range` is read past
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import threading
@@ -227,15 +226,21 @@ class _Stream:
         return start
 
 
-def kept_partial_bytes(dest: Path, name: str | None = None) -> int:
-    """Bytes of unfinished downloads under DEST that a rerun continues from (of file `name` only, if given; one
-    finished meanwhile counts 0)."""
-    total = 0
+def partial_bytes_by_file(dest: Path) -> dict[str, int]:
+    """Bytes of each unfinished download under DEST, by the name of the file it becomes (partial_path's suffix
+    removed; one finished meanwhile is left out)."""
     root = dest / PARTIAL_DIR
-    found = root.glob(glob.escape(name) + ".*.partial") if name is not None else root.rglob("*.partial")
-    for p in found if root.exists() else ():
+    found: dict[str, int] = {}
+    for p in root.rglob("*.partial") if root.exists() else ():
         try:
-            total += p.stat().st_size
+            size = p.stat().st_size
         except FileNotFoundError:  # renamed into place since it was listed
-            pass
-    return total
+            continue
+        name = p.relative_to(root).as_posix().removesuffix(".partial").rsplit(".", 1)[0]  # drop ".<etag hash>"
+        found[name] = found.get(name, 0) + size
+    return found
+
+
+def kept_partial_bytes(dest: Path) -> int:
+    """Bytes of unfinished downloads under DEST that a rerun continues from."""
+    return sum(partial_bytes_by_file(dest).values())

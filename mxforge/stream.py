@@ -550,15 +550,15 @@ class StreamRun:
         such a shard twice under load)."""
         if self.o.local:
             return 0
-        from .hub_transfer import kept_partial_bytes
+        from .hub_transfer import partial_bytes_by_file
 
+        partials = partial_bytes_by_file(self.o.bf16_dir)
         total = 0
         for s in todo:
-            partial = kept_partial_bytes(self.o.bf16_dir, s.plan.name)
             try:
                 total += (self.o.bf16_dir / s.plan.name).stat().st_size
             except FileNotFoundError:
-                total += partial
+                total += partials.get(s.plan.name, 0)
         return total
 
     # --- 3: report ------------------------------------------------------------------------------------
