@@ -404,49 +404,8 @@ def write_provenance(
 ) -> dict:
     """The quantize report, with the error report of every shard in `state`, written to OUT/QUANTIZE_NAME
     (the sequential and the streamed run both end here); returns it."""
-    report = _report(
-        src,
-        out,
-        recipe,
-        plan,
-        device,
-        workers,
-        state.versions,
-        done,
-        skipped,
-        bytes_read,
-        elapsed,
-        accounted,
-        command,
-        sha256_from_download,
-    )
-    report["error"] = (
-        error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
-        if measure_errors
-        else None
-    )
-    write_json_atomic(out / QUANTIZE_NAME, report)
-    return report
-
-
-def _report(
-    src: Path,
-    out: Path,
-    recipe: Recipe,
-    plan: QuantizePlan,
-    device: str,
-    workers: int,
-    versions: dict,
-    done: int,
-    skipped: int,
-    bytes_read: int,
-    elapsed: float,
-    accounted: dict,
-    command: str | None,
-    sha256_from_download: int,
-) -> dict:
     bytes_out = sum(s.output_size for s in plan.shards)
-    return {
+    report = {
         "stage": "quantize",
         "source": str(src.resolve()),
         "out": str(out.resolve()),
@@ -472,7 +431,14 @@ def _report(
         "bytes_processed_now": bytes_read,
         "seconds": round(elapsed, 3),
         "gb_per_s": round(bytes_read / elapsed / 1e9, 4) if elapsed > 0 else None,
-        "tool_versions": versions,
+        "tool_versions": state.versions,
         "command": recorded_command(command),
         "tensors": {fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
     }
+    report["error"] = (
+        error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
+        if measure_errors
+        else None
+    )
+    write_json_atomic(out / QUANTIZE_NAME, report)
+    return report
