@@ -324,9 +324,8 @@ def _maybe_inject(
     """Re-inject the MTP layer from `mtp_from` when the checkpoint lacks it: (record, note)."""
     if mtp_from is None:
         return None, None
+    from mxforge.fixups.mtp_inject import held_mtp_layers, inject_mtp, plan_mtp_injection
     from mxforge.quantize.recipe import load_recipe
-
-    from .mtp_inject import held_mtp_layers, inject_mtp, plan_mtp_injection
 
     layers = held_mtp_layers(ckpt.weight_map, layout_of(ckpt.config))
     if layers:

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Iterable
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.models import MoeLayout, layout_of
+from mxforge.models.tensor_kinds import layer_of
 from mxforge.progress import byte_progress
 from mxforge.provenance import keep_original
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
-from mxforge.tensor_kinds import layer_of
 
 if TYPE_CHECKING:
     import torch

@@ -1,21 +1,22 @@
 """A checkpoint: config.json, the safetensors index and its shards, read from headers only.
 
 Where those come from is a `CheckpointSource`: a local directory (`LocalDir`) or a Hub repo at one commit
-(`mxforge.hub_source.HubSource`, ranged reads of the headers). validate, fixup and inspect read through
+(`mxforge.hub.source.HubSource`, ranged reads of the headers). validate, fixup and inspect read through
 `Checkpoint`, so a local and a remote checkpoint go through the same code.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, MxforgeError
-from .safe_paths import name_problem, refuse_links_leaving
-from .safetensors_io import ShardHeader, TensorInfo, read_header, write_json_atomic
+from mxforge.errors import CheckpointError, MxforgeError
+from mxforge.safe_paths import name_problem, refuse_links_leaving
+from mxforge.safetensors_io import ShardHeader, TensorInfo, read_header, write_json_atomic
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -169,14 +170,25 @@ class LocalDir(CheckpointSource):
         self.check_readable(["config.json", INDEX_NAME, SINGLE_NAME])
 
 
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+MAX_REPO_ID = 96  # the Hub's limit (huggingface_hub.utils.validate_repo_id)
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why `repo_id` is not a Hub model repo id (owner/name), or None."""
+    if len(repo_id) > MAX_REPO_ID:
+        return f"it has {len(repo_id)} characters, the Hub allows {MAX_REPO_ID}"
+    if not REPO_ID_RE.match(repo_id) or "--" in repo_id or ".." in repo_id or repo_id.endswith(".git"):
+        return "a repo id is owner/name of letters, digits, '-', '_' and '.' (no '--', '..' or trailing .git)"
+    return None
+
+
 def is_local_source(source: str) -> bool:
     """A local checkpoint directory, or else a Hub repo id.
 
     Raises:
         MxforgeError: SOURCE is neither an existing directory nor a valid repo id.
     """
-    from .hub_errors import repo_id_problem
-
     try:
         if Path(source).is_dir():
             return True

@@ -13,13 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .errors import MxforgeError
+from mxforge.errors import DirectoryInUse, MxforgeError
 
 LOCK_NAME = Path(".cache") / "mxforge" / "lock"
-
-
-class DirectoryInUse(MxforgeError):
-    """Another process holds the directory's lock."""
 
 
 @contextmanager

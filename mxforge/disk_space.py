@@ -5,12 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .errors import MxforgeError
-from .progress import format_bytes
-
-
-class DiskSpaceError(MxforgeError):
-    """The filesystem cannot hold what a stage is about to write (checked before it writes anything)."""
+from mxforge.errors import DiskSpaceError
+from mxforge.progress import format_bytes
 
 
 def free_space(path: str | Path) -> tuple[Path, int]:

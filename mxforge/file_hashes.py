@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .progress import byte_progress
-from .provenance import LOCAL_ONLY_FILES
-from .safe_paths import refuse_links_leaving
-from .safetensors_io import write_json_atomic
+from mxforge.progress import byte_progress
+from mxforge.provenance import LOCAL_ONLY_FILES
+from mxforge.safe_paths import refuse_links_leaving
+from mxforge.safetensors_io import write_json_atomic
 
 CHUNK = 8 << 20  # hashlib releases the GIL on large updates, so threads hash in parallel
 CACHE_NAME = Path(".cache") / "mxforge" / "hashes.json"

@@ -7,7 +7,7 @@ import tomllib
 from importlib import resources
 from typing import Any
 
-from .errors import ConfigError
+from mxforge.errors import ConfigError
 
 
 def manifest_text(relpath: str) -> str:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .checkpoint import INDEX_NAME, load_json
-from .errors import CheckpointError
-from .safetensors_io import copy_atomic
+from mxforge.checkpoint import INDEX_NAME, load_json
+from mxforge.errors import CheckpointError
+from mxforge.safetensors_io import copy_atomic
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointSource
+    from mxforge.checkpoint import CheckpointSource
 
 SOURCE_NAME = "mxforge_source.json"  # download: repo, commit, every file's sha256
 QUANTIZE_NAME = "mxforge_quantize.json"  # quantize: recipe, tool versions, error report
@@ -39,7 +39,7 @@ def recorded_command(command: str | None) -> str | None:
     Hub token masked; None when a library caller passed none (the model card then says "not recorded")."""
     if command is None:
         return None
-    from .hub_errors import redact  # imports huggingface_hub: only when a command is recorded
+    from mxforge.redaction import redact
 
     return redact(command)
 

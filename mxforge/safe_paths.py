@@ -12,16 +12,12 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from .errors import CheckpointError, MxforgeError
+from mxforge.errors import CheckpointError, UnsafeNameError
 
 MAX_COMPONENT_BYTES = 255  # NAME_MAX of every common Linux filesystem
 MAX_NAME_BYTES = 1024  # a whole relative name; leaves room for DEST under PATH_MAX (4096)
 RESERVED_TOP = ".cache"  # mxforge's and huggingface_hub's bookkeeping in DEST: never written from the Hub
 FOLLOW_HINT = "pass --follow-symlinks to read through it"
-
-
-class UnsafeNameError(MxforgeError):
-    """The Hub sent a file name that is not a plain relative path inside DEST."""
 
 
 def is_inside(root: Path, path: Path) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Mapping
 
-from .errors import CheckpointError
+from mxforge.errors import CheckpointError
 
 # Safetensors' own dtype order (the Rust enum): the writer sorts by it, descending, then by name.
 _DTYPE_RANK = {

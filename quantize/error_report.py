@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from mxforge.tensor_kinds import layer_of, module_class
+from mxforge.models.tensor_kinds import layer_of, module_class
 
 ERROR_STATS = 4  # sum of squared errors, sum of squares, max |error|, clipped count
 WORST_SHOWN = 5

@@ -15,7 +15,7 @@ a new layout is an entry and, for a new quant_method, a reader: tests/test_exten
 Dequantization is the reference's: DeepSeek-V3's `inference/kernel.py` `weight_dequant` for block FP8 (transformers'
 fine-grained FP8 dequantization, sglang's and vLLM's block dequant agree), compressed-tensors' `_dequantize` (what its
 FP8 decompressor runs; vLLM's `scaled_dequantize` agrees) for the others: the e4m3 value and its scale multiplied in
-float32, the product rounded to bf16 (round to nearest even). tests/test_fp8_source.py checks both bit for bit
+float32, the product rounded to bf16 (round to nearest even). tests/quantize/test_fp8_source.py checks both bit for bit
 against that code, executed from transformers and from the wheels.
 """
 

@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from mxforge.errors import ConfigError, MxforgeError
-
-from .error_report import ERROR_STATS
-from .scale_rules import ERROR_LANES, get_scale_rule
+from mxforge.errors import ConfigError, NonFiniteWeightError
+from mxforge.quantize.error_report import ERROR_STATS
+from mxforge.quantize.scale_rules import ERROR_LANES, get_scale_rule
 
 BLOCK = 32
 ZERO_BLOCK_SCALE = 1
@@ -43,10 +42,6 @@ ROW_CHUNK_ELEMENTS = 1 << 20  # rows per chunk of the torch path: about 4 MB of 
 
 if TYPE_CHECKING:  # torch is imported where used: worker processes on the CPU path never load it
     import torch
-
-
-class NonFiniteWeightError(MxforgeError):
-    """A weight to be quantized holds NaN or Inf (Quark would silently encode such blocks as +6.0)."""
 
 
 def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -129,7 +124,7 @@ def quantize_rows_cpu(
     outputs are then meaningless).
     """
     if rows.dtype == np.int16:
-        from ._native import bf16_kernel
+        from mxforge.quantize._native import bf16_kernel
 
         native = bf16_kernel()
         if native is not None and codes.flags.c_contiguous and scales.flags.c_contiguous:
@@ -147,7 +142,7 @@ def quantize_rows_cpu(
                     None if stats is None else stats.ctypes.data,
                 )
             )
-    from ._mxfp4_kernel import quantize_bf16_rows, quantize_f32_rows, quantize_rows_rule
+    from mxforge.quantize._mxfp4_kernel import quantize_bf16_rows, quantize_f32_rows, quantize_rows_rule
 
     if tuple(offsets) == (0,) and stats is None:
         kernel = quantize_bf16_rows if rows.dtype == np.int16 else quantize_f32_rows
@@ -290,7 +285,7 @@ def power_of_two_bits(exponent: torch.Tensor) -> torch.Tensor:
 
 def _quark_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quark's own file-to-file routine (slow; imports Quark): the reference, and the path for non-finite input."""
-    from .quark_ref import quark_quantize_weight
+    from mxforge.quantize.quark_ref import quark_quantize_weight
 
     return quark_quantize_weight(weight.detach().cpu())
 

@@ -19,11 +19,10 @@ from typing import Literal
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.models import MoeLayout, layout_of
+from mxforge.quantize.fp8_source import BF16, FP8_DTYPE, SCALE_DTYPES, SourcePrecision, source_precision
+from mxforge.quantize.mxfp4 import packed_shapes
+from mxforge.quantize.recipe import Recipe, is_linear_weight_name
 from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, read_header, safetensors_order
-
-from .fp8_source import BF16, FP8_DTYPE, SCALE_DTYPES, SourcePrecision, source_precision
-from .mxfp4 import packed_shapes
-from .recipe import Recipe, is_linear_weight_name
 
 Fate = Literal["quantized", "kept", "copied", "scale"]
 QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")

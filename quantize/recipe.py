@@ -1,7 +1,7 @@
 """Quantization recipes: which weights become MXFP4, as data (manifests/recipes/*.toml), validated on load.
 
 A recipe names a scheme and ordered rules. `[[keep]]` rules win over `[[quantize]]` rules; a weight no
-rule matches is kept. A rule selects 2-D linear weights by tensor kind (`mxforge.tensor_kinds`: experts,
+rule matches is kept. A rule selects 2-D linear weights by tensor kind (`mxforge.models.tensor_kinds`: experts,
 shared_experts, router, dense_mlp, attention, indexer, mtp_proj, embeddings, other), by layer scope
 (`all`, `decoder` = layers 0..num_hidden_layers-1, `mtp` = the MTP layers after them, from config.json)
 and optionally by `names`, regular expressions that must match the whole module name. Every rule must
@@ -22,9 +22,8 @@ from typing import Iterable, Literal
 from mxforge.errors import ConfigError
 from mxforge.manifest_io import manifest_text
 from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
-from mxforge.tensor_kinds import KINDS, layer_of
-
-from .scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, get_scale_rule
+from mxforge.models.tensor_kinds import KINDS, layer_of
+from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, get_scale_rule
 
 Decision = Literal["quantize", "keep"]
 RECIPES_DIR = "recipes"  # shipped recipes: manifests/recipes/<name>.toml
@@ -137,7 +136,7 @@ class Recipe:
 
         With Quark's scale rule it is exactly Quark's; another rule is recorded under METADATA_KEY (the recipe
         and the rule), a key Quark's reader and the engines ignore: the tensors' format is the same."""
-        from .quark_ref import cached_quantization_config
+        from mxforge.quantize.quark_ref import cached_quantization_config
 
         config = cached_quantization_config(sorted(excluded_modules), self.quantize_inputs)
         rule = get_scale_rule(self.scale_rule)

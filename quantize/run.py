@@ -24,14 +24,13 @@ from mxforge.disk_space import require_free_space
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
 from mxforge.progress import byte_progress
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME, recorded_command, source_hashes
+from mxforge.quantize.error_report import error_report
+from mxforge.quantize.plan import QuantizePlan, ShardPlan, plan_checkpoint
+from mxforge.quantize.recipe import Recipe, load_recipe
+from mxforge.quantize.shard_job import ShardJob, ShardResult, finish_shard, run_shard
+from mxforge.quantize.state import ResumeState, tool_versions
 from mxforge.safe_paths import refuse_links_leaving
 from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
-
-from .error_report import error_report
-from .plan import QuantizePlan, ShardPlan, plan_checkpoint
-from .recipe import Recipe, load_recipe
-from .shard_job import ShardJob, ShardResult, finish_shard, run_shard
-from .state import ResumeState, tool_versions
 
 NOT_COPIED = {INDEX_NAME, QUANTIZE_STATE_NAME, QUANTIZE_NAME, "config.json"}  # config.json is rewritten
 
@@ -302,7 +301,7 @@ def start_worker_pool(workers: int, jobs: list[ShardJob]):
     ctx: BaseContext = mp.get_context("spawn")
     if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
         # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
-        from .mxfp4 import warm_cpu_kernel
+        from mxforge.quantize.mxfp4 import warm_cpu_kernel
 
         warm_cpu_kernel({t.read_dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
         ctx = mp.get_context("fork")

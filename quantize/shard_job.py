@@ -23,10 +23,9 @@ from typing import Callable
 import numpy as np
 
 from mxforge.errors import CheckpointError, MxforgeError
+from mxforge.quantize.fp8_source import dequantize_rows, scales_as_f32
+from mxforge.quantize.plan import ShardPlan, TensorPlan
 from mxforge.safetensors_io import partial_path
-
-from .fp8_source import dequantize_rows, scales_as_f32
-from .plan import ShardPlan, TensorPlan
 
 CHUNK_BYTES = 16 << 20
 NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -352,7 +351,7 @@ def _quantize_tensor(
 ) -> dict:
     """Quantize one tensor in row chunks (an FP8 one from its dequantized bf16, through `fp8_scales`); returns its
     error sums (error_report.tensor_record)."""
-    from .error_report import ERROR_STATS, tensor_record
+    from mxforge.quantize.error_report import ERROR_STATS, tensor_record
 
     s = t.source
     rows, inner = s.shape
@@ -397,12 +396,12 @@ def _quantize_rows(
     x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: str, job: ShardJob, stats: np.ndarray | None
 ) -> int:
     if job.device == "cpu":
-        from .mxfp4 import quantize_rows_cpu
+        from mxforge.quantize.mxfp4 import quantize_rows_cpu
 
         return quantize_rows_cpu(x, codes, scales, job.scale_offsets, stats)
     import torch
 
-    from .mxfp4 import _quantize_torch
+    from mxforge.quantize.mxfp4 import _quantize_torch
 
     w = torch.from_numpy(x.copy())
     if dtype == "BF16":
@@ -422,7 +421,8 @@ def _handle_nonfinite(
     fp8_scales: np.ndarray | None = None,
 ) -> None:
     """Refuse, or (when allowed) redo the tensor with Quark's own kernel, which encodes NaN blocks as +6.0."""
-    from .mxfp4 import NonFiniteWeightError, _quark_reference
+    from mxforge.errors import NonFiniteWeightError
+    from mxforge.quantize.mxfp4 import _quark_reference
 
     s = t.source
     if job.refuse_nonfinite:

@@ -20,7 +20,7 @@ from mxforge.provenance import QUANTIZE_STATE_NAME
 from mxforge.safetensors_io import write_json_atomic
 
 if TYPE_CHECKING:  # the state file's name is imported by hub I/O, which must not pull in the shard workers
-    from .shard_job import ShardResult
+    from mxforge.quantize.shard_job import ShardResult
 
 STATE_FORMAT = 1
 VERSIONED_PACKAGES = ("mxforge", "amd-quark", "torch", "numba", "numpy")

@@ -28,7 +28,7 @@ def main() -> int:
     os.environ.update(HF_HOME=str(work / "hf_home"), HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
     from loopback_hub import LoopbackHub
 
-    from mxforge.fixture import write_fixture
+    from mxforge.models.fixture import write_fixture
 
     try:
         src = work / "src"
@@ -38,7 +38,7 @@ def main() -> int:
         os.environ["HF_ENDPOINT"] = hub.start()
         from huggingface_hub import snapshot_download
 
-        from mxforge.hub_download import download
+        from mxforge.hub.download import download
 
         size = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
         t0 = time.perf_counter()

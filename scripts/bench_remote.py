@@ -27,7 +27,7 @@ from bench_validate import AMD_WITH_MTP  # noqa: E402
 from loopback_hub import LoopbackHub  # noqa: E402
 from quark_like import write_quark_like  # noqa: E402
 
-from mxforge.fixture import write_fixture  # noqa: E402
+from mxforge.models.fixture import write_fixture  # noqa: E402
 from mxforge.progress import format_bytes  # noqa: E402
 from mxforge.validation.validate import validate_checkpoint  # noqa: E402
 
@@ -37,7 +37,10 @@ REPO_ID = "amd-like/glm-5.2-mxfp4"
 def timed_validate(env: dict) -> tuple[float, dict]:
     t = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "mxforge.cli", "validate", REPO_ID, "--json"], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "mxforge.cli", "validate", REPO_ID, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if proc.returncode not in (0, 1):
         raise SystemExit(f"mxforge validate failed:\n{proc.stderr}")

@@ -71,7 +71,10 @@ def mx(*args: str, env: dict) -> tuple[float, dict | None]:
     """Run `mxforge ARGS --quiet --json -`; (seconds, report)."""
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "mxforge.cli", *args, "--quiet", "--json", "-"], env=env, capture_output=True, text=True
+        [sys.executable, "-m", "mxforge.cli", *args, "--quiet", "--json", "-"],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -106,7 +109,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     from loopback_hub import LoopbackHub
 
-    from mxforge.fixture import write_fixture
+    from mxforge.models.fixture import write_fixture
 
     src = work / "src"
     if not (src / "config.json").exists():

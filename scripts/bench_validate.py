@@ -27,8 +27,8 @@ from pathlib import Path
 from quark_like import write_quark_like
 
 from mxforge.checkpoint import Checkpoint
-from mxforge.fixture import write_fixture
 from mxforge.fixups.fixup import fixup_checkpoint
+from mxforge.models.fixture import write_fixture
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME
 from mxforge.safetensors_io import read_header
 from mxforge.validation.validate import validate_checkpoint

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loopback_hub import LoopbackHub  # noqa: E402
 
-from mxforge.fixture import write_fixture  # noqa: E402
+from mxforge.models.fixture import write_fixture  # noqa: E402
 
 SOURCE_REPO = "mxforge-demo/glm-5.2-tiny"
 TARGET_REPO = "mxforge-demo/glm-5.2-tiny-mxfp4"

@@ -13,6 +13,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0' 2>&1 | grep -v "is ignored: it is neither" >&2 || true
   # The ray extra too, so that the tests of `--executor ray` run; torch stays pinned in the same resolve.
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,ray]' 'torch==2.13.0' 2>&1 | grep -v "is ignored: it is neither" >&2 || true
-  .venv/bin/python -c "import torch, safetensors, huggingface_hub, mxforge.cli" || { echo "mxforge set-up failed" >&2; exit 1; }
+  .venv/bin/python -c "import torch, safetensors, huggingface_hub, mxforge.cli.main" || { echo "mxforge set-up failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

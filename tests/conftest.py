@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import OTHER_TOKEN, REPO, TOKEN, run_cli
 
-from mxforge.fixture import write_fixture
+from mxforge.models.fixture import write_fixture
 
 sys.path.insert(0, str(REPO / "scripts"))  # the test Hub (loopback_hub) and the Quark-style writer (quark_like)
 

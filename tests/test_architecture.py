@@ -1,7 +1,6 @@
-"""The layering that docs/architecture.md describes, checked on the source: no import cycle among the package's
-modules (lazy imports inside functions count: they are cycles all the same), the CLI helper stays in the CLI,
-core modules learn file names from provenance instead of importing a stage, and the quantizer and the
-checkers import no Hub client."""
+"""The layering that docs/architecture.md describes, checked on the source: every module stands on a floor given
+by its folder and imports only from its floor or below (lazy imports inside functions count), no import cycle
+among the package's modules, and the quantizer and the checkers import no Hub client."""
 
 from __future__ import annotations
 
@@ -19,36 +18,33 @@ PACKAGES = {
     "fixups": "mxforge.fixups",
     "validation": "mxforge.validation",
 }
-CLI_MODULES = {
-    "mxforge.cli",
-    "mxforge.cli_support",
-    "mxforge.hub_cli",
-    "mxforge.quantize.cli",
-    "mxforge.fixups.cli",
-    "mxforge.validation.cli",
-}
-# Modules the stages build on; they must not reach up into a stage (download, quantize, fixup, push, run).
-CORE = (
-    "mxforge.checkpoint",
-    "mxforge.file_hashes",
-    "mxforge.model_card",
-    "mxforge.provenance",
-    "mxforge.safetensors_io",
-    "mxforge.safe_paths",
-    "mxforge.disk_space",
-    "mxforge.models",
-    "mxforge.validation",
+# The floors of the house, lowest first, by folder (docs/architecture.md, "Layering"): a module imports only from
+# its own floor or the ones below. The ground floor is every module directly in mxforge/ (errors, file I/O, paths,
+# hashes, locks, disk, cache, provenance); each other floor is one package. A new package must be given its floor here.
+FLOORS = (
+    ("ground", "mxforge"),
+    ("formats", "mxforge.formats"),
+    ("models", "mxforge.models"),
+    ("quantize", "mxforge.quantize"),
+    ("validation", "mxforge.validation"),
+    ("fixups", "mxforge.fixups"),
+    ("hub", "mxforge.hub"),
+    ("run", "mxforge.run"),
+    ("cli", "mxforge.cli"),
 )
-STAGES = (
-    "mxforge.hub_download",
-    "mxforge.hub_push",
-    "mxforge.pipeline",
-    "mxforge.stream",
-    "mxforge.quantize.run",
-    "mxforge.quantize.state",
-    "mxforge.quantize.shard_job",
-    "mxforge.fixups",
-)
+
+
+def floor_of(module: str) -> int:
+    """The index in FLOORS of the floor `module` stands on (the longest matching package)."""
+    best = -1
+    for i, (_, package) in enumerate(FLOORS):
+        if (module == package or module.startswith(package + ".")) and (
+            best < 0 or len(package) > len(FLOORS[best][1])
+        ):
+            best = i
+    if best == 0 and module.count(".") > 1:
+        raise AssertionError(f"{module}: a package with no floor in FLOORS")
+    return best
 
 
 def package_modules(root: Path = REPO) -> dict[str, Path]:
@@ -130,10 +126,6 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def _in(name: str, prefixes) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
-
-
 def test_graph_sees_lazy_and_relative_imports(tmp_path):
     """The checker itself: a cycle made of a relative import and a lazy one is found (else the test below
     could pass by seeing nothing)."""
@@ -153,19 +145,40 @@ def test_no_import_cycle():
     assert import_cycles(import_graph()) == []
 
 
-def test_only_the_cli_imports_cli_support():
-    """Library functions take the command they record from their caller; only the CLI reads sys.argv."""
-    offenders = {
-        name for name, deps in import_graph().items() if "mxforge.cli_support" in deps and name not in CLI_MODULES
-    }
-    assert offenders == set()
+def test_every_module_stands_on_a_floor():
+    """Every package of mxforge is one floor of FLOORS: a folder added without a place in the house fails here."""
+    assert {name: floor_of(name) for name in package_modules()}  # floor_of raises for a package with no floor
 
 
-def test_core_modules_never_import_a_stage():
-    """File names come from mxforge.provenance, so no core module imports a stage to learn one."""
+def test_no_module_imports_from_a_floor_above_its_own():
+    """The layering by folder: ground < formats < models < quantize < validation < fixups < hub < run < cli. The
+    library never imports the CLI (only the CLI reads sys.argv; library functions take the command they record
+    from their caller), and no floor reaches up into a stage above it to learn a constant."""
     graph = import_graph()
-    offenders = {name: sorted(d for d in deps if _in(d, STAGES)) for name, deps in graph.items() if _in(name, CORE)}
-    assert {k: v for k, v in offenders.items() if v} == {}
+    offenders = sorted(
+        f"{name} ({FLOORS[floor_of(name)][0]}) imports {dep} ({FLOORS[floor_of(dep)][0]})"
+        for name, deps in graph.items()
+        for dep in deps
+        if floor_of(dep) > floor_of(name)
+    )
+    assert offenders == []
+
+
+def test_the_floor_check_sees_an_upward_import(tmp_path):
+    """The checker itself: a ground-floor module that lazily imports the CLI is found (else the test above
+    could pass by seeing nothing)."""
+    for folder in PACKAGES:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "mxforge" / "cli").mkdir()
+    (tmp_path / "mxforge" / "cli" / "__init__.py").write_text("")
+    (tmp_path / "mxforge" / "cli" / "support.py").write_text("X = 1\n")
+    (tmp_path / "mxforge" / "io.py").write_text("def f():\n    from mxforge.cli.support import X\n")
+    (tmp_path / "quantize" / "run.py").write_text("from ..io import f\n")
+    graph = import_graph(tmp_path)
+    assert graph["mxforge.io"] == {"mxforge.cli.support"}
+    assert graph["mxforge.quantize.run"] == {"mxforge.io"}
+    assert floor_of("mxforge.io") == 0 and floor_of("mxforge.cli.support") == len(FLOORS) - 1
 
 
 def test_quantizer_and_checkers_load_without_a_hub_client():
@@ -173,8 +186,8 @@ def test_quantizer_and_checkers_load_without_a_hub_client():
     and works where the Hub client is broken."""
     probe = (
         "import sys, mxforge.quantize.run, mxforge.validation.validate, mxforge.validation.deep_checks, "
-        "mxforge.fixups.fixup; print(sorted(m for m in ('huggingface_hub', 'httpx', 'mxforge.hub_download', "
-        "'mxforge.cli_support') if m in sys.modules))"
+        "mxforge.fixups.fixup; print(sorted(m for m in ('huggingface_hub', 'httpx', 'mxforge.hub.download', "
+        "'mxforge.cli.support') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -43,8 +43,8 @@ def run_copy(root: Path, *args: str, timeout: float = 600) -> subprocess.Complet
             sys.executable,
             "-P",
             "-c",
-            "import sys, mxforge.cli; assert mxforge.cli.__file__.startswith("
-            f"{str(root)!r}), mxforge.cli.__file__; sys.argv[0] = 'mxforge'; sys.exit(mxforge.cli.main())",
+            "import sys, mxforge.cli.main; assert mxforge.cli.main.__file__.startswith("
+            f"{str(root)!r}), mxforge.cli.main.__file__; sys.argv[0] = 'mxforge'; sys.exit(mxforge.cli.main.main())",
             *args,
         ],
         capture_output=True,
@@ -121,7 +121,9 @@ def test_a_new_model_family_is_a_module_a_registration_and_its_tables(copy, pris
     )
     init = copy / "mxforge/models/__init__.py"
     text = init.read_text()
-    text, n = re.subn(r"^(from \. import .+)$", r"\1\nfrom . import toy_moe", text, count=1, flags=re.M)
+    text, n = re.subn(
+        r"^(from mxforge\.models import .+)$", r"\1\nfrom mxforge.models import toy_moe", text, count=1, flags=re.M
+    )
     assert n == 1
     text, n = re.subn(r"(FAMILIES: tuple\[Family, \.\.\.\] = \()(.*?)\)", r"\1\2, toy_moe.FAMILY)", text)
     assert n == 1
@@ -190,8 +192,8 @@ def test_a_new_fp8_source_layout_is_one_scheme_entry_and_its_reader(copy, pristi
     it quantizes to the tensors the compressed-tensors checkpoint it was made from quantizes to."""
     from safetensors.torch import load_file, save_file
 
-    from mxforge.fixture import write_fixture
     from mxforge.models import family_named
+    from mxforge.models.fixture import write_fixture
 
     source = copy / "mxforge/quantize/fp8_source.py"
     text = source.read_text()

@@ -6,12 +6,11 @@ import re
 from typing import Mapping
 
 from mxforge.models import MoeLayout
+from mxforge.models.tensor_kinds import layer_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
-from mxforge.tensor_kinds import layer_of
-
-from .matching import is_glob
-from .report import Problem
-from .tensor_forms import BF16, MXFP4, Stored
+from mxforge.validation.matching import is_glob
+from mxforge.validation.report import Problem
+from mxforge.validation.tensor_forms import BF16, MXFP4, Stored
 
 QC = "config.json:quantization_config"
 

@@ -12,8 +12,7 @@ from mxforge.file_hashes import hash_files
 from mxforge.progress import byte_progress
 from mxforge.provenance import QUANTIZE_NAME, SOURCE_NAME
 from mxforge.safetensors_io import TensorInfo
-
-from .report import Problem
+from mxforge.validation.report import Problem
 
 NAN_SCALE = 255  # E8M0 0xFF encodes NaN: every weight of that 32-block dequantizes to NaN
 CHUNK = 16 << 20

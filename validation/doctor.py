@@ -6,11 +6,10 @@ from typing import Mapping
 
 from mxforge.models import MoeLayout
 from mxforge.safetensors_io import TensorInfo
-
-from .config_checks import exclude_entries
-from .matching import is_glob
-from .modules import LayerLinears
-from .tensor_forms import BF16, MXFP4, Stored
+from mxforge.validation.config_checks import exclude_entries
+from mxforge.validation.matching import is_glob
+from mxforge.validation.modules import LayerLinears
+from mxforge.validation.tensor_forms import BF16, MXFP4, Stored
 
 
 def diagnose(

@@ -7,9 +7,8 @@ from typing import Mapping
 
 from mxforge.errors import ConfigError
 from mxforge.models import MoeLayout
-
-from .loaded import LoadedCheckpoint
-from .matching import (
+from mxforge.validation.loaded import LoadedCheckpoint
+from mxforge.validation.matching import (
     DRAFT,
     TARGET,
     RoleView,
@@ -21,10 +20,10 @@ from .matching import (
     module_config,
     role_views,
 )
-from .modules import EngineModule, LayerLinears, engine_modules
-from .profiles import EngineProfile
-from .report import Problem
-from .tensor_forms import BF16, MXFP4, Stored, braced, describe_stored, mxfp4_shapes
+from mxforge.validation.modules import EngineModule, LayerLinears, engine_modules
+from mxforge.validation.profiles import EngineProfile
+from mxforge.validation.report import Problem
+from mxforge.validation.tensor_forms import BF16, MXFP4, Stored, braced, describe_stored, mxfp4_shapes
 
 RUN_FIXUP = "run mxforge fixup"
 OTHER = "another scheme"

@@ -5,8 +5,7 @@ from __future__ import annotations
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError
 from mxforge.safetensors_io import ShardHeader
-
-from .report import Problem
+from mxforge.validation.report import Problem
 
 REDOWNLOAD = "re-download or re-create the shard"
 

@@ -8,10 +8,9 @@ from pathlib import Path
 from mxforge.checkpoint import Checkpoint, CheckpointSource
 from mxforge.models import MoeLayout, layout_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
-
-from .integrity import check_index_and_shards
-from .modules import LayerLinears, all_linears, checkpoint_linears
-from .tensor_forms import Stored, stored_form
+from mxforge.validation.integrity import check_index_and_shards
+from mxforge.validation.modules import LayerLinears, all_linears, checkpoint_linears
+from mxforge.validation.tensor_forms import Stored, stored_form
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Entry matching is the engines' own: an entry matches a module prefix when equal to it, or when it starts
 with "re:" and the rest `re.match`es the prefix. Globs are understood by no engine. What differs per
 release (fused names, expert entries, which entries reach the MTP draft, shared-expert fusion) is data in
-the profile; conformance with each release's own code is tested in tests/test_engine_conformance.py.
+the profile; conformance with each release's own code is tested in tests/validation/test_engine_conformance.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from mxforge.models import MoeLayout
-
-from .profiles import EngineProfile
+from mxforge.validation.profiles import EngineProfile
 
 GLOB_CHARS = re.compile(r"[*?\[]")
 TARGET, DRAFT = "target", "draft"

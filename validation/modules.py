@@ -10,11 +10,10 @@ import re
 from dataclasses import dataclass
 
 from mxforge.models import MoeLayout
+from mxforge.models.tensor_kinds import LAYER_RE
 from mxforge.safetensors_io import PlannedTensor
-from mxforge.tensor_kinds import LAYER_RE
-
-from .matching import DRAFT, TARGET
-from .profiles import EngineProfile
+from mxforge.validation.matching import DRAFT, TARGET
+from mxforge.validation.profiles import EngineProfile
 
 EXPERT_RE = re.compile(r"^mlp\.experts\.\d+\.")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .profiles import Selection, release_runs
+from mxforge.validation.profiles import Selection, release_runs
 
 MAX_LISTED = 60  # problems listed in the human summary; the JSON report has every one
 
@@ -123,7 +123,7 @@ class ValidationReport:
         head = f"{self.path}: OK" if self.ok else f"{self.path}: {len(self.problems)} problem(s)"
         lines = [head, f"  {self.verdict()}"] + [f"  note: {n}" for n in self.notes]
         if "fetched" in self.checked:  # a Hub repo, read through its headers
-            from mxforge.hub_source import fetched_line
+            from mxforge.progress import fetched_line
 
             lines.append(f"  {fetched_line(self.checked['fetched'])}")
         lines += [f"  warning: {w.subject}: {w.message}: {w.remedy}" for w in self.warnings]

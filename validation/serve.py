@@ -7,7 +7,7 @@ flag exists in each release's server arguments.
 
 from __future__ import annotations
 
-from .profiles import Selection, release_runs
+from mxforge.validation.profiles import Selection, release_runs
 
 TENSOR_PARALLEL = 8  # one 8-GPU node (the GLM-5.2 write-up ran on 8x MI355X)
 

@@ -8,8 +8,7 @@ from typing import Mapping
 from mxforge.errors import ConfigError
 from mxforge.quantize.mxfp4 import packed_shapes
 from mxforge.safetensors_io import TensorInfo
-
-from .modules import Linear
+from mxforge.validation.modules import Linear
 
 MXFP4, BF16 = "mxfp4", "bf16"
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})

@@ -5,16 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from mxforge.checkpoint import Checkpoint, CheckpointSource
-
-from .config_checks import check_layout, check_quant_config, exclude_entries
-from .deep_checks import check_sha256, scan_scales
-from .doctor import diagnose
-from .engine_check import engine_problems
-from .loaded import LoadedCheckpoint, load_checkpoint
-from .profiles import EngineProfile, check_engine_items, select
-from .report import Problem, ValidationReport
-from .serve import serving_commands
-from .tensor_forms import MXFP4
+from mxforge.validation.config_checks import check_layout, check_quant_config, exclude_entries
+from mxforge.validation.deep_checks import check_sha256, scan_scales
+from mxforge.validation.doctor import diagnose
+from mxforge.validation.engine_check import engine_problems
+from mxforge.validation.loaded import LoadedCheckpoint, load_checkpoint
+from mxforge.validation.profiles import EngineProfile, check_engine_items, select
+from mxforge.validation.report import Problem, ValidationReport
+from mxforge.validation.serve import serving_commands
+from mxforge.validation.tensor_forms import MXFP4
 
 
 def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict | None) -> tuple[list, dict]:
@@ -57,7 +56,7 @@ def validate_checkpoint(
 ) -> ValidationReport:
     """Check integrity, quantization_config, layout/MTP completeness and, per engine release, loadability.
 
-    `root` is a checkpoint directory, a CheckpointSource (a Hub repo: mxforge.hub_source) or an open Checkpoint.
+    `root` is a checkpoint directory, a CheckpointSource (a Hub repo: mxforge.hub.source) or an open Checkpoint.
     `engines` selects releases as `--engines` does (None: every supported release). Headers only, unless
     `deep`: then every MXFP4 scale is read (a 255 byte is NaN) and files are checked against the download's
     sha256 manifest (progress shown unless `quiet`). Returns a report; `report.ok` is False when problems

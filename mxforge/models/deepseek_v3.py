@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mxforge.tensor_kinds import LINEAGE_KIND_RULES, compile_rules
-
-from .family import Family
-from .layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors, mtp_own_head_tensors
+from mxforge.models.family import Family
+from mxforge.models.layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors, mtp_own_head_tensors
+from mxforge.models.tensor_kinds import LINEAGE_KIND_RULES, compile_rules
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .deepseek_v3 import KIND_RULES, DeepseekV3Layout
-from .family import Family
-from .layout import DSA_FIELDS, LINEAGE_FIELDS, MLA_FIELDS, Spec, dsa_indexer_tensors, mla_tensors
+from mxforge.models.deepseek_v3 import KIND_RULES, DeepseekV3Layout
+from mxforge.models.family import Family
+from mxforge.models.layout import DSA_FIELDS, LINEAGE_FIELDS, MLA_FIELDS, Spec, dsa_indexer_tensors, mla_tensors
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ class Family:
     reference_config: str  # manifests path of the real published config.json
     fixtures: str  # manifests path of the fixture presets
     recipes: tuple[str, ...]  # shipped recipes for this family; the first is the default
-    kind_rules: tuple[tuple[str, re.Pattern], ...]  # tensor kinds, first match wins (mxforge.tensor_kinds)
+    kind_rules: tuple[tuple[str, re.Pattern], ...]  # tensor kinds, first match wins (mxforge.models.tensor_kinds)
     inventory_source: str = ""  # where the published inventory figures come from
     # The published checkpoint's inventory, for the full-layout fixture to reproduce: tensors, parameters
     # (elements), shards, and its precision ("bf16", or "fp8-block" for 128x128 block-scaled e4m3); where only

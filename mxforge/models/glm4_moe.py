@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .deepseek_v3 import KIND_RULES
-from .family import Family
-from .layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec, mtp_own_head_tensors
+from mxforge.models.deepseek_v3 import KIND_RULES
+from mxforge.models.family import Family
+from mxforge.models.layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec, mtp_own_head_tensors
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Glm4MoeLayout(MoeLayout):
     OPTIONAL_INT_FIELDS = LINEAGE_OPTIONAL_INT_FIELDS + ("head_dim",)
     # GLM-4.6 (unlike GLM-4.5) ships its MTP layer without its own embedding and head; vLLM's Glm4MoeMTP loads
     # lm_head.weight / model.embed_tokens.weight into them, sglang's NextN worker gives the draft the target's
-    # (tests/test_mtp_own_head.py runs and reads that code of every release).
+    # (tests/validation/test_mtp_own_head.py runs and reads that code of every release).
     OMITTABLE_MTP_TENSORS = ("embed_tokens.weight", "shared_head.head.weight")
 
     @property

@@ -7,17 +7,16 @@ MLA attention with DeepSeek's sparse-attention indexer on "full" IndexShare laye
 The FP8 release (zai-org/GLM-5.2-FP8: 118,629 tensors, 755,617,140,416 bytes, same reference) is DeepSeek-style
 128x128 block FP8 (`weight_scale_inv`, as GLM-5-FP8 loaders read it): the layout reproduces both figures exactly
 when every 2-D weight is F8_E4M3 with its F32 scales except the router (`mlp.gate`), `eh_proj`, the embedding,
-`lm_head` and the indexer's `weights_proj` (bf16), and no other choice of bf16 weights does (tests/test_fp8_source.py).
+`lm_head` and the indexer's `weights_proj` (bf16), and no other choice of bf16 weights does
+(tests/quantize/test_fp8_source.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mxforge.tensor_kinds import LINEAGE_KIND_RULES
-
-from .family import Family
-from .layout import (
+from mxforge.models.family import Family
+from mxforge.models.layout import (
     DSA_FIELDS,
     LINEAGE_FIELDS,
     LINEAGE_OPTIONAL_INT_FIELDS,
@@ -27,6 +26,7 @@ from .layout import (
     dsa_indexer_tensors,
     mla_tensors,
 )
+from mxforge.models.tensor_kinds import LINEAGE_KIND_RULES
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
 
 from mxforge.errors import ConfigError
+from mxforge.models.tensor_kinds import kind_of
 from mxforge.safetensors_io import PlannedTensor
-from mxforge.tensor_kinds import kind_of
 
 Spec = tuple[str, tuple[int, ...], str]  # layer-relative name, shape, dtype
 NORM_RE = re.compile(r"norm\.(weight|bias)$")
@@ -70,7 +70,7 @@ class MoeLayout:
         return self.config[key]
 
     def kind_of(self, name: str) -> str:
-        """The kind of tensor `name` (mxforge.tensor_kinds.KINDS) under this family's rules."""
+        """The kind of tensor `name` (mxforge.models.tensor_kinds.KINDS) under this family's rules."""
         return kind_of(name, self.family.kind_rules)
 
     @property

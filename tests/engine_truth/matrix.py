@@ -18,9 +18,9 @@ from pathlib import Path
 
 from quark_like import write_quark_like
 
-from mxforge.fixture import write_fixture
 from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.models import Family
+from mxforge.models.fixture import write_fixture
 from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.validation.loaded import load_checkpoint
 from mxforge.validation.matching import DRAFT, TARGET

@@ -1,0 +1,1 @@
+"""The command line: argument parsing, exit codes and output. The library never imports it."""

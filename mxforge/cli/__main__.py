@@ -1,0 +1,7 @@
+"""`python -m mxforge.cli`: the `mxforge` command."""
+
+import sys
+
+from mxforge.cli.main import main
+
+sys.exit(main())

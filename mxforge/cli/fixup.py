@@ -1,0 +1,118 @@
+"""`mxforge fixup`: argument parsing and output (the work is in fixup.py, mtp_inject.py, hub_pr.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+# mxforge.cli.main imports this module to build its COMMANDS table, so its helpers are imported inside the
+# functions below (at call time), never at import time.
+from mxforge.cli.support import (
+    add_engines_option,
+    add_json_option,
+    add_remote_options,
+    engines_arg,
+    open_checkpoint_arg,
+)
+
+
+def register_fixup(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "fixup",
+        help="write the MTP exclusion aliases each engine needs; rewrite glob exclusions",
+        description="Edit quantization_config.exclude so that each engine builds bf16 exactly the modules "
+        "stored bf16: exact aliases for the MTP layer (model.decoder.*, model.eh_proj, fused names, "
+        "<layer>.mlp.experts) and glob entries rewritten into exact names. Idempotent. Keeps "
+        "config.json.orig, records what it applied in mxforge_fixups.json. Exit 0 when every engine "
+        "can load the result, 1 when problems remain that the config cannot cure, 2 could not run.",
+    )
+    p.add_argument(
+        "ckpt",
+        help="checkpoint directory (config.json is edited in place), or a Hub repo id with --create-pr or --dry-run",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the unified diff of config.json; write nothing "
+        "(with --create-pr: also the pull request's description; nothing is sent)",
+    )
+    p.add_argument(
+        "--create-pr",
+        action="store_true",
+        help="REPO_ID only: open a pull request on the Hub changing "
+        "config.json (and adding mxforge_fixups.json), computed from the remote headers; a second call finds "
+        "the open one instead",
+    )
+    p.add_argument(
+        "--mtp-from",
+        metavar="BF16_SRC",
+        default=None,
+        help="first re-inject a missing MTP layer from this bf16 checkpoint (a new shard; index and config updated)",
+    )
+    p.add_argument(
+        "--recipe",
+        default=None,
+        help="with --mtp-from: the quantization recipe for the MTP layer "
+        "(name in manifests/recipes/ or a TOML path; default: the quantizer's default)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar (--mtp-from)")
+    add_remote_options(p)
+    add_engines_option(p)
+    add_json_option(p)
+    return p
+
+
+def run_fixup(args) -> int:
+    from mxforge.cli.support import EXIT_OK, EXIT_PROBLEMS, emit, invocation
+    from mxforge.errors import ConfigError
+    from mxforge.fixups.fixup import fixup_checkpoint
+
+    if args.recipe and not args.mtp_from:
+        raise ConfigError("--recipe applies only with --mtp-from BF16_SRC")
+    source = None if args.create_pr else open_checkpoint_arg(args)
+    if source is None or source.local_root is None:
+        return _run_remote_fixup(args, source)
+    result = fixup_checkpoint(
+        source,
+        engines_arg(args),
+        dry_run=args.dry_run,
+        mtp_from=args.mtp_from,
+        recipe=args.recipe,
+        quiet=args.quiet,
+        command=invocation(),
+    )
+    emit(result.as_dict(), args.json, result.format())
+    return EXIT_OK if not result.remaining else EXIT_PROBLEMS
+
+
+def _run_remote_fixup(args, source) -> int:
+    """fixup of a Hub repo: --create-pr (or --dry-run) only; a repo cannot be edited in place."""
+    from mxforge.checkpoint import is_local_source
+    from mxforge.cli.support import EXIT_OK, EXIT_PROBLEMS, emit, hub_limits, invocation
+    from mxforge.errors import MxforgeError
+    from mxforge.fixups.fixup import fixup_checkpoint
+
+    if args.mtp_from:
+        raise MxforgeError("--mtp-from writes a new shard: it needs a local checkpoint directory, not a Hub repo")
+    if args.create_pr:
+        if is_local_source(args.ckpt):
+            raise MxforgeError(f"{args.ckpt}: --create-pr takes a Hub repo id (owner/name), not a directory")
+        from mxforge.hub.pr import create_fixup_pr
+
+        pr = create_fixup_pr(
+            args.ckpt,
+            args.revision,
+            engines_arg(args),
+            dry_run=args.dry_run,
+            limits=hub_limits(args),
+            command=invocation(),
+        )
+        emit(pr.as_dict(), args.json, pr.format())
+        return EXIT_OK if not pr.fixup.remaining else EXIT_PROBLEMS
+    if not args.dry_run:
+        raise MxforgeError(
+            f"{args.ckpt}: a Hub repo cannot be edited in place: pass --create-pr to propose the fix "
+            "as a pull request, or --dry-run to see it"
+        )
+    result = fixup_checkpoint(source, engines_arg(args), dry_run=True, command=invocation())
+    emit(result.as_dict(), args.json, result.format())
+    return EXIT_OK if not result.remaining else EXIT_PROBLEMS

@@ -1,0 +1,132 @@
+"""`mxforge download` and `mxforge push`: the command-line side of hub I/O."""
+
+from __future__ import annotations
+
+import argparse
+
+# cli_support is light; heavy modules (huggingface_hub, hub I/O) are imported inside the functions, at call time.
+from mxforge.cli.support import (
+    EXIT_OK,
+    add_engines_option,
+    add_follow_symlinks_option,
+    add_hub_options,
+    add_json_option,
+    emit,
+    engines_arg,
+    hub_limits,
+    invocation,
+)
+
+
+def _check_workers(workers: int) -> None:
+    from mxforge.errors import MxforgeError
+
+    if workers < 1:
+        raise MxforgeError(f"--workers must be at least 1, got {workers}")
+
+
+def _quiet_hub(quiet: bool) -> None:
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def _add_common_options(p: argparse.ArgumentParser, workers_help: str) -> None:
+    p.add_argument("--workers", type=int, default=8, help=f"{workers_help} (default 8)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_hub_options(p)
+    add_json_option(p)
+
+
+def register_download(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "download",
+        help="download a Hub repo at one commit, resumably, verifying every file's hash",
+        description="Download REPO_ID into DEST through huggingface_hub: resolves the revision to a commit, "
+        "checks free disk space first, resumes interrupted files on rerun, verifies every file against the "
+        "Hub's sha256 / git hash, and records DEST/mxforge_source.json. Honours HF_TOKEN, HF_ENDPOINT, HF_HOME, "
+        "HF_HUB_OFFLINE and the Hub's other usual variables.",
+    )
+    p.add_argument("repo_id", help="Hub repo, e.g. zai-org/GLM-5.2")
+    p.add_argument("dest", help="destination directory (created; rerun into the same one to resume)")
+    p.add_argument("--revision", default="main", help="branch, tag or commit sha (default main)")
+    p.add_argument("--include", action="append", metavar="GLOB", help="download only files matching GLOB (repeatable)")
+    p.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB (repeatable)")
+    _add_common_options(p, "parallel file downloads and hash threads")
+    return p
+
+
+def run_download(args) -> int:
+    from mxforge.hub.download import download
+
+    _check_workers(args.workers)
+    _quiet_hub(args.quiet)
+    r = download(
+        args.repo_id,
+        args.dest,
+        revision=args.revision,
+        include=args.include,
+        exclude=args.exclude,
+        workers=args.workers,
+        quiet=args.quiet,
+        limits=hub_limits(args),
+        command=invocation(),
+    )
+    report = r.as_dict()
+    emit(
+        report,
+        args.json,
+        f"downloaded {r.repo_id}@{r.revision} (commit {r.commit}) to {r.dest}: {report['files']} files, "
+        f"{report['bytes']:,} bytes, every hash verified against the Hub",
+    )
+    return EXIT_OK
+
+
+def register_push(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "push",
+        help="validate, write the model card, upload resumably and verify the remote hashes",
+        description="Validate CKPT (refusing, before any network call, when it fails), write its model card "
+        "README.md, upload the large files (the Hub keeps what it received: rerun to resume), commit in one commit "
+        "only if no file changed since validation, then compare the Hub's sha256 of every file with the "
+        "local one. Needs HF_TOKEN (or `hf auth login`) with write access.",
+    )
+    p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("repo_id", help="target Hub repo, e.g. me/GLM-5.2-MXFP4 (created if missing)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--branch", default=None, help="push to this branch (created from main if missing; default main)")
+    p.add_argument("--force", action="store_true", help="push even though validate fails (the card says so)")
+    add_engines_option(p)
+    add_follow_symlinks_option(p, "and upload files of CKPT")
+    _add_common_options(p, "hash threads")
+    return p
+
+
+def run_push(args) -> int:
+    from mxforge.hub.push import push
+
+    _check_workers(args.workers)
+    _quiet_hub(args.quiet)
+    engines = engines_arg(args)
+    r = push(
+        args.ckpt,
+        args.repo_id,
+        private=args.private,
+        branch=args.branch,
+        force=args.force,
+        engines=engines,
+        workers=args.workers,
+        quiet=args.quiet,
+        follow_symlinks=args.follow_symlinks,
+        limits=hub_limits(args),
+        command=invocation(),
+    )
+    forced = " (FORCED past failed validation)" if r.forced else ""
+    emit(
+        r.as_dict(),
+        args.json,
+        f"pushed {args.ckpt} to {r.endpoint}/{r.repo_id} branch {r.branch} (commit {r.commit}){forced}: "
+        f"{len(r.files)} files, every remote sha256 matches the local one",
+    )
+    return EXIT_OK

@@ -1,0 +1,330 @@
+"""The `mxforge` command: one subcommand per pipeline stage.
+
+Each subcommand is a (register, run) pair: `register` adds its arguments, `run` does the work and returns
+the exit code. Stage subcommands live beside their engines (hub_cli, quantize/cli, fixups/cli) and share
+the helpers in cli_support.
+Exit codes: 0 done, 1 validation found problems, 2 could not run: expected failures (MxforgeError) and
+every operating-system failure (read-only or full disk, permissions, names too long) print one line to
+stderr, with no traceback; 130 after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import sys
+from typing import Callable
+
+from mxforge import __version__
+from mxforge.cli import fixup as fixups_cli
+from mxforge.cli import hub as hub_cli
+from mxforge.cli import quantize as quantize_cli
+from mxforge.cli import validate as validation_cli
+from mxforge.cli.support import (  # noqa: F401 (EXIT_* re-exported)
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    add_engines_option,
+    add_follow_symlinks_option,
+    add_hub_options,
+    add_json_option,
+    add_remote_options,
+    emit,
+    engines_arg,
+    hub_limits,
+    invocation,
+    open_checkpoint_arg,
+)
+from mxforge.errors import MxforgeError
+
+
+# --- fixture ---------------------------------------------------------------------------------------
+def register_fixture(sub) -> argparse.ArgumentParser:
+    from mxforge.models import DEFAULT_FAMILY, FAMILIES
+
+    p = sub.add_parser(
+        "fixture",
+        help="write a model family's bf16 or FP8 checkpoint (tests, benchmarks, demos)",
+        description="Write a bf16 (or, --precision fp8, FP8) checkpoint of a model family laid "
+        "out like its real one. Presets: "
+        "tiny (seconds, a few MB, every layer kind and the MTP layer); bench (real expert shapes, "
+        "--gib sets the size); full-layout (the real model's every tensor and shard, e.g. GLM-5.2's "
+        "59,585 tensors in 282 shards, 1.5 TB apparent, as sparse files: real headers, but every "
+        "weight reads as zeros; for metadata stages only).",
+    )
+    p.add_argument("out", help="output directory (created; must be empty or absent)")
+    p.add_argument("--preset", choices=("tiny", "bench", "full-layout"), default="tiny")
+    p.add_argument(
+        "--family",
+        choices=[f.name for f in FAMILIES],
+        default=DEFAULT_FAMILY.name,
+        help="model family: "
+        + "; ".join(f"{f.name} ({f.title})" for f in FAMILIES)
+        + f" (default {DEFAULT_FAMILY.name})",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="bf16 (default), or fp8: the layout of the family's official FP8 release, the same bf16 content "
+        "as F8_E4M3 weights with their scales and the release's quantization_config (DeepSeek-V3/V3.2, GLM-5.x: "
+        "F32 128x128 block scales `weight_scale_inv`; GLM-4.5: compressed-tensors, per-channel `weight_scale` "
+        "and a static `input_scale`)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="weights are deterministic for a seed (default 0)")
+    p.add_argument(
+        "--gib",
+        type=float,
+        default=None,
+        help="bench only: approximate size in GiB of the bf16 layout (default 2; FP8 is about 0.6x)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_json_option(p)
+    return p
+
+
+def run_fixture(args) -> int:
+    from mxforge.models.fixture import write_fixture
+
+    if args.gib is not None and args.gib <= 0:
+        raise MxforgeError(f"--gib must be positive, got {args.gib}")
+    result = write_fixture(
+        args.out,
+        args.preset,
+        seed=args.seed,
+        gib=args.gib,
+        quiet=args.quiet,
+        family=args.family,
+        precision=args.precision,
+    )
+    emit(
+        result.as_dict(),
+        args.json,
+        f"wrote {result.family} {result.precision} {result.preset} fixture to {result.out}: "
+        f"{result.tensors:,} tensors, {result.shards} shards, total_size {result.total_size:,} bytes "
+        f"(seed {result.seed})",
+    )
+    return EXIT_OK
+
+
+# --- inspect ---------------------------------------------------------------------------------------
+def register_inspect(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "inspect",
+        help="summarize a checkpoint: tensor kinds, dtypes, layers, MTP, quantization_config",
+        description="Summarize a checkpoint from its headers alone (no tensor data is read).",
+    )
+    p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
+    add_remote_options(p)
+    add_json_option(p)
+    return p
+
+
+def run_inspect(args) -> int:
+    from mxforge.validation.inspect import format_inspect, inspect_checkpoint
+
+    report = inspect_checkpoint(open_checkpoint_arg(args))
+    emit(report, args.json, format_inspect(report))
+    return EXIT_OK
+
+
+# --- dequantize ------------------------------------------------------------------------------------
+def register_dequantize(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "dequantize",
+        help="an MXFP4 checkpoint back to bf16 (streaming), for evaluation and debugging",
+        description="Write OUT as the bf16 checkpoint that CKPT's MXFP4 weights encode: each uint8 "
+        "X.weight with its X.weight_scale becomes a bf16 X.weight (exactly the encoded values); every "
+        "other tensor is copied byte for byte; config.json loses its quantization_config. Streaming "
+        "(bounded memory), each file written under a temporary name and renamed when whole.",
+    )
+    p.add_argument("ckpt", help="MXFP4 checkpoint directory (e.g. mxforge quantize's OUT)")
+    p.add_argument("out", help="output directory: new, empty, or an earlier dequantize output (redone)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_follow_symlinks_option(p, "CKPT")
+    add_json_option(p)
+    return p
+
+
+def run_dequantize(args) -> int:
+    from mxforge.quantize.dequantize import dequantize_checkpoint
+
+    r = dequantize_checkpoint(
+        args.ckpt, args.out, quiet=args.quiet, command=invocation(), follow_symlinks=args.follow_symlinks
+    )
+    emit(
+        r,
+        args.json,
+        f"dequantized {r['source']} -> {r['out']}: {r['dequantized']:,} MXFP4 weights to bf16, "
+        f"{r['copied']:,} tensors copied, {r['shards']} shards; {r['bytes_out'] / 1e9:.2f} GB written in "
+        f"{r['seconds']:.1f} s",
+    )
+    return EXIT_OK
+
+
+# --- run -------------------------------------------------------------------------------------------
+def register_run(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "run",
+        help="the whole pipeline: download, quantize, fixup, validate, push; resumable",
+        description="Run download (when SOURCE is a Hub repo id), quantize, fixup, validate and, with "
+        "--push, push. OUT/bf16 holds the download, OUT/mxfp4 the product, OUT/mxforge_run.json the state: "
+        "rerun the same command after a crash to continue at the first incomplete stage (and inside "
+        "quantize, at the first incomplete shard). Exit 0 done, 1 validation found problems (nothing "
+        "pushed), 2 could not run.",
+    )
+    p.add_argument("source", help="Hub repo id (owner/name) or a local bf16 checkpoint directory")
+    p.add_argument("out", help="working directory (created; rerun with the same one to resume)")
+    p.add_argument("--recipe", default=None, help="recipe TOML path or shipped name (default glm-5.2-mxfp4)")
+    quantize_cli.add_scale_rule_option(p)
+    add_engines_option(p)
+    p.add_argument("--push", metavar="REPO_ID", default=None, help="push the validated checkpoint to this Hub repo")
+    p.add_argument("--private", action="store_true", help="with --push: create the repo private")
+    p.add_argument("--revision", default="main", help="revision of SOURCE when it is a Hub repo (default main)")
+    p.add_argument("--workers", type=int, default=None, help="quantize worker processes (default: one per core)")
+    p.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="per shard: download, quantize, pre-upload the output shard's blob, delete the bf16 shard, with "
+        "the stages overlapped; disk holds the output plus a few bf16 shards. Default: streamed when SOURCE is "
+        "a Hub repo and the disk cannot hold the source and the output at once (the choice is reported)",
+    )
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --stream: bf16 shards on disk at once (default: workers + 1)",
+    )
+    p.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help="ray: every shard a Ray task that downloads, quantizes and pre-uploads it on its node; the "
+        "driver validates and commits once (needs mxforge[ray]; OUT must be visible to every node)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --executor ray: the cluster to join (e.g. ray://head:10001 or auto; default: start a "
+        "local Ray with --workers CPUs)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_follow_symlinks_option(p, "a local SOURCE")
+    add_hub_options(p)
+    add_json_option(p)
+    return p
+
+
+def run_run(args) -> int:
+    from mxforge.errors import ValidationFailed
+    from mxforge.run.pipeline import Pipeline, RunOptions, format_run_summary
+
+    opts = RunOptions(
+        source=args.source,
+        out=args.out,
+        recipe=args.recipe,
+        scale_rule=args.scale_rule,
+        engines=engines_arg(args),
+        push_repo=args.push,
+        revision=args.revision,
+        private=args.private,
+        workers=args.workers,
+        quiet=args.quiet,
+        command=invocation(),
+        follow_symlinks=args.follow_symlinks,
+        hub_limits=hub_limits(args),
+        stream=args.stream,
+        in_flight=args.in_flight,
+        executor=args.executor,
+        ray_address=args.ray_address,
+    )
+    if args.in_flight is not None and args.in_flight < 1:
+        raise MxforgeError(f"--in-flight must be at least 1, got {args.in_flight}")
+    pipeline = Pipeline(opts)
+    try:
+        report = pipeline.run()
+    except ValidationFailed as e:
+        emit(pipeline.report(), args.json, format_run_summary(pipeline.report()))
+        print(f"mxforge run: {e}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    emit(report, args.json, format_run_summary(report))
+    return EXIT_OK
+
+
+COMMANDS: dict[str, tuple[Callable, Callable]] = {
+    "fixture": (register_fixture, run_fixture),
+    "inspect": (register_inspect, run_inspect),
+    "download": (hub_cli.register_download, hub_cli.run_download),
+    "quantize": (quantize_cli.register_quantize, quantize_cli.run_quantize),
+    "dequantize": (register_dequantize, run_dequantize),
+    "fixup": (fixups_cli.register_fixup, fixups_cli.run_fixup),
+    "validate": (validation_cli.register_validate, validation_cli.run_validate),
+    "push": (hub_cli.register_push, hub_cli.run_push),
+    "run": (register_run, run_run),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mxforge", description="bf16 MoE checkpoints to MXFP4 that load in sglang and vLLM, MTP intact."
+    )
+    parser.add_argument("--version", action="version", version=f"mxforge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (register, _) in COMMANDS.items():
+        register(sub)
+    return parser
+
+
+# What to do about an operating-system failure, by errno.
+OS_ADVICE = {
+    errno.ENOSPC: "free space or choose another directory",
+    errno.EDQUOT: "free space or choose another directory",
+    errno.EROFS: "the filesystem is read-only: choose another directory",
+    errno.EACCES: "check the permissions, or choose another directory",
+    errno.EPERM: "check the permissions, or choose another directory",
+    errno.ENAMETOOLONG: "use a shorter path",
+    errno.EMFILE: "raise the open-file limit (ulimit -n)",
+}
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError: the file, the system's words, and what to do."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    advice = "fix the cause and rerun the same command"
+    if e.errno is not None:
+        advice = OS_ADVICE.get(e.errno, advice)
+    return f"{where + ': ' if where else ''}{e.strerror or e}: {advice}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command][1](args)
+    except MxforgeError as e:
+        print(f"mxforge {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return EXIT_OK
+    except OSError as e:
+        print(f"mxforge {args.command}: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(
+            f"mxforge {args.command}: interrupted; partial files are kept: rerun the same command to resume",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Download threads may sit in a socket read until their timeout: do not wait for them. What they
+        # wrote is a prefix of the file, which the rerun continues.
+        os._exit(EXIT_INTERRUPTED)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""`mxforge quantize SRC OUT`: argument parsing and the one-line summary (the work is in run.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from mxforge.cli.support import EXIT_OK, add_follow_symlinks_option, add_json_option, emit, invocation
+from mxforge.quantize.scale_rules import SCALE_RULES
+
+
+def register_quantize(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "quantize",
+        help="quantize a bf16 or FP8 checkpoint to MXFP4 in Quark's format (streaming, parallel, resumable)",
+        description="Quantize SRC into OUT as AMD Quark 0.13's file-to-file mode would, bit for bit, "
+        "with the weights a recipe selects. Rerun with the same OUT to resume after a crash: finished "
+        "shards that still match their source, recipe and tool versions are skipped. An FP8 source (F8_E4M3 "
+        "weights with block weight_scale_inv, as the DeepSeek-V3/R1/V3.2 and GLM-5.x FP8 releases, or compressed-"
+        "tensors per-channel/per-tensor weight_scale, as GLM-4.5/4.6/4.7-FP8) is read as the bf16 it stands for "
+        "(DeepSeek's weight_dequant, compressed-tensors' dequantize); its scales are not written.",
+    )
+    p.add_argument("src", help="bf16 or FP8 checkpoint directory (config.json, index, shards)")
+    p.add_argument("out", help="output directory: new, empty, or a previous quantize output to resume")
+    p.add_argument(
+        "--recipe",
+        default=None,
+        help="recipe TOML path or shipped name (default: glm-5.2-mxfp4; also glm-5.2-mxfp4-mtp-bf16)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=None, help="worker processes across shards (default: one per CPU core)"
+    )
+    p.add_argument("--device", default="cpu", help="where the numerics run: cpu (default) or cuda[:N]; same bytes")
+    add_scale_rule_option(p)
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="encode NaN/Inf weights as Quark does (+6.0 blocks) instead of refusing",
+    )
+    p.add_argument(
+        "--no-error-report",
+        action="store_true",
+        help="do not measure the quantization error while quantizing (its cost is measured in "
+        "scripts/bench_quantize.py; the report, summary and model card then say 'not measured')",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_follow_symlinks_option(p, "SRC")
+    add_json_option(p)
+    return p
+
+
+def add_scale_rule_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--scale-rule",
+        choices=sorted(SCALE_RULES),
+        default=None,
+        help="how each 32-value block's E8M0 scale is chosen (default: the recipe's scale_rule, else quark): "
+        + "; ".join(f"{r.name}: {r.description}" for r in SCALE_RULES.values()),
+    )
+
+
+def run_quantize(args) -> int:
+    from mxforge.quantize.error_report import summary_line
+    from mxforge.quantize.run import quantize_checkpoint
+
+    report = quantize_checkpoint(
+        args.src,
+        args.out,
+        args.recipe,
+        workers=args.workers,
+        device=args.device,
+        quiet=args.quiet,
+        refuse_nonfinite=not args.allow_nonfinite,
+        command=invocation(),
+        follow_symlinks=args.follow_symlinks,
+        scale_rule=args.scale_rule,
+        measure_errors=not args.no_error_report,
+    )
+    c, s = report["counts"], report["shards"]
+    emit(
+        report,
+        args.json,
+        f"quantized {report['source']} -> {report['out']} with recipe {report['recipe']['name']}: "
+        f"{c['quantized']:,} tensors MXFP4, {c['kept']:,} 2-D weights kept, {c['copied']:,} copied "
+        f"(MTP layer(s) {report['mtp_layers']}: {report['mtp_tensors']} tensors); shards {s['quantized_now']} done, "
+        f"{s['skipped_complete']} already complete; {report['bytes_processed_now'] / 1e9:.2f} GB in "
+        f"{report['seconds']:.1f} s\n{summary_line(report['error'])}",
+    )
+    return EXIT_OK

@@ -1,0 +1,113 @@
+"""Helpers shared by every subcommand: exit codes, shared options and report output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
+
+
+def add_json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        metavar="REPORT",
+        nargs="?",
+        const="-",
+        default=None,
+        help="write a JSON report to REPORT ('-' or no value: stdout, replacing the human summary)",
+    )
+
+
+def add_hub_options(p: argparse.ArgumentParser) -> None:
+    """--timeout and --retries for commands that talk to the Hub (see hub_session.HubLimits)."""
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="longest wait for any Hub answer (default: MXFORGE_HUB_TIMEOUT, else HF_HUB_ETAG_TIMEOUT / "
+        "HF_HUB_DOWNLOAD_TIMEOUT for files, 10 s each by default, and 60 s for API calls)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        metavar="N",
+        help="attempts at a file that bring no new byte before giving up (default: MXFORGE_HUB_RETRIES, else 5)",
+    )
+
+
+def add_remote_options(p: argparse.ArgumentParser) -> None:
+    """--revision and the Hub limits, for commands that take a Hub repo id where a checkpoint directory goes."""
+    p.add_argument(
+        "--revision",
+        default=None,
+        metavar="R",
+        help="with a Hub repo id: branch, tag, commit or "
+        "refs/pr/N (default main). Only config.json, the index and shard headers are fetched (ranged "
+        "reads, cached by commit under $MXFORGE_CACHE or ~/.cache/mxforge)",
+    )
+    add_hub_options(p)
+
+
+def open_checkpoint_arg(args):
+    """The checkpoint an argument names: a directory, or a Hub repo id at --revision (a CheckpointSource)."""
+    from mxforge.hub.source import open_source
+
+    return open_source(args.ckpt, args.revision, hub_limits(args))
+
+
+def add_engines_option(p: argparse.ArgumentParser) -> None:
+    from mxforge.validation.profiles import ENGINES_HELP
+
+    p.add_argument("--engines", default=None, metavar="LIST", help=ENGINES_HELP)
+
+
+def engines_arg(args) -> list[str] | None:
+    """The --engines items (None: every supported release).
+
+    Raises:
+        ConfigError: an item names no known engine, profile or supported release.
+    """
+    from mxforge.validation.profiles import parse_engines_arg
+
+    return parse_engines_arg(args.engines)
+
+
+def add_follow_symlinks_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help=f"read {what} through symlinks that lead outside it (default: refuse them)",
+    )
+
+
+def hub_limits(args):
+    """The HubLimits for --timeout / --retries (env and defaults where not given)."""
+    from mxforge.hub.session import HubLimits
+
+    return HubLimits.resolve(args.timeout, args.retries)
+
+
+def emit(report: dict, json_target: str | None, human: str) -> None:
+    """Print the human summary, and the JSON report where asked (stdout for '-')."""
+    if json_target == "-":
+        print(json.dumps(report, indent=2, default=str))
+        return
+    print(human)
+    if json_target:
+        from mxforge.safetensors_io import write_json_atomic
+
+        write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
+
+
+def invocation() -> str:
+    """This process's command line as `mxforge ...`, with the Hub token masked: stages record it in their
+    reports, provenance files and the model card."""
+    from mxforge.redaction import redact
+
+    return redact(shlex.join(["mxforge", *sys.argv[1:]]))

@@ -1,0 +1,53 @@
+"""`mxforge validate`: argument parsing and output (the work is in validate.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+# mxforge.cli.main imports this module to build its COMMANDS table: what a run needs is imported at call time.
+from mxforge.cli.support import (
+    add_engines_option,
+    add_json_option,
+    add_remote_options,
+    engines_arg,
+    open_checkpoint_arg,
+)
+
+
+def register_validate(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "validate",
+        help="check, before upload, that the checkpoint is intact and loads in each engine",
+        description="Check index/shard integrity, quantization_config, that every tensor config.json "
+        "implies is stored (MTP layer included) and, per engine profile, that every module the engine "
+        "builds finds the dtype and shape it allocates. Reads headers only. "
+        "Exit 0 clean, 1 problems found, 2 could not run.",
+    )
+    p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also read every MXFP4 scale (255 = NaN) and check files "
+        "against the download's sha256 manifest (reads data: minutes on a full checkpoint)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar (--deep)")
+    add_remote_options(p)
+    add_engines_option(p)
+    add_json_option(p)
+    return p
+
+
+def run_validate(args) -> int:
+    from mxforge.cli.support import EXIT_OK, EXIT_PROBLEMS, emit
+    from mxforge.errors import MxforgeError
+    from mxforge.validation.validate import validate_checkpoint
+
+    source = open_checkpoint_arg(args)
+    if args.deep and source.local_root is None:
+        raise MxforgeError(
+            f"{args.ckpt}: --deep reads every MXFP4 scale and hashes every file, i.e. the whole "
+            "checkpoint: mxforge download it first, then validate the directory with --deep"
+        )
+    report = validate_checkpoint(source, engines_arg(args), deep=args.deep, quiet=args.quiet)
+    emit(report.as_dict(), args.json, report.format())
+    return EXIT_OK if report.ok else EXIT_PROBLEMS

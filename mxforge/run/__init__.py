@@ -1,0 +1,1 @@
+"""The whole pipeline: `mxforge run`, sequential, streamed or on Ray."""

@@ -1,0 +1,469 @@
+"""`mxforge run`: download -> quantize -> fixup -> validate -> push, resumable across stages.
+
+OUT holds `bf16/` (the downloaded source, when SOURCE is a Hub repo), `mxfp4/` (the product) and
+`mxforge_run.json`, the state file: the run's arguments and, per stage, its status, timing, bytes and
+report. A rerun with the same arguments skips every stage recorded done whose output is still there and
+continues at the first incomplete one (inside quantize, at the first incomplete shard: quantize keeps its
+own per-shard state). A finished stage's output is never trusted blindly: download and quantize verify
+what they find on disk when they run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from mxforge.checkpoint import is_local_source
+from mxforge.errors import MxforgeError, ValidationFailed
+from mxforge.provenance import RUN_STATE_NAME, STREAM_STATE_NAME
+from mxforge.quantize.error_report import summary_line
+from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE
+from mxforge.safetensors_io import write_json_atomic
+
+if TYPE_CHECKING:  # hub_session imports huggingface_hub: only when a stage talks to the Hub
+    from mxforge.hub.session import HubLimits
+
+STAGES = ("download", "quantize", "stream", "fixup", "validate", "push")  # stream: download + quantize, overlapped
+
+
+@dataclass
+class RunOptions:
+    source: str
+    out: Path
+    recipe: str
+    engines: list[str] | None = None
+    push_repo: str | None = None
+    revision: str = "main"
+    private: bool = False
+    workers: int | None = None
+    quiet: bool = False
+    command: str | None = None
+    follow_symlinks: bool = False  # read a local SOURCE through symlinks that leave it
+    hub_limits: "HubLimits | None" = None  # timeouts and retries of Hub requests (None: HubLimits.resolve())
+    scale_rule: str | None = None  # overrides the recipe's (quantize/scale_rules.py)
+    stream: bool | None = None  # True: --stream, False: --no-stream, None: stream a Hub source that does not fit
+    in_flight: int | None = None  # streamed: bf16 shards on disk at once (default: workers + 1)
+    executor: str = "local"  # "ray": every shard a Ray task (streamed; mxforge[ray])
+    ray_address: str | None = None
+
+    def inputs(self) -> dict:
+        """What each stage's output depends on; a change reruns the stages that depend on it."""
+        from mxforge.quantize.recipe import load_recipe
+
+        config = self._local_config() if self.recipe is None else None
+        if self.recipe is None and config is None:  # a Hub source: its family's default recipe, once downloaded
+            recipe_name, recipe_sha, scale_rule = None, None, self.scale_rule
+        else:
+            recipe = load_recipe(self.recipe, config)
+            recipe_name, recipe_sha, scale_rule = recipe.name, recipe.sha256, self.scale_rule or recipe.scale_rule
+        return {
+            "source": self.source,
+            "revision": self.revision,
+            "recipe": recipe_name,
+            "recipe_sha256": recipe_sha,
+            "scale_rule": scale_rule,
+            "engines": sorted(self.engines) if self.engines else None,
+            "push_repo": self.push_repo,
+        }
+
+    def _local_config(self) -> dict | None:
+        """config.json of a local SOURCE (None for a Hub repo, or one that cannot be read yet: quantize says why)."""
+        from mxforge.checkpoint import Checkpoint
+
+        try:
+            return Checkpoint.open(self.source, self.follow_symlinks).config if Path(self.source).is_dir() else None
+        except (MxforgeError, OSError):
+            return None
+
+
+# Which stages must run again when one of the run's inputs changes.
+INVALIDATED_BY = {
+    "recipe_sha256": ("quantize", "stream", "fixup", "validate", "push"),
+    "scale_rule": ("quantize", "stream", "fixup", "validate", "push"),
+    "engines": ("fixup", "validate", "push"),
+    "push_repo": ("push",),
+}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
+
+
+class Pipeline:
+    """Runs the stages in order, recording each in the state file as it completes."""
+
+    def __init__(self, opts: RunOptions):
+        self.opts = opts
+        self.out = Path(opts.out)
+        self.state_path = self.out / RUN_STATE_NAME
+        self.local = is_local_source(opts.source)
+        self.bf16_dir = Path(opts.source) if self.local else self.out / "bf16"
+        self.mxfp4_dir = self.out / "mxfp4"
+        self.state = self._load_state()
+        self.reused: set[str] = set()  # stages recorded done by an earlier run and not redone
+        self.validated_files: dict | None = None  # the product's file stamps when validate last read it
+
+    def _load_state(self) -> dict:
+        inputs = self.opts.inputs()
+        if not self.state_path.exists():
+            return {"inputs": inputs, "stages": {}}
+        try:
+            state = json.loads(self.state_path.read_text())
+            old = state["inputs"]
+            if not isinstance(old, dict) or not isinstance(state.get("stages"), dict):
+                raise TypeError("inputs and stages must be objects")
+        except (ValueError, KeyError, TypeError):
+            raise MxforgeError(f"{self.state_path}: state file is corrupt; remove it to start the run over") from None
+        for key in ("source", "revision"):
+            if old.get(key) != inputs[key]:
+                raise MxforgeError(
+                    f"{self.out}: holds a run of {key} {old.get(key)!r}, not {inputs[key]!r}: "
+                    "use another OUT directory, or remove this one to start over"
+                )
+        old.setdefault("scale_rule", DEFAULT_SCALE_RULE)  # a state written before scale rules existed
+        for key, stages in INVALIDATED_BY.items():
+            if old.get(key) != inputs[key]:
+                for stage in stages:
+                    state["stages"].pop(stage, None)
+        state["inputs"] = inputs
+        return state
+
+    def _save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.state_path, self.state)
+
+    def _done(self, stage: str, marker: Path | None) -> bool:
+        rec = self.state["stages"].get(stage)
+        return bool(rec and rec.get("status") == "done" and (marker is None or marker.exists()))
+
+    def _stage(
+        self,
+        stage: str,
+        work: Callable[[], dict],
+        *,
+        marker: Path | None = None,
+        out_dir: Path | None = None,
+        bytes_in: Callable[[dict], int] | int = 0,
+        always: bool = False,
+    ) -> dict:
+        """Run one stage unless recorded done (and its marker file still exists); record it in the state file.
+
+        `bytes_in`: the bytes the stage processed, or a function of its report giving them (a resumed
+        download or quantize processes only what was left)."""
+        if not always and self._done(stage, marker):
+            self.reused.add(stage)
+            return self.state["stages"][stage]
+        self.state["stages"][stage] = {"status": "running"}
+        self._save()
+        start = time.monotonic()
+        try:
+            report = work()
+        except MxforgeError as e:  # recorded for whoever reads the state file; the rerun starts this stage again
+            self.state["stages"][stage] = {"status": "failed", "error": str(e)}
+            self._save()
+            raise
+        seconds = time.monotonic() - start
+        if callable(bytes_in):
+            bytes_in = bytes_in(report)
+        rec = {
+            "status": "done",
+            "seconds": round(seconds, 3),
+            "bytes_in": bytes_in,
+            "bytes_out": _dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,
+            "gb_per_s": round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
+            "report": report,
+        }
+        self.state["stages"][stage] = rec
+        self._save()
+        return rec
+
+    def run(self) -> dict:
+        """Run every stage not yet done; returns the combined report.
+
+        Raises:
+            ValidationFailed: validate found problems (nothing is pushed).
+            MxforgeError: any stage's expected failure, unchanged.
+        """
+        o = self.opts
+        if o.quiet:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        from mxforge.dir_lock import directory_lock
+
+        with directory_lock(self.out):
+            return self._run_stages()
+
+    def _choose_mode(self) -> str:
+        """ "stream" or "sequential": as asked, as an earlier run in OUT ran, or, for a Hub source, streamed when
+        the disk cannot hold the source and the output at once (stream.choose_stream); the decision is reported.
+
+        Raises:
+            MxforgeError: OUT holds a run of the other mode than the one asked for.
+        """
+        o = self.opts
+        earlier = self.state.get("mode")
+        asked = None if o.stream is None else ("stream" if o.stream else "sequential")
+        if o.executor == "ray":
+            if self.local or o.stream is False:
+                raise MxforgeError(
+                    "--executor ray streams shards from a Hub repo: give a Hub SOURCE, without --no-stream"
+                )
+            asked = "stream"
+        if earlier and asked and earlier != asked:
+            raise MxforgeError(
+                f"{self.out}: holds a {earlier} run; rerun it {'with' if earlier == 'stream' else 'without'} "
+                "--stream, or use another OUT directory"
+            )
+        mode = earlier or asked
+        if mode:
+            return mode
+        if self.local:
+            return "sequential"
+        from huggingface_hub import HfApi
+
+        from mxforge.disk_space import free_space
+        from mxforge.hub.download import remote_files
+        from mxforge.hub.session import HubLimits, use_hub_limits
+        from mxforge.run.stream import choose_stream
+
+        use_hub_limits(o.hub_limits or HubLimits.resolve())
+        _, files = remote_files(HfApi(), o.source, o.revision)
+        source = sum(f.size for f in files)
+        self.out.mkdir(parents=True, exist_ok=True)
+        _, free = free_space(self.out)
+        mode = "stream" if choose_stream(source, free) else "sequential"
+        if not o.quiet:
+            import sys
+
+            from mxforge.progress import format_bytes
+
+            print(
+                f"mxforge run: {mode}: the source is {format_bytes(source)}; a sequential run keeps it and the output "
+                f"(up to as large) on disk, {format_bytes(free)} is free"
+                + (", so shards are streamed" if mode == "stream" else ""),
+                file=sys.stderr,
+            )
+        return mode
+
+    def _run_stages(self) -> dict:
+        o = self.opts
+        self._save()
+        try:
+            self.state["mode"] = self._choose_mode()
+        except (
+            MxforgeError
+        ) as e:  # reading the source's file list is the download's first step: recorded as its failure
+            self.state["stages"]["download"] = {"status": "failed", "error": str(e)}
+            self._save()
+            raise
+        self._save()
+        if self.state["mode"] == "stream":
+            self._stage(
+                "stream",
+                self._stream,
+                marker=self.mxfp4_dir / "config.json",
+                out_dir=self.mxfp4_dir,
+                bytes_in=lambda report: report["bytes_processed_now"],
+            )
+        else:
+            if self.local:
+                self.state["stages"]["download"] = {
+                    "status": "done",
+                    "skipped": f"local source {self.bf16_dir}",
+                    "seconds": 0.0,
+                    "bytes_in": 0,
+                    "bytes_out": 0,
+                    "report": None,
+                }
+            else:
+                self._stage(
+                    "download",
+                    self._download,
+                    marker=self.bf16_dir / "config.json",
+                    out_dir=self.bf16_dir,
+                    bytes_in=lambda report: report["downloaded_bytes"],
+                )
+            self._stage(
+                "quantize",
+                self._quantize,
+                marker=self.mxfp4_dir / "config.json",
+                out_dir=self.mxfp4_dir,
+                bytes_in=lambda report: report["bytes_processed_now"],
+            )
+        self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json")
+        # Header-only and cheap: always checked again, never taken from the state file.
+        validate = self._stage("validate", self._validate, always=True)
+        if not validate["report"]["ok"]:
+            del self.state["stages"]["validate"]  # rerun it next time, after the user's fix
+            self._save()
+            raise ValidationFailed(
+                f"{self.mxfp4_dir}: validation found problems; nothing was pushed:\n"
+                + "\n".join(
+                    f"  - {p['engine'] + ': ' if p.get('engine') else ''}{p['subject']}: {p['message']}: {p['remedy']}"
+                    for p in validate["report"]["problems"]
+                )
+            )
+        if o.push_repo:
+            self._stage("push", self._push, bytes_in=_dir_bytes(self.mxfp4_dir))
+        return self.report()
+
+    # --- the stages, each a thin call into its engine --------------------------------------------
+    def _download(self) -> dict:
+        from mxforge.hub.download import download
+
+        return download(
+            self.opts.source,
+            self.bf16_dir,
+            revision=self.opts.revision,
+            quiet=self.opts.quiet,
+            command=self.opts.command,
+            limits=self.opts.hub_limits,
+        ).as_dict()
+
+    def _stream(self) -> dict:
+        from mxforge.hub.session import HubLimits
+        from mxforge.run.stream import StreamOptions, StreamRun
+
+        o = self.opts
+        return StreamRun(
+            StreamOptions(
+                source=o.source,
+                local=self.local,
+                bf16_dir=self.bf16_dir,
+                mxfp4_dir=self.mxfp4_dir,
+                state_path=self.out / STREAM_STATE_NAME,
+                recipe=o.recipe,
+                revision=o.revision,
+                push_repo=o.push_repo,
+                private=o.private,
+                workers=o.workers,
+                in_flight=o.in_flight,
+                quiet=o.quiet,
+                command=o.command,
+                follow_symlinks=o.follow_symlinks,
+                limits=o.hub_limits or HubLimits.resolve(),
+                executor=o.executor,
+                ray_address=o.ray_address,
+                scale_rule=o.scale_rule,
+            )
+        ).run()
+
+    def _quantize(self) -> dict:
+        from mxforge.quantize.run import quantize_checkpoint
+
+        report = quantize_checkpoint(
+            self.bf16_dir,
+            self.mxfp4_dir,
+            self.opts.recipe,
+            workers=self.opts.workers,
+            quiet=self.opts.quiet,
+            command=self.opts.command,
+            follow_symlinks=self.opts.follow_symlinks,
+            scale_rule=self.opts.scale_rule,
+        )
+        report.pop("tensors", None)  # per-tensor lists stay in mxfp4/mxforge_quantize.json
+        (report.get("error") or {}).pop("tensors", None)  # per-tensor figures too
+        return report
+
+    def _fixup(self) -> dict:
+        from mxforge.fixups.fixup import fixup_checkpoint
+
+        return fixup_checkpoint(self.mxfp4_dir, engines=self.opts.engines, command=self.opts.command).as_dict()
+
+    def _validate(self) -> dict:
+        from mxforge.file_hashes import checkpoint_files, snapshot
+        from mxforge.validation.validate import validate_checkpoint
+
+        files = checkpoint_files(self.mxfp4_dir)
+        self.validated_files = snapshot(self.mxfp4_dir, files)  # push commits only these, unchanged
+        return validate_checkpoint(self.mxfp4_dir, engines=self.opts.engines).as_dict()
+
+    def _push(self) -> dict:
+        from mxforge.hub.push import push
+
+        assert self.opts.push_repo is not None, "the push stage runs only with a push target"
+        return push(
+            self.mxfp4_dir,
+            self.opts.push_repo,
+            private=self.opts.private,
+            engines=self.opts.engines,
+            quiet=self.opts.quiet,
+            command=self.opts.command,
+            limits=self.opts.hub_limits,
+            validation=self.state["stages"]["validate"]["report"],
+            validated_files=self.validated_files,
+        ).as_dict()
+
+    def report(self) -> dict:
+        return {
+            "stage": "run",
+            "source": self.opts.source,
+            "out": str(self.out),
+            "product": str(self.mxfp4_dir),
+            "pushed_to": self.opts.push_repo,
+            "mode": self.state.get("mode"),
+            "reused_from_earlier_run": sorted(self.reused),
+            "stages": self.state["stages"],
+        }
+
+
+def format_run_summary(report: dict) -> str:
+    """The human summary: per stage time, bytes and GB/s, then what was quantized, fixed and validated."""
+    stages = report["stages"]
+    lines = [
+        f"mxforge run {report['source']} -> {report['product']}"
+        + (" (streamed)" if report.get("mode") == "stream" else ""),
+        f"  {'stage':<10}{'status':<9}{'time':>9}{'in':>12}{'out':>12}{'GB/s':>8}",
+    ]
+    for stage in STAGES:
+        rec = stages.get(stage)
+        if rec is None:
+            continue
+        status = (
+            "skipped"
+            if rec.get("skipped")
+            else ("earlier" if stage in report["reused_from_earlier_run"] else rec["status"])
+        )
+        gbs = f"{rec['gb_per_s']:.3f}" if rec.get("gb_per_s") else "-"
+        lines.append(
+            f"  {stage:<10}{status:<9}{rec.get('seconds', 0):>8.1f}s{rec.get('bytes_in', 0) / 1e9:>10.3f}GB"
+            f"{rec.get('bytes_out', 0) / 1e9:>10.3f}GB{gbs:>8}"
+        )
+    quant = (stages.get("quantize") or stages.get("stream") or {}).get("report") or {}
+    if quant.get("stage") == "stream":
+        per = "; ".join(
+            f"{k} {v['bytes'] / 1e9:.3f} GB at {v['gb_per_s'] or 0:.3f} GB/s"
+            for k, v in quant["stages"].items()
+            if v["shards"]
+        )
+        peak = quant["peak_source_bytes_on_disk"]
+        lines.append(
+            f"  streamed {quant['shards']['streamed_now']} of {quant['shards']['total']} shard(s)"
+            f"{' on Ray' if quant['executor'] == 'ray' else ''}: {per or 'nothing left'}; "
+            + (f"peak bf16 on disk {peak / 1e9:.3f} GB " if peak is not None else "")
+            + f"(plan: {quant['disk_plan']['peak_bytes'] / 1e9:.3f} GB with the output)"
+        )
+    if quant.get("counts"):
+        c = quant["counts"]
+        lines.append(
+            f"  tensors: {c['quantized']:,} MXFP4, {c['kept']:,} 2-D weights kept bf16, {c['copied']:,} copied; "
+            f"MTP layer(s) {quant.get('mtp_layers')} ({quant.get('mtp_tensors')} tensors) carried"
+        )
+        lines.append(f"  {summary_line(quant.get('error'))}")
+    fix = (stages.get("fixup") or {}).get("report") or {}
+    if fix:
+        lines.append(
+            f"  fixups: {len(fix.get('applied') or [])} applied"
+            + (f", {len(fix['warnings'])} warning(s)" if fix.get("warnings") else "")
+        )
+    val = (stages.get("validate") or {}).get("report") or {}
+    if val.get("verdict"):
+        lines.append(f"  engines: {val['verdict']}")
+    push = (stages.get("push") or {}).get("report") or {}
+    if push.get("url"):
+        lines.append(f"  pushed: {push['url']} @ {str(push.get('commit'))[:12]} (remote hashes checked)")
+    return "\n".join(lines)

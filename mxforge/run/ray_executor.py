@@ -1,0 +1,194 @@
+"""`mxforge run --executor ray`: each shard one Ray task, on whichever node Ray schedules it.
+
+A task downloads its bf16 shard from the Hub onto its node (verified against the Hub's sha256), quantizes
+it with quantize's own shard job into OUT/mxfp4 (written as NAME.partial, renamed when whole), pre-uploads
+the output shard's LFS object (no commit), deletes the bf16 shard and returns the shard's quantize record
+and hashes. The driver (mxforge.run.stream) records each result as it arrives, then writes the index,
+config.json and fixups, validates and commits once, exactly as a streamed run does.
+
+OUT must be a directory every node sees at the same path (the driver's own disk for a local Ray; NFS,
+Lustre, a mounted bucket... on a cluster); bf16 shards stay on each node's local temporary directory.
+A task whose worker or node dies is run again by Ray (`max_retries`), on any node: it writes the same
+bytes under the same name, the Hub keeps one object per sha256 and the driver records each shard once,
+so a retry leaves neither a duplicate nor a gap. Ray is optional (`pip install mxforge[ray]`): only this
+module imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mxforge.errors import MxforgeError
+from mxforge.file_hashes import file_hash
+
+if TYPE_CHECKING:  # annotations only: a task imports these on its node
+    from mxforge.hub.download import RemoteFile
+    from mxforge.hub.session import HubLimits
+    from mxforge.quantize.plan import ShardPlan
+
+TASK_RETRIES = 3  # Ray reruns a task whose worker process or node died this many times
+HUB_ENV = (
+    "HF_ENDPOINT",
+    "HF_TOKEN",
+    "HF_HUB_DISABLE_XET",
+    "HF_HUB_DISABLE_TELEMETRY",
+    "HF_HUB_ETAG_TIMEOUT",
+    "HF_HUB_DOWNLOAD_TIMEOUT",
+    "MXFORGE_HUB_TIMEOUT",
+    "MXFORGE_HUB_RETRIES",
+)
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """Everything a node needs for one shard (pickled to the task)."""
+
+    repo_id: str
+    commit: str
+    remote: RemoteFile
+    plan: ShardPlan
+    out_dir: str  # OUT/mxfp4, the same path on every node
+    work_dir: str | None  # where the bf16 shard goes (None: the node's temporary directory)
+    push_repo: str | None
+    branch: str
+    limits: HubLimits
+    scale_offsets: tuple[int, ...]  # the recipe's scale rule (quantize/scale_rules.py)
+
+
+def run_shard_task(task: ShardTask) -> dict:
+    """Download, quantize and pre-upload one shard on this node; returns its records (see the module docstring).
+
+    Raises:
+        MxforgeError: as fetch_verified, run_shard and preupload_file.
+    """
+    from huggingface_hub import HfApi
+
+    from mxforge.hub.download import fetch_verified
+    from mxforge.hub.session import use_hub_limits
+    from mxforge.quantize.plan import check_planned_header
+    from mxforge.quantize.shard_job import ShardJob, run_shard
+
+    use_hub_limits(task.limits)
+    api = HfApi()
+    work = Path(task.work_dir or Path(tempfile.gettempdir()) / "mxforge-ray" / task.commit[:16])
+    work.mkdir(parents=True, exist_ok=True)
+    times = {"download": [time.time()]}
+    fetch_verified(api, task.repo_id, task.commit, work, task.remote, task.limits)
+    check_planned_header(work / task.plan.name, task.plan)
+    st = (work / task.plan.name).stat()
+    times["download"].append(time.time())
+    times["quantize"] = [time.time()]
+    job = ShardJob(
+        str(work),
+        task.out_dir,
+        task.plan,
+        "cpu",
+        True,
+        task.remote.sha256,
+        (st.st_size, st.st_mtime_ns),
+        task.scale_offsets,
+    )
+    result = run_shard(job)
+    (work / task.plan.name).unlink(missing_ok=True)
+    times["quantize"].append(time.time())
+    fh = None
+    if task.push_repo:
+        from mxforge.hub.push import preupload_file
+
+        times["upload"] = [time.time()]
+        path = Path(task.out_dir) / task.plan.name
+        fh = file_hash(path, task.plan.name)
+        preupload_file(api, Path(task.out_dir), task.push_repo, task.branch, fh)
+        times["upload"].append(time.time())
+    return {"result": result, "file": fh, "times": times, "node": os.uname().nodename}
+
+
+def start_ray(address: str | None, workers: int):
+    """Connect to the Ray cluster at `address`, or start a local one with `workers` CPUs; the Hub's settings
+    and token travel to the tasks in their environment."""
+    import ray
+
+    env = {k: os.environ[k] for k in HUB_ENV if k in os.environ}
+    kwargs = {"address": address} if address else {"num_cpus": workers, "include_dashboard": False}
+    with warnings.catch_warnings():  # Ray's notice about a future change of its GPU env handling
+        warnings.simplefilter("ignore", FutureWarning)
+        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING, log_to_driver=False, **kwargs)
+    return ray
+
+
+def run_on_ray(run, todo: list, qstate, state, address: str | None, workers: int) -> None:
+    """Run every shard of `todo` (mxforge.run.stream._Shard) as a Ray task; record each result through `run`.
+
+    Raises:
+        MxforgeError: a task's own error (the first one), or a task that failed TASK_RETRIES + 1 times.
+    """
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise MxforgeError("--executor ray needs Ray: pip install 'mxforge[ray]'") from None
+    for s in todo:  # quantized earlier, not yet sent: the driver sends those itself (OUT is shared)
+        if s.step == "upload":
+            s.started = time.time()
+            run.record_upload(s, run.upload_shard(s), state)
+    todo = [s for s in todo if s.step != "done"]
+    if not todo:
+        return
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's notices (a worker died, a task is retried) are not our output
+        _run_tasks(run, todo, qstate, state, address, workers)
+
+
+def _run_tasks(run, todo: list, qstate, state, address: str | None, workers: int) -> None:
+    o = run.o
+    ray = start_ray(address, workers)
+    try:
+        task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(run_shard_task)
+        work_dir = None if address else str(o.bf16_dir)  # a local Ray shares the driver's disk: resume partials there
+        refs = {
+            task.remote(
+                ShardTask(
+                    o.source,
+                    run.commit,
+                    s.remote,
+                    s.plan,
+                    str(o.mxfp4_dir),
+                    work_dir,
+                    o.push_repo,
+                    o.branch,
+                    o.limits,
+                    run.recipe.scale_offsets,
+                )
+            ): s
+            for s in todo
+        }
+        while refs:
+            done, _ = ray.wait(list(refs), num_returns=1)
+            s = refs.pop(done[0])
+            try:
+                out = ray.get(done[0])
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, MxforgeError):
+                    raise type(cause)(str(cause)) from None
+                raise MxforgeError(f"shard {s.plan.name}: its Ray task failed: {cause or e}") from None
+            except ray.exceptions.RayError as e:
+                raise MxforgeError(
+                    f"shard {s.plan.name}: its Ray task failed {TASK_RETRIES + 1} time(s) "
+                    f"({type(e).__name__}); rerun the same command to resume"
+                ) from None
+            for stage, (start, end) in out["times"].items():
+                run.clocks[stage].add(start, s.plan.source_size if stage != "upload" else s.plan.output_size, end)
+            s.step = "quantize"
+            run.record_quantized(s, out["result"], qstate, state, clock=False)
+            if out["file"] is not None:
+                run.record_upload(s, out["file"], state, clock=False)
+    finally:
+        ray.shutdown()

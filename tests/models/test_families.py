@@ -1,0 +1,223 @@
+"""Model families beyond GLM-5.2: each family's fixtures reproduce its real published checkpoint, and its
+output runs through the whole pipeline. (The engine conformance of each family: test_engine_conformance.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from helpers import TOKEN, hub_env, run_cli
+from safetensors import safe_open
+
+from mxforge.checkpoint import Checkpoint
+from mxforge.models import FAMILIES, family_named, layout_of
+from mxforge.models.fixture import write_fixture
+from mxforge.models.layout import fp8_block_inventory
+from mxforge.models.tensor_kinds import layer_of
+from mxforge.quantize.plan import plan_checkpoint
+from mxforge.quantize.recipe import load_recipe
+
+PUBLISHED = [f for f in FAMILIES if f.published]
+
+
+@pytest.mark.parametrize("family", PUBLISHED, ids=lambda f: f.name)
+def test_full_layout_reproduces_the_published_inventory(family, tmp_path):
+    """Tensor count, element count and shard count of the published release (FP8 releases: as published, each
+    block-scaled weight with its weight_scale_inv; the bf16 fixture holds the same names and shapes less the scales)."""
+    published = dict(family.published)
+    result = write_fixture(tmp_path / "full", "full-layout", family=family, quiet=True)
+    ckpt = Checkpoint.open(tmp_path / "full")
+    infos = ckpt.tensor_infos()
+    layout = layout_of(ckpt.config)
+    assert {n: (i.dtype, i.shape) for n, i in infos.items()} == {t.name: (t.dtype, t.shape) for t in layout.tensors()}
+    assert result.shards == published["shards"] == len(ckpt.shard_names)
+    assert ckpt.index_metadata["total_size"] == sum(i.nbytes for i in infos.values())
+    stored = [t for t in layout.tensors()]
+    if published["precision"] == "fp8-block":
+        stored = fp8_block_inventory(stored, family.fp8_bf16_weights)
+    parameters = sum(math.prod(t.shape) for t in stored)
+    if "parameters_b" in published:  # only the Hub's rounded count is published (GLM-4.5)
+        assert round(parameters / 1e9, 2) == published["parameters_b"]
+    else:
+        assert len(stored) == published["tensors"]
+        assert parameters == published["parameters"]
+
+
+def test_deepseek_v3_figures():
+    """DeepSeek-V3's inventory, from its config: 46,183 bf16 tensors (1,368,979,721,216 bytes); published FP8 it is
+    91,991 tensors of 688,574,839,360 bytes (641.29 GiB), 45,808 of them weight_scale_inv."""
+    family = family_named("deepseek_v3")
+    from mxforge.models.fixture import preset_config
+
+    layout = layout_of(preset_config("full-layout", family=family)[0])
+    bf16 = layout.tensors()
+    fp8 = fp8_block_inventory(bf16, family.fp8_bf16_weights)
+    assert (len(bf16), sum(t.nbytes for t in bf16)) == (46183, 1368979721216)
+    assert (len(fp8), sum(t.nbytes for t in fp8)) == (91991, 688574839360)
+    assert sum(t.name.endswith("_scale_inv") for t in fp8) == 45808
+    names = {t.name for t in bf16}
+    for mtp in ("embed_tokens", "shared_head.head", "shared_head.norm", "eh_proj", "enorm", "hnorm"):
+        assert f"model.layers.61.{mtp}.weight" in names
+    assert "model.layers.2.mlp.down_proj.weight" in names and "model.layers.3.mlp.experts.255.down_proj.weight" in names
+    assert not any(".indexer." in n for n in names)
+
+
+def test_deepseek_v32_figures():
+    """DeepSeek-V3.2: DeepSeek-V3 plus an indexer on all 62 layers, norms float32: 46,493 bf16 tensors; published
+    FP8 it is 92,425 tensors of 689,471,107,200 bytes (642.12 GiB), 45,932 of them weight_scale_inv."""
+    family = family_named("deepseek_v32")
+    from mxforge.models.fixture import preset_config
+
+    layout = layout_of(preset_config("full-layout", family=family)[0])
+    bf16 = layout.tensors()
+    fp8 = fp8_block_inventory(bf16, family.fp8_bf16_weights)
+    assert (len(bf16), len(fp8), sum(t.nbytes for t in fp8)) == (46493, 92425, 689471107200)
+    by_name = {t.name: t for t in fp8}
+    assert by_name["model.layers.61.self_attn.indexer.wq_b.weight"].shape == (8192, 1536)
+    assert by_name["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == "BF16"
+    assert by_name["model.layers.0.self_attn.indexer.wk.weight_scale_inv"].shape == (1, 56)
+    assert {
+        by_name[n].dtype
+        for n in ("model.norm.weight", "model.layers.61.enorm.weight", "model.layers.5.self_attn.indexer.k_norm.bias")
+    } == {"F32"}
+
+
+def test_glm4_moe_figures():
+    """GLM-4.5's inventory, derived from its config: 44,691 bf16 tensors, 358,337,791,296 parameters (the Hub's 358.34 B
+    for zai-org/GLM-4.5 and GLM-4.7), 716,675,611,392 bytes; without the MTP layer's own embed_tokens and
+    shared_head.head it would be 356.79 B, so the published count confirms them. GLM-4.5-Air (its config's
+    differences applied): 110,468,824,832 parameters, the Hub's 110.47 B."""
+    family = family_named("glm4_moe")
+    from mxforge.models.fixture import preset_config
+
+    layout = layout_of(preset_config("full-layout", family=family)[0])
+    tensors = layout.tensors()
+    by_name = {t.name: t for t in tensors}
+    assert (len(tensors), sum(math.prod(t.shape) for t in tensors), sum(t.nbytes for t in tensors)) == (
+        44691,
+        358337791296,
+        716675611392,
+    )
+    assert by_name["model.layers.0.self_attn.q_proj.weight"].shape == (12288, 5120)
+    assert by_name["model.layers.0.self_attn.k_proj.bias"].shape == (1024,)
+    assert by_name["model.layers.91.self_attn.k_norm.weight"].shape == (128,)
+    assert by_name["model.layers.92.eh_proj.weight"].shape == (5120, 10240)
+    assert by_name["model.layers.92.shared_head.head.weight"].shape == (151552, 5120)
+    assert (
+        "model.layers.2.mlp.down_proj.weight" in by_name
+        and "model.layers.3.mlp.experts.159.down_proj.weight" in by_name
+    )
+    assert by_name["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == "F32"
+    assert not any("o_proj.bias" in n or "q_a_proj" in n or ".indexer." in n for n in by_name)
+    air = dict(
+        family.reference(),
+        num_hidden_layers=46,
+        first_k_dense_replace=1,
+        n_routed_experts=128,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        use_qk_norm=False,
+    )
+    air_tensors = layout_of(air).tensors()
+    assert round(sum(math.prod(t.shape) for t in air_tensors) / 1e9, 2) == 110.47
+    assert "model.layers.46.eh_proj.weight" in {t.name for t in air_tensors}
+    assert not any("q_norm" in t.name for t in air_tensors)
+
+
+@pytest.mark.parametrize(
+    "family_name,model", [("deepseek_v3", "DeepseekV3"), ("deepseek_v32", "DeepseekV32"), ("glm4_moe", "Glm4Moe")]
+)
+def test_tiny_matches_what_transformers_saves(family_name, model, tmp_path):
+    """Non-MTP names and shapes equal what transformers' own model class writes for the same config."""
+    import transformers
+
+    write_fixture(tmp_path / "ds", "tiny", family=family_name, quiet=True)
+    ckpt = Checkpoint.open(tmp_path / "ds")
+    infos = ckpt.tensor_infos()
+    config = getattr(transformers, f"{model}Config")(**ckpt.config)
+    getattr(transformers, f"{model}ForCausalLM")(config).save_pretrained(tmp_path / "hf")
+    theirs = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(f, "pt") as s:
+            theirs.update({k: tuple(s.get_slice(k).get_shape()) for k in s.keys()})
+    mtp = ckpt.config["num_hidden_layers"]
+    assert {k: v.shape for k, v in infos.items() if layer_of(k) != mtp} == theirs
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_default_recipe_keeps_what_the_policy_keeps(family, tmp_path):
+    """Same policy for every family: routed experts (MTP included) and decoder shared experts MXFP4; the MTP
+    shared expert, attention, routers, dense MLPs, embeddings and heads bf16."""
+    write_fixture(tmp_path / "src", "tiny", family=family, quiet=True)
+    ckpt = Checkpoint.open(tmp_path / "src")
+    plan = plan_checkpoint(ckpt, load_recipe(None, ckpt.config))
+    layout = plan.layout
+    mtp = layout.mtp_layers[0]
+    for t in plan.tensors():
+        name, layer = t.source.name, layer_of(t.source.name)
+        if t.fate == "copied":
+            continue
+        kind = layout.kind_of(name)
+        want = kind == "experts" or (kind == "shared_experts" and layer != mtp)
+        assert (t.fate == "quantized") == want, (name, t.fate)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_run_end_to_end_per_family(family, tmp_path):
+    """`mxforge run` from the family's tiny bf16 fixture on a loopback Hub to a push there, default recipe: download,
+    quantize, fixup, validate for every release that builds the family, push; the card names the family."""
+    from huggingface_hub import HfApi
+    from loopback_hub import LoopbackHub
+
+    write_fixture(tmp_path / "src", "tiny", family=family, quiet=True)
+    hub = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
+    hub.add_repo_from_dir(f"zai/{family.name}-tiny", tmp_path / "src")
+    hub.start()
+    try:
+        proc = run_cli(
+            "run",
+            f"zai/{family.name}-tiny",
+            str(tmp_path / "out"),
+            "--push",
+            f"alice/{family.name}-mxfp4",
+            "--quiet",
+            "--json",
+            "-",
+            env=hub_env(hub, tmp_path),
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        stages = json.loads(proc.stdout)["stages"]
+        assert all(stages[s]["status"] == "done" for s in ("download", "quantize", "fixup", "validate", "push")), stages
+        assert stages["push"]["report"]["remote_hashes_match"] is True
+        card = HfApi(endpoint=hub.endpoint, token=TOKEN).hf_hub_download(
+            f"alice/{family.name}-mxfp4", "README.md", cache_dir=tmp_path / "dl"
+        )
+        assert family.title in open(card).read()
+    finally:
+        hub.stop()
+    quantized = json.loads((tmp_path / "out" / "mxfp4" / "mxforge_quantize.json").read_text())
+    assert quantized["recipe"]["name"] == family.default_recipe
+    validate = run_cli("validate", str(tmp_path / "out" / "mxfp4"), "--json")
+    assert validate.returncode == 0, validate.stdout + validate.stderr
+
+
+def test_vllm_0_30_requantizing_deepseek_attention_is_a_warning_not_a_failure(tmp_path):
+    """vLLM 0.30.0 loads a DeepSeek-family MXFP4 checkpoint's excluded attention bf16 and re-quantizes it to MXFP4
+    (measured by the conformance suite): validate passes, and warns for that release alone; GLM-5 is not affected."""
+    from mxforge.quantize.run import quantize_checkpoint
+    from mxforge.validation.validate import validate_checkpoint
+
+    for family, expect in (("deepseek_v3", {"vllm-0.30.0"}), ("glm_moe_dsa", set())):
+        write_fixture(tmp_path / family, "tiny", family=family, quiet=True)
+        quantize_checkpoint(tmp_path / family, tmp_path / f"{family}-q", None, workers=1, quiet=True)
+        report = validate_checkpoint(tmp_path / f"{family}-q")
+        warned = {w.engine for w in report.warnings if "re-quantizes" in w.message}
+        assert warned == expect, (family, [w.format() for w in report.warnings])
+        assert all(report.engine_ok(s.profile.name) for s in report.selections if s.profile.engine == "vllm")
+        if expect:
+            layers = json.loads((tmp_path / family / "config.json").read_text())["num_hidden_layers"] + 1
+            assert report.checked["engines"]["vllm-0.30.0"]["requantized_at_load"] == 4 * layers
+            assert report.checked["engines"]["vllm-0.31.0"]["requantized_at_load"] == 0

@@ -1,0 +1,118 @@
+"""`mxforge dequantize` on the tiny fixture, and the error report of quantize checked against its output.
+
+Dequantized weights must equal Quark's own dequantization of the MXFP4 tensors; every other tensor must be
+the MXFP4 checkpoint's bytes. The per-tensor errors quantize reported (measured in the kernels while
+quantizing) must be what the dequantized checkpoint shows against the bf16 source.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import one_error_line, run_cli
+from safetensors import safe_open
+
+from mxforge.checkpoint import INDEX_NAME, Checkpoint
+from mxforge.provenance import DEQUANTIZE_NAME
+from mxforge.quantize.quark_ref import quark_dequantize_weight
+
+
+def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    c = Checkpoint.open(ckpt)
+    out = {}
+    for shard in c.shard_names:
+        with safe_open(str(ckpt / shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.fixture(scope="module", params=["quark", "mse"])
+def runs(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path, Path, dict]:
+    """(scale rule, MXFP4 checkpoint, its dequantization, quantize's report)."""
+    work = tmp_path_factory.mktemp(f"deq-{request.param}")
+    mxfp4, bf16 = work / "mxfp4", work / "bf16"
+    run_cli(
+        "quantize",
+        str(tiny_ckpt),
+        str(mxfp4),
+        "--quiet",
+        "--scale-rule",
+        request.param,
+        "--json",
+        str(work / "q.json"),
+        check=True,
+    )
+    proc = run_cli("dequantize", str(mxfp4), str(bf16), "--json", str(work / "d.json"), check=True)
+    assert "dequantized" in proc.stdout
+    return request.param, mxfp4, bf16, json.loads((work / "q.json").read_text())
+
+
+def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouched(runs):
+    rule, mxfp4, bf16, _ = runs
+    packed, unpacked = _tensors(mxfp4), _tensors(bf16)
+    scales = {n for n in packed if n.endswith(".weight_scale")}
+    assert scales and not any(n.endswith(".weight_scale") for n in unpacked)
+    assert set(unpacked) == set(packed) - scales
+    for name, t in unpacked.items():
+        if f"{name}_scale" in scales:
+            assert t.dtype == torch.bfloat16 and t.shape == (packed[name].shape[0], 2 * packed[name].shape[1])
+            want = quark_dequantize_weight(packed[name], packed[f"{name}_scale"], torch.bfloat16)
+            assert torch.equal(t, want.to(torch.bfloat16)), name
+        else:
+            assert t.dtype == packed[name].dtype and torch.equal(t.view(torch.uint8), packed[name].view(torch.uint8)), (
+                name
+            )
+    config = json.loads((bf16 / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["architectures"] == json.loads((mxfp4 / "config.json").read_text())["architectures"]
+    index = json.loads((bf16 / INDEX_NAME).read_text())
+    assert set(index["weight_map"]) == set(unpacked)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in unpacked.values())
+    report = json.loads((bf16 / DEQUANTIZE_NAME).read_text())
+    assert report["status"] == "done" and report["dequantized"] == len(scales)
+    assert (
+        not list(bf16.glob("*.partial"))
+        and (bf16 / "tokenizer.json").read_bytes() == (mxfp4 / "tokenizer.json").read_bytes()
+    )
+
+
+def test_quantize_error_report_is_what_the_dequantized_checkpoint_shows(runs, tiny_ckpt):
+    rule, _, bf16, report = runs
+    source, unpacked = _tensors(tiny_ckpt), _tensors(bf16)
+    error = report["error"]
+    assert error["scale_rule"] == rule and error["tensors_measured"] == report["counts"]["quantized"]
+    total_err = total_ref = 0.0
+    for name, measured in error["tensors"].items():
+        x, q = source[name].double(), unpacked[name].double()
+        err, ref = ((x - q) ** 2).sum().item(), (x**2).sum().item()
+        total_err, total_ref = total_err + err, total_ref + ref
+        assert measured["rel_rmse"] == pytest.approx((err / ref) ** 0.5, abs=2e-6), name
+        assert measured["max_abs_err"] == pytest.approx((x - q).abs().max().item(), rel=1e-5), name
+    assert error["overall"]["rel_rmse"] == pytest.approx((total_err / total_ref) ** 0.5, abs=2e-6)
+    assert error["worst"][0]["rel_rmse"] == max(t["rel_rmse"] for t in error["tensors"].values())
+    assert set(error["by_class"]) == {"experts", "shared_experts", "mtp"}  # the default recipe's MXFP4 classes
+
+
+def test_scale_rule_is_recorded_in_quantization_config_only_when_not_quarks(runs):
+    rule, mxfp4, _, report = runs
+    qc = json.loads((mxfp4 / "config.json").read_text())["quantization_config"]
+    assert report["recipe"]["scale_rule"] == rule
+    if rule == "quark":
+        assert "mxforge" not in qc  # Quark's config exactly (tests/quantize/test_quantize_e2e.py compares the bytes)
+    else:
+        assert qc["mxforge"]["scale_rule"] == rule and qc["mxforge"]["recipe"] == report["recipe"]["name"]
+
+
+def test_refuses_a_foreign_out_and_a_checkpoint_without_mxfp4(runs, tiny_ckpt, tmp_path):
+    _, mxfp4, _, _ = runs
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert "not a previous `mxforge dequantize` output" in one_error_line(
+        run_cli("dequantize", str(mxfp4), str(foreign))
+    )
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"] and (foreign / "notes.txt").read_text() == "mine"
+    assert "no MXFP4 weight" in one_error_line(run_cli("dequantize", str(tiny_ckpt), str(tmp_path / "o")))

@@ -1,0 +1,165 @@
+"""Recipes as data: loading, validation errors, and which tensors each shipped recipe quantizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mxforge.checkpoint import Checkpoint
+from mxforge.errors import ConfigError
+from mxforge.models import MoeLayout, layout_of
+from mxforge.quantize.recipe import load_recipe
+
+
+def _decisions(recipe_name: str, ckpt_dir: Path) -> tuple[MoeLayout, dict[str, str]]:
+    ckpt = Checkpoint.open(ckpt_dir)
+    layout = layout_of(ckpt.config)
+    recipe = load_recipe(recipe_name)
+    return layout, {n: recipe.decide(n, layout) for n in ckpt.weight_map}
+
+
+def test_default_recipe_selects_experts_and_decoder_shared_experts(tiny_ckpt):
+    layout, decisions = _decisions("glm-5.2-mxfp4", tiny_ckpt)
+    mtp = f"model.layers.{layout.num_hidden_layers}."
+    quantized = {n for n, d in decisions.items() if d == "quantize"}
+    assert f"{mtp}mlp.experts.0.gate_proj.weight" in quantized
+    assert "model.layers.3.mlp.shared_experts.down_proj.weight" in quantized
+    for kept in (
+        f"{mtp}mlp.shared_experts.up_proj.weight",
+        f"{mtp}eh_proj.weight",
+        f"{mtp}mlp.gate.weight",
+        "model.layers.3.mlp.gate.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.6.self_attn.indexer.wq_b.weight",
+        "model.layers.3.self_attn.q_a_proj.weight",
+        "model.norm.weight",
+    ):
+        assert decisions[kept] == "keep", kept
+    assert all(".experts." in n or ".shared_experts." in n for n in quantized)
+
+
+def test_mtp_bf16_recipe_keeps_the_whole_mtp_layer(tiny_ckpt):
+    layout, decisions = _decisions("manifests/recipes/glm-5.2-mxfp4-mtp-bf16.toml", tiny_ckpt)
+    mtp = f"model.layers.{layout.num_hidden_layers}."
+    assert all(d == "keep" for n, d in decisions.items() if n.startswith(mtp))
+    assert decisions["model.layers.5.mlp.experts.7.down_proj.weight"] == "quantize"
+
+
+def test_mtp_layer_comes_from_config_not_a_constant(tiny_ckpt):
+    recipe = load_recipe("glm-5.2-mxfp4")
+    layout = layout_of({**Checkpoint.open(tiny_ckpt).config, "num_hidden_layers": 5})
+    # with 5 decoder layers, layer 5 is the MTP layer: its shared expert is kept
+    assert recipe.decide("model.layers.5.mlp.shared_experts.up_proj.weight", layout) == "keep"
+    assert recipe.decide("model.layers.4.mlp.shared_experts.up_proj.weight", layout) == "quantize"
+
+
+def test_recipe_hash_and_name():
+    recipe = load_recipe("glm-5.2-mxfp4")
+    text = Path(__file__).resolve().parents[2].joinpath("manifests/recipes/glm-5.2-mxfp4.toml").read_bytes()
+    import hashlib
+
+    assert recipe.name == "glm-5.2-mxfp4" and recipe.sha256 == hashlib.sha256(text).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('name="x"\nscheme="mxfp4"\ncolour="red"\n[[quantize]]\nkinds=["experts"]\n', r"unknown key\(s\) \['colour'\]"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nlayer="all"\n', r"unknown key\(s\) \['layer'\]"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]]\nnames=["mlp.(experts"]\n', "not a valid regular expression"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["expert"]\n', "kinds"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nlayers="78"\n', "layers '78'"),
+        ('name="x"\nscheme="nvfp4"\n[[quantize]]\nkinds=["experts"]\n', "scheme 'nvfp4'"),
+        ('name="x"\nscheme="mxfp4"\n', r"no \[\[quantize\]\] rule"),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]\n', "malformed TOML"),
+        (
+            'name="x"\nscheme="mxfp4"\nscale_rule="max"\n[[quantize]]\nkinds=["experts"]\n',
+            "scale_rule 'max' is not known",
+        ),
+    ],
+)
+def test_bad_recipes_are_clear_errors(tmp_path, body, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_recipe(path)
+    assert str(path) in str(info.value)
+
+
+def test_scale_rule_from_the_recipe_is_used_and_recorded_and_the_flag_wins(tiny_ckpt, tmp_path):
+    from helpers import REPO, run_cli
+
+    path = tmp_path / "mse.toml"
+    shipped = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
+    path.write_text(shipped.replace('scheme = "mxfp4"', 'scheme = "mxfp4"\nscale_rule = "mse"'))
+    recipe = load_recipe(path)
+    assert recipe.scale_rule == "mse" and load_recipe("glm-5.2-mxfp4").scale_rule == "quark"
+    meta = recipe.quantization_config(["lm_head"])["mxforge"]
+    assert meta["scale_rule"] == "mse" and meta["recipe"] == recipe.name and meta["recipe_sha256"] == recipe.sha256
+    assert "mxforge" not in load_recipe("glm-5.2-mxfp4").quantization_config(["lm_head"])
+    for flag, want in (([], "mse"), (["--scale-rule", "quark"], "quark")):
+        out = tmp_path / f"out-{want}"
+        run_cli("quantize", str(tiny_ckpt), str(out), "--recipe", str(path), "--quiet", *flag, check=True)
+        assert json.loads((out / "mxforge_quantize.json").read_text())["recipe"]["scale_rule"] == want
+        assert ("mxforge" in json.loads((out / "config.json").read_text())["quantization_config"]) == (want == "mse")
+
+
+def test_unknown_recipe_name():
+    with pytest.raises(ConfigError, match="no such file"):
+        load_recipe("glm-9-nonexistent")
+
+
+def test_rule_matching_nothing_is_an_error(tiny_ckpt, tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('name="x"\nscheme="mxfp4"\n[[quantize]]\nnames=["model\\\\.layers\\\\.999\\\\..*"]\n')
+    recipe = load_recipe(path)
+    ckpt = Checkpoint.open(tiny_ckpt)
+    with pytest.raises(ConfigError, match=r"\[\[quantize\]\] rule 1 .* matches no 2-D weight"):
+        recipe.check_matches(ckpt.weight_map, layout_of(ckpt.config), str(tiny_ckpt))
+
+
+def test_quantization_config_is_quarks(tiny_ckpt):
+    qc = load_recipe("glm-5.2-mxfp4").quantization_config(["model.layers.0.mlp.gate_proj", "lm_head"])
+    assert qc["quant_method"] == "quark" and qc["exclude"] == ["lm_head", "model.layers.0.mlp.gate_proj"]
+    w = qc["global_quant_config"]["weight"]
+    assert (w["dtype"], w["group_size"], w["scale_format"], w["is_dynamic"]) == ("fp4", 32, "e8m0", False)
+    assert qc["global_quant_config"]["input_tensors"]["is_dynamic"] is True
+    assert qc["export"]["pack_method"] == "reorder"
+
+
+def test_cached_quantization_config_equals_a_fresh_quark_build(tmp_path, monkeypatch):
+    from mxforge.quantize import quark_ref
+
+    monkeypatch.setenv("MXFORGE_CACHE", str(tmp_path))
+    exclude = ["model.layers.7.mlp.shared_experts.up_proj", "lm_head", "model.layers.0.self_attn.q_a_proj"]
+    for quantize_inputs in (True, False):
+        fresh = quark_ref.export_quantization_config(quark_ref.mxfp4_qconfig(exclude, quantize_inputs))
+        first = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # builds and stores
+        second = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # from the cache
+        assert json.dumps(first) == json.dumps(second) == json.dumps(fresh)
+    assert len(list(tmp_path.glob("quark-config-*.json"))) == 2
+
+
+@pytest.mark.parametrize(
+    "recipe_name, quantized",
+    [
+        # 76 MoE layers (3..77 and MTP 78) x 256 experts x 3 projections + 75 decoder shared experts x 3
+        ("glm-5.2-mxfp4", 76 * 256 * 3 + 75 * 3),
+        ("glm-5.2-mxfp4-mtp-bf16", 75 * 256 * 3 + 75 * 3),
+    ],
+)
+def test_plan_on_the_full_glm52_layout(full_layout_ckpt, recipe_name, quantized):
+    from mxforge.quantize.plan import plan_checkpoint
+
+    plan = plan_checkpoint(Checkpoint.open(full_layout_ckpt), load_recipe(recipe_name))
+    assert list(plan.layout.mtp_layers) == [78]
+    assert len(plan.names("quantized")) == quantized
+    assert len(plan.tensors()) == 59_585
+    exclude = plan.excluded_modules()
+    assert "model.layers.78.eh_proj" in exclude and "model.layers.78.mlp.shared_experts.down_proj" in exclude
+    assert "model.layers.77.mlp.shared_experts.down_proj" not in exclude and "lm_head" in exclude
+    assert ("model.layers.78.mlp.experts.255.up_proj" in exclude) == (recipe_name == "glm-5.2-mxfp4-mtp-bf16")

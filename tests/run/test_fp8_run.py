@@ -1,0 +1,88 @@
+"""`mxforge run` from an FP8 Hub repo, per family: the loopback Hub serves the family's tiny FP8 fixture (its
+release's layout), and the pipeline downloads, quantizes (dequantizing each block), fixes up, validates for every
+supported engine release and pushes, with a model card that names the source precision; streamed, the pushed
+checkpoint is the same bytes as sequential."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from helpers import REPO, hub_env, pushed_files, run_cli
+
+from mxforge.models import FAMILIES, family_named
+from mxforge.models.fixture import write_fixture
+from mxforge.quantize.fp8_source import source_precision
+from mxforge.validation.validate import validate_checkpoint
+
+TOKEN = "hf_mxforgeFp8RunTestTokenNeverLogged5"
+PROVENANCE = {"mxforge_source.json", "mxforge_quantize.json", "mxforge_fixups.json", "README.md"}
+
+
+@pytest.fixture
+def fp8_hub(tmp_path):
+    """A loopback Hub serving every family's tiny FP8 fixture as zai/<family>-fp8."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from loopback_hub import LoopbackHub
+
+    hub = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
+    for family in (f for f in FAMILIES if f.has_fp8_release):
+        src = tmp_path / "src" / family.name
+        write_fixture(src, "tiny", quiet=True, family=family, precision="fp8")
+        hub.add_repo_from_dir(f"zai/{family.name}-fp8", src)
+    hub.start()
+    yield hub
+    hub.stop()
+
+
+def _run(hub, tmp_path, family: str, out, repo: str, *extra):
+    proc = run_cli(
+        "run",
+        f"zai/{family}-fp8",
+        str(out),
+        "--push",
+        repo,
+        "--quiet",
+        "--json",
+        "-",
+        *extra,
+        env=hub_env(hub, tmp_path, TOKEN),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.has_fp8_release])
+def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, tmp_path, family):
+    out = tmp_path / "run"
+    report = _run(fp8_hub, tmp_path, family, out, f"alice/{family}-mxfp4", "--no-stream")
+    stages = report["stages"]
+    assert all(stages[s]["status"] == "done" for s in ("download", "quantize", "fixup", "validate", "push"))
+    quantize = stages["quantize"]["report"]
+    assert quantize["source_precision"].startswith("fp8") and quantize["fp8_scales_consumed"] > 0
+    engines = stages["validate"]["report"]["engines"]
+    assert engines and all(engines.values()), engines
+    assert validate_checkpoint(out / "mxfp4").ok
+    pushed = pushed_files(fp8_hub, f"alice/{family}-mxfp4")
+    card = pushed["README.md"].decode()
+    described = source_precision(json.loads((tmp_path / "src" / family / "config.json").read_text())).describe()
+    assert quantize["source_precision"] == described
+    assert f"- source precision: {described} (model family: {family_named(family).title})" in card
+    config = json.loads(pushed["config.json"])
+    assert config["quantization_config"]["quant_method"] == "quark"
+    assert not any(k in pushed["config.json"].decode() for k in ("weight_block_size", "compressed-tensors"))
+    index = json.loads(pushed["model.safetensors.index.json"])
+    assert not any(n.endswith(("_scale_inv", ".input_scale")) for n in index["weight_map"])
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm4_moe"])  # block FP8, compressed-tensors FP8
+def test_streamed_fp8_run_pushes_the_same_bytes_as_sequential(fp8_hub, tmp_path, family):
+    streamed = _run(fp8_hub, tmp_path, family, tmp_path / "s", "alice/streamed", "--stream", "--workers", "2")
+    assert streamed["mode"] == "stream"
+    assert streamed["stages"]["stream"]["report"]["source_precision"].startswith("fp8")
+    _run(fp8_hub, tmp_path, family, tmp_path / "q", "alice/sequential", "--no-stream", "--workers", "2")
+    a, b = pushed_files(fp8_hub, "alice/streamed"), pushed_files(fp8_hub, "alice/sequential")
+    assert sorted(a) == sorted(b)
+    assert all(a[n] == b[n] for n in a if n not in PROVENANCE)

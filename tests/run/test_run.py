@@ -1,0 +1,187 @@
+"""`mxforge run` end to end: Hub source -> quantize -> fixup -> validate -> push on the loopback Hub,
+and a SIGKILL during quantize followed by a rerun that ends byte-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, TOKEN, hub_env, run_cli
+
+from mxforge.models.fixture import write_fixture
+from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME
+from mxforge.provenance import QUANTIZE_STATE_NAME as QUANTIZE_STATE
+from mxforge.validation.validate import validate_checkpoint
+
+pytestmark = pytest.mark.slow  # the whole pipeline from the loopback Hub, with kills and resumes
+
+
+def _env(hub, tmp_path) -> dict:
+    return hub_env(hub, tmp_path)
+
+
+def _product(out: Path) -> dict[str, bytes]:
+    """The checkpoint's files (not provenance records, which hold paths and timings)."""
+    skip = {QUANTIZE_STATE, *PUBLISHED_RECORDS, "README.md"}
+    return {p.name: p.read_bytes() for p in sorted((out / "mxfp4").iterdir()) if p.is_file() and p.name not in skip}
+
+
+def _run_to_push(hub, tmp_path, out):
+    """`mxforge run zai/glm-tiny OUT --push alice/glm-tiny-mxfp4` on the loopback Hub, with a JSON report."""
+    return run_cli(
+        "run",
+        "zai/glm-tiny",
+        str(out),
+        "--push",
+        "alice/glm-tiny-mxfp4",
+        "--quiet",
+        "--json",
+        "-",
+        env=_env(hub, tmp_path),
+        timeout=600,
+    )
+
+
+def test_run_from_hub_to_hub_with_push(hub, tmp_path):
+    out = tmp_path / "run"
+    proc = _run_to_push(hub, tmp_path, out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    stages = report["stages"]
+    assert [s for s in ("download", "quantize", "fixup", "validate", "push") if stages[s]["status"] == "done"] == [
+        "download",
+        "quantize",
+        "fixup",
+        "validate",
+        "push",
+    ]
+    assert stages["quantize"]["report"]["mtp_layers"] == [7]
+    assert all(stages["validate"]["report"]["engines"].values()) and len(stages["validate"]["report"]["engines"]) == 23
+    assert stages["push"]["report"]["remote_hashes_match"] is True
+    assert validate_checkpoint(out / "mxfp4").ok
+    from huggingface_hub import HfApi
+
+    remote = set(HfApi(endpoint=hub.endpoint, token=TOKEN).list_repo_files("alice/glm-tiny-mxfp4"))
+    assert {"README.md", "config.json", "model.safetensors.index.json", "mxforge_source.json"} <= remote
+    assert QUANTIZE_STATE not in remote  # local resume bookkeeping stays local
+    written = [proc.stdout, proc.stderr] + [p.read_text(errors="ignore") for p in out.rglob("*.json")]
+    assert not any(TOKEN in text for text in written)
+    # A rerun finds every stage done (validate is always checked again) and pushes nothing new.
+    again = _run_to_push(hub, tmp_path, out)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["reused_from_earlier_run"] == ["download", "fixup", "push", "quantize"]
+
+
+def test_run_human_summary_and_local_source(tiny_ckpt, tmp_path):
+    proc = run_cli("run", str(tiny_ckpt), str(tmp_path / "run"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    for text in (
+        "download  skipped",
+        "quantize  done",
+        "engines: loads: sglang 0.5.9-0.5.23, vllm 0.30.0-0.33.0",
+        "132 MXFP4",
+        "MTP layer(s) [7]",
+    ):
+        assert text in proc.stdout, proc.stdout
+    state = json.loads((tmp_path / "run" / RUN_STATE_NAME).read_text())
+    assert state["inputs"]["recipe"] == "glm-5.2-mxfp4"
+
+
+def test_run_refuses_another_source_in_the_same_out(tiny_ckpt, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("run", str(tiny_ckpt), str(out), "--quiet").returncode == 0
+    other = tmp_path / "other"
+    write_fixture(other, "tiny", seed=5, quiet=True)
+    proc = run_cli("run", str(other), str(out), "--quiet")
+    assert proc.returncode == 2 and "holds a run of source" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_run_stops_before_push_when_validation_fails(hub, tmp_path, tiny_ckpt):
+    """A recipe that quantizes eh_proj cannot load in vLLM: run exits 1 and pushes nothing."""
+    recipe = tmp_path / "bad.toml"
+    text = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
+    recipe.write_text(text + '\n[[quantize]]\nkinds = ["mtp_proj"]\nlayers = "mtp"\n')
+    out = tmp_path / "run"
+    proc = run_cli(
+        "run",
+        str(tiny_ckpt),
+        str(out),
+        "--recipe",
+        str(recipe),
+        "--push",
+        "alice/never",
+        "--quiet",
+        env=_env(hub, tmp_path),
+        timeout=600,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "vllm" in proc.stderr and "nothing was pushed" in proc.stderr
+    assert not any("/api/repos/create" in r[1] for r in hub.requests)
+
+
+@pytest.fixture(scope="module")
+def bench_src(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run-bench") / "bf16"
+    write_fixture(out, "bench", seed=2, gib=0.75, quiet=True)
+    return out
+
+
+def test_sigkill_during_quantize_then_rerun_is_byte_identical(bench_src, tmp_path):
+    reference = tmp_path / "reference"
+    run_cli("run", str(bench_src), str(reference), "--quiet", "--workers", "2", check=True)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mxforge.cli", "run", str(bench_src), str(out), "--quiet", "--workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    mxfp4 = out / "mxfp4"
+    deadline = time.monotonic() + 300
+    while not (mxfp4.exists() and any(p.name.endswith(".safetensors.partial") for p in mxfp4.iterdir())):
+        assert proc.poll() is None, "the run ended before quantize wrote anything"
+        assert time.monotonic() < deadline, "quantize made no progress"
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    state = json.loads((out / RUN_STATE_NAME).read_text())
+    assert state["stages"]["quantize"]["status"] == "running"
+    assert not (mxfp4 / "config.json").exists()
+    rerun = run_cli("run", str(bench_src), str(out), "--quiet", "--workers", "2", "--json", "-", check=True)
+    report = json.loads(rerun.stdout)
+    assert report["stages"]["validate"]["report"]["ok"] is True
+    assert _product(out) == _product(reference)
+
+
+def test_run_unreachable_hub_is_one_line_and_recorded(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    proc = run_cli(
+        "run",
+        "zai/glm-tiny",
+        str(out),
+        "--quiet",
+        env={"HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1"},
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("mxforge run: error:") == 1 and "cannot reach the Hub" in proc.stderr
+    state = json.loads((out / RUN_STATE_NAME).read_text())
+    assert state["stages"]["download"]["status"] == "failed" and "cannot reach" in state["stages"]["download"]["error"]
+
+
+def test_run_state_file_of_the_wrong_shape_is_one_line(tiny_ckpt, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / RUN_STATE_NAME).write_text('{"inputs": [1, 2], "stages": 3}')
+    proc = run_cli("run", str(tiny_ckpt), str(out), "--quiet")
+    assert proc.returncode == 2 and "state file is corrupt" in proc.stderr and "Traceback" not in proc.stderr

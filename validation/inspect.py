@@ -1,0 +1,175 @@
+"""`mxforge inspect`: what a checkpoint holds, by tensor kind, dtype and layer, from headers only."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from mxforge.checkpoint import Checkpoint, CheckpointSource
+from mxforge.errors import ConfigError
+from mxforge.models import layout_of
+from mxforge.models.tensor_kinds import kind_of, layer_of
+
+
+def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
+    """Summarize a checkpoint (a directory, or a CheckpointSource such as a Hub repo): counts/bytes by kind
+    and dtype, layer structure, MTP, quantization_config.
+
+    Raises:
+        CheckpointError: not a checkpoint, or index/shard headers are unreadable.
+    """
+    ckpt = Checkpoint.open(root)
+    infos = ckpt.tensor_infos()
+    try:
+        layout = layout_of(ckpt.config)
+        mtp_layers = set(layout.mtp_layers)
+        num_hidden = layout.num_hidden_layers
+    except ConfigError:
+        layout, mtp_layers, num_hidden = None, set(), None
+    classify = layout.kind_of if layout is not None else kind_of
+    by_kind: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": defaultdict(int)})
+    by_dtype: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+    layers: dict[int, dict] = defaultdict(
+        lambda: {"experts": set(), "dense_mlp": False, "indexer": False, "tensors": 0}
+    )
+    for name, info in infos.items():
+        layer = layer_of(name)
+        kind = "mtp" if layer in mtp_layers else classify(name)
+        for bucket in (by_kind[kind],):
+            bucket["tensors"] += 1
+            bucket["bytes"] += info.nbytes
+            bucket["dtypes"][info.dtype] += 1
+        by_dtype[info.dtype]["tensors"] += 1
+        by_dtype[info.dtype]["bytes"] += info.nbytes
+        if layer is not None:
+            entry = layers[layer]
+            entry["tensors"] += 1
+            local_kind = classify(name)
+            if local_kind == "experts":
+                entry["experts"].add(int(name.split(".mlp.experts.")[1].split(".")[0]))
+            entry["dense_mlp"] |= local_kind == "dense_mlp"
+            entry["indexer"] |= local_kind == "indexer"
+    decoder = sorted(i for i in layers if i not in mtp_layers)
+    structure = {
+        "decoder_layers": len(decoder),
+        "dense_layers": [i for i in decoder if layers[i]["dense_mlp"]],
+        "moe_layers": [i for i in decoder if layers[i]["experts"]],
+        "indexer_layers": [i for i in decoder if layers[i]["indexer"]],
+        "experts_per_moe_layer": sorted({len(layers[i]["experts"]) for i in layers if layers[i]["experts"]}),
+    }
+    mtp = {
+        "expected_layers": sorted(mtp_layers),
+        "present_layers": sorted(i for i in layers if i in mtp_layers),
+        "tensors": sum(layers[i]["tensors"] for i in layers if i in mtp_layers),
+        "orphan_layers_beyond_config": sorted(
+            i for i in layers if num_hidden is not None and i >= num_hidden and i not in mtp_layers
+        ),
+    }
+    mtp["present"] = bool(mtp["present_layers"])
+    mtp["complete"] = layout is not None and all(
+        {t.name for t in layout.layer_tensors(i)} - layout.omittable()
+        <= {n.replace(".weight_scale", ".weight") for n in infos}
+        for i in mtp_layers
+    )
+    return {
+        "stage": "inspect",
+        "path": ckpt.label,
+        "architecture": (ckpt.config.get("architectures") or [None])[0],
+        "family": layout.family.title if layout is not None else None,
+        "default_recipe": layout.family.default_recipe if layout is not None else None,
+        "precision": checkpoint_precision(ckpt.quantization_config),
+        "tensors": len(infos),
+        "bytes": sum(i.nbytes for i in infos.values()),
+        "shards": len(ckpt.shard_names),
+        "index_total_size": ckpt.index_metadata.get("total_size"),
+        "by_kind": {k: {**v, "dtypes": dict(v["dtypes"])} for k, v in sorted(by_kind.items())},
+        "by_dtype": dict(sorted(by_dtype.items())),
+        "layers": structure,
+        "mtp": mtp,
+        "quantization": summarize_quant_config(ckpt.quantization_config),
+        **({"fetched": ckpt.source.stats()} if ckpt.source.stats() is not None else {}),
+    }
+
+
+def checkpoint_precision(qc: dict | None) -> str:
+    """What the weights are stored as, from quantization_config: bf16 (none), fp8 (a source mxforge reads, with its
+    block shape), mxfp4 (Quark's), or the quant_method as named."""
+    if not qc:
+        return "bf16"
+    if qc.get("quant_method") == "quark":
+        weight = (qc.get("global_quant_config") or {}).get("weight") or {}
+        return f"Quark {weight.get('dtype')} group {weight.get('group_size')} (MXFP4 when fp4 / group 32)"
+    from mxforge.errors import ConfigError
+    from mxforge.quantize.fp8_source import source_precision
+
+    try:
+        return source_precision({"quantization_config": qc}).describe()
+    except ConfigError:
+        return f"{qc.get('quant_method')} (not a source mxforge reads)"
+
+
+def summarize_quant_config(qc: dict | None) -> dict | None:
+    if not qc:
+        return None
+    weight = (qc.get("global_quant_config") or {}).get("weight") or {}
+    exclude = list(qc.get("exclude") or [])
+    return {
+        "quant_method": qc.get("quant_method"),
+        "weight_dtype": weight.get("dtype"),
+        "group_size": weight.get("group_size"),
+        "scale_format": weight.get("scale_format"),
+        "exclude_entries": len(exclude),
+        "exclude_regex_entries": sum(1 for e in exclude if str(e).startswith("re:")),
+        "exclude_glob_entries": sum(1 for e in exclude if any(ch in str(e) for ch in "*?[")),
+        "exclude_sample": exclude[:5],
+    }
+
+
+def format_inspect(report: dict) -> str:
+    def gb(n):
+        return f"{n / 1e9:,.3f} GB"
+
+    family = f" ({report['family']})" if report.get("family") else " (no supported model family)"
+    lines = [
+        f"{report['path']}: {report['architecture']}{family}, {report['tensors']:,} tensors, "
+        f"{gb(report['bytes'])} in {report['shards']} shard(s)",
+        f"  precision: {report['precision']}"
+        + (f"; default recipe: {report['default_recipe']}" if report.get("default_recipe") else ""),
+    ]
+    lines.append(f"  {'kind':<16}{'tensors':>9}{'bytes':>16}  dtypes")
+    for kind, v in report["by_kind"].items():
+        dtypes = ", ".join(f"{d}:{n}" for d, n in sorted(v["dtypes"].items()))
+        lines.append(f"  {kind:<16}{v['tensors']:>9,}{gb(v['bytes']):>16}  {dtypes}")
+    s = report["layers"]
+    lines.append(
+        f"  layers: {s['decoder_layers']} decoder ({len(s['dense_layers'])} dense, {len(s['moe_layers'])} MoE "
+        f"with {'/'.join(map(str, s['experts_per_moe_layer'])) or 0} experts), indexer on {len(s['indexer_layers'])}"
+    )
+    m = report["mtp"]
+    if m["present"]:
+        lines.append(
+            f"  MTP: layer(s) {m['present_layers']} present, {m['tensors']} tensors, "
+            f"{'complete' if m['complete'] else 'INCOMPLETE'}"
+        )
+    elif m["expected_layers"]:
+        lines.append(
+            f"  MTP: config declares layer(s) {m['expected_layers']} but the checkpoint has none of their tensors"
+        )
+    else:
+        lines.append("  MTP: none declared (num_nextn_predict_layers is 0 or absent)")
+    q = report["quantization"]
+    if q and q["weight_dtype"] is None:
+        lines.append(f"  quantization_config: {report['precision']}")
+    elif q:
+        lines.append(
+            f"  quantization_config: {q['quant_method']} {q['weight_dtype']} group {q['group_size']} "
+            f"scales {q['scale_format']}, {q['exclude_entries']} exclude entries "
+            f"({q['exclude_regex_entries']} re:, {q['exclude_glob_entries']} glob)"
+        )
+    else:
+        lines.append("  quantization_config: none (unquantized)")
+    if "fetched" in report:
+        from mxforge.progress import fetched_line
+
+        lines.append(f"  {fetched_line(report['fetched'])}")
+    return "\n".join(lines)
