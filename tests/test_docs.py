@@ -1,5 +1,5 @@
-"""The docs stay true: every link and repository path they name resolves, the reference page is what the manifests
-generate, and every command option and exit code is documented."""
+"""The docs stay true: the README fits on a screen, every link and repository path they name resolves, the reference
+page is what the manifests generate, and every command option and exit code is documented."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 SCRIPTS = ROOT / "scripts"
+README = ROOT / "README.md"
+SCREEN = 50  # lines a newcomer sees without scrolling
+README_MAX_LINES = 200
 # Pages (and the element-format package) that other branches add: a link or path to one is checked once it exists.
 PENDING_PATHS = {"docs/install.md", "docs/security.md", "docs/formats.md", "docs/run.md", "mxforge/formats/"}
 TOP_LEVEL = ("docs", "fixups", "manifests", "mxforge", "quantize", "scripts", "tests", "validation")
@@ -23,7 +26,7 @@ MODULE_RE = re.compile(r"`(mxforge(?:\.\w+)+)`")
 
 
 def pages() -> list[Path]:
-    return sorted(DOCS.glob("*.md"))
+    return [README, *sorted(DOCS.glob("*.md"))]
 
 
 def rel(path: Path) -> str:
@@ -63,6 +66,17 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_readme_fits_and_leads_with_install_quickstart_and_the_command():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; details belong in docs/"
+    first_screen = lines[:SCREEN]
+    assert "## Install" in first_screen, "the Install section must start on the first screen"
+    assert "## Quickstart" in first_screen, "the Quickstart must start on the first screen"
+    assert any(line.startswith("bash scripts/quickstart.sh") for line in first_screen)
+    assert any(line.startswith("mxforge run ") for line in first_screen), "the main command, on the first screen"
+    assert "docs/install.md" in "\n".join(first_screen)
 
 
 def test_every_link_resolves_to_a_file_and_heading():
