@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quantize  # noqa: E402
+from bench_markdown import add_markdown_option, write_markdown  # noqa: E402
 from bench_quantize import run_measured, warm, weight_bytes  # noqa: E402
 
 QUARK_FP8_SNIPPET = bench_quantize.QUARK_SNIPPET  # the same file-to-file call, on the FP8 source
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    add_markdown_option(ap)
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mxforge-bench-fp8-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -226,39 +228,42 @@ def main() -> None:
         "quark_fp8": quark,
         "quark_fp8_numerics": numerics,
     }
-    print(
+    lines: list[str] = []
+    lines.append(
         f"{args.family} bench, {report['cores']} cores, load average {report['load_average'][0]:.2f}: the same "
         f"content as FP8 ({sizes['fp8'] / 1e9:.2f} GB) and as bf16 ({sizes['bf16'] / 1e9:.2f} GB)"
     )
-    print(f"| {'source':<6} | {'seconds':>8} | {'source GB/s':>11} | {'CPU-s':>6} | {'peak RSS':>9} |")
-    print(f"|{'-' * 8}|{'-' * 9}:|{'-' * 12}:|{'-' * 7}:|{'-' * 10}:|")
+    lines.append(f"| {'source':<6} | {'seconds':>8} | {'source GB/s':>11} | {'CPU-s':>6} | {'peak RSS':>9} |")
+    lines.append(f"|{'-' * 8}|{'-' * 9}:|{'-' * 12}:|{'-' * 7}:|{'-' * 10}:|")
     for name, r in results.items():
-        print(
+        lines.append(
             f"| {name:<6} | {r['seconds']:>8.2f} | {r['gb_per_s']:>11.3f} | {r['cpu_seconds']:>6.2f} | "
             f"{r['peak_rss'] / 2**30:>5.2f} GiB |"
         )
-    print(
+    lines.append(
         f"FP8 / bf16: wall {report['fp8_vs_bf16_seconds']:.2f}x, CPU {report['fp8_vs_bf16_cpu_seconds']:.2f}x, "
         f"source bytes {report['fp8_vs_bf16_source_bytes']:.2f}x (best of {args.repeat} alternating runs each)"
     )
-    print(f"outputs byte-identical (shards, config.json, index): {sum(same.values())}/{len(same)}")
+    lines.append(f"outputs byte-identical (shards, config.json, index): {sum(same.values())}/{len(same)}")
     if quark["ran"]:
         quark_same = {
             p.name: p.read_bytes() == (outs["fp8"] / p.name).read_bytes()
             for p in sorted(outs["quark-fp8"].glob("*.safetensors"))
         }
         report["quark_fp8"]["shards_identical_to_mxforge"] = quark_same
-        print(
+        lines.append(
             f"Quark 0.13 file-to-file on the FP8 source ran; shards identical to mxforge's: "
             f"{sum(quark_same.values())}/{len(quark_same)}"
         )
     else:
-        print(f"Quark 0.13 file-to-file on the FP8 source cannot run here: {quark['error']}")
-    print(
+        lines.append(f"Quark 0.13 file-to-file on the FP8 source cannot run on this machine: {quark['error']}")
+    lines.append(
         f"Quark's FP8 numerics (MXFP4 of the float32 product, no bf16 rounding) vs mxforge's, over "
         f"{numerics['weights']} weights: {100 * numerics['codes_differing']:.3f}% of codes, "
         f"{100 * numerics['scales_differing']:.3f}% of scales differ"
     )
+    print("\n".join(lines))
+    write_markdown(args.markdown, lines)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

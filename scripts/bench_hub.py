@@ -1,9 +1,9 @@
 """Benchmark: `mxforge download` (transfer + sha256 verification of every file) against huggingface_hub's own
 snapshot_download (transfer only), side by side from the same loopback Hub, on a bench fixture.
 
-    .venv/bin/python scripts/bench_hub.py --gib 1 [--workers 8]
+    .venv/bin/python scripts/bench_hub.py --gib 1 [--workers 8] [--markdown FILE]
 
-Prints both times, GB/s and the ratio; the ratio is the price of verifying every byte.
+Prints both times, GB/s and the ratio as a Markdown table; the ratio is the price of verifying every byte.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_markdown import add_markdown_option, table, write_markdown  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=1.0, help="bench fixture size in GiB (default 1)")
     p.add_argument("--workers", type=int, default=8)
+    add_markdown_option(p)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mxforge-bench-hub-"))
     os.environ.update(HF_HOME=str(work / "hf_home"), HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
@@ -49,10 +51,25 @@ def main() -> int:
         download("bench/glm", work / "mx", workers=args.workers, quiet=True, command="bench")
         t_mx = time.perf_counter() - t0
         hub.stop()
-        print(f"{size / 1e9:.2f} GB, {args.workers} workers, loopback HTTP")
-        print(f"huggingface_hub snapshot_download (no verification): {t_hf:6.2f} s  {size / t_hf / 1e9:5.2f} GB/s")
-        print(f"mxforge download (+ sha256 of every file):           {t_mx:6.2f} s  {size / t_mx / 1e9:5.2f} GB/s")
-        print(f"ratio mxforge / huggingface_hub: {t_mx / t_hf:.2f}")
+        lines = [
+            f"bench fixture {size / 1e9:.2f} GB, {args.workers} workers, loopback HTTP, "
+            f"{len(os.sched_getaffinity(0))} cores, load average {os.getloadavg()[0]:.2f}",
+            *table(
+                ["contender", "seconds", "GB/s"],
+                [
+                    [
+                        "huggingface_hub `snapshot_download` (no verification)",
+                        f"{t_hf:.2f}",
+                        f"{size / t_hf / 1e9:.2f}",
+                    ],
+                    ["`mxforge download` (+ sha256 of every file)", f"{t_mx:.2f}", f"{size / t_mx / 1e9:.2f}"],
+                ],
+                align="lrr",
+            ),
+            f"time mxforge / huggingface_hub: {t_mx / t_hf:.2f}x",
+        ]
+        print("\n".join(lines))
+        write_markdown(args.markdown, lines)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

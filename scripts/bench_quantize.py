@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench_markdown import add_markdown_option, write_markdown
+
 from mxforge.file_hashes import file_hash
 
 QUARK_SNIPPET = """
@@ -157,6 +159,7 @@ def main() -> None:
     ap.add_argument(
         "--repeat", type=int, default=1, help="run copy and mxforge this many times, alternating; report the best"
     )
+    add_markdown_option(ap)
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mxforge-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -236,33 +239,36 @@ def main() -> None:
         "identical_to_quark": same,
         "load_average": os.getloadavg(),
     }
-    print(
+    lines: list[str] = []
+    lines.append(
         f"source: {size / 1e9:.2f} GB of bf16 shards ({src}), {report['cores']} cores, "
         f"load average {report['load_average'][0]:.2f}"
     )
-    print(f"| {'contender':<24} | {'seconds':>8} | {'GB/s':>7} | {'CPU-s':>6} | {'peak RSS':>10} |")
-    print(f"|{'-' * 26}|{'-' * 9}:|{'-' * 8}:|{'-' * 7}:|{'-' * 11}:|")
+    lines.append(f"| {'contender':<24} | {'seconds':>8} | {'GB/s':>7} | {'CPU-s':>6} | {'peak RSS':>10} |")
+    lines.append(f"|{'-' * 26}|{'-' * 9}:|{'-' * 8}:|{'-' * 7}:|{'-' * 11}:|")
     for name, r in results.items():
         rss = f"{r['peak_rss'] / 2**30:.2f} GiB" if r["peak_rss"] else "-"
         cpu = f"{r['cpu_seconds']:.2f}" if "cpu_seconds" in r else "-"
-        print(f"| {name:<24} | {r['seconds']:>8.2f} | {r['gb_per_s']:>7.3f} | {cpu:>6} | {rss:>10} |")
+        lines.append(f"| {name:<24} | {r['seconds']:>8.2f} | {r['gb_per_s']:>7.3f} | {cpu:>6} | {rss:>10} |")
     versus_quark = "skipped" if args.skip_quark else f"{report['mxforge_vs_quark']:.1f}x"
-    print(
+    lines.append(
         f"mxforge / quark throughput: {versus_quark}   mxforge / copy: {100 * report['mxforge_vs_copy']:.0f}%"
         + (f" (best of {args.repeat} alternating runs each)" if args.repeat > 1 else "")
     )
-    print(
+    lines.append(
         f"error report: mxforge with it reaches {100 * report['error_report_throughput_ratio']:.1f}% of the "
         f"throughput without it (--no-error-report) and takes {100 * report['error_report_cpu_ratio']:.1f}% of its "
         "CPU time (user+sys of all its processes)"
     )
     shards = {k: v for k, v in same.items() if k.endswith(".safetensors")}
     if not args.skip_quark:
-        print(
+        lines.append(
             f"byte-identical to Quark: shards {sum(shards.values())}/{len(shards)}, "
             f"config.json {same.get('config.json')}, other files: "
             + ", ".join(f"{k} {v}" for k, v in same.items() if not k.endswith(".safetensors") and k != "config.json")
         )
+    print("\n".join(lines))
+    write_markdown(args.markdown, lines)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -8,7 +8,7 @@ The checkpoint is the `full-layout` fixture written in Quark's MXFP4 format with
 scripts/loopback_hub.py on 127.0.0.1 (so the wall time is a floor: a real Hub adds one round trip per
 request). The real `mxforge` command runs in a subprocess with its own cache directory.
 
-    .venv/bin/python scripts/bench_remote.py [--workdir DIR] [--json REPORT]
+    .venv/bin/python scripts/bench_remote.py [--workdir DIR] [--json REPORT] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_markdown import add_markdown_option, table, write_markdown  # noqa: E402
 from bench_validate import AMD_WITH_MTP  # noqa: E402
 from loopback_hub import LoopbackHub  # noqa: E402
 from quark_like import write_quark_like  # noqa: E402
@@ -51,6 +52,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=None, help="where to build the checkpoint (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    add_markdown_option(ap)
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-remote-"))
     bf16, quark = work / "full-bf16", work / "hub" / REPO_ID
@@ -91,14 +93,37 @@ def main() -> int:
         "same_verdict_as_local": report["verdict"] == local.verdict()
         and report["problems"] == local.as_dict()["problems"],
     }
-    print(
-        f"{REPO_ID}: {format_bytes(repo_bytes)} in {report['checked']['integrity']['shards']} shards; validate fetched "
-        f"{format_bytes(rows['bytes_fetched'])} in {rows['requests']} ranged requests "
-        f"({100 * rows['fraction']:.4f}% of the repo); {cold_s:.1f} s cold, {warm_s:.1f} s from the cache "
-        f"({rows['cached_bytes_fetched']} bytes fetched); "
-        f"local validate of the same files {local_s:.1f} s (in process); same verdict and problems as local: "
-        f"{rows['same_verdict_as_local']}"
-    )
+    lines = [
+        f"{REPO_ID} on the loopback Hub: {format_bytes(repo_bytes)} in {report['checked']['integrity']['shards']} "
+        f"shards; {len(os.sched_getaffinity(0))} cores, load average {os.getloadavg()[0]:.2f}",
+        *table(
+            [
+                "bytes fetched",
+                "ranged requests",
+                "share of the repo",
+                "cold (s)",
+                "from the cache (s)",
+                "fetched from the cache",
+                "local validate, in process (s)",
+                "same verdict and problems as local",
+            ],
+            [
+                [
+                    format_bytes(rows["bytes_fetched"]),
+                    rows["requests"],
+                    f"{100 * rows['fraction']:.4f}%",
+                    f"{cold_s:.1f}",
+                    f"{warm_s:.1f}",
+                    f"{rows['cached_bytes_fetched']} bytes",
+                    f"{local_s:.1f}",
+                    rows["same_verdict_as_local"],
+                ]
+            ],
+            align="rrrrrrrl",
+        ),
+    ]
+    print("\n".join(lines))
+    write_markdown(args.markdown, lines)
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "remote validate", "results": rows}, indent=2) + "\n")
     return 0 if rows["same_verdict_as_local"] and rows["fraction"] < 0.02 else 1

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_markdown import add_markdown_option, write_markdown
 from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the in-memory contenders (default 1)")
     ap.add_argument("--repeat", type=int, default=2, help="best of N for the timings (auto-round: once)")
     ap.add_argument("--json", type=Path, default=None)
+    add_markdown_option(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mxforge-rules-"))
@@ -156,18 +158,19 @@ def main() -> None:
             r["end_to_end_gb_per_s"] = max(wall, r.get("end_to_end_gb_per_s", 0))
             r["end_to_end_gb_per_cpu_s"] = max(cpu, r.get("end_to_end_gb_per_cpu_s", 0))
     base = results["quark"]
-    print(
+    lines: list[str] = []
+    lines.append(
         f"{len(weights)} tensors ({size / 1e9:.2f} GB of bf16, the default recipe's MXFP4 weights of {src}); "
         f"{args.threads} thread(s) in memory; {len(os.sched_getaffinity(0))} cores; load {os.getloadavg()[0]:.2f}"
     )
-    print(
+    lines.append(
         "| scale rule | relative RMSE | vs quark | kernel GB/CPU-s | vs quark | `mxforge quantize` GB/s (wall) | "
         "vs quark | GB/CPU-s | vs quark |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         if "unavailable" in r:
-            print(f"| {name} | unavailable: {r['unavailable']} | | | | | | | |")
+            lines.append(f"| {name} | unavailable: {r['unavailable']} | | | | | | | |")
             continue
         line = (
             f"| {name} | {r['rel_rmse']:.6f} | {100 * (r['rel_rmse'] / base['rel_rmse'] - 1):+.3f}% | "
@@ -182,7 +185,9 @@ def main() -> None:
             )
         else:
             line += "- | - | - | - |"
-        print(line)
+        lines.append(line)
+    print("\n".join(lines))
+    write_markdown(args.markdown, lines)
     if args.json:
         args.json.write_text(
             json.dumps({"tensors": len(weights), "bytes": size, "threads": args.threads, "results": results}, indent=2)

@@ -28,6 +28,8 @@ from pathlib import Path
 from mxforge.provenance import PUBLISHED_RECORDS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_markdown import add_markdown_option, write_markdown  # noqa: E402
+
 TOKEN = "hf_benchStreamToken"
 PROVENANCE = {"README.md", *PUBLISHED_RECORDS}
 
@@ -104,6 +106,7 @@ def main() -> int:
     p.add_argument("--modes", default="sequential,stream,ray", help="comma-separated: sequential, stream, ray")
     p.add_argument("--workdir", default=None, help="working directory (default: a new temporary one, removed after)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
+    add_markdown_option(p)
     args = p.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mxforge-bench-stream-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -181,11 +184,12 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     slowest = max(stages.values())
     seq = next((r for r in rows if r["mode"] == "sequential"), None)
-    print(
+    lines: list[str] = []
+    lines.append(
         f"bench fixture {source_bytes / 1e9:.2f} GB bf16 -> {output_bytes / 1e9:.2f} GB MXFP4; "
         f"link {args.down_mbps:g} MB/s down, {args.up_mbps:g} MB/s up; {args.workers} workers; {os.cpu_count()} cores"
     )
-    print(
+    lines.append(
         "stages alone: "
         + ", ".join(
             f"{k} {v:.1f} s ({(source_bytes if k != 'upload' else output_bytes) / v / 1e6:.0f} MB/s)"
@@ -193,20 +197,22 @@ def main() -> int:
         )
         + f"; slowest {slowest:.1f} s"
     )
-    print()
-    print(
+    lines.append("")
+    lines.append(
         "| mode | wall (s) | wall / slowest stage | peak disk (GB) | peak disk / sequential | "
         "downloaded (GB) | uploaded (GB) | same checkpoint |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|")
     for r in rows:
         rel = f"{r['peak_disk_bytes'] / seq['peak_disk_bytes']:.0%}" if seq else "-"
-        print(
+        lines.append(
             f"| {r['mode']} | {r['seconds']:.1f} | {r['seconds'] / slowest:.2f}x | "
             f"{r['peak_disk_bytes'] / 1e9:.2f} | {rel} | "
             f"{r['downloaded_bytes'] / 1e9:.2f} | {r['uploaded_bytes'] / 1e9:.2f} | "
             f"{r['same_checkpoint_as_sequential']} |"
         )
+    print("\n".join(lines))
+    write_markdown(args.markdown, lines)
     if args.json:
         Path(args.json).write_text(
             json.dumps(

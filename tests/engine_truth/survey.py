@@ -4,7 +4,7 @@
 
 Each behaviour is measured by executing the release's own code (the probes) on a diagnostic
 `quantization_config` built on the real GLM-5.2 config: the table is where profile boundaries come
-from (README: "Adding an engine release").
+from (docs/development.md: "Adding an engine release").
 """
 
 from __future__ import annotations

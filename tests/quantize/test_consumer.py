@@ -8,7 +8,7 @@ checkpoint, which transformers loads exactly as it loads the source. Both comput
 stored, upcast exactly): in bf16 arithmetic, rounding alone flips DSA top-k selections and moves the
 tiny model's logits about as much as MXFP4 does.
 
-Bounds (README, "Quality"): KL is taken at a common sharpening that brings the source's mean entropy to
+Bounds (docs/benchmarks.md, "Quality"): KL is taken at a common sharpening that brings the source's mean entropy to
 SHARP_ENTROPY nats, a trained LM's (the fixture's random weights give near-uniform logits), and also
 unsharpened. The reference is a structureless perturbation of the format's magnitude: Gaussian noise of
 FORMAT_REL_RMS x each quantized tensor's RMS on the same tensors, averaged over NOISE_DRAWS draws. MXFP4
