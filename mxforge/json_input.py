@@ -61,7 +61,7 @@ def check_depth(raw: bytes, where: str, what: str) -> None:
     depth = nesting_depth(raw)
     if depth > MAX_JSON_DEPTH:
         raise CheckpointError(
-            f"{where}: {what} nests arrays/objects {depth} deep, more than the {MAX_JSON_DEPTH} that JSON "
+            f"{where}: {what} nests arrays/objects {depth:,} deep, more than the {MAX_JSON_DEPTH} that JSON "
             "readers of checkpoints accept (safetensors' among them): the file is corrupt or hostile; re-download it"
         )
 

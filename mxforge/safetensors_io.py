@@ -243,7 +243,8 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
     def corrupt(why: str) -> CheckpointError:
         return CheckpointError(f"{path}: safetensors header {why}; the shard is corrupt")
 
-    declared = raw.count(b"{")  # every tensor entry is an object: an upper bound on the entries, before parsing
+    # Every tensor entry is an object inside the header's: an upper bound on the entries, known before parsing.
+    declared = max(raw.count(b"{") - 1, 0)
     if budget is not None:
         budget.charge_tensors(path, declared)
     try:
