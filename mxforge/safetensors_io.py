@@ -175,12 +175,12 @@ def read_header(path: str | os.PathLike, budget: HeaderBudget | None = None) -> 
             (parse_header), or it goes over the budget.
     """
     path = Path(path)
+    budget = HeaderBudget() if budget is None else budget  # a file on its own: its own ceilings
     try:
         file_size = path.stat().st_size
         with open(path, "rb") as f:
             length = header_length(path, f.read(8), file_size)
-            if budget is not None:
-                budget.charge_bytes(path, length)
+            budget.charge_bytes(path, length)
             raw = f.read(length)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard: {e.strerror or e}") from None
@@ -229,7 +229,7 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
     """Check and parse a safetensors header's JSON bytes (`raw`, after the 8-byte length) of a file of
     `file_size` bytes; `path` names the file in errors (a local path, or a file of a Hub repo). Refuses what
     `safetensors.safe_open` refuses (tests/ground/test_safetensors_io.py checks a table of crafted headers against
-    it), and, before parsing, what goes over the checkpoint's `budget` of tensors.
+    it), and, before parsing, what goes over the checkpoint's `budget` of tensors (None: a file on its own's).
 
     Raises:
         CheckpointError: invalid UTF-8 or JSON (NaN, trailing characters, nesting over MAX_JSON_DEPTH...),
@@ -245,8 +245,8 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
 
     # Every tensor entry is an object inside the header's: an upper bound on the entries, known before parsing.
     declared = max(raw.count(b"{") - 1, 0)
-    if budget is not None:
-        budget.charge_tensors(path, declared)
+    budget = HeaderBudget() if budget is None else budget
+    budget.charge_tensors(path, declared)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -321,8 +321,7 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
                 f"but its data_offsets span {end - begin} bytes: the header lies; the shard is corrupt"
             )
         tensors[name] = info
-    if budget is not None:
-        budget.refund_tensors(declared - len(tensors))
+    budget.refund_tensors(declared - len(tensors))
     cursor = data_start
     for info in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
         if info.start != cursor or info.end < info.start:
