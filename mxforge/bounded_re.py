@@ -46,6 +46,8 @@ _UNSUPPORTED = {
     **{getattr(_c, op): what for op, what in (("POSSESSIVE_REPEAT", "a possessive repeat"),) if hasattr(_c, op)},
 }
 _CHAR, _SPLIT, _ASSERT, _MATCH = range(4)
+_ANSWERS = 100_000  # answers remembered per pattern
+_NONE: frozenset[int] = frozenset()
 
 
 class _TooComplex(Exception):
@@ -69,6 +71,10 @@ class BoundedPattern:
         self._leaf_answers: dict[tuple[int, str], bool] = {}
         self._expanded: dict[tuple, tuple[tuple[tuple[int, int], ...], bool]] = {}
         self._steps: dict[tuple, frozenset[int]] = {}
+        self._relevant: dict[frozenset[int], tuple[int, ...]] = {}
+        self._answers: dict[tuple[str, str], bool] = {}
+        # places without position tests that do not accept: character -> the places after it
+        self._plain: dict[frozenset[int], dict[str, frozenset[int]]] = {}
         self.work = 0
         try:
             end = self._new((_MATCH,))
@@ -80,15 +86,25 @@ class BoundedPattern:
     # --- answers ----------------------------------------------------------------------------------------
     def match(self, subject: str) -> bool:
         """re.match(pattern, subject) is not None."""
-        return self._run(self.start, self.tests, subject, 0, anchored=True, whole=False)
+        return self._answer("match", subject, True, False)
 
     def fullmatch(self, subject: str) -> bool:
         """re.fullmatch(pattern, subject) is not None."""
-        return self._run(self.start, self.tests, subject, 0, anchored=True, whole=True)
+        return self._answer("fullmatch", subject, True, True)
 
     def search(self, subject: str) -> bool:
         """re.search(pattern, subject) is not None."""
-        return self._run(self.start, self.tests, subject, 0, anchored=False, whole=False)
+        return self._answer("search", subject, False, False)
+
+    def _answer(self, mode: str, subject: str, anchored: bool, whole: bool) -> bool:
+        """The answer, remembered: validate asks each release's view the same module names."""
+        key = (mode, subject)
+        answer = self._answers.get(key)
+        if answer is None:
+            if len(self._answers) >= _ANSWERS:
+                self._answers.clear()
+            answer = self._answers[key] = self._run(self.start, self.tests, subject, 0, anchored, whole)
+        return answer
 
     def _refuse(self, why: str) -> ConfigError:
         shown = self.pattern if len(self.pattern) <= 80 else self.pattern[:77] + "..."
@@ -197,6 +213,28 @@ class BoundedPattern:
                 out.append(i)
         return frozenset(out)
 
+    def _tests_from(self, core: frozenset[int]) -> tuple[int, ...]:
+        """The position tests the places in `core` can reach without consuming (all that its meaning depends on)."""
+        found = self._relevant.get(core)
+        if found is not None:
+            return found
+        seen: set[int] = set()
+        todo, tests = list(core), []
+        while todo:
+            i = todo.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            state = self._states[i]
+            if state[0] == _SPLIT:
+                todo += (state[1], state[2])
+            elif state[0] == _ASSERT:
+                tests.append(state[1])
+                todo.append(state[2])
+        self._spend(len(seen))
+        found = self._relevant[core] = tuple(sorted(tests))
+        return found
+
     def _expand(self, core: frozenset[int], context: frozenset[int]) -> tuple[tuple[tuple[int, int], ...], bool]:
         """The character tests reachable from `core` without consuming (position tests as `context` says), and
         whether the pattern's end is among the places reached."""
@@ -253,8 +291,19 @@ class BoundedPattern:
         begin = frozenset((start,))
         core = begin
         n = len(subject)
+        plain = self._plain
         while True:
-            context = self._context(tests, subject, pos, memo) if tests else frozenset()
+            if anchored and pos < n and (stop is None or pos < stop) and (fast := plain.get(core)) is not None:
+                # A place with no position test to consult, seen before: one lookup per character.
+                following = fast.get(subject[pos])
+                if following is not None:
+                    if not following:
+                        return False
+                    core = following
+                    pos += 1
+                    continue
+            relevant = self._tests_from(core) if tests else ()
+            context = self._context(relevant, subject, pos, memo) if relevant else _NONE
             chars, accepting = self._expand(core, context)
             if accepting and (pos == stop if stop is not None else (pos == n or not whole)):
                 return True
@@ -267,6 +316,8 @@ class BoundedPattern:
                 following = frozenset(nxt for leaf, nxt in chars if self._accepts(leaf, char))
                 self._spend(len(chars) + 1)
                 self._steps[key] = following
+            if not relevant and not accepting:
+                plain.setdefault(core, {})[char] = following
             core = following if anchored else following | begin
             if not core:
                 return False

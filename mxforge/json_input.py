@@ -10,6 +10,7 @@ refused at exactly the depth at which `safetensors.safe_open` refuses it (127 co
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -24,7 +25,25 @@ _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _OPENS, _CLOSES = (ord("["), ord("{")), (ord("]"), ord("}"))
 
 
+_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+_PLAIN_STRING = re.compile(rb'"[^"]*"')
+
+
 def nesting_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in `raw` (JSON text as UTF-8 bytes), counted outside strings."""
+    if b"\\" in raw:
+        return _nesting_with_escapes(raw)
+    # No backslash, so no escaped quote: keep only quotes and brackets, drop what the strings hold.
+    brackets = _PLAIN_STRING.sub(b"", raw.translate(None, _STRUCTURE))
+    brackets = brackets.split(b'"', 1)[0]  # an unterminated string holds the rest
+    if not brackets:
+        return 0
+    arr = np.frombuffer(brackets, dtype=np.uint8)
+    steps = ((arr == _OPENS[0]) | (arr == _OPENS[1])).astype(np.int32) * 2 - 1
+    return max(int(np.cumsum(steps, dtype=np.int64).max()), 0)
+
+
+def _nesting_with_escapes(raw: bytes) -> int:
     """How deep arrays and objects nest in `raw` (JSON text as UTF-8 bytes), counted outside strings.
 
     One vectorised pass: a quote opens or closes a string unless an odd run of backslashes precedes it, and a

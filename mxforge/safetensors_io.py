@@ -68,6 +68,22 @@ SAFETENSORS_DTYPE_BITS = {
 }
 U64_MAX = 2**64 - 1  # safetensors reads shapes and offsets as usize
 _ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
+_FIELD_SET = set(_ENTRY_FIELDS)
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_INT_ONLY = {int}
+
+
+def _odd_integer(raw: bytes) -> bool:
+    """Whether the text may hold an integer serde_json reads otherwise: `-0`, or one of 20 digits or more."""
+    return b"-0" in raw or b"0" * 20 in raw.translate(_DIGITS_AS_ZERO)
+
+
+def _uints(values) -> bool:
+    """A JSON array of integers 0 .. 2**64-1 (safetensors' usize), bools excluded."""
+    return type(values) is list and (
+        not values or (set(map(type, values)) == _INT_ONLY and min(values) >= 0 and max(values) <= U64_MAX)
+    )
+
 
 # Ceilings on what a checkpoint's headers may declare, checked before the bytes are parsed (a header of
 # 1.2 M zero-size tensors took 1.2 GB and 49 s to read): about 10x GLM-5.2-FP8, the largest checkpoint of the
@@ -221,10 +237,6 @@ def _lone_surrogate(value) -> bool:
     return False
 
 
-def _usize(value) -> bool:
-    return type(value) is int and 0 <= value <= U64_MAX
-
-
 def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None = None) -> ShardHeader:
     """Check and parse a safetensors header's JSON bytes (`raw`, after the 8-byte length) of a file of
     `file_size` bytes; `path` names the file in errors (a local path, or a file of a Hub repo). Refuses what
@@ -252,9 +264,12 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
     except UnicodeDecodeError as e:
         raise corrupt(f"is not valid UTF-8 ({e.reason} at byte {8 + e.start})") from None
     check_depth(raw, str(path), "its safetensors header")
+    # serde_json reads `-0` and integers past 64 bits as floats (a float shape is refused; one past f64's range is
+    # an error anywhere): only a header that could hold one pays for reading every integer in Python.
+    number = _number if _odd_integer(raw) else None
     try:
         top = json.loads(
-            text, object_pairs_hook=_Pairs, parse_int=_number, parse_float=_finite, parse_constant=_refuse_constant
+            text, object_pairs_hook=_Pairs, parse_int=number, parse_float=_finite, parse_constant=_refuse_constant
         )
     except ValueError as e:
         raise corrupt(f"is not valid JSON ({e})") from None
@@ -266,6 +281,11 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
     entries: dict[str, _Pairs] = {}
     seen_metadata = False
     for name, value in top:
+        if type(value) is _Pairs and len(value) == 3 and name != "__metadata__":
+            a, b, c = value[0][0], value[1][0], value[2][0]
+            if a != b and b != c and a != c and {a, b, c} == _FIELD_SET:  # the usual entry: its three fields
+                entries[name] = value
+                continue
         if name == "__metadata__":
             if seen_metadata:
                 raise corrupt("gives __metadata__ twice")
@@ -289,16 +309,11 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
     for name, value in entries.items():
         fields = dict(value)
         dtype, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPE_BITS:
+        if type(dtype) is not str or dtype not in SAFETENSORS_DTYPE_BITS:
             raise corrupt(f"gives tensor {name!r} the unknown dtype {_short(dtype)}")
-        if not isinstance(shape, list) or isinstance(shape, _Pairs) or not all(_usize(d) for d in shape):
+        if not _uints(shape):
             raise corrupt(f"gives tensor {name!r} a shape that is not a list of unsigned integers ({_short(shape)})")
-        if (
-            not isinstance(offsets, list)
-            or isinstance(offsets, _Pairs)
-            or len(offsets) != 2
-            or not all(_usize(x) for x in offsets)
-        ):
+        if not _uints(offsets) or len(offsets) != 2:
             raise corrupt(f"gives tensor {name!r} data_offsets that are not two unsigned integers ({_short(offsets)})")
         numel = 1
         for d in shape:
