@@ -5,8 +5,11 @@ corrupt shard, which validate reports as a problem (exit 1), as it reports every
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+import subprocess
+import sys
 
 import pytest
 from helpers import TOKEN, hub_env, one_error_line, run_cli
@@ -46,3 +49,41 @@ def test_deeply_nested_remote_json_is_one_line_exit_2(hub, tiny_ckpt, tmp_path, 
         return
     line = one_error_line(proc)
     assert "nests arrays/objects 100,00" in line and ("config.json" in line or SHARD in line)
+
+
+BUDGET_SCRIPT = """
+import sys
+from mxforge import safetensors_io
+safetensors_io.MAX_TOTAL_HEADER_BYTES = int(sys.argv[2])
+from mxforge.checkpoint import Checkpoint
+from mxforge.errors import CheckpointError
+from mxforge.hub.source import HubSource
+try:
+    Checkpoint.open(HubSource(sys.argv[1])).headers
+    print("read them all")
+except CheckpointError as e:
+    print(e)
+"""
+
+
+def test_a_repos_headers_share_one_budget_charged_before_their_bytes_are_asked_for(hub, tiny_ckpt, tmp_path):
+    """Each shard's header is within the per-file limit, the repo's together are not: the header that would go over
+    is refused before it is requested, so the bytes fetched stay within the budget."""
+    sizes = {p.name: struct.unpack("<Q", p.read_bytes()[:8])[0] for p in sorted(tiny_ckpt.glob("*.safetensors"))}
+    budget = sum(sizes.values()) - 1
+    env = hub_env(hub, tmp_path, TOKEN, MXFORGE_CACHE=str(tmp_path / "cache"), MXFORGE_HUB_RETRIES="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", BUDGET_SCRIPT, "zai/glm-tiny", str(budget)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"over the {budget:,} mxforge reads" in proc.stdout, proc.stdout
+    asked = 0
+    for method, path, ranged in [r[:3] for r in hub.requests]:
+        if method == "GET" and path.endswith(".safetensors") and ranged and ranged != "bytes=0-7":
+            start, end = (int(x) for x in ranged.removeprefix("bytes=").split("-"))
+            asked += end - start + 1
+    assert 0 < asked <= budget
