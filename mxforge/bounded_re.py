@@ -83,6 +83,10 @@ class BoundedPattern:
         except _TooComplex as e:
             raise self._refuse(str(e)) from None
 
+    def __reduce__(self):
+        """Pickled as its source (a recipe travels to quantize's worker processes); rebuilt where it lands."""
+        return BoundedPattern, (self.pattern, self.where)
+
     # --- answers ----------------------------------------------------------------------------------------
     def match(self, subject: str) -> bool:
         """re.match(pattern, subject) is not None."""

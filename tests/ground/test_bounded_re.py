@@ -158,3 +158,12 @@ def test_too_many_patterns_in_one_list_is_one_error():
     bounded_re.check_pattern_count(bounded_re.MAX_PATTERNS, "x")
     with pytest.raises(ConfigError, match="x: 257 regular expressions, more than the 256"):
         bounded_re.check_pattern_count(257, "x")
+
+
+def test_a_compiled_pattern_travels_to_worker_processes():
+    """Recipes are pickled to quantize's workers; the one-character patterns inside have no source to pickle."""
+    import pickle
+
+    pattern = r"model\.layers\.\d+\.mlp\.experts\..*"
+    copy = pickle.loads(pickle.dumps(compile_bounded(pattern, where="recipe r.toml: names pattern")))
+    assert copy.pattern == pattern and copy.fullmatch("model.layers.3.mlp.experts.1.up_proj")
