@@ -7,16 +7,16 @@ Where those come from is a `CheckpointSource`: a local directory (`LocalDir`) or
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from mxforge.errors import CheckpointError, MxforgeError
+from mxforge.errors import CheckpointError, ConfigError, MxforgeError
+from mxforge.json_input import MAX_JSON_BYTES, loads
 from mxforge.safe_paths import name_problem, refuse_links_leaving
-from mxforge.safetensors_io import ShardHeader, TensorInfo, read_header, write_json_atomic
+from mxforge.safetensors_io import MAX_TENSORS, HeaderBudget, ShardHeader, TensorInfo, read_header, write_json_atomic
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -55,18 +55,38 @@ def _keep_duplicates(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def load_json(path: Path, what: str, object_pairs_hook=None) -> Any:
-    """Read a JSON file, naming it in the error if it is missing or malformed.
+    """Read a JSON file of at most MAX_JSON_BYTES (json_input.loads: its nesting bounded before it is parsed),
+    naming it in the error if it is missing, too large or malformed.
 
     Raises:
-        CheckpointError: the file does not exist or is not valid JSON.
+        CheckpointError: the file does not exist, is too large or deep, or is not valid JSON.
     """
     try:
-        with open(path) as f:
-            return json.load(f, object_pairs_hook=object_pairs_hook)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    return loads(raw, str(path), what, object_pairs_hook)
+
+
+def check_config_shape(config: Any, where: str) -> dict:
+    """config.json as read: a JSON object whose `quantization_config`, if given, is an object too (the fields
+    a family reads are checked by its layout, mxforge.models.layout.MoeLayout).
+
+    Raises:
+        ConfigError: naming the file and the field.
+    """
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}: is a JSON {type(config).__name__}, not an object; this is not a model config")
+    qc = config.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ConfigError(
+            f"{where}: quantization_config is a JSON {type(qc).__name__}, not an object; write it as "
+            '{"quant_method": ...} or remove it'
+        )
+    return config
 
 
 def _check_shard_names(source: "CheckpointSource", weight_map: dict) -> None:
@@ -97,6 +117,11 @@ class CheckpointSource:
     label: str  # how reports name the checkpoint: a directory, or owner/name[@revision]
     model_path: str  # what a serving engine is given to load it: the directory, or the repo id
     local_root: Path | None = None  # the directory, for a local checkpoint
+
+    @cached_property
+    def header_budget(self) -> HeaderBudget:
+        """What the headers read from this source may declare in all (bytes, tensors)."""
+        return HeaderBudget()
 
     def stats(self) -> dict | None:
         """What reading it cost over the network (None: a local directory)."""
@@ -151,7 +176,7 @@ class LocalDir(CheckpointSource):
         return load_json(self.local_root / name, what, object_pairs_hook)
 
     def read_header(self, name: str) -> ShardHeader:
-        return read_header(self.local_root / name)
+        return read_header(self.local_root / name, self.header_budget)
 
     def file_names(self) -> list[str]:
         return sorted(p.name for p in self.local_root.iterdir() if p.is_file())
@@ -233,22 +258,24 @@ class Checkpoint:
         """
         source = root if isinstance(root, CheckpointSource) else LocalDir(root, follow_symlinks)
         source.check_opened()
-        config = source.read_json("config.json", "config.json")
+        config = check_config_shape(source.read_json("config.json", "config.json"), source.where("config.json"))
         if source.exists(INDEX_NAME):
             index = source.read_json(INDEX_NAME, "safetensors index", object_pairs_hook=_keep_duplicates)
+            where = source.where(INDEX_NAME)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{source.where(INDEX_NAME)}: has no weight_map; the index is corrupt")
+                raise CheckpointError(f"{where}: has no weight_map; the index is corrupt")
+            if len(weight_map) > MAX_TENSORS:
+                raise CheckpointError(
+                    f"{where}: names {len(weight_map):,} tensors, over the {MAX_TENSORS:,} mxforge reads (about 10x "
+                    "the largest real checkpoint's): the index is corrupt or hostile"
+                )
+            metadata = index.get("metadata") or {}
+            if not isinstance(metadata, dict):
+                raise CheckpointError(f"{where}: metadata is a JSON {type(metadata).__name__}, not an object")
             _check_shard_names(source, weight_map)
             source.prefetch_headers(sorted(set(weight_map.values())))
-            return cls(
-                source,
-                config,
-                dict(weight_map),
-                dict(index.get("metadata") or {}),
-                True,
-                getattr(weight_map, "duplicates", ()),
-            )
+            return cls(source, config, dict(weight_map), dict(metadata), True, getattr(weight_map, "duplicates", ()))
         if source.exists(SINGLE_NAME):
             header = source.read_header(SINGLE_NAME)
             return cls(source, config, {name: SINGLE_NAME for name in header.tensors}, {}, False)

@@ -55,6 +55,82 @@ DTYPE_SIZE = {
     "U64": 8,
 }
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+# Every dtype name safetensors (0.8) reads, with its size in bits: a header naming another is refused, as safe_open
+# refuses it. Sub-byte dtypes (F4, F6_*) must fill whole bytes. mxforge reads and writes only DTYPE_SIZE's.
+SAFETENSORS_DTYPE_BITS = {
+    **{d: 8 * n for d, n in DTYPE_SIZE.items()},
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "C64": 64,
+}
+U64_MAX = 2**64 - 1  # safetensors reads shapes and offsets as usize
+_ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
+_FIELD_SET = set(_ENTRY_FIELDS)
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_INT_ONLY = {int}
+
+
+def _odd_integer(raw: bytes) -> bool:
+    """Whether the text may hold an integer serde_json reads otherwise: `-0`, or one of 20 digits or more."""
+    return b"-0" in raw or b"0" * 20 in raw.translate(_DIGITS_AS_ZERO)
+
+
+def _uints(values) -> bool:
+    """A JSON array of integers 0 .. 2**64-1 (safetensors' usize), bools excluded."""
+    return type(values) is list and (
+        not values or (set(map(type, values)) == _INT_ONLY and min(values) >= 0 and max(values) <= U64_MAX)
+    )
+
+
+# Ceilings on what a checkpoint's headers may declare, checked before the bytes are parsed (a header of
+# 1.2 M zero-size tensors took 1.2 GB and 49 s to read): about 10x GLM-5.2-FP8, the largest checkpoint of the
+# families (118,629 tensors; its 141 headers hold ~14 MB).
+MAX_TENSORS = 1_000_000  # in all the shards of one checkpoint together
+MAX_TOTAL_HEADER_BYTES = 160_000_000  # the headers of all the shards of one checkpoint together
+
+
+class HeaderBudget:
+    """What one checkpoint's headers have declared so far: their bytes and tensors, against MAX_TOTAL_HEADER_BYTES
+    and MAX_TENSORS (thread-safe: a Hub repo's headers are read in parallel).
+
+    Raises (charge_*): CheckpointError naming the header that goes over."""
+
+    def __init__(self, max_bytes: int | None = None, max_tensors: int | None = None):
+        import threading
+
+        self.max_bytes = MAX_TOTAL_HEADER_BYTES if max_bytes is None else max_bytes
+        self.max_tensors = MAX_TENSORS if max_tensors is None else max_tensors
+        self.bytes = self.tensors = 0
+        self._lock = threading.Lock()
+
+    def charge_bytes(self, where, n: int) -> None:
+        """Count a header of `n` bytes, before it is read."""
+        with self._lock:
+            if self.bytes + n > self.max_bytes:
+                raise CheckpointError(
+                    f"{where}: its {n:,}-byte header would bring the checkpoint's headers to "
+                    f"{self.bytes + n:,} bytes, over the {self.max_bytes:,} mxforge reads (about 10x the largest "
+                    "real checkpoint's): the checkpoint is corrupt or hostile"
+                )
+            self.bytes += n
+
+    def charge_tensors(self, where, n: int) -> None:
+        """Count `n` tensors (before their entries are parsed, `n` an upper bound)."""
+        with self._lock:
+            if self.tensors + n > self.max_tensors:
+                raise CheckpointError(
+                    f"{where}: its header would bring the checkpoint to {self.tensors + n:,} tensors, over the "
+                    f"{self.max_tensors:,} mxforge reads (about 10x the largest real checkpoint's): the "
+                    "checkpoint is corrupt or hostile"
+                )
+            self.tensors += n
+
+    def refund_tensors(self, n: int) -> None:
+        with self._lock:
+            self.tensors -= n
 
 
 @dataclass(frozen=True)
@@ -106,60 +182,164 @@ def header_length(path, first8: bytes, file_size: int) -> int:
     return header_len
 
 
-def read_header(path: str | os.PathLike) -> ShardHeader:
-    """Parse and check a safetensors header without reading tensor data.
+def read_header(path: str | os.PathLike, budget: HeaderBudget | None = None) -> ShardHeader:
+    """Parse and check a safetensors header without reading tensor data (`budget`: the checkpoint's, charged
+    before the header's bytes are read).
 
     Raises:
         CheckpointError: the file is missing, truncated, or its header is not valid safetensors
-            (bad JSON, unknown dtype, offsets that overlap, leave gaps, disagree with the shape,
-            or point past the end of the file).
+            (parse_header), or it goes over the budget.
     """
     path = Path(path)
+    budget = HeaderBudget() if budget is None else budget  # a file on its own: its own ceilings
     try:
         file_size = path.stat().st_size
         with open(path, "rb") as f:
-            raw = f.read(header_length(path, f.read(8), file_size))
+            length = header_length(path, f.read(8), file_size)
+            budget.charge_bytes(path, length)
+            raw = f.read(length)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard: {e.strerror or e}") from None
-    return parse_header(path, raw, file_size)
+    return parse_header(path, raw, file_size, budget)
 
 
-def parse_header(path, raw: bytes, file_size: int) -> ShardHeader:
+class _Pairs(list):
+    """A JSON object as the (key, value) pairs it was written with: duplicates kept, as serde_json sees them."""
+
+
+def _number(text: str) -> int | float:
+    """A JSON integer as serde_json reads it: `-0` and integers beyond 64 bits are floats, out of range an error."""
+    value = int(text)
+    if text == "-0" or not -(2**63) <= value <= U64_MAX:
+        return _finite(text)
+    return value
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _lone_surrogate(value) -> bool:
+    """Whether a parsed JSON value holds a string with an unpaired UTF-16 surrogate (serde_json refuses those)."""
+    if isinstance(value, str):
+        return any("\ud800" <= c <= "\udfff" for c in value)
+    if isinstance(value, list):  # arrays and _Pairs alike
+        return any(_lone_surrogate(v) for v in value)
+    if isinstance(value, tuple):
+        return _lone_surrogate(value[0]) or _lone_surrogate(value[1])
+    return False
+
+
+def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None = None) -> ShardHeader:
     """Check and parse a safetensors header's JSON bytes (`raw`, after the 8-byte length) of a file of
-    `file_size` bytes; `path` names the file in errors (a local path, or a file of a Hub repo).
+    `file_size` bytes; `path` names the file in errors (a local path, or a file of a Hub repo). Refuses what
+    `safetensors.safe_open` refuses (tests/ground/test_safetensors_io.py checks a table of crafted headers against
+    it), and, before parsing, what goes over the checkpoint's `budget` of tensors (None: a file on its own's).
 
     Raises:
-        CheckpointError: as read_header, for everything after the length.
+        CheckpointError: invalid UTF-8 or JSON (NaN, trailing characters, nesting over MAX_JSON_DEPTH...),
+            `__metadata__` not a map of strings (or given twice), a tensor entry with a missing, repeated or
+            mistyped field, an unknown dtype, a shape or offset that is not an unsigned 64-bit integer, a size
+            that overflows, offsets that overlap, leave gaps or disagree with shape and dtype, data that does not
+            end where the file does; or more tensors than the budget allows.
     """
+    from mxforge.json_input import check_depth
+
+    def corrupt(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: safetensors header {why}; the shard is corrupt")
+
+    # Every tensor entry is an object inside the header's: an upper bound on the entries, known before parsing.
+    declared = max(raw.count(b"{") - 1, 0)
+    budget = HeaderBudget() if budget is None else budget
+    budget.charge_tensors(path, declared)
     try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the shard is corrupt") from None
-    metadata = header.pop("__metadata__", None)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise corrupt(f"is not valid UTF-8 ({e.reason} at byte {8 + e.start})") from None
+    check_depth(raw, str(path), "its safetensors header")
+    # serde_json reads `-0` and integers past 64 bits as floats (a float shape is refused; one past f64's range is
+    # an error anywhere): only a header that could hold one pays for reading every integer in Python.
+    number = _number if _odd_integer(raw) else None
+    try:
+        top = json.loads(
+            text, object_pairs_hook=_Pairs, parse_int=number, parse_float=_finite, parse_constant=_refuse_constant
+        )
+    except ValueError as e:
+        raise corrupt(f"is not valid JSON ({e})") from None
+    if not isinstance(top, _Pairs):
+        raise corrupt(f"is a JSON {type(top).__name__}, not an object")
+    if "\\u" in text and _lone_surrogate(top):
+        raise corrupt("holds a string with an unpaired UTF-16 surrogate escape")
+    metadata: dict[str, str] | None = None
+    entries: dict[str, _Pairs] = {}
+    seen_metadata = False
+    for name, value in top:
+        if type(value) is _Pairs and len(value) == 3 and name != "__metadata__":
+            a, b, c = value[0][0], value[1][0], value[2][0]
+            if a != b and b != c and a != c and {a, b, c} == _FIELD_SET:  # the usual entry: its three fields
+                entries[name] = value
+                continue
+        if name == "__metadata__":
+            if seen_metadata:
+                raise corrupt("gives __metadata__ twice")
+            seen_metadata = True
+            if value is None:
+                continue
+            if not isinstance(value, _Pairs) or not all(isinstance(v, str) for _, v in value):
+                raise corrupt(f"has a __metadata__ that is not a map of strings to strings ({_short(value)})")
+            metadata = dict(value)
+            continue
+        if not isinstance(value, _Pairs):
+            raise corrupt(f"entry for tensor {name!r} is not an object ({_short(value)})")
+        keys = [k for k, _ in value if k in _ENTRY_FIELDS]
+        missing = [k for k in _ENTRY_FIELDS if k not in keys]
+        if missing or len(keys) != len(set(keys)):
+            what = f"lacks {missing}" if missing else "repeats a field"
+            raise corrupt(f"entry for tensor {name!r} {what} ({_short(value)})")
+        entries[name] = value  # a tensor named twice: the last entry counts, as in safetensors
     data_start = 8 + len(raw)
     tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {entry!r}") from None
+    for name, value in entries.items():
+        fields = dict(value)
+        dtype, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
+        if type(dtype) is not str or dtype not in SAFETENSORS_DTYPE_BITS:
+            raise corrupt(f"gives tensor {name!r} the unknown dtype {_short(dtype)}")
+        if not _uints(shape):
+            raise corrupt(f"gives tensor {name!r} a shape that is not a list of unsigned integers ({_short(shape)})")
+        if not _uints(offsets) or len(offsets) != 2:
+            raise corrupt(f"gives tensor {name!r} data_offsets that are not two unsigned integers ({_short(offsets)})")
+        numel = 1
+        for d in shape:
+            numel *= d
+            if numel > U64_MAX:
+                raise corrupt(f"gives tensor {name!r} a shape {shape} whose size overflows 64 bits")
+        bits = numel * SAFETENSORS_DTYPE_BITS[dtype]
+        if bits % 8:
+            raise corrupt(f"gives tensor {name!r} ({dtype}{shape}) a size that is not a whole number of bytes")
+        begin, end = offsets
         if dtype not in DTYPE_SIZE:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        info = TensorInfo(name, dtype, shape, data_start + begin, data_start + end)
-        expected = info.numel * DTYPE_SIZE[dtype]
-        if end < begin or info.nbytes != expected:
             raise CheckpointError(
-                f"{path}: tensor {name!r} header says {dtype}{list(shape)} ({expected} bytes) "
+                f"{path}: tensor {name!r} has dtype {dtype}, which mxforge does not read "
+                f"(it reads {', '.join(DTYPE_SIZE)})"
+            )
+        info = TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+        if end >= begin and info.nbytes != bits // 8:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} header says {dtype}{list(shape)} ({bits // 8} bytes) "
                 f"but its data_offsets span {end - begin} bytes: the header lies; the shard is corrupt"
             )
         tensors[name] = info
+    budget.refund_tensors(declared - len(tensors))
     cursor = data_start
     for info in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
-        if info.start != cursor:
+        if info.start != cursor or info.end < info.start:
             raise CheckpointError(
                 f"{path}: tensor {info.name!r} starts at byte {info.start}, expected {cursor}: "
                 "overlapping or gapped data offsets; the shard is corrupt"
@@ -171,6 +351,12 @@ def parse_header(path, raw: bytes, file_size: int) -> ShardHeader:
             f"{path}: header describes {cursor} bytes but the file has {file_size}: the shard is {what}; re-download it"
         )
     return ShardHeader(path, tensors, metadata, data_start, file_size)
+
+
+def _short(value) -> str:
+    """A parsed JSON value for an error message, at most 80 characters."""
+    text = repr(dict(value) if isinstance(value, _Pairs) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 Every MXFP4 weight (`X.weight` uint8 codes with its `X.weight_scale` E8M0 bytes) becomes a bf16 `X.weight`
 holding exactly the values the codes encode (what Quark's own dequantization gives; every such value is
-a bf16); its scale tensor goes. Every other tensor is copied byte for byte. Streaming: a tensor is read
+a bf16); its scale tensor goes. A block whose E8M0 scale is 0xFF (NaN, by the OCP MX spec) is NaN throughout,
+and the report says so per tensor (`nan_scale_blocks`, one warning each). Every other tensor is copied byte for
+byte. Streaming: a tensor is read
 and written in row chunks (CHUNK_BYTES of output at a time), whatever its size. Each shard is written
 under a temporary name and renamed when whole; then the index, the side files, config.json without its
 quantization_config, and mxforge_dequantize.json (the report) last. A rerun into the same OUT redoes
@@ -30,6 +32,8 @@ from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_
 
 CHUNK_BYTES = 16 << 20
 SCALE_SUFFIX = "_scale"
+E8M0_NAN = 0xFF  # OCP MX v1.0: the E8M0 code 0xFF is NaN, and a block with a NaN scale is NaN in every element
+MX_BLOCK = 32
 # Not carried over: what describes the MXFP4 checkpoint (its provenance, state, backups, card), not this one.
 NOT_COPIED = {INDEX_NAME, "config.json", "README.md", *WRITTEN_FILES}
 
@@ -83,6 +87,7 @@ def dequantize_checkpoint(
     scales = {s.name for s in pairs.values()}
     total = sum(i.nbytes for i in infos.values())
     weight_map, bytes_out, index_total = {}, 0, 0
+    nan_blocks: dict[str, int] = {}
     with directory_lock(out):
         write_json_atomic(
             out / DEQUANTIZE_NAME, {"stage": "dequantize", "status": "running", "source": str(src.resolve())}
@@ -105,7 +110,7 @@ def dequantize_checkpoint(
                     for t in writer.order:
                         info = header.tensors[t.name]
                         parts = (
-                            _dequantized(fin, info, header.tensors[t.name + SCALE_SUFFIX])
+                            _dequantized(fin, info, header.tensors[t.name + SCALE_SUFFIX], nan_blocks)
                             if t.name in pairs
                             else _raw(fin, info)
                         )
@@ -126,6 +131,11 @@ def dequantize_checkpoint(
         drop_quantization_config(config)
         write_json_atomic(out / "config.json", config)
         seconds = time.monotonic() - started
+        warnings = [
+            f"tensor {name!r}: {n:,} block(s) of {MX_BLOCK} with a NaN scale (E8M0 0xFF) written as NaN throughout "
+            "(OCP MX); the MXFP4 checkpoint holds NaN there"
+            for name, n in sorted(nan_blocks.items())
+        ]
         report = {
             "stage": "dequantize",
             "status": "done",
@@ -139,6 +149,8 @@ def dequantize_checkpoint(
             "bytes_out": bytes_out,
             "seconds": round(seconds, 3),
             "gb_per_s": round(total / seconds / 1e9, 4) if seconds > 0 else None,
+            "nan_scale_blocks": dict(sorted(nan_blocks.items())),
+            "warnings": warnings,
             "command": recorded_command(command),
         }
         write_json_atomic(out / DEQUANTIZE_NAME, report)
@@ -160,8 +172,9 @@ def _raw(fin, info: TensorInfo):
         yield _pread(fin, pos, min(CHUNK_BYTES, info.end - pos))
 
 
-def _dequantized(fin, codes: TensorInfo, scales: TensorInfo):
-    """bf16 bytes of an MXFP4 weight, row chunk by row chunk."""
+def _dequantized(fin, codes: TensorInfo, scales: TensorInfo, nan_blocks: dict[str, int]):
+    """bf16 bytes of an MXFP4 weight, row chunk by row chunk; blocks with a NaN scale are NaN (counted into
+    `nan_blocks` under the weight's name)."""
     rows, half = codes.shape
     nblocks = scales.shape[1]
     step = max(1, CHUNK_BYTES // (4 * half))  # 2 * half bf16 values a row
@@ -169,7 +182,13 @@ def _dequantized(fin, codes: TensorInfo, scales: TensorInfo):
         n = min(step, rows - r0)
         c = np.frombuffer(_pread(fin, codes.start + r0 * half, n * half), dtype=np.uint8).reshape(n, half)
         s = np.frombuffer(_pread(fin, scales.start + r0 * nblocks, n * nblocks), dtype=np.uint8).reshape(n, nblocks)
-        values = dequantize_rows(c, s, 2 * half)
+        nan = s == E8M0_NAN
+        if nan.any():  # decode them with a finite scale (no inf * 0 warnings), then make the whole block NaN
+            values = dequantize_rows(c, np.where(nan, 127, s).astype(np.uint8), 2 * half)
+            values[np.repeat(nan, MX_BLOCK, axis=1)[:, : 2 * half]] = np.nan
+            nan_blocks[codes.name] = nan_blocks.get(codes.name, 0) + int(nan.sum())
+        else:
+            values = dequantize_rows(c, s, 2 * half)
         yield (values.view(np.uint32) >> 16).astype("<u2")  # exact: every MXFP4 value is a bf16
 
 

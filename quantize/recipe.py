@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
 
+from mxforge.bounded_re import BoundedPattern, check_pattern_count, compile_bounded
 from mxforge.errors import ConfigError
 from mxforge.manifest_io import manifest_text
 from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
@@ -47,7 +48,7 @@ class Rule:
     index: int  # position among the recipe's rules of this action, for messages
     kinds: tuple[str, ...]
     layers: str
-    names: tuple[re.Pattern, ...]
+    names: tuple[BoundedPattern, ...]  # matched in bounded time (mxforge.bounded_re): a recipe may be hostile
 
     def matches(self, tensor_name: str, layout: MoeLayout) -> bool:
         if self.kinds and layout.kind_of(tensor_name) not in self.kinds:
@@ -201,8 +202,13 @@ def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
         raise ConfigError(
             f"recipe {source}: scheme {data['scheme']!r} is not supported; choose one of {sorted(SCHEMES)}"
         )
-    rules = [_parse_rule(r, "keep", i, source) for i, r in enumerate(_rule_list(data, "keep", source))]
-    quantize = [_parse_rule(r, "quantize", i, source) for i, r in enumerate(_rule_list(data, "quantize", source))]
+    keep_rules, quantize_rules = _rule_list(data, "keep", source), _rule_list(data, "quantize", source)
+    check_pattern_count(
+        sum(len(r["names"]) for r in keep_rules + quantize_rules if isinstance(r.get("names"), list)),
+        f"recipe {source}: names",
+    )
+    rules = [_parse_rule(r, "keep", i, source) for i, r in enumerate(keep_rules)]
+    quantize = [_parse_rule(r, "quantize", i, source) for i, r in enumerate(quantize_rules)]
     if not quantize:
         raise ConfigError(f"recipe {source}: no [[quantize]] rule, so it would quantize nothing")
     rule = data.get("scale_rule", DEFAULT_SCALE_RULE)
@@ -242,7 +248,7 @@ def _parse_rule(raw: dict, action: Decision, index: int, source: str) -> Rule:
     compiled = []
     for pattern in names:
         try:
-            compiled.append(re.compile(pattern))
+            compiled.append(compile_bounded(pattern, where=f"{where}: names pattern"))
         except re.error as e:
             raise ConfigError(f"{where}: names pattern {pattern!r} is not a valid regular expression ({e})") from None
     return Rule(action, index, tuple(kinds), layers, tuple(compiled))

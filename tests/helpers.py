@@ -4,6 +4,7 @@ from conftest.py or from each other."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -111,3 +112,21 @@ def pushed_files(hub, repo: str) -> dict[str, bytes]:
     """The files of `repo`'s main branch on a loopback Hub, by name: what a push committed."""
     commit = hub.repos[repo].resolve("main")
     return {name: f.disk_path.read_bytes() for name, f in commit.files.items()}
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """Fail the test (not hang it) when the block runs longer than `seconds` (SIGALRM: the main thread only; Python's
+    `re` checks for signals while it backtracks, so a runaway regex is interrupted too)."""
+    import signal
+
+    def expired(signum, frame):
+        raise AssertionError(f"{what} took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

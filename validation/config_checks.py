@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
+from mxforge.bounded_re import compile_bounded
 from mxforge.models import MoeLayout
 from mxforge.models.tensor_kinds import layer_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
@@ -81,7 +82,7 @@ def check_quant_config(qc: Mapping | None, has_uint8: bool) -> list[Problem]:
             )
         elif entry.startswith("re:"):
             try:
-                re.compile(entry[3:])
+                compile_bounded(entry[3:], where=f"{QC}.exclude[{i}]")  # raises ConfigError past the bounds
             except re.error as e:
                 bad(
                     f"exclude[{i}]",

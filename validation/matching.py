@@ -1,7 +1,8 @@
 """How an engine release decides, from `exclude`, what it builds unquantized (the rules of validation/profiles.py).
 
 Entry matching is the engines' own: an entry matches a module prefix when equal to it, or when it starts
-with "re:" and the rest `re.match`es the prefix. Globs are understood by no engine. What differs per
+with "re:" and the rest `re.match`es the prefix (answered by mxforge.bounded_re: `re`'s answer, in bounded
+time, for a pattern from a checkpoint may be hostile). Globs are understood by no engine. What differs per
 release (fused names, expert entries, which entries reach the MTP draft, shared-expert fusion) is data in
 the profile; conformance with each release's own code is tested in tests/validation/test_engine_conformance.py.
 """
@@ -13,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from mxforge.bounded_re import BoundedPattern, check_pattern_count, compile_bounded
 from mxforge.models import MoeLayout
 from mxforge.validation.profiles import EngineProfile
 
@@ -45,12 +47,18 @@ class ExcludeList:
         return frozenset(e for e in self.entries if not e.startswith("re:"))
 
     @cached_property
-    def regexes(self) -> list[tuple[str, re.Pattern]]:
+    def regexes(self) -> list[tuple[str, BoundedPattern]]:
+        """The `re:` entries, compiled.
+
+        Raises:
+            ConfigError: an entry that cannot be matched in bounded time (named).
+        """
         out = []
+        check_pattern_count(sum(e.startswith("re:") for e in self.entries), "config.json: quantization_config.exclude")
         for e in self.entries:
             if e.startswith("re:"):
                 try:
-                    out.append((e, re.compile(e[3:])))
+                    out.append((e, compile_bounded(e[3:], where=f"config.json: quantization_config.exclude {e!r}")))
                 except re.error:
                     pass  # reported by the quantization_config check; engines would raise on it
         return out

@@ -154,6 +154,8 @@ def run_dequantize(args) -> int:
     r = dequantize_checkpoint(
         args.ckpt, args.out, quiet=args.quiet, command=invocation(), follow_symlinks=args.follow_symlinks
     )
+    for warning in r["warnings"]:
+        print(f"mxforge dequantize: warning: {warning}", file=sys.stderr)
     emit(
         r,
         args.json,

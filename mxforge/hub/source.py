@@ -23,7 +23,6 @@ Names from the server become cache paths only through safe_paths.remote_path.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import struct
 import sys
@@ -43,11 +42,11 @@ from mxforge.errors import CheckpointError, HubError, MxforgeError
 from mxforge.hub.errors import check_repo_id, checked_commit, hub_endpoint, raise_as_hub_error
 from mxforge.hub.session import HubLimits, use_hub_limits
 from mxforge.hub.transfer import TRANSIENT
+from mxforge.json_input import MAX_JSON_BYTES, loads
 from mxforge.progress import format_bytes
 from mxforge.safe_paths import remote_path
 from mxforge.safetensors_io import ShardHeader, header_length, parse_header, write_bytes_atomic
 
-MAX_JSON_BYTES = 64 << 20  # config.json / the index (GLM-5.2's index: 6 MB)
 CHUNK = 64 << 10  # read granularity: what a Range-ignoring server can make us read past the wanted bytes
 PARALLEL_READS = 8  # header reads in flight at once (each is two round trips, more behind a CDN redirect)
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
@@ -119,10 +118,7 @@ class HubSource(CheckpointSource):
             self._store(cached, raw)
         raw = cached.read_bytes()
         self.file_sizes[name] = len(raw)
-        try:
-            return json.loads(raw, object_pairs_hook=object_pairs_hook)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{self.where(name)}: {what} is not valid JSON ({e})") from None
+        return loads(raw, self.where(name), what, object_pairs_hook)
 
     def prefetch_headers(self, names: list[str]) -> None:
         """Read these shards' headers `PARALLEL_READS` at a time (a shard counter on a terminal); read_header
@@ -165,13 +161,16 @@ class HubSource(CheckpointSource):
             raw = blob[16:]
         else:
             prefix, size = self._read_range(name, 0, 8)
-            raw, _ = self._read_range(name, 8, 8 + header_length(self.where(name), prefix, size))
-            header = parse_header(self.where(name), raw, size)  # only a header that parses is cached
+            length = header_length(self.where(name), prefix, size)
+            self.header_budget.charge_bytes(self.where(name), length)  # all the repo's headers together, bounded
+            raw, _ = self._read_range(name, 8, 8 + length)
+            header = parse_header(self.where(name), raw, size, self.header_budget)  # only one that parses is cached
             self._store(cached, struct.pack("<Q", size) + prefix + raw)
             self.file_sizes[name] = size
             return header
         self.file_sizes[name] = size
-        return parse_header(self.where(name), raw, size)
+        self.header_budget.charge_bytes(self.where(name), len(raw))
+        return parse_header(self.where(name), raw, size, self.header_budget)
 
     # --- reporting ----------------------------------------------------------------------------------
     def stats(self) -> dict:

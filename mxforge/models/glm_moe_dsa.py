@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from mxforge.models.family import Family
 from mxforge.models.layout import (
     DSA_FIELDS,
+    LAYER_LISTS,
     LINEAGE_FIELDS,
     LINEAGE_OPTIONAL_INT_FIELDS,
     MLA_FIELDS,
@@ -28,20 +29,34 @@ from mxforge.models.layout import (
 )
 from mxforge.models.tensor_kinds import LINEAGE_KIND_RULES
 
+INDEXER_TYPES = ("full", "shared")
+PATTERN_CODES = {"F": "full", "S": "shared"}  # index_topk_pattern's letters
+
 
 @dataclass(frozen=True)
 class GlmMoeDsaLayout(MoeLayout):
     REQUIRED_FIELDS = LINEAGE_FIELDS + MLA_FIELDS + DSA_FIELDS
     OPTIONAL_INT_FIELDS = LINEAGE_OPTIONAL_INT_FIELDS + ("index_topk_freq", "index_skip_topk_offset")
+    LAYER_LISTS = {**LAYER_LISTS, "indexer_types": INDEXER_TYPES}
+
+    def __post_init__(self):
+        super().__post_init__()
+        pattern = self.config.get("index_topk_pattern")
+        if self.config.get("indexer_types") is None and pattern is not None:
+            self._check_layer_list(
+                "index_topk_pattern",
+                [PATTERN_CODES.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern,
+                INDEXER_TYPES,
+            )
 
     def indexer_types(self) -> list[str]:
         """ "full" or "shared" per decoder layer, as transformers derives it (explicit list, pattern, or schedule)."""
         explicit = self.config.get("indexer_types")
-        if explicit:
+        if explicit is not None:
             return list(explicit)
         pattern = self.config.get("index_topk_pattern")
         if pattern is not None:
-            return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+            return [PATTERN_CODES[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
         freq = max(int(self.config.get("index_topk_freq", 1) or 1), 1)
         offset = int(self.config.get("index_skip_topk_offset", 2))
         return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(self.num_hidden_layers)]

@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from mxforge.errors import ConfigError
 from mxforge.models.tensor_kinds import kind_of
-from mxforge.safetensors_io import PlannedTensor
+from mxforge.safetensors_io import MAX_TENSORS, PlannedTensor
 
 Spec = tuple[str, tuple[int, ...], str]  # layer-relative name, shape, dtype
 NORM_RE = re.compile(r"norm\.(weight|bias)$")
@@ -33,6 +33,38 @@ LINEAGE_FIELDS: tuple[str, ...] = (
 )
 LINEAGE_OPTIONAL_INT_FIELDS = ("num_nextn_predict_layers", "n_shared_experts", "moe_layer_freq")
 
+# The range each integer field of config.json may take, checked before anything is planned from it: from the
+# smallest meaningful value to about 10x the largest in the families' reference configs (manifests/models/:
+# GLM-4.5 92 layers, 160 experts; GLM-5.2 78 layers, 256 experts, vocabulary 154,880; DeepSeek-V3 hidden 7,168,
+# intermediate 18,432). A family's own fields get theirs here too; a field with none gets FIELD_LIMIT_DEFAULT.
+FIELD_LIMITS: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 65_536),
+    "num_hidden_layers": (1, 1_024),
+    "intermediate_size": (1, 262_144),
+    "moe_intermediate_size": (1, 32_768),
+    "n_routed_experts": (1, 4_096),
+    "num_attention_heads": (1, 2_048),
+    "vocab_size": (1, 2_097_152),
+    "first_k_dense_replace": (0, 1_024),
+    "num_nextn_predict_layers": (0, 16),
+    "n_shared_experts": (0, 64),
+    "moe_layer_freq": (0, 1_024),
+    "q_lora_rank": (1, 32_768),
+    "kv_lora_rank": (1, 8_192),
+    "qk_nope_head_dim": (1, 4_096),
+    "qk_rope_head_dim": (1, 4_096),
+    "v_head_dim": (1, 4_096),
+    "index_n_heads": (1, 1_024),
+    "index_head_dim": (1, 2_048),
+    "index_topk_freq": (0, 1_024),
+    "index_skip_topk_offset": (0, 1_024),
+    "num_key_value_heads": (1, 2_048),
+    "head_dim": (1, 4_096),
+}
+FIELD_LIMIT_DEFAULT = (0, 1 << 20)
+# Per-layer lists config.json may give (one entry per decoder layer): the values each entry may take.
+LAYER_LISTS: dict[str, tuple[str, ...]] = {"mlp_layer_types": ("dense", "sparse")}
+
 
 @dataclass(frozen=True)
 class MoeLayout:
@@ -43,6 +75,7 @@ class MoeLayout:
     family: ClassVar[Any] = None
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_FIELDS
     OPTIONAL_INT_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_OPTIONAL_INT_FIELDS
+    LAYER_LISTS: ClassVar[dict[str, tuple[str, ...]]] = LAYER_LISTS
     NORM_DTYPE: ClassVar[str] = "BF16"  # how the published checkpoint stores its norms (DeepSeek-V3.2: F32)
     # Layer-relative names of MTP-layer tensors a release may leave out because every engine loads them from
     # elsewhere (GLM-4.6's MTP layer has no embed_tokens / shared_head.head: engines use the model's).
@@ -65,6 +98,40 @@ class MoeLayout:
                     f"config.json: {key} is {value!r} ({type(value).__name__}), not a whole number; "
                     f'write it as a JSON integer ("{key}": {digits}, no quotes)'
                 )
+            if value is not None:
+                low, high = FIELD_LIMITS.get(key, FIELD_LIMIT_DEFAULT)
+                if not low <= value <= high:
+                    raise ConfigError(
+                        f"config.json: {key} is {value:,}, outside {low:,}..{high:,}"
+                        + (" (about 10x the largest real model's)" if value > high else "")
+                        + "; the config is corrupt or hostile: fix the value"
+                    )
+        for key, allowed in self.LAYER_LISTS.items():
+            self._check_layer_list(key, self.config.get(key), allowed)
+        implied = (self.num_hidden_layers + len(self.mtp_layers)) * (3 * int(self.config["n_routed_experts"]) + 64)
+        if implied > MAX_TENSORS:
+            raise ConfigError(
+                f"config.json: {self.num_hidden_layers} layers (+{len(self.mtp_layers)} MTP) of "
+                f"{self.config['n_routed_experts']} experts imply about {implied:,} tensors, over the "
+                f"{MAX_TENSORS:,} mxforge reads (about 10x the largest real checkpoint's); fix the config"
+            )
+
+    def _check_layer_list(self, key: str, value: Any, allowed: tuple[str, ...]) -> None:
+        """A per-layer list is absent (null) or names one of `allowed` for each of the num_hidden_layers layers
+        (transformers' `validate_layer_type` rule).
+
+        Raises:
+            ConfigError: naming the field.
+        """
+        if value is None:
+            return
+        n = self.num_hidden_layers
+        if not isinstance(value, list) or len(value) != n or not all(v in allowed for v in value):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise ConfigError(
+                f"config.json: {key} must list one of {list(allowed)} for each of the {n} layers "
+                f"(num_hidden_layers), got {shown}; fix it or remove it"
+            )
 
     def __getitem__(self, key: str) -> Any:
         return self.config[key]
@@ -96,7 +163,7 @@ class MoeLayout:
         if self.is_mtp(layer):
             return True
         types = self.config.get("mlp_layer_types")
-        if types:
+        if types is not None:
             return types[layer] == "sparse"
         freq = int(self.config.get("moe_layer_freq", 1) or 1)
         return layer >= int(self.config["first_k_dense_replace"]) and layer % freq == 0

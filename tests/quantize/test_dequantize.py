@@ -116,3 +116,58 @@ def test_refuses_a_foreign_out_and_a_checkpoint_without_mxfp4(runs, tiny_ckpt, t
     )
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"] and (foreign / "notes.txt").read_text() == "mine"
     assert "no MXFP4 weight" in one_error_line(run_cli("dequantize", str(tiny_ckpt), str(tmp_path / "o")))
+
+
+def test_nan_scales_make_their_whole_block_nan_with_one_warning_line(runs, tmp_path):
+    """E8M0 0xFF is NaN (OCP MX v1.0, 5.3.1), and a block with a NaN scale is NaN in all 32 elements: the
+    dequantized weight holds NaN there (not a mix of +-inf and NaN), numpy prints nothing, and the report and the
+    command give one warning line naming the tensor and its block count. Quark's own dequantization (what its
+    model loading runs) is what the other blocks equal; in the NaN blocks it writes the mix this replaces."""
+    import shutil
+    import warnings
+
+    from mxforge.quantize.dequantize import dequantize_checkpoint
+
+    rule, mxfp4, _, _ = runs
+    if rule != "quark":
+        pytest.skip("one scale rule is enough")
+    tampered = shutil.copytree(mxfp4, tmp_path / "nan")
+    ckpt = Checkpoint.open(tampered)
+    infos = ckpt.tensor_infos()
+    weight = sorted(n for n in infos if n + "_scale" in infos)[0]
+    scale = infos[weight + "_scale"]
+    rows, blocks = scale.shape
+    hit = [(0, 0), (1, blocks - 1), (rows - 1, 0)]
+    path = tampered / ckpt.weight_map[weight + "_scale"]
+    data = bytearray(path.read_bytes())
+    for r, b in hit:
+        data[scale.start + r * blocks + b] = 0xFF
+    path.write_bytes(bytes(data))
+    packed = _tensors(tampered)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy RuntimeWarning fails the test
+        report = dequantize_checkpoint(tampered, tmp_path / "out", quiet=True)
+    assert report["nan_scale_blocks"] == {weight: 3}
+    assert report["warnings"] == [
+        f"tensor {weight!r}: 3 block(s) of 32 with a NaN scale (E8M0 0xFF) written as NaN throughout (OCP MX); "
+        "the MXFP4 checkpoint holds NaN there"
+    ]
+    out = _tensors(tmp_path / "out")[weight].float()
+    nan_mask = torch.zeros_like(out, dtype=torch.bool)
+    for r, b in hit:
+        nan_mask[r, 32 * b : 32 * (b + 1)] = True
+    assert torch.isnan(out[nan_mask]).all() and not torch.isnan(out[~nan_mask]).any()
+    quark = quark_dequantize_weight(packed[weight], packed[weight + "_scale"], torch.bfloat16).float()
+    assert torch.equal(out[~nan_mask], quark[~nan_mask])
+    # Quark decodes 0xFF as 2^128 = inf: a zero code becomes NaN (0 * inf), every other code +-inf.
+    zero_code = torch.stack([packed[weight] & 0xF, packed[weight] >> 4], dim=2).reshape(rows, -1)[:, : out.shape[1]]
+    is_zero = (zero_code & 0x7) == 0
+    assert torch.equal(torch.isnan(quark[nan_mask]), is_zero[nan_mask])
+    assert torch.isinf(quark[nan_mask & ~is_zero]).all()
+
+    proc = run_cli("dequantize", str(tampered), str(tmp_path / "cli"))
+    assert proc.returncode == 0 and "RuntimeWarning" not in proc.stderr, proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if "warning" in ln.lower()] == [
+        f"mxforge dequantize: warning: {report['warnings'][0]}"
+    ]

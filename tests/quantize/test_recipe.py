@@ -163,3 +163,26 @@ def test_plan_on_the_full_glm52_layout(full_layout_ckpt, recipe_name, quantized)
     assert "model.layers.78.eh_proj" in exclude and "model.layers.78.mlp.shared_experts.down_proj" in exclude
     assert "model.layers.77.mlp.shared_experts.down_proj" not in exclude and "lm_head" in exclude
     assert ("model.layers.78.mlp.experts.255.up_proj" in exclude) == (recipe_name == "glm-5.2-mxfp4-mtp-bf16")
+
+
+def test_a_backtracking_names_pattern_is_matched_in_bounded_time(tiny_ckpt, tmp_path):
+    """`(.|.)*Z` takes Python's re 2^n steps on an n-character name: quantize's planning used to hang on it."""
+    from helpers import deadline
+
+    path = tmp_path / "r.toml"
+    path.write_text('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\n[[keep]]\nnames=["(.|.)*Z"]\n')
+    recipe = load_recipe(path)
+    ckpt = Checkpoint.open(tiny_ckpt)
+    layout = layout_of(ckpt.config)
+    with deadline(20, "planning with a backtracking names pattern"):
+        decisions = {name: recipe.decide(name, layout) for name in ckpt.weight_map}
+        with pytest.raises(ConfigError, match=r"\[\[keep\]\] rule 1 .* matches no 2-D weight"):
+            recipe.check_matches(ckpt.weight_map, layout, str(tiny_ckpt))
+    assert any(d == "quantize" for d in decisions.values())
+
+
+def test_a_names_pattern_beyond_the_bounds_is_one_error_naming_the_rule(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('name="x"\nscheme="mxfp4"\n[[quantize]]\nnames=["(mlp)\\\\1"]\n')
+    with pytest.raises(ConfigError, match=r"r\.toml: \[\[quantize\]\] rule 1: names pattern: .*backreference"):
+        load_recipe(path)

@@ -91,3 +91,29 @@ def test_stored_form_uses_the_quantizers_packed_shapes():
     assert stored_form(Linear("m", 8, 96), infos).defect is None
     odd = stored_form(Linear("m", 8, 95), infos)
     assert odd.form == MXFP4 and "odd" in odd.defect and "m.weight" in odd.defect
+
+
+def test_a_backtracking_re_entry_is_matched_in_bounded_time_with_the_engines_answer(tiny_ckpt, tmp_path):
+    """`re:(.|.)*Z` costs Python's re 2^n steps per n-character module name: validate (and fixup, --create-pr) used
+    to hang on it. It matches no module (none ends in Z), so the verdict is the one without it."""
+    from helpers import deadline
+
+    ckpt = _fixed_export(tiny_ckpt, tmp_path / "q")
+    before = validate_checkpoint(ckpt)
+    _edit_qc(ckpt, lambda qc: qc["exclude"].append("re:(.|.)*Z"))
+    with deadline(60, "validate with exclude entry re:(.|.)*Z"):
+        after = validate_checkpoint(ckpt)
+    assert after.ok and before.ok and len(after.problems) == len(before.problems) == 0
+
+
+def test_a_re_entry_beyond_the_bounds_is_one_error_naming_it(tiny_ckpt, tmp_path):
+    import pytest
+
+    from mxforge.errors import ConfigError
+
+    ckpt = _fixed_export(tiny_ckpt, tmp_path / "q")
+    _edit_qc(ckpt, lambda qc: qc["exclude"].append(r"re:(model)\.\1"))
+    with pytest.raises(
+        ConfigError, match=r"quantization_config\.exclude\[\d+\]: .*'\(model\)\\\\.\\\\1'.*backreference"
+    ):
+        validate_checkpoint(ckpt)
