@@ -9,28 +9,24 @@ side files, config.json with Quark's quantization_config, and mxforge_quantize.j
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
-from multiprocessing.context import BaseContext
-from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.disk_space import require_free_space
-from mxforge.errors import CheckpointError, ConfigError, MxforgeError
+from mxforge.errors import CheckpointError, ConfigError
 from mxforge.progress import byte_progress
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME, recorded_command, source_hashes
 from mxforge.quantize.error_report import error_report
 from mxforge.quantize.plan import QuantizePlan, ShardPlan, plan_checkpoint
 from mxforge.quantize.recipe import Recipe, load_recipe
-from mxforge.quantize.shard_job import ShardJob, ShardResult, finish_shard, run_shard
+from mxforge.quantize.scheduler import Inline, ShardScheduler, ShardWorkers, Threads, quantize_steps
+from mxforge.quantize.shard_job import ShardJob, ShardResult
 from mxforge.quantize.state import ResumeState, tool_versions
 from mxforge.safe_paths import refuse_links_leaving
-from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
+from mxforge.safetensors_io import copy_atomic, read_header, write_json_atomic
 
 NOT_COPIED = {INDEX_NAME, QUANTIZE_STATE_NAME, QUANTIZE_NAME, "config.json"}  # config.json is rewritten
 
@@ -112,7 +108,7 @@ def _quantize_into(
     for s in todo:
         state.forget(s.name)
     state.save()  # marks OUT as ours before any shard is written, so a rerun after a kill may resume into it
-    _remove_strays(out, plan)
+    remove_strays(out, plan)
     _check_free_space(out, todo)
     expected = source_hashes(src)
     verified = _download_verified(src, expected)
@@ -121,12 +117,12 @@ def _quantize_into(
             str(src),
             str(out),
             s,
-            device,
-            refuse_nonfinite,
-            expected.get(s.name),
-            verified.get(s.name),
-            recipe.scale_offsets,
-            measure_errors,
+            device=device,
+            refuse_nonfinite=refuse_nonfinite,
+            expected_sha256=expected.get(s.name),
+            verified_stat=verified.get(s.name),
+            scale_offsets=recipe.scale_offsets,
+            measure_errors=measure_errors,
         )
         for s in sorted(todo, key=lambda s: -s.source_size)
     ]
@@ -186,7 +182,7 @@ def _check_device(device: str) -> None:
         )
 
 
-def _remove_strays(out: Path, plan: QuantizePlan) -> None:
+def remove_strays(out: Path, plan: QuantizePlan) -> None:
     """Partial files from an interrupted run, and shards that are not part of this plan."""
     planned = {s.name for s in plan.shards}
     for p in out.iterdir():
@@ -221,26 +217,7 @@ def _download_verified(src: Path, expected: dict[str, str]) -> dict[str, tuple[i
     return out
 
 
-# --- workers ---------------------------------------------------------------------------------------
-_counter: Synchronized[int] | None = None  # set in each worker process by _init_worker
-
-
-def _init_worker(counter: Synchronized[int]) -> None:
-    global _counter
-    _counter = counter
-
-
-def _worker(job: ShardJob) -> ShardResult:
-    counter = _counter
-    assert counter is not None, "runs only in a process started by start_worker_pool"
-
-    def progress(n: int) -> None:
-        with counter.get_lock():
-            counter.value += n
-
-    return run_shard(job, progress, finish=False)  # the parent fsyncs and renames, off the workers' path
-
-
+# --- the shards, through the scheduler ------------------------------------------------------------
 def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> list[ShardResult]:
     """Run shard jobs (in worker processes when workers > 1), recording each finished shard at once.
 
@@ -250,72 +227,18 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> li
     results: list[ShardResult] = []
     if not jobs:
         return results
-    if workers == 1:
-        for job in jobs:
-            results.append(run_shard(job, bar.update))
-            state.record(results[-1])
-        return results
-    pool, counter = start_worker_pool(workers, jobs)
-    seen = 0
-    finisher = ThreadPoolExecutor(workers, thread_name_prefix="fsync")
-    out_dir = Path(jobs[0].out_dir)
-    failed = True
-    try:
-        working = {pool.submit(_worker, job) for job in jobs}
-        finishing: set = set()
-        while working or finishing:
-            done, _ = wait(working | finishing, timeout=0.2, return_when=FIRST_COMPLETED)
-            seen = _tick(bar, counter, seen)
-            for future in done:
-                result = future.result()  # re-raises a worker's (or a finisher's) error here
-                if future in working:
-                    working.discard(future)
-                    finishing.add(finisher.submit(finish_shard, result, out_dir))
-                else:
-                    finishing.discard(future)
-                    state.record(result)
-                    results.append(result)
-        failed = False
-    except BrokenProcessPool:
-        raise MxforgeError(
-            "a quantize worker process died (killed for memory?); rerun the same command to "
-            "resume, with fewer --workers if memory is short"
-        ) from None
-    finally:
-        if failed:  # stop the other workers at once and remove what they had half written
-            for process in list((getattr(pool, "_processes", None) or {}).values()):
-                if process.is_alive():
-                    process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        finisher.shutdown(wait=True, cancel_futures=True)
-        if failed:
-            for job in jobs:
-                partial_path(Path(job.out_dir) / job.plan.name).unlink(missing_ok=True)
-    _tick(bar, counter, seen)
+
+    def recorded(job: ShardJob, result: ShardResult) -> None:
+        state.record(result)
+        results.append(result)
+
+    pool = ShardWorkers(workers, jobs, bar=bar)
+    finishers = Threads(workers, "fsync", wait_on_failure=True) if pool.forks else Inline()
+    steps = quantize_steps(
+        pool, finishers, Path(jobs[0].out_dir), job=lambda job: job, name=lambda job: job.plan.name, recorded=recorded
+    )
+    ShardScheduler(steps).run(jobs, lambda job: "quantize")
     return results
-
-
-def start_worker_pool(workers: int, jobs: list[ShardJob]):
-    """(pool, counter): `workers` processes for `jobs` (submit `shard_worker`, which leaves `SHARD.partial` for
-    finish_shard) and the shared count of source bytes they have processed."""
-    ctx: BaseContext = mp.get_context("spawn")
-    if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
-        # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
-        from mxforge.quantize.mxfp4 import warm_cpu_kernel
-
-        warm_cpu_kernel({t.read_dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
-        ctx = mp.get_context("fork")
-    counter = ctx.Value("q", 0)
-    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,)), counter
-
-
-shard_worker = _worker  # what start_worker_pool's processes run, for schedulers outside this module
-
-
-def _tick(bar, counter, seen: int) -> int:
-    value = counter.value
-    bar.update(value - seen)
-    return value
 
 
 # --- finishing -------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import hashlib
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +37,7 @@ class ShardJob:
     src_dir: str
     out_dir: str
     plan: ShardPlan
+    _: KW_ONLY
     device: str = "cpu"
     refuse_nonfinite: bool = True
     expected_sha256: str | None = None  # from mxforge_source.json, when download recorded it

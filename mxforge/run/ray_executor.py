@@ -23,12 +23,15 @@ import sys
 import tempfile
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mxforge.errors import MxforgeError
 from mxforge.file_hashes import file_hash
+from mxforge.quantize.scheduler import Lane, ShardScheduler, Step, Threads
+from mxforge.safetensors_io import partial_path
 
 if TYPE_CHECKING:  # annotations only: a task imports these on its node
     from mxforge.hub.download import RemoteFile
@@ -48,7 +51,7 @@ HUB_ENV = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardTask:
     """Everything a node needs for one shard (pickled to the task)."""
 
@@ -91,11 +94,9 @@ def run_shard_task(task: ShardTask) -> dict:
         str(work),
         task.out_dir,
         task.plan,
-        "cpu",
-        True,
-        task.remote.sha256,
-        (st.st_size, st.st_mtime_ns),
-        task.scale_offsets,
+        expected_sha256=task.remote.sha256,
+        verified_stat=(st.st_size, st.st_mtime_ns),
+        scale_offsets=task.scale_offsets,
     )
     result = run_shard(job)
     (work / task.plan.name).unlink(missing_ok=True)
@@ -125,8 +126,51 @@ def start_ray(address: str | None, workers: int):
     return ray
 
 
+class RayTasks(Lane):
+    """A lane whose work runs as Ray tasks (TASK_RETRIES retries each, one CPU), on the cluster at `address` or a
+    local Ray with `workers` CPUs; Ray schedules them, so the lane takes every shard at once."""
+
+    def __init__(self, address: str | None, workers: int):
+        self.address, self.workers = address, workers
+        self.ray = None
+        self._remote: dict = {}
+
+    def start(self) -> None:
+        self.ray = start_ray(self.address, self.workers)
+
+    def submit(self, fn, *args) -> Future:
+        assert self.ray is not None, "the scheduler starts every lane before it submits"
+        if fn not in self._remote:
+            self._remote[fn] = self.ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(fn)
+        return self._remote[fn].remote(*args).future()
+
+    def close(self, failed: bool) -> None:
+        if self.ray is not None:
+            self.ray.shutdown()
+
+
+def task_error(name: str, e: BaseException) -> BaseException:
+    """The error to raise for shard `name`'s Ray task that failed with `e`: the task's own MxforgeError as it was
+    raised (fields included), else one line naming the shard."""
+    import ray
+
+    if isinstance(e, ray.exceptions.RayTaskError):
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, MxforgeError):
+            return cause
+        return MxforgeError(f"shard {name}: its Ray task failed: {cause or e}", shard=name)
+    if isinstance(e, ray.exceptions.RayError):
+        return MxforgeError(
+            f"shard {name}: its Ray task failed {TASK_RETRIES + 1} time(s) ({type(e).__name__}); rerun the same "
+            "command to resume",
+            shard=name,
+        )
+    return e
+
+
 def run_on_ray(run, todo: list, qstate, state, address: str | None, workers: int) -> None:
-    """Run every shard of `todo` (mxforge.run.stream._Shard) as a Ray task; record each result through `run`.
+    """Run every shard of `todo` (mxforge.run.stream._Shard) as a Ray task, through quantize's shard scheduler;
+    record each result through `run`. Shards quantized earlier but not yet sent are sent from here (OUT is shared).
 
     Raises:
         MxforgeError: a task's own error (the first one), or a task that failed TASK_RETRIES + 1 times.
@@ -135,60 +179,54 @@ def run_on_ray(run, todo: list, qstate, state, address: str | None, workers: int
         import ray  # noqa: F401
     except ImportError:
         raise MxforgeError("--executor ray needs Ray: pip install 'mxforge[ray]'") from None
-    for s in todo:  # quantized earlier, not yet sent: the driver sends those itself (OUT is shared)
-        if s.step == "upload":
-            s.started = time.time()
-            run.record_upload(s, run.upload_shard(s), state)
-    todo = [s for s in todo if s.step != "done"]
-    if not todo:
-        return
-    with contextlib.redirect_stdout(sys.stderr):  # Ray's notices (a worker died, a task is retried) are not our output
-        _run_tasks(run, todo, qstate, state, address, workers)
-
-
-def _run_tasks(run, todo: list, qstate, state, address: str | None, workers: int) -> None:
     o = run.o
-    ray = start_ray(address, workers)
-    try:
-        task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(run_shard_task)
-        work_dir = None if address else str(o.bf16_dir)  # a local Ray shares the driver's disk: resume partials there
-        refs = {
-            task.remote(
-                ShardTask(
-                    o.source,
-                    run.commit,
-                    s.remote,
-                    s.plan,
-                    str(o.mxfp4_dir),
-                    work_dir,
-                    o.push_repo,
-                    o.branch,
-                    o.limits,
-                    run.recipe.scale_offsets,
-                )
-            ): s
-            for s in todo
-        }
-        while refs:
-            done, _ = ray.wait(list(refs), num_returns=1)
-            s = refs.pop(done[0])
-            try:
-                out = ray.get(done[0])
-            except ray.exceptions.RayTaskError as e:
-                cause = getattr(e, "cause", None)
-                if isinstance(cause, MxforgeError):
-                    raise type(cause)(str(cause)) from None
-                raise MxforgeError(f"shard {s.plan.name}: its Ray task failed: {cause or e}") from None
-            except ray.exceptions.RayError as e:
-                raise MxforgeError(
-                    f"shard {s.plan.name}: its Ray task failed {TASK_RETRIES + 1} time(s) "
-                    f"({type(e).__name__}); rerun the same command to resume"
-                ) from None
-            for stage, (start, end) in out["times"].items():
-                run.clocks[stage].add(start, s.plan.source_size if stage != "upload" else s.plan.output_size, end)
-            s.step = "quantize"
-            run.record_quantized(s, out["result"], qstate, state, clock=False)
-            if out["file"] is not None:
-                run.record_upload(s, out["file"], state, clock=False)
-    finally:
-        ray.shutdown()
+    work_dir = None if address else str(o.bf16_dir)  # a local Ray shares the driver's disk: resume partials there
+
+    def task(s) -> tuple:
+        s.started = time.time()
+        return (
+            ShardTask(
+                repo_id=o.source,
+                commit=run.commit,
+                remote=s.remote,
+                plan=s.plan,
+                out_dir=str(o.mxfp4_dir),
+                work_dir=work_dir,
+                push_repo=o.push_repo,
+                branch=o.branch,
+                limits=o.limits,
+                scale_offsets=run.recipe.scale_offsets,
+            ),
+        )
+
+    def recorded(s, out: dict) -> None:
+        for stage, (start, end) in out["times"].items():
+            run.clocks[stage].add(start, s.plan.source_size if stage != "upload" else s.plan.output_size, end)
+        s.step = "quantize"
+        run.record_quantized(s, out["result"], qstate, state, clock=False)
+        if out["file"] is not None:
+            run.record_upload(s, out["file"], state, clock=False)
+
+    def uploaded(s, fh) -> None:
+        run.record_upload(s, fh, state)
+
+    def begin(s) -> tuple:
+        s.started = time.time()
+        return (s,)
+
+    steps = [
+        Step(
+            "shard",
+            RayTasks(address, workers),
+            run_shard_task,
+            args=lambda s, previous: task(s),
+            done=recorded,
+            abandon=lambda s: partial_path(o.mxfp4_dir / s.plan.name).unlink(missing_ok=True),
+            error=lambda s, e: task_error(s.plan.name, e),
+        ),
+        Step(
+            "upload", Threads(o.uploads, "upload"), run.upload_shard, args=lambda s, previous: begin(s), done=uploaded
+        ),
+    ]
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's notices (a worker died, a task is retried) are not our output
+        ShardScheduler(steps).run(todo, lambda s: {"upload": "upload", "done": None}.get(s.step, "shard"))

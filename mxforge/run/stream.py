@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +31,7 @@ from mxforge.errors import CheckpointError, MxforgeError
 from mxforge.file_hashes import FileHash, HashCache, file_hash
 from mxforge.progress import byte_progress, format_bytes
 from mxforge.provenance import QUANTIZE_STATE_NAME
-from mxforge.safetensors_io import partial_path, read_header, write_json_atomic
+from mxforge.safetensors_io import read_header, write_json_atomic
 
 if TYPE_CHECKING:  # annotations only: the Hub and the quantizer are imported when a run needs them
     from mxforge.hub.download import RemoteFile
@@ -140,6 +138,12 @@ class _State:
         write_json_atomic(self.path, self.data)
 
 
+def _begin(s: _Shard) -> _Shard:
+    """Stamp the start of a shard's step (StageClock), as it is handed to its lane."""
+    s.started = time.time()
+    return s
+
+
 def plan_disk(output_bytes: int, source_sizes: list[int], in_flight: int) -> int:
     """Peak bytes a streamed run adds to disk: the whole output plus the `in_flight` largest source shards."""
     return output_bytes + sum(sorted(source_sizes, reverse=True)[:in_flight])
@@ -241,9 +245,9 @@ class StreamRun:
         from mxforge.quantize.plan import plan_checkpoint
         from mxforge.quantize.recipe import load_recipe
         from mxforge.quantize.run import (
-            _remove_strays,
             default_workers,
             finish_checkpoint,
+            remove_strays,
             side_files,
             write_provenance,
         )
@@ -270,7 +274,7 @@ class StreamRun:
         shards = [self._shard_status(s, remote, qstate, state) for s in plan.shards]
         qstate.save()
         state.save()
-        _remove_strays(o.mxfp4_dir, plan)
+        remove_strays(o.mxfp4_dir, plan)
         workers = o.workers or default_workers(len(plan.shards))
         in_flight = max(1, o.in_flight or workers + 1)
         self._check_disk(plan, shards, in_flight)
@@ -378,116 +382,96 @@ class StreamRun:
 
     # --- 2: the overlapped stages -------------------------------------------------------------------
     def _stream(self, todo: list[_Shard], workers: int, in_flight: int, qstate, state: _State) -> None:
-        from mxforge.quantize.run import shard_worker, start_worker_pool
-        from mxforge.quantize.shard_job import ShardJob, finish_shard
+        """download -> quantize -> finish -> upload per shard, through quantize's shard scheduler."""
+        from mxforge.hub.transfer import CANCEL
+        from mxforge.quantize.scheduler import ShardScheduler, ShardWorkers, Step, Threads, quantize_steps
+        from mxforge.quantize.shard_job import ShardJob
 
         o = self.o
         offsets = self.recipe.scale_offsets
-        jobs = {
-            s.plan.name: ShardJob(
-                str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True, s.source_sha256, scale_offsets=offsets
+
+        def job(s: _Shard) -> ShardJob:
+            return ShardJob(
+                str(o.bf16_dir),
+                str(o.mxfp4_dir),
+                s.plan,
+                expected_sha256=s.source_sha256,
+                verified_stat=s.verified,
+                scale_offsets=offsets,
             )
-            for s in todo
-        }
+
         quantizing = [s for s in todo if s.step in ("download", "quantize")]
-        # Worker processes first (fork), before any thread of ours exists.
-        pool, counter = (
-            start_worker_pool(min(workers, max(1, len(quantizing))), list(jobs.values()))
-            if quantizing
-            else (None, None)
-        )
-        if pool is not None:
-            pool.submit(int).result()
-        threads = ThreadPoolExecutor(o.downloads + o.uploads + workers, thread_name_prefix="stream")
-        running: dict = {}  # future -> (kind, shard)
-
-        def idle(step: str) -> list[_Shard]:
-            busy = {id(s) for _, s in running.values()}
-            return [s for s in todo if s.step == step and id(s) not in busy]
-
-        def count(kind: str) -> int:
-            return sum(1 for k, _ in running.values() if k == kind)
+        # Always processes (one worker too): the scheduler's thread keeps downloads and uploads going meanwhile.
+        pool = ShardWorkers(min(workers, max(1, len(quantizing))), [job(s) for s in quantizing], processes=True)
+        downloads = Threads(o.downloads, "download", on_interrupt=CANCEL.set)  # a cancelled one keeps its partial
+        uploads = Threads(o.uploads, "upload")
+        finishers = Threads(workers, "fsync", wait_on_failure=True)
 
         def on_disk() -> int:  # bf16 shards downloading, downloaded or being quantized
-            busy = {id(s) for _, s in running.values()}
-            return sum(1 for s in todo if s.step in ("download", "quantize") and (s.verified or id(s) in busy))
+            return sum(1 for s in todo if s.step in ("download", "quantize") and (s.verified or sched.is_running(s)))
 
-        total = sum(s.plan.source_size for s in quantizing)
-        seen, failed = 0, True
-        from mxforge.hub.transfer import CANCEL
+        def quantized(s: _Shard, result) -> str | None:
+            self.record_quantized(s, result, qstate, state)
+            if not o.local:
+                (o.bf16_dir / s.plan.name).unlink(missing_ok=True)
+            return s.step if s.step != "done" else None
 
+        steps = [
+            Step(
+                "download",
+                downloads,
+                self._download,
+                args=lambda s, previous: (_begin(s), dl_bar),
+                admit=lambda s: sched.busy("download") < o.downloads and on_disk() < in_flight,
+                done=lambda s, stamp: self.record_download(s, stamp, state),
+            ),
+            *quantize_steps(
+                pool,
+                finishers,
+                o.mxfp4_dir,
+                job=lambda s: job(_begin(s)),
+                name=lambda s: s.plan.name,
+                recorded=quantized,
+                admit=lambda s: (o.local or s.verified is not None) and sched.busy("quantize", "finish") < workers,
+            ),
+            Step(
+                "upload",
+                uploads,
+                self.upload_shard,
+                args=lambda s, previous: (_begin(s),),
+                admit=lambda s: sched.busy("upload") < o.uploads,
+                done=lambda s, fh: self.record_upload(s, fh, state),
+            ),
+        ]
+        sched: ShardScheduler[_Shard] = ShardScheduler(
+            steps,
+            on_tick=lambda: setattr(
+                self, "peak_source_bytes", max(self.peak_source_bytes, self._source_bytes_on_disk(todo))
+            ),
+        )
         CANCEL.clear()
-        bar = byte_progress(total, "stream (quantized)", disable=o.quiet)
+        sched.start()  # the worker processes fork before the progress bars' thread exists
+        pool.bar = bar = byte_progress(
+            sum(s.plan.source_size for s in quantizing), "stream (quantized)", disable=o.quiet
+        )
         dl_bar = byte_progress(
             sum(s.plan.source_size for s in todo if s.step == "download"), "download", disable=o.quiet
         )
         try:
-            while any(s.step != "done" for s in todo):
-                if not o.local:
-                    for s in idle("download"):
-                        if s.verified or count("download") >= o.downloads or on_disk() >= in_flight:
-                            continue
-                        s.started = time.time()
-                        running[threads.submit(self._download, s, dl_bar)] = ("download", s)
-                for s in idle("quantize"):
-                    if (o.local or s.verified) and count("quantize") + count("finish") < workers:
-                        assert pool is not None, "the worker pool starts when any shard is to be quantized"
-                        jobs[s.plan.name] = ShardJob(
-                            str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True, s.source_sha256, s.verified, offsets
-                        )
-                        s.started = time.time()
-                        running[pool.submit(shard_worker, jobs[s.plan.name])] = ("quantize", s)
-                for s in idle("upload"):
-                    if count("upload") < o.uploads:
-                        s.started = time.time()
-                        running[threads.submit(self.upload_shard, s)] = ("upload", s)
-                done, _ = wait(list(running), timeout=0.2, return_when=FIRST_COMPLETED)
-                if counter is not None:
-                    bar.update(counter.value - seen)
-                    seen = counter.value
-                self.peak_source_bytes = max(self.peak_source_bytes, self._source_bytes_on_disk(todo))
-                for future in done:
-                    kind, s = running.pop(future)
-                    result = future.result()  # a stage's error stops the run here
-                    if kind == "download":
-                        self.record_download(s, result, state)
-                    elif kind == "quantize":
-                        running[threads.submit(finish_shard, result, o.mxfp4_dir)] = ("finish", s)
-                    elif kind == "finish":
-                        self.record_quantized(s, result, qstate, state)
-                        if not o.local:
-                            (o.bf16_dir / s.plan.name).unlink(missing_ok=True)
-                    else:
-                        self.record_upload(s, result, state)
-            failed = False
-        except BrokenProcessPool:
-            raise MxforgeError(
-                "a quantize worker process died (killed for memory?); rerun the same command to "
-                "resume, with fewer --workers if memory is short"
-            ) from None
+            sched.run(todo, lambda s: s.step if s.step != "done" else None)
         finally:
-            if failed:
-                CANCEL.set()  # downloads stop at their next chunk, keeping their partial files
-                for process in list((getattr(pool, "_processes", None) or {}).values()):
-                    if process.is_alive():
-                        process.terminate()
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-            threads.shutdown(wait=not failed, cancel_futures=True)
-            if failed:
-                for s in todo:
-                    partial_path(o.mxfp4_dir / s.plan.name).unlink(missing_ok=True)
             bar.close()
             dl_bar.close()
 
     # Each step's outcome, recorded (by the one thread that runs the scheduler) as soon as it is known.
-    def record_download(self, s: _Shard, stamp: tuple[int, int], state: _State) -> None:
+    def record_download(self, s: _Shard, stamp: tuple[int, int], state: _State) -> str:
         assert s.remote is not None, "only a Hub source's shards are downloaded"
         self.clocks["download"].add(s.started, s.plan.source_size)
         s.verified, s.source_sha256 = stamp, s.remote.sha256
         state.data["downloaded"][s.plan.name] = {"sha256": s.source_sha256, "stamp": list(stamp)}
         state.save()
         s.step = "quantize"
+        return s.step
 
     def record_quantized(self, s: _Shard, result, qstate, state: _State, clock: bool = True) -> None:
         """The output shard is in place: record it; its bf16 shard is no longer needed (the caller deletes it)."""
@@ -501,6 +485,7 @@ class StreamRun:
         s.step = "upload" if self.o.push_repo else "done"
 
     def record_upload(self, s: _Shard, fh: FileHash, state: _State, clock: bool = True) -> None:
+        """The output shard's object is on the Hub: record it; the shard is done."""
         cache = HashCache(self.o.mxfp4_dir)  # push's model card reads the hashes from here, without a re-read
         cache.put(fh)
         cache.save()
