@@ -7,7 +7,8 @@ and hashes. The driver (mxforge.run.stream) records each result as it arrives, t
 config.json and fixups, validates and commits once, exactly as a streamed run does.
 
 OUT must be a directory every node sees at the same path (the driver's own disk for a local Ray; NFS,
-Lustre, a mounted bucket... on a cluster); bf16 shards stay on each node's local temporary directory.
+Lustre, a mounted bucket... on a cluster); bf16 shards stay on each node's local temporary directory. The Hub
+token never travels with a task (start_ray, and docs/security.md "Ray clusters").
 A task whose worker or node dies is run again by Ray (`max_retries`), on any node: it writes the same
 bytes under the same name, the Hub keeps one object per sha256 and the driver records each shard once,
 so a retry leaves neither a duplicate nor a gap. Ray is optional (`pip install mxforge[ray]`): only this
@@ -39,9 +40,12 @@ if TYPE_CHECKING:  # annotations only: a task imports these on its node
     from mxforge.quantize.plan import ShardPlan
 
 TASK_RETRIES = 3  # Ray reruns a task whose worker process or node died this many times
+# The Hub settings that travel to the tasks in their runtime environment. Never the token: Ray writes every
+# runtime environment it creates, in clear, to <ray temp>/session_*/logs/runtime_env_agent.log (on a cluster, the
+# head's). HF_TOKEN_PATH, a path to a token file, is not a secret.
 HUB_ENV = (
     "HF_ENDPOINT",
-    "HF_TOKEN",
+    "HF_TOKEN_PATH",
     "HF_HUB_DISABLE_XET",
     "HF_HUB_DISABLE_TELEMETRY",
     "HF_HUB_ETAG_TIMEOUT",
@@ -49,6 +53,7 @@ HUB_ENV = (
     "MXFORGE_HUB_TIMEOUT",
     "MXFORGE_HUB_RETRIES",
 )
+TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # huggingface_hub's; never in a runtime env, argument or result
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,8 +119,11 @@ def run_shard_task(task: ShardTask) -> dict:
 
 
 def start_ray(address: str | None, workers: int):
-    """Connect to the Ray cluster at `address`, or start a local one with `workers` CPUs; the Hub's settings
-    and token travel to the tasks in their environment."""
+    """Connect to the Ray cluster at `address`, or start a local one with `workers` CPUs. The Hub's settings
+    (HUB_ENV) travel to the tasks in their runtime environment; the token does not (see docs/security.md, "Ray
+    clusters"): a local Ray's processes are this process's children and inherit its environment, HF_TOKEN
+    included; a cluster's tasks use their node's own credentials (its HF_TOKEN, `hf auth login` state, or the
+    token file HF_TOKEN_PATH names)."""
     import ray
 
     env = {k: os.environ[k] for k in HUB_ENV if k in os.environ}
