@@ -7,8 +7,9 @@ and hashes. The driver (mxforge.run.stream) records each result as it arrives, t
 config.json and fixups, validates and commits once, exactly as a streamed run does.
 
 OUT must be a directory every node sees at the same path (the driver's own disk for a local Ray; NFS,
-Lustre, a mounted bucket... on a cluster); bf16 shards stay on each node's local temporary directory. The Hub
-token never travels with a task (start_ray, and docs/security.md "Ray clusters").
+Lustre, a mounted bucket... on a cluster); on a cluster, bf16 shards stay on each node, in a directory of its
+temporary directory that only this user can enter (staging_dir). The Hub token never travels with a task
+(start_ray, and docs/security.md "Ray clusters").
 A task whose worker or node dies is run again by Ray (`max_retries`), on any node: it writes the same
 bytes under the same name, the Hub keeps one object per sha256 and the driver records each shard once,
 so a retry leaves neither a duplicate nor a gap. Ray is optional (`pip install mxforge[ray]`): only this
@@ -20,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -65,7 +68,7 @@ class ShardTask:
     remote: RemoteFile
     plan: ShardPlan
     out_dir: str  # OUT/mxfp4, the same path on every node
-    work_dir: str | None  # where the bf16 shard goes (None: the node's temporary directory)
+    work_dir: str | None  # where the bf16 shard goes (None: staging_dir, on the node)
     push_repo: str | None
     branch: str
     limits: HubLimits
@@ -76,7 +79,7 @@ def run_shard_task(task: ShardTask) -> dict:
     """Download, quantize and pre-upload one shard on this node; returns its records (see the module docstring).
 
     Raises:
-        MxforgeError: as fetch_verified, run_shard and preupload_file.
+        MxforgeError: as fetch_verified, run_shard and preupload_file; a staging directory that is not private.
     """
     from huggingface_hub import HfApi
 
@@ -87,25 +90,28 @@ def run_shard_task(task: ShardTask) -> dict:
 
     use_hub_limits(task.limits)
     api = HfApi()
-    work = Path(task.work_dir or Path(tempfile.gettempdir()) / "mxforge-ray" / task.commit[:16])
-    work.mkdir(parents=True, exist_ok=True)
-    times = {"download": [time.time()]}
-    fetch_verified(api, task.repo_id, task.commit, work, task.remote, task.limits)
-    check_planned_header(work / task.plan.name, task.plan)
-    st = (work / task.plan.name).stat()
-    times["download"].append(time.time())
-    times["quantize"] = [time.time()]
-    job = ShardJob(
-        str(work),
-        task.out_dir,
-        task.plan,
-        expected_sha256=task.remote.sha256,
-        verified_stat=(st.st_size, st.st_mtime_ns),
-        scale_offsets=task.scale_offsets,
-    )
-    result = run_shard(job)
-    (work / task.plan.name).unlink(missing_ok=True)
-    times["quantize"].append(time.time())
+    work, fresh = (Path(task.work_dir), False) if task.work_dir else staging_dir(task.commit)
+    try:
+        times = {"download": [time.time()]}
+        fetch_verified(api, task.repo_id, task.commit, work, task.remote, task.limits)
+        check_planned_header(work / task.plan.name, task.plan)
+        st = (work / task.plan.name).stat()
+        times["download"].append(time.time())
+        times["quantize"] = [time.time()]
+        job = ShardJob(
+            str(work),
+            task.out_dir,
+            task.plan,
+            expected_sha256=task.remote.sha256,
+            verified_stat=(st.st_size, st.st_mtime_ns),  # verified just now, in a directory only we can write
+            scale_offsets=task.scale_offsets,
+        )
+        result = run_shard(job)
+        (work / task.plan.name).unlink(missing_ok=True)
+        times["quantize"].append(time.time())
+    finally:
+        if fresh:
+            shutil.rmtree(work, ignore_errors=True)
     fh = None
     if task.push_repo:
         from mxforge.hub.push import preupload_file
@@ -116,6 +122,42 @@ def run_shard_task(task: ShardTask) -> dict:
         preupload_file(api, Path(task.out_dir), task.push_repo, task.branch, fh)
         times["upload"].append(time.time())
     return {"result": result, "file": fh, "times": times, "node": os.uname().nodename}
+
+
+def staging_dir(commit: str) -> tuple[Path, bool]:
+    """(where this node stages the bf16 shards of `commit`, whether it is a fresh directory to remove after the
+    task): `<tmp>/mxforge-ray-<uid>/<commit[:16]>`, each level made by os.mkdir with mode 0700 and then checked
+    with lstat (a directory, not a link, ours, closed to everyone else): a partial download there is continued by
+    a retried task. Where a level is not that (planted by someone who can write the temporary directory), a fresh
+    private directory (tempfile.mkdtemp) instead, used once.
+
+    Raises:
+        MxforgeError: the temporary directory itself is writable by others without the sticky bit, so that what
+            we make in it could be renamed away and replaced (set TMPDIR to a private or sticky directory).
+    """
+    tmp = Path(tempfile.gettempdir())
+    st = os.stat(tmp)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise MxforgeError(
+            f"{tmp}: the temporary directory is writable by other users and not sticky, so bf16 shards staged in "
+            "it could be swapped or read; set TMPDIR on the Ray nodes to a private directory",
+            path=tmp,
+        )
+    stable = tmp / f"mxforge-ray-{os.getuid()}"
+    for level in (stable, stable / commit[:16]):
+        try:
+            os.mkdir(level, 0o700)
+        except FileExistsError:
+            pass
+        if not _is_private_dir(level):
+            return Path(tempfile.mkdtemp(prefix="mxforge-ray-")), True
+    return stable / commit[:16], False
+
+
+def _is_private_dir(path: Path) -> bool:
+    """A directory (not a link to one) of this user that no one else may enter or write."""
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 def start_ray(address: str | None, workers: int):
