@@ -14,10 +14,12 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, CheckpointSource, LocalDir, load_json
+from mxforge.dir_lock import directory_lock
 from mxforge.errors import ConfigError
 from mxforge.models import layout_of
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, keep_original, read_fixups_record, recorded_command
@@ -185,6 +187,7 @@ def harmed_modules(
 def fixup_checkpoint(
     root: "str | Path | CheckpointSource",
     engines: str | list[str] | None = None,
+    *,
     dry_run: bool = False,
     command: str | None = None,
     mtp_from: str | Path | None = None,
@@ -207,7 +210,24 @@ def fixup_checkpoint(
         ConfigError: unknown engine selection or recipe, or config.json is not of a supported model family
             (mxforge.models).
         NonFiniteWeightError: a source MTP weight to quantize holds NaN/Inf.
+        DirectoryInUse: another mxforge process works in the checkpoint directory (whose lock fixup holds
+            while it may write).
     """
+    if dry_run or not isinstance(root, (str, os.PathLike)) or not Path(root).is_dir():
+        return _fixup_checkpoint(root, engines, dry_run, command, mtp_from, recipe, quiet)
+    with directory_lock(root):
+        return _fixup_checkpoint(root, engines, dry_run, command, mtp_from, recipe, quiet)
+
+
+def _fixup_checkpoint(
+    root: "str | Path | CheckpointSource",
+    engines: str | list[str] | None,
+    dry_run: bool,
+    command: str | None,
+    mtp_from: str | Path | None,
+    recipe: str | None,
+    quiet: bool,
+) -> FixupResult:
     check_engine_items(engines)
     command = recorded_command(command)
     ckpt = Checkpoint.open(root)

@@ -192,9 +192,14 @@ class Pipeline:
             from huggingface_hub.utils import disable_progress_bars
 
             disable_progress_bars()
+        import contextlib
+
         from mxforge.dir_lock import directory_lock
 
-        with directory_lock(self.out):
+        # Every directory the run writes, for the whole run (the stages take the same locks again: re-entrant).
+        with contextlib.ExitStack() as locks:
+            for directory in (self.out, self.mxfp4_dir) if self.local else (self.out, self.mxfp4_dir, self.bf16_dir):
+                locks.enter_context(directory_lock(directory))
             return self._run_stages()
 
     def _choose_mode(self) -> str:

@@ -18,6 +18,7 @@ Peak disk: the output plus at most `in_flight` source shards (and their partial 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
-from mxforge.dir_lock import check_out_dir
+from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.disk_space import free_space, require_free_space
 from mxforge.errors import CheckpointError, MxforgeError
 from mxforge.file_hashes import FileHash, HashCache, file_hash
@@ -236,12 +237,21 @@ class StreamRun:
 
     def run(self) -> dict:
         """Stream every shard not yet done, then write the index, side files and config.json; returns the report.
+        Holds the lock (dir_lock) of every directory it writes: OUT/mxfp4 and, for a Hub source, OUT/bf16.
 
         Raises:
+            DirectoryInUse: another mxforge process works in one of them.
             DiskSpaceError: the output plus the in-flight source shards cannot fit (before any shard is fetched).
             MxforgeError: any stage's error (download, verify, quantize, pre-upload), unchanged; finished
                 shards stay recorded for the rerun.
         """
+        with contextlib.ExitStack() as locks:
+            locks.enter_context(directory_lock(self.o.mxfp4_dir))
+            if not self.o.local:
+                locks.enter_context(directory_lock(self.o.bf16_dir))
+            return self._run()
+
+    def _run(self) -> dict:
         from mxforge.quantize.plan import plan_checkpoint
         from mxforge.quantize.recipe import load_recipe
         from mxforge.quantize.run import (
