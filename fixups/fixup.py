@@ -64,6 +64,18 @@ class FixupResult:
             "ok": not self.remaining,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict) -> FixupResult:
+        """Read back from `as_dict()` (mxforge run's state file); the diff and the new config are not recorded."""
+        return cls(
+            path=str(d.get("path", "")),
+            engines=[e for e in d.get("engines") or [] if isinstance(e, str)],
+            applied=[a for a in d.get("applied") or [] if isinstance(a, dict)],
+            warnings=[w for w in d.get("warnings") or [] if isinstance(w, str)],
+            remaining=[Problem(**p) for p in d.get("remaining") or [] if isinstance(p, dict)],
+            dry_run=bool(d.get("dry_run")),
+        )
+
     def format(self) -> str:
         verb = "would change" if self.dry_run else "changed"
         lines = [

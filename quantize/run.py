@@ -22,6 +22,7 @@ from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME, recorded_comm
 from mxforge.quantize.error_report import error_report
 from mxforge.quantize.plan import QuantizePlan, ShardPlan, plan_checkpoint
 from mxforge.quantize.recipe import Recipe, load_recipe
+from mxforge.quantize.result import QuantizeResult, RecipeRecord, ShardCounts, TensorCounts
 from mxforge.quantize.scheduler import Inline, ShardScheduler, ShardWorkers, Threads, quantize_steps
 from mxforge.quantize.shard_job import ShardJob, ShardResult
 from mxforge.quantize.state import ResumeState, tool_versions
@@ -44,6 +45,7 @@ def quantize_checkpoint(
     src,
     out,
     recipe: Recipe | str | None = None,
+    *,
     workers: int | None = None,
     device: str = "cpu",
     quiet: bool = False,
@@ -52,8 +54,8 @@ def quantize_checkpoint(
     follow_symlinks: bool = False,
     scale_rule: str | None = None,
     measure_errors: bool = True,
-) -> dict:
-    """Quantize checkpoint `src` into `out` with `recipe`; returns the JSON report (also in OUT/mxforge_quantize.json).
+) -> QuantizeResult:
+    """Quantize checkpoint `src` into `out` with `recipe`; returns the report (also in OUT/mxforge_quantize.json).
 
     `scale_rule` (scale_rules.py) overrides the recipe's. The report's "error" section is measured while
     quantizing (error_report.py); `measure_errors=False` skips that (None), only to measure its cost.
@@ -82,13 +84,25 @@ def quantize_checkpoint(
     check_out_dir(src, out, QUANTIZE_STATE_NAME, "quantize")
     with directory_lock(out):
         return _quantize_into(
-            src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command, measure_errors
+            src,
+            out,
+            recipe=recipe,
+            ckpt=ckpt,
+            plan=plan,
+            to_copy=to_copy,
+            workers=workers,
+            device=device,
+            quiet=quiet,
+            refuse_nonfinite=refuse_nonfinite,
+            command=command,
+            measure_errors=measure_errors,
         )
 
 
 def _quantize_into(
     src: Path,
     out: Path,
+    *,
     recipe: Recipe,
     ckpt: Checkpoint,
     plan: QuantizePlan,
@@ -98,8 +112,8 @@ def _quantize_into(
     quiet: bool,
     refuse_nonfinite: bool,
     command: str | None,
-    measure_errors: bool = True,
-) -> dict:
+    measure_errors: bool,
+) -> QuantizeResult:
     started = time.monotonic()
     versions = tool_versions()
     state = ResumeState(out, recipe.sha256, versions, recipe.scale_rule)
@@ -130,29 +144,28 @@ def _quantize_into(
     total = sum(s.source_size for s in todo)
     with byte_progress(total, "quantize", disable=quiet) as bar:
         results = _run_jobs(jobs, workers, state, bar)
-    accounted = finish_checkpoint(src, out, recipe, ckpt, plan, to_copy)
-    elapsed = time.monotonic() - started
+    accounted = finish_checkpoint(src, out, recipe=recipe, ckpt=ckpt, plan=plan, side_files=to_copy)
     return write_provenance(
         src,
         out,
-        recipe,
-        plan,
-        device,
-        workers,
-        state,
-        len(todo),
-        skipped,
-        total,
-        elapsed,
-        accounted,
-        command,
-        sum(r.sha256_from_download for r in results),
-        measure_errors,
+        recipe=recipe,
+        plan=plan,
+        device=device,
+        workers=workers,
+        state=state,
+        quantized_now=len(todo),
+        skipped=skipped,
+        bytes_read=total,
+        elapsed=time.monotonic() - started,
+        accounted=accounted,
+        command=command,
+        sha256_from_download=sum(r.sha256_from_download for r in results),
+        measure_errors=measure_errors,
     )
 
 
 def finish_checkpoint(
-    src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str]
+    src: Path, out: Path, *, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str]
 ) -> dict[str, int]:
     """Once every output shard is in place: check them against the plan, then write the index, the side
     files and config.json (what makes OUT a checkpoint); returns verify_output's counts.
@@ -310,12 +323,13 @@ def drop_quantization_config(config: dict) -> None:
 def write_provenance(
     src: Path,
     out: Path,
+    *,
     recipe: Recipe,
     plan: QuantizePlan,
     device: str,
     workers: int,
     state: ResumeState,
-    done: int,
+    quantized_now: int,
     skipped: int,
     bytes_read: int,
     elapsed: float,
@@ -323,44 +337,44 @@ def write_provenance(
     command: str | None,
     sha256_from_download: int,
     measure_errors: bool = True,
-) -> dict:
+) -> QuantizeResult:
     """The quantize report, with the error report of every shard in `state`, written to OUT/QUANTIZE_NAME
-    (the sequential and the streamed run both end here); returns it."""
-    bytes_out = sum(s.output_size for s in plan.shards)
-    report = {
-        "stage": "quantize",
-        "source": str(src.resolve()),
-        "out": str(out.resolve()),
-        "recipe": {
-            "name": recipe.name,
-            "sha256": recipe.sha256,
-            "source": recipe.source,
-            "scheme": recipe.scheme,
-            "scale_rule": recipe.scale_rule,
-        },
-        "source_precision": plan.precision.describe(),
-        "family": plan.layout.family.title,
-        "device": device,
-        "workers": workers,
-        "shards": {"total": len(plan.shards), "quantized_now": done, "skipped_complete": skipped},
-        "shards_sha256_from_download": sha256_from_download,  # download's verified hash reused, not recomputed
-        "counts": {k: accounted[k] for k in ("quantized", "kept", "copied")},
-        "fp8_scales_consumed": accounted["scale"],  # FP8 sources: weight and input scale tensors consumed, not written
-        "mtp_layers": list(plan.layout.mtp_layers),
-        "mtp_tensors": accounted["mtp_tensors"],
-        "bytes_in": sum(s.source_size for s in plan.shards),
-        "bytes_out": bytes_out,
-        "bytes_processed_now": bytes_read,
-        "seconds": round(elapsed, 3),
-        "gb_per_s": round(bytes_read / elapsed / 1e9, 4) if elapsed > 0 else None,
-        "tool_versions": state.versions,
-        "command": recorded_command(command),
-        "tensors": {fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
-    }
-    report["error"] = (
-        error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
+    (the sequential and the streamed run both end here); returns it.
+
+    `quantized_now` / `skipped`: shards quantized by this run / found complete; `bytes_read`: the source bytes this
+    run processed; `accounted`: verify_output's counts; `sha256_from_download`: shards whose download-verified
+    sha256 stood for their bytes."""
+    result = QuantizeResult(
+        source=str(src.resolve()),
+        out=str(out.resolve()),
+        recipe=RecipeRecord(
+            name=recipe.name,
+            sha256=recipe.sha256,
+            source=recipe.source,
+            scheme=recipe.scheme,
+            scale_rule=recipe.scale_rule,
+        ),
+        source_precision=plan.precision.describe(),
+        family=plan.layout.family.title,
+        device=device,
+        workers=workers,
+        shards=ShardCounts(total=len(plan.shards), quantized_now=quantized_now, skipped_complete=skipped),
+        shards_sha256_from_download=sha256_from_download,
+        counts=TensorCounts(quantized=accounted["quantized"], kept=accounted["kept"], copied=accounted["copied"]),
+        fp8_scales_consumed=accounted["scale"],
+        mtp_layers=list(plan.layout.mtp_layers),
+        mtp_tensors=accounted["mtp_tensors"],
+        bytes_in=sum(s.source_size for s in plan.shards),
+        bytes_out=sum(s.output_size for s in plan.shards),
+        bytes_processed_now=bytes_read,
+        seconds=round(elapsed, 3),
+        gb_per_s=round(bytes_read / elapsed / 1e9, 4) if elapsed > 0 else None,
+        tool_versions=state.versions,
+        command=recorded_command(command),
+        tensors={fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
+        error=error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
         if measure_errors
-        else None
+        else None,
     )
-    write_json_atomic(out / QUANTIZE_NAME, report)
-    return report
+    write_json_atomic(out / QUANTIZE_NAME, result.as_dict())
+    return result

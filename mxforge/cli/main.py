@@ -249,10 +249,10 @@ def run_run(args) -> int:
     try:
         report = pipeline.run()
     except ValidationFailed as e:
-        emit(pipeline.report(), args.json, format_run_summary(pipeline.report()))
+        emit(pipeline.report().as_dict(), args.json, format_run_summary(pipeline.report()))
         print(f"mxforge run: {e}", file=sys.stderr)
         return EXIT_PROBLEMS
-    emit(report, args.json, format_run_summary(report))
+    emit(report.as_dict(), args.json, format_run_summary(report))
     return EXIT_OK
 
 

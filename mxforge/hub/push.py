@@ -52,13 +52,35 @@ class PushResult:
             "repo_id": self.repo_id,
             "branch": self.branch,
             "endpoint": self.endpoint,
-            "url": f"{self.endpoint}/{self.repo_id}",
+            "url": self.url,
             "commit": self.commit,
             "forced": self.forced,
             "validation": {"ok": self.validation.get("ok"), "engines": self.validation.get("engines")},
             "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
             "remote_hashes_match": True,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PushResult:
+        """Read back from `as_dict()` (mxforge run's state file): the validation verdict and the files' sha256
+        only (no git sha1), as recorded."""
+        return cls(
+            repo_id=str(d.get("repo_id", "")),
+            branch=str(d.get("branch", "")),
+            endpoint=str(d.get("endpoint", "")),
+            commit=str(d.get("commit", "")),
+            forced=bool(d.get("forced")),
+            validation=dict(d.get("validation") or {}),
+            files=[
+                FileHash(f["name"], f["size"], f["sha256"], "")
+                for f in d.get("files") or []
+                if isinstance(f, dict) and {"name", "size", "sha256"} <= f.keys()
+            ],
+        )
+
+    @property
+    def url(self) -> str:
+        return f"{self.endpoint}/{self.repo_id}"
 
 
 def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> dict:

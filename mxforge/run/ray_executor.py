@@ -218,7 +218,7 @@ def task_error(name: str, e: BaseException) -> BaseException:
     return e
 
 
-def run_on_ray(run, todo: list, qstate, state, address: str | None, workers: int) -> None:
+def run_on_ray(run, todo: list, qstate, state, *, address: str | None, workers: int) -> None:
     """Run every shard of `todo` (mxforge.run.stream._Shard) as a Ray task, through quantize's shard scheduler;
     record each result through `run`. Shards quantized earlier but not yet sent are sent from here (OUT is shared).
 
