@@ -273,7 +273,8 @@ def _fixup_checkpoint(
             raise ConfigError(
                 f"{loaded.ckpt.source.where('config.json')}: the aliases fixup computed would change how "
                 f"{harmed[0][0]} builds {harmed[0][1]} (and {len(harmed) - 1} more); nothing was written. "
-                "Please report this checkpoint's config.json to the mxforge maintainers"
+                "Please report this checkpoint's config.json to the mxforge maintainers",
+                filename="config.json",
             )
         entries += [a["entry"] for a in aliases]
         result.applied += applied + aliases
@@ -346,7 +347,8 @@ def _check_exclude_form(ckpt: Checkpoint) -> None:
     if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
         raise ConfigError(
             f"{ckpt.source.where('config.json')}: quantization_config.exclude is not a list of module names; "
-            "fix it by hand (see mxforge validate) before running fixup"
+            "fix it by hand (see mxforge validate) before running fixup",
+            filename="config.json",
         )
 
 

@@ -64,9 +64,9 @@ def load_json(path: Path, what: str, object_pairs_hook=None) -> Any:
         with open(path) as f:
             return json.load(f, object_pairs_hook=object_pairs_hook)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found") from None
+        raise CheckpointError(f"{path}: {what} not found", path=path) from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})", path=path) from None
 
 
 def _check_shard_names(source: "CheckpointSource", weight_map: dict) -> None:
@@ -84,7 +84,10 @@ def _check_shard_names(source: "CheckpointSource", weight_map: dict) -> None:
         if why is not None:
             raise CheckpointError(
                 f"{source.where(INDEX_NAME)}: tensor {tensor!r} maps to shard {shard!r}, refused "
-                f"because {why}; the index is corrupt or hostile: fix or re-download it"
+                f"because {why}; the index is corrupt or hostile: fix or re-download it",
+                filename=INDEX_NAME,
+                tensor=tensor,
+                shard=str(shard),
             )
         shards.add(shard)
     source.check_readable(sorted(shards))
@@ -163,10 +166,12 @@ class LocalDir(CheckpointSource):
         root = self.local_root
         if not root.is_dir():
             raise CheckpointError(
-                f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors"
+                f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors", path=root
             )
         if not (root / "config.json").exists():
-            raise CheckpointError(f"{root}: no config.json, so this is not a Hugging Face checkpoint directory")
+            raise CheckpointError(
+                f"{root}: no config.json, so this is not a Hugging Face checkpoint directory", path=root
+            )
         self.check_readable(["config.json", INDEX_NAME, SINGLE_NAME])
 
 
@@ -238,7 +243,9 @@ class Checkpoint:
             index = source.read_json(INDEX_NAME, "safetensors index", object_pairs_hook=_keep_duplicates)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{source.where(INDEX_NAME)}: has no weight_map; the index is corrupt")
+                raise CheckpointError(
+                    f"{source.where(INDEX_NAME)}: has no weight_map; the index is corrupt", filename=INDEX_NAME
+                )
             _check_shard_names(source, weight_map)
             source.prefetch_headers(sorted(set(weight_map.values())))
             return cls(
@@ -289,7 +296,8 @@ class Checkpoint:
             if not self.source.exists(name):
                 first = next(t for t, s in self.weight_map.items() if s == name)
                 raise CheckpointError(
-                    f"{self.source.where(name)}: shard named by the index (e.g. for {first!r}) does not exist"
+                    f"{self.source.where(name)}: shard named by the index (e.g. for {first!r}) does not exist",
+                    shard=name,
                 )
             out[name] = self.source.read_header(name)
         return out
@@ -305,7 +313,9 @@ class Checkpoint:
             info = self.headers[shard].tensors.get(name)
             if info is None:
                 raise CheckpointError(
-                    f"{self.source.where(shard)}: index says it holds tensor {name!r}, but its header does not"
+                    f"{self.source.where(shard)}: index says it holds tensor {name!r}, but its header does not",
+                    shard=shard,
+                    tensor=name,
                 )
             out[name] = info
         return out

@@ -28,6 +28,7 @@ def require_free_space(path: str | Path, need: int, what: str, remedy: str, deta
     if need > free:
         raise DiskSpaceError(
             f"{path}: {what} need {format_bytes(need)} but the filesystem of {where} has only "
-            f"{format_bytes(free)} free{detail}: {remedy}"
+            f"{format_bytes(free)} free{detail}: {remedy}",
+            path=path,
         )
     return free

@@ -52,9 +52,9 @@ class MxforgeError(Exception):
         """The keyword fields this error was raised with (those not None)."""
         return {k: getattr(self, k, None) for k in FIELDS if getattr(self, k, None) is not None}
 
-    def with_message(self, message: str) -> MxforgeError:
-        """The same error (class and fields) with another message: for a caller that adds context."""
-        return type(self)(message, **self.fields())
+    def with_message(self, message: str, **fields: Any) -> MxforgeError:
+        """The same error (class and fields, `fields` added) with another message: for a caller that adds context."""
+        return type(self)(message, **{**self.fields(), **fields})
 
     def as_dict(self) -> dict[str, Any]:
         """What `--json` writes for this error: its class, message and fields (paths as strings)."""

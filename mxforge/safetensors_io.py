@@ -96,12 +96,15 @@ def header_length(path, first8: bytes, file_size: int) -> int:
         CheckpointError: fewer than 8 bytes, or a length beyond the limit or the file.
     """
     if len(first8) < 8:
-        raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
+        raise CheckpointError(
+            f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it", path=path
+        )
     (header_len,) = struct.unpack("<Q", first8)
     if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
         raise CheckpointError(
             f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
-            "the shard is truncated or corrupt; re-download it"
+            "the shard is truncated or corrupt; re-download it",
+            path=path,
         )
     return header_len
 
@@ -120,7 +123,7 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
         with open(path, "rb") as f:
             raw = f.read(header_length(path, f.read(8), file_size))
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read shard: {e.strerror or e}") from None
+        raise CheckpointError(f"{path}: cannot read shard: {e.strerror or e}", path=path) from None
     return parse_header(path, raw, file_size)
 
 
@@ -136,7 +139,9 @@ def parse_header(path, raw: bytes, file_size: int) -> ShardHeader:
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the shard is corrupt") from None
+        raise CheckpointError(
+            f"{path}: safetensors header is not valid JSON ({e}); the shard is corrupt", path=path
+        ) from None
     metadata = header.pop("__metadata__", None)
     data_start = 8 + len(raw)
     tensors: dict[str, TensorInfo] = {}
@@ -146,15 +151,19 @@ def parse_header(path, raw: bytes, file_size: int) -> ShardHeader:
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {entry!r}") from None
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry {entry!r}", path=path, tensor=name
+            ) from None
         if dtype not in DTYPE_SIZE:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}", path=path, tensor=name)
         info = TensorInfo(name, dtype, shape, data_start + begin, data_start + end)
         expected = info.numel * DTYPE_SIZE[dtype]
         if end < begin or info.nbytes != expected:
             raise CheckpointError(
                 f"{path}: tensor {name!r} header says {dtype}{list(shape)} ({expected} bytes) "
-                f"but its data_offsets span {end - begin} bytes: the header lies; the shard is corrupt"
+                f"but its data_offsets span {end - begin} bytes: the header lies; the shard is corrupt",
+                path=path,
+                tensor=name,
             )
         tensors[name] = info
     cursor = data_start
@@ -162,13 +171,17 @@ def parse_header(path, raw: bytes, file_size: int) -> ShardHeader:
         if info.start != cursor:
             raise CheckpointError(
                 f"{path}: tensor {info.name!r} starts at byte {info.start}, expected {cursor}: "
-                "overlapping or gapped data offsets; the shard is corrupt"
+                "overlapping or gapped data offsets; the shard is corrupt",
+                path=path,
+                tensor=info.name,
             )
         cursor = info.end
     if cursor != file_size:
         what = "truncated" if cursor > file_size else "has trailing bytes"
         raise CheckpointError(
-            f"{path}: header describes {cursor} bytes but the file has {file_size}: the shard is {what}; re-download it"
+            f"{path}: header describes {cursor} bytes but the file has {file_size}: the shard is {what}; "
+            "re-download it",
+            path=path,
         )
     return ShardHeader(path, tensors, metadata, data_start, file_size)
 
@@ -246,7 +259,7 @@ class ShardWriter:
             self._file.write(encode_header(self.order, self.metadata))
         except OSError as e:
             self._abort()
-            raise CheckpointError(f"{self.path}: cannot write: {e.strerror or e}") from None
+            raise CheckpointError(f"{self.path}: cannot write: {e.strerror or e}", path=self.path) from None
         return self
 
     def write(self, name: str, data) -> None:
@@ -257,7 +270,9 @@ class ShardWriter:
         expected = self.order[self._next] if self._next < len(self.order) else None
         if expected is None or expected.name != name:
             raise CheckpointError(
-                f"{self.path}: tensor {name!r} written out of order (expected {expected and expected.name!r})"
+                f"{self.path}: tensor {name!r} written out of order (expected {expected and expected.name!r})",
+                path=self.path,
+                tensor=name,
             )
         written = 0
         for part in parts:
@@ -266,11 +281,17 @@ class ShardWriter:
                 self._open_file().write(buf)
             except OSError as e:
                 raise CheckpointError(
-                    f"{self.path}: cannot write tensor {name!r}: {e.strerror or e} (disk full?)"
+                    f"{self.path}: cannot write tensor {name!r}: {e.strerror or e} (disk full?)",
+                    path=self.path,
+                    tensor=name,
                 ) from None
             written += len(buf)
         if written != expected.nbytes:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has {written} bytes, planned {expected.nbytes}")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has {written} bytes, planned {expected.nbytes}",
+                path=self.path,
+                tensor=name,
+            )
         self._next += 1
 
     def skip_to_end(self) -> None:
@@ -284,7 +305,9 @@ class ShardWriter:
             return
         if self._next != len(self.order):
             self._abort()
-            raise CheckpointError(f"{self.path}: only {self._next} of {len(self.order)} tensors were written")
+            raise CheckpointError(
+                f"{self.path}: only {self._next} of {len(self.order)} tensors were written", path=self.path
+            )
         try:
             f = self._open_file()
             f.flush()
@@ -293,7 +316,9 @@ class ShardWriter:
             os.replace(self._tmp, self.path)
         except OSError as e:
             self._abort()
-            raise CheckpointError(f"{self.path}: cannot finish writing: {e.strerror or e} (disk full?)") from None
+            raise CheckpointError(
+                f"{self.path}: cannot finish writing: {e.strerror or e} (disk full?)", path=self.path
+            ) from None
 
     def _open_file(self) -> BinaryIO:
         if self._file is None:
@@ -331,7 +356,7 @@ def _atomic(path: Path, fill) -> None:
             os.unlink(tmp)
         except OSError:  # nothing of ours there (or not a file we made): the original error is the one to report
             pass
-        raise CheckpointError(f"{path}: cannot write: {e.strerror or e}") from None
+        raise CheckpointError(f"{path}: cannot write: {e.strerror or e}", path=path) from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -75,7 +75,7 @@ def quantize_checkpoint(
     recipe = recipe if isinstance(recipe, Recipe) or recipe is None else load_recipe(recipe)
     _check_device(device)
     if workers is not None and workers < 1:
-        raise ConfigError(f"--workers must be at least 1, got {workers}")
+        raise ConfigError(f"--workers must be at least 1, got {workers}", entry="--workers")
     ckpt = Checkpoint.open(src, follow_symlinks)
     recipe = (recipe or load_recipe(None, ckpt.config)).with_scale_rule(scale_rule)  # None: the family's default
     to_copy = side_files(src)
@@ -185,13 +185,14 @@ def _check_device(device: str) -> None:
     if device == "cpu":
         return
     if device.split(":")[0] != "cuda":
-        raise ConfigError(f"--device {device!r}: choose cpu or cuda")
+        raise ConfigError(f"--device {device!r}: choose cpu or cuda", entry="--device")
     import torch
 
     if not torch.cuda.is_available():
         raise ConfigError(
             f"--device {device}: no CUDA device is visible to torch {torch.__version__} "
-            f"(built with CUDA {torch.version.cuda}); use --device cpu"
+            f"(built with CUDA {torch.version.cuda}); use --device cpu",
+            entry="--device",
         )
 
 
@@ -272,14 +273,17 @@ def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
                     what = "MTP layer tensor" if t.source.name.startswith(mtp_prefixes) else "tensor"
                     raise CheckpointError(
                         f"{out / shard.name}: source {what} {t.source.name!r} is missing from the "
-                        f"output (expected {o.name} {o.dtype}{list(o.shape)}); rerun to redo the shard"
+                        f"output (expected {o.name} {o.dtype}{list(o.shape)}); rerun to redo the shard",
+                        path=out / shard.name,
+                        tensor=t.source.name,
                     )
             counts[t.fate] += 1
             counts["mtp_tensors"] += t.source.name.startswith(mtp_prefixes)
     if mtp_prefixes and not counts["mtp_tensors"]:
         raise CheckpointError(
             f"{out}: config.json declares MTP layer(s) {list(plan.layout.mtp_layers)} "
-            "but the output holds none of their tensors"
+            "but the output holds none of their tensors",
+            path=out,
         )
     return counts
 

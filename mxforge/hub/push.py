@@ -100,7 +100,8 @@ def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> 
     if not force:
         raise PushRefused(
             f"{root}: validate found {len(report.problems)} problem(s), so nothing was pushed; first: "
-            f"{first}. Fix them (`mxforge validate {root}` lists all) or pass --force to push anyway"
+            f"{first}. Fix them (`mxforge validate {root}` lists all) or pass --force to push anyway",
+            path=root,
         )
     print(
         f"mxforge push: WARNING: --force: pushing {root} although validate found {len(report.problems)} problem(s); "
@@ -123,7 +124,7 @@ def keep_source_card(ckpt: Path) -> bool:
         card.replace(ckpt / SOURCE_CARD_NAME)
     except OSError as e:
         raise CheckpointError(
-            f"{card}: cannot keep the existing README as {SOURCE_CARD_NAME}: {e.strerror or e}"
+            f"{card}: cannot keep the existing README as {SOURCE_CARD_NAME}: {e.strerror or e}", path=card
         ) from None
     return True
 
@@ -178,7 +179,8 @@ def refuse_changes(
         raise CheckpointChanged(
             f"{ckpt}: changed after validation ({listed}) {when}; nothing was committed. Let "
             f"whatever writes to {ckpt} finish, then rerun `{push_command}` to validate and push "
-            "the files as they are then"
+            "the files as they are then",
+            path=ckpt,
         )
 
 
@@ -198,7 +200,8 @@ def _operation(ckpt: Path, f: FileHash) -> CommitOperationAdd:
     if op.upload_info.sha256.hex() != f.sha256 or op.upload_info.size != f.size:
         raise CheckpointChanged(
             f"{path}: its bytes changed after validation hashed them; nothing was committed. "
-            "Rerun the push to validate and push the file as it is now"
+            "Rerun the push to validate and push the file as it is now",
+            path=path,
         )
     return op
 
@@ -299,7 +302,8 @@ def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash]) 
     if bad:
         raise HubVerificationError(
             f"{repo_id}@{branch} ({info.sha}): {len(bad)} file(s) on the Hub differ from "
-            f"the local checkpoint: {'; '.join(bad)}: rerun the same command to upload them again"
+            f"the local checkpoint: {'; '.join(bad)}: rerun the same command to upload them again",
+            repo_id=repo_id,
         )
     return checked_commit(info.sha, f"{repo_id}@{branch}")
 
@@ -336,7 +340,7 @@ def push(
     branch = branch or "main"
     check_repo_id(repo_id)
     if not ckpt.is_dir():
-        raise CheckpointError(f"{ckpt}: not a directory; pass the checkpoint directory to push")
+        raise CheckpointError(f"{ckpt}: not a directory; pass the checkpoint directory to push", path=ckpt)
     command = recorded_command(command)
     with directory_lock(ckpt):
         moved = keep_source_card(ckpt)

@@ -338,7 +338,7 @@ def write_fixture(
     """
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MxforgeError(f"{out}: exists and is not an empty directory; choose a new output directory")
+        raise MxforgeError(f"{out}: exists and is not an empty directory; choose a new output directory", path=out)
     family = _family(family)
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")

@@ -324,7 +324,8 @@ class Pipeline:
         if earlier and asked and earlier != asked:
             raise MxforgeError(
                 f"{self.out}: holds a {earlier} run; rerun it {'with' if earlier == 'stream' else 'without'} "
-                "--stream, or use another OUT directory"
+                "--stream, or use another OUT directory",
+                path=self.out,
             )
         mode = earlier or asked
         if mode:

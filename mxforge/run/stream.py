@@ -379,7 +379,8 @@ class StreamRun:
         if missing:
             raise MxforgeError(
                 f"{o.source}@{commit[:12]}: {INDEX_NAME} names shard {missing[0]!r}, which the repo does "
-                f"not hold ({len(missing)} such); the source repo is incomplete"
+                f"not hold ({len(missing)} such); the source repo is incomplete",
+                repo_id=o.source,
             )
         headers = {}
         for name in ckpt.shard_names:
@@ -398,7 +399,9 @@ class StreamRun:
                 if hub.file_sizes[name] != by_name[name].size:
                     raise CheckpointError(
                         f"{hub.where(name)}: the Hub serves {hub.file_sizes[name]:,} bytes, its file "
-                        f"list says {by_name[name].size:,}; the source repo is broken or hostile"
+                        f"list says {by_name[name].size:,}; the source repo is broken or hostile",
+                        filename=name,
+                        repo_id=o.source,
                     )
         ckpt.headers = headers  # the cached property, filled from the Hub: planning needs no shard on disk
         for f in files:  # provenance as `mxforge download` records it; shards by the Hub's sha256, verified on arrival
