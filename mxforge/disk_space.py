@@ -17,7 +17,7 @@ def free_space(path: str | Path) -> tuple[Path, int]:
     return where, shutil.disk_usage(where).free
 
 
-def require_free_space(path: str | Path, need: int, what: str, remedy: str, detail: str = "") -> int:
+def require_free_space(path: str | Path, need: int, *, what: str, remedy: str, detail: str = "") -> int:
     """The free bytes at `path`; refuse when fewer than `need`.
 
     Raises:

@@ -378,7 +378,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
 
 
 def write_json_atomic(
-    path: str | os.PathLike, obj, indent: int = 2, ensure_ascii: bool = True, trailing_newline: bool = True
+    path: str | os.PathLike, obj, *, indent: int = 2, ensure_ascii: bool = True, trailing_newline: bool = True
 ) -> None:
     """Write JSON under a temporary name, fsync, rename into place.
 

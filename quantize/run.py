@@ -206,7 +206,10 @@ def remove_strays(out: Path, plan: QuantizePlan) -> None:
 
 def _check_free_space(out: Path, todo: list[ShardPlan]) -> None:
     require_free_space(
-        out, sum(s.output_size for s in todo), "the remaining output shards", "free space or choose another OUT"
+        out,
+        sum(s.output_size for s in todo),
+        what="the remaining output shards",
+        remedy="free space or choose another OUT",
     )
 
 

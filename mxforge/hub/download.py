@@ -127,9 +127,9 @@ def check_disk_space(dest: Path, files: list[RemoteFile]) -> int:
         require_free_space(
             dest,
             needed,
-            f"{len(missing)} file(s)",
-            "free space or choose another DEST; nothing was downloaded",
-            f" (largest: {largest.name}, {format_bytes(largest.size)})",
+            what=f"{len(missing)} file(s)",
+            remedy="free space or choose another DEST; nothing was downloaded",
+            detail=f" (largest: {largest.name}, {format_bytes(largest.size)})",
         )
     return needed
 
@@ -423,7 +423,16 @@ def _download_into(
     hashes = hash_files(dest, [f.name for f in chosen], workers=workers, quiet=True)  # all cached by now
     result = DownloadResult(dest, repo_id, revision, commit, hub_endpoint(), downloaded_bytes=sum(f.size for f in todo))
     result.files = [source_record_entry(f, hashes[f.name]) for f in chosen]
-    write_source_record(dest, repo_id, revision, commit, result.files, include, exclude, command)
+    write_source_record(
+        dest,
+        repo_id=repo_id,
+        revision=revision,
+        commit=commit,
+        files=result.files,
+        include=include,
+        exclude=exclude,
+        command=command,
+    )
     return result
 
 
@@ -434,6 +443,7 @@ def source_record_entry(f: RemoteFile, h: FileHash) -> dict:
 
 def write_source_record(
     dest: Path,
+    *,
     repo_id: str,
     revision: str,
     commit: str,

@@ -132,6 +132,7 @@ def keep_source_card(ckpt: Path) -> bool:
 def write_model_card(
     ckpt: Path,
     names: list[str],
+    *,
     repo_id: str,
     validation: dict,
     forced: bool,
@@ -207,7 +208,15 @@ def _operation(ckpt: Path, f: FileHash) -> CommitOperationAdd:
 
 
 def upload(
-    api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, files: list[FileHash], before_commit, workers: int
+    api: HfApi,
+    ckpt: Path,
+    repo_id: str,
+    *,
+    branch: str,
+    private: bool,
+    files: list[FileHash],
+    before_commit,
+    workers: int,
 ) -> None:
     """Create the repo/branch if needed, upload the LFS objects, call `before_commit()`, then commit every file.
 
@@ -351,7 +360,15 @@ def push(
         if moved and CARD_NAME in validated_files:  # validated as README.md, moved aside since: the same file
             expected[SOURCE_CARD_NAME] = validated_files[CARD_NAME]
         files = write_model_card(
-            ckpt, sorted(expected), repo_id, validation, not validation["ok"], command, workers, quiet, follow_symlinks
+            ckpt,
+            sorted(expected),
+            repo_id=repo_id,
+            validation=validation,
+            forced=not validation["ok"],
+            command=command,
+            workers=workers,
+            quiet=quiet,
+            follow_symlinks=follow_symlinks,
         )
         expected[CARD_NAME] = snapshot(ckpt, [CARD_NAME])[CARD_NAME]
         push_command = f"mxforge push {ckpt} {repo_id}"
@@ -363,11 +380,19 @@ def push(
             api,
             ckpt,
             repo_id,
-            branch,
-            private,
-            files,
+            branch=branch,
+            private=private,
+            files=files,
             workers=workers,
             before_commit=lambda: refuse_changes(ckpt, expected, follow_symlinks, "during the upload", push_command),
         )
         commit = verify_remote(api, repo_id, branch, files)
-    return PushResult(repo_id, branch, hub_endpoint(), commit, not validation["ok"], validation, files)
+    return PushResult(
+        repo_id=repo_id,
+        branch=branch,
+        endpoint=hub_endpoint(),
+        commit=commit,
+        forced=not validation["ok"],
+        validation=validation,
+        files=files,
+    )

@@ -320,6 +320,7 @@ SIDE_FILES = {
 def write_fixture(
     out: str | os.PathLike,
     preset: str,
+    *,
     seed: int = 0,
     gib: float | None = None,
     quiet: bool = False,

@@ -409,13 +409,13 @@ class StreamRun:
                 hashes[f.name] = FileHash(f.name, f.size, f.sha256 or "", f.blob_id or "")
         write_source_record(
             o.bf16_dir,
-            o.source,
-            o.revision,
-            commit,
-            [source_record_entry(f, hashes[f.name]) for f in files],
-            None,
-            None,
-            o.command,
+            repo_id=o.source,
+            revision=o.revision,
+            commit=commit,
+            files=[source_record_entry(f, hashes[f.name]) for f in files],
+            include=None,
+            exclude=None,
+            command=o.command,
         )
         return ckpt, by_name, commit
 
@@ -579,8 +579,8 @@ class StreamRun:
         require_free_space(
             o.mxfp4_dir,
             peak - have,
-            f"the streamed run's output ({format_bytes(output)}) and {in_flight} source shard(s) in flight",
-            "free space, or lower --in-flight",
+            what=f"the streamed run's output ({format_bytes(output)}) and {in_flight} source shard(s) in flight",
+            remedy="free space, or lower --in-flight",
         )
 
     # --- 2: the overlapped stages -------------------------------------------------------------------
