@@ -180,3 +180,77 @@ def test_the_staging_directory_is_private_and_checked(tmp_path, monkeypatch):
     with pytest.raises(MxforgeError, match="writable by other users and not sticky") as e:
         staging_dir("f" * 40)
     assert e.value.path == node_tmp
+
+
+@pytest.fixture
+def ray_cluster(tmp_path, ray_tmp):
+    """A one-node Ray cluster started as an operator would (`ray start --head`), from an environment without
+    HF_TOKEN: the node's own credentials are `hf auth login`'s token file under its HF_HOME, and its TMPDIR is its
+    own. Yields (address, node HF_HOME, node TMPDIR); every process of its session is killed afterwards."""
+    import socket
+
+    node_home, node_tmp = tmp_path / "node-hf-home", Path(tempfile.mkdtemp(prefix="mxn", dir="/tmp"))
+    node_home.mkdir()
+    (node_home / "token").write_text(TOKEN)
+    (node_home / "token").chmod(0o600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    # RAY_AUTH_MODE: Ray's own cluster token (~/.ray/auth_token, shared by every Ray test on this machine) is not
+    # what this test is about
+    env |= {"HF_HOME": str(node_home), "TMPDIR": str(node_tmp), "RAY_TMPDIR": str(ray_tmp), "RAY_AUTH_MODE": "disabled"}
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port)]
+        + ["--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield f"127.0.0.1:{port}", node_home, node_tmp
+    finally:
+        session = head.pid  # the session started for the head: every Ray process of the node is in it
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getsid(int(pid)) == session:
+                    os.kill(int(pid), 9)
+            except (ProcessLookupError, PermissionError):
+                continue
+        head.wait(timeout=60)
+        shutil.rmtree(node_tmp, ignore_errors=True)
+
+
+def test_a_ray_cluster_uses_its_nodes_credentials_and_stages_privately(hub, tmp_path, ray_tmp, ray_cluster):
+    """`--ray-address`: the driver's HF_TOKEN does not reach the cluster, the node's own (its token file) serves
+    the gated download and the push; the node stages in its private directory; no file holds the token but the
+    node's own token file."""
+    pytest.importorskip("ray")
+    address, node_home, node_tmp = ray_cluster
+    out = tmp_path / "ray"
+    env = hub_env(hub, tmp_path, RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="disabled")
+    proc = run_cli(
+        "run",
+        "zai/glm-gated",
+        str(out),
+        "--push",
+        "alice/ray-cluster",
+        "--executor",
+        "ray",
+        "--ray-address",
+        address,
+        "--quiet",
+        "--json",
+        "-",
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)["stages"]["stream"]["report"]
+    assert report["stages"]["download"]["shards"] == 3 and report["stages"]["upload"]["shards"] == 3
+    assert _files_holding(TOKEN, ray_tmp, out, node_tmp) == []
+    assert TOKEN not in proc.stdout + proc.stderr
+    staged = node_tmp / f"mxforge-ray-{os.getuid()}"
+    assert all(stat.S_IMODE(os.lstat(d).st_mode) == 0o700 for d in [staged, *staged.iterdir()])
+    assert not list(staged.rglob("*.safetensors"))  # each bf16 shard deleted once quantized
