@@ -14,10 +14,12 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, CheckpointSource, LocalDir, load_json
+from mxforge.dir_lock import directory_lock
 from mxforge.errors import ConfigError
 from mxforge.models import layout_of
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, keep_original, read_fixups_record, recorded_command
@@ -61,6 +63,18 @@ class FixupResult:
             "remaining": [p.__dict__ for p in self.remaining],
             "ok": not self.remaining,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FixupResult:
+        """Read back from `as_dict()` (mxforge run's state file); the diff and the new config are not recorded."""
+        return cls(
+            path=str(d.get("path", "")),
+            engines=[e for e in d.get("engines") or [] if isinstance(e, str)],
+            applied=[a for a in d.get("applied") or [] if isinstance(a, dict)],
+            warnings=[w for w in d.get("warnings") or [] if isinstance(w, str)],
+            remaining=[Problem(**p) for p in d.get("remaining") or [] if isinstance(p, dict)],
+            dry_run=bool(d.get("dry_run")),
+        )
 
     def format(self) -> str:
         verb = "would change" if self.dry_run else "changed"
@@ -185,6 +199,7 @@ def harmed_modules(
 def fixup_checkpoint(
     root: "str | Path | CheckpointSource",
     engines: str | list[str] | None = None,
+    *,
     dry_run: bool = False,
     command: str | None = None,
     mtp_from: str | Path | None = None,
@@ -207,7 +222,24 @@ def fixup_checkpoint(
         ConfigError: unknown engine selection or recipe, or config.json is not of a supported model family
             (mxforge.models).
         NonFiniteWeightError: a source MTP weight to quantize holds NaN/Inf.
+        DirectoryInUse: another mxforge process works in the checkpoint directory (whose lock fixup holds
+            while it may write).
     """
+    if dry_run or not isinstance(root, (str, os.PathLike)) or not Path(root).is_dir():
+        return _fixup_checkpoint(root, engines, dry_run, command, mtp_from, recipe, quiet)
+    with directory_lock(root):
+        return _fixup_checkpoint(root, engines, dry_run, command, mtp_from, recipe, quiet)
+
+
+def _fixup_checkpoint(
+    root: "str | Path | CheckpointSource",
+    engines: str | list[str] | None,
+    dry_run: bool,
+    command: str | None,
+    mtp_from: str | Path | None,
+    recipe: str | None,
+    quiet: bool,
+) -> FixupResult:
     check_engine_items(engines)
     command = recorded_command(command)
     ckpt = Checkpoint.open(root)
@@ -241,7 +273,8 @@ def fixup_checkpoint(
             raise ConfigError(
                 f"{loaded.ckpt.source.where('config.json')}: the aliases fixup computed would change how "
                 f"{harmed[0][0]} builds {harmed[0][1]} (and {len(harmed) - 1} more); nothing was written. "
-                "Please report this checkpoint's config.json to the mxforge maintainers"
+                "Please report this checkpoint's config.json to the mxforge maintainers",
+                filename="config.json",
             )
         entries += [a["entry"] for a in aliases]
         result.applied += applied + aliases
@@ -314,7 +347,8 @@ def _check_exclude_form(ckpt: Checkpoint) -> None:
     if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
         raise ConfigError(
             f"{ckpt.source.where('config.json')}: quantization_config.exclude is not a list of module names; "
-            "fix it by hand (see mxforge validate) before running fixup"
+            "fix it by hand (see mxforge validate) before running fixup",
+            filename="config.json",
         )
 
 

@@ -65,28 +65,34 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
     if source_precision(src.config, str(src.root / "config.json")).is_fp8:
         raise ConfigError(
             f"{src.root}: is an FP8 checkpoint; --mtp-from reads a bf16 source. Re-run `mxforge quantize` "
-            "(or `mxforge run`) from the FP8 checkpoint instead: it keeps the MTP layer"
+            "(or `mxforge run`) from the FP8 checkpoint instead: it keeps the MTP layer",
+            path=src.root,
         )
     mismatched = [f for f in SHAPE_FIELDS if ckpt.config.get(f) != src.config.get(f)]
     if mismatched:
         raise ConfigError(
             f"{src.root}: config.json differs from {ckpt.root}'s in {mismatched}; "
-            "--mtp-from needs the bf16 source this export was made from"
+            "--mtp-from needs the bf16 source this export was made from",
+            path=src.root,
         )
     layout = layout_of({**ckpt.config, "num_nextn_predict_layers": _nextn(ckpt.config) or _nextn(src.config)})
     if not layout.mtp_layers:
-        raise ConfigError(f"{src.root}: num_nextn_predict_layers is 0 in both configs: there is no MTP layer to inject")
+        raise ConfigError(
+            f"{src.root}: num_nextn_predict_layers is 0 in both configs: there is no MTP layer to inject", path=src.root
+        )
     present = mtp_tensors(ckpt.weight_map, layout)
     if present:
         raise CheckpointError(
             f"{ckpt.root}: already holds MTP tensors (e.g. {present[0]}); --mtp-from only re-injects "
-            "a missing MTP layer"
+            "a missing MTP layer",
+            path=ckpt.root,
         )
     infos = {n: i for n, i in src.tensor_infos().items() if layer_of(n) in layout.mtp_layers}
     if not infos:
         raise CheckpointError(
             f"{src.root}: holds no model.layers.{layout.mtp_layers[0]}.* tensors either; "
-            "use the original bf16 checkpoint"
+            "use the original bf16 checkpoint",
+            path=src.root,
         )
     plans = [TensorPlan(infos[n], tensor_fate(infos[n], recipe, layout)) for n in sorted(infos)]
     return MtpPlan(
@@ -130,7 +136,9 @@ def inject_mtp(
     src = Checkpoint.open(src_root)
     plan = plan_mtp_injection(ckpt, src, recipe)
     if (ckpt.root / MTP_SHARD).exists() and MTP_SHARD in ckpt.shard_names:
-        raise CheckpointError(f"{ckpt.root / MTP_SHARD}: already in the index; nothing to inject")
+        raise CheckpointError(
+            f"{ckpt.root / MTP_SHARD}: already in the index; nothing to inject", path=ckpt.root / MTP_SHARD
+        )
     pending_scales: dict[str, torch.Tensor] = {}
     with (
         byte_progress(plan.source_bytes, "fixup: MTP layer", disable=quiet) as bar,

@@ -65,9 +65,9 @@ def load_json(path: Path, what: str, object_pairs_hook=None) -> Any:
         with open(path, "rb") as f:
             raw = f.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found") from None
+        raise CheckpointError(f"{path}: {what} not found", path=path) from None
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read {what}: {e.strerror or e}") from None
+        raise CheckpointError(f"{path}: cannot read {what}: {e.strerror or e}", path=path) from None
     return loads(raw, str(path), what, object_pairs_hook)
 
 
@@ -104,7 +104,10 @@ def _check_shard_names(source: "CheckpointSource", weight_map: dict) -> None:
         if why is not None:
             raise CheckpointError(
                 f"{source.where(INDEX_NAME)}: tensor {tensor!r} maps to shard {shard!r}, refused "
-                f"because {why}; the index is corrupt or hostile: fix or re-download it"
+                f"because {why}; the index is corrupt or hostile: fix or re-download it",
+                filename=INDEX_NAME,
+                tensor=tensor,
+                shard=str(shard),
             )
         shards.add(shard)
     source.check_readable(sorted(shards))
@@ -188,10 +191,12 @@ class LocalDir(CheckpointSource):
         root = self.local_root
         if not root.is_dir():
             raise CheckpointError(
-                f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors"
+                f"{root}: not a directory; pass a checkpoint directory holding config.json and *.safetensors", path=root
             )
         if not (root / "config.json").exists():
-            raise CheckpointError(f"{root}: no config.json, so this is not a Hugging Face checkpoint directory")
+            raise CheckpointError(
+                f"{root}: no config.json, so this is not a Hugging Face checkpoint directory", path=root
+            )
         self.check_readable(["config.json", INDEX_NAME, SINGLE_NAME])
 
 
@@ -264,7 +269,7 @@ class Checkpoint:
             where = source.where(INDEX_NAME)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{where}: has no weight_map; the index is corrupt")
+                raise CheckpointError(f"{where}: has no weight_map; the index is corrupt", filename=INDEX_NAME)
             if len(weight_map) > MAX_TENSORS:
                 raise CheckpointError(
                     f"{where}: names {len(weight_map):,} tensors, over the {MAX_TENSORS:,} mxforge reads (about 10x "
@@ -316,7 +321,8 @@ class Checkpoint:
             if not self.source.exists(name):
                 first = next(t for t, s in self.weight_map.items() if s == name)
                 raise CheckpointError(
-                    f"{self.source.where(name)}: shard named by the index (e.g. for {first!r}) does not exist"
+                    f"{self.source.where(name)}: shard named by the index (e.g. for {first!r}) does not exist",
+                    shard=name,
                 )
             out[name] = self.source.read_header(name)
         return out
@@ -332,7 +338,9 @@ class Checkpoint:
             info = self.headers[shard].tensors.get(name)
             if info is None:
                 raise CheckpointError(
-                    f"{self.source.where(shard)}: index says it holds tensor {name!r}, but its header does not"
+                    f"{self.source.where(shard)}: index says it holds tensor {name!r}, but its header does not",
+                    shard=shard,
+                    tensor=name,
                 )
             out[name] = info
         return out

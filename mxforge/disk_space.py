@@ -17,7 +17,7 @@ def free_space(path: str | Path) -> tuple[Path, int]:
     return where, shutil.disk_usage(where).free
 
 
-def require_free_space(path: str | Path, need: int, what: str, remedy: str, detail: str = "") -> int:
+def require_free_space(path: str | Path, need: int, *, what: str, remedy: str, detail: str = "") -> int:
     """The free bytes at `path`; refuse when fewer than `need`.
 
     Raises:
@@ -28,6 +28,7 @@ def require_free_space(path: str | Path, need: int, what: str, remedy: str, deta
     if need > free:
         raise DiskSpaceError(
             f"{path}: {what} need {format_bytes(need)} but the filesystem of {where} has only "
-            f"{format_bytes(free)} free{detail}: {remedy}"
+            f"{format_bytes(free)} free{detail}: {remedy}",
+            path=path,
         )
     return free

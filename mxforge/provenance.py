@@ -92,6 +92,7 @@ def read_fixups_record(source: "CheckpointSource") -> dict:
     ):
         raise CheckpointError(
             f"{source.where(FIXUPS_NAME)}: not a fixup record (an object with 'fixups' and 'runs' "
-            "lists); move it aside and re-run mxforge fixup"
+            "lists); move it aside and re-run mxforge fixup",
+            filename=FIXUPS_NAME,
         )
     return record

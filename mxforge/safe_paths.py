@@ -62,7 +62,8 @@ def check_remote_name(name: object, source: str) -> str:
     if why is not None or not isinstance(name, str):  # name_problem refuses every non-str
         raise UnsafeNameError(
             f"{source} lists a file named {name!r}, refused because {why}: a name like that could "
-            "write outside DEST; nothing was downloaded or deleted. Check HF_ENDPOINT and the repo"
+            "write outside DEST; nothing was downloaded or deleted. Check HF_ENDPOINT and the repo",
+            filename=name if isinstance(name, str) else None,
         )
     return name
 
@@ -77,7 +78,9 @@ def remote_path(root: Path, name: str, source: str = "the Hub") -> Path:
     if not is_inside(root, path):
         raise UnsafeNameError(
             f"{path}: the file {name!r} from {source} would land outside {root} (through the symlink "
-            f"{_first_link(root, name)}); nothing was downloaded or deleted. Remove that link from {root}"
+            f"{_first_link(root, name)}); nothing was downloaded or deleted. Remove that link from {root}",
+            path=path,
+            filename=name,
         )
     return path
 
@@ -108,5 +111,6 @@ def refuse_links_leaving(root: Path, names: Iterable[str], *, follow: bool, acti
             link = _first_link(root, name) or path
             raise CheckpointError(
                 f"{link}: symlink to {os.path.realpath(link)}, outside {root}: refusing to {action} "
-                f"what it points to. Copy the file into the checkpoint, or {FOLLOW_HINT}"
+                f"what it points to. Copy the file into the checkpoint, or {FOLLOW_HINT}",
+                path=link,
             )

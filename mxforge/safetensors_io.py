@@ -172,12 +172,15 @@ def header_length(path, first8: bytes, file_size: int) -> int:
         CheckpointError: fewer than 8 bytes, or a length beyond the limit or the file.
     """
     if len(first8) < 8:
-        raise CheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it")
+        raise CheckpointError(
+            f"{path}: truncated safetensors file ({file_size} bytes, no header); re-download it", path=path
+        )
     (header_len,) = struct.unpack("<Q", first8)
     if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
         raise CheckpointError(
             f"{path}: header length {header_len} does not fit the file ({file_size} bytes): "
-            "the shard is truncated or corrupt; re-download it"
+            "the shard is truncated or corrupt; re-download it",
+            path=path,
         )
     return header_len
 
@@ -199,7 +202,7 @@ def read_header(path: str | os.PathLike, budget: HeaderBudget | None = None) -> 
             budget.charge_bytes(path, length)
             raw = f.read(length)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read shard: {e.strerror or e}") from None
+        raise CheckpointError(f"{path}: cannot read shard: {e.strerror or e}", path=path) from None
     return parse_header(path, raw, file_size, budget)
 
 
@@ -253,7 +256,7 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
     from mxforge.json_input import check_depth
 
     def corrupt(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: safetensors header {why}; the shard is corrupt")
+        return CheckpointError(f"{path}: safetensors header {why}; the shard is corrupt", path=path)
 
     # Every tensor entry is an object inside the header's: an upper bound on the entries, known before parsing.
     declared = max(raw.count(b"{") - 1, 0)
@@ -342,13 +345,17 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
         if info.start != cursor or info.end < info.start:
             raise CheckpointError(
                 f"{path}: tensor {info.name!r} starts at byte {info.start}, expected {cursor}: "
-                "overlapping or gapped data offsets; the shard is corrupt"
+                "overlapping or gapped data offsets; the shard is corrupt",
+                path=path,
+                tensor=info.name,
             )
         cursor = info.end
     if cursor != file_size:
         what = "truncated" if cursor > file_size else "has trailing bytes"
         raise CheckpointError(
-            f"{path}: header describes {cursor} bytes but the file has {file_size}: the shard is {what}; re-download it"
+            f"{path}: header describes {cursor} bytes but the file has {file_size}: the shard is {what}; "
+            "re-download it",
+            path=path,
         )
     return ShardHeader(path, tensors, metadata, data_start, file_size)
 
@@ -432,7 +439,7 @@ class ShardWriter:
             self._file.write(encode_header(self.order, self.metadata))
         except OSError as e:
             self._abort()
-            raise CheckpointError(f"{self.path}: cannot write: {e.strerror or e}") from None
+            raise CheckpointError(f"{self.path}: cannot write: {e.strerror or e}", path=self.path) from None
         return self
 
     def write(self, name: str, data) -> None:
@@ -443,7 +450,9 @@ class ShardWriter:
         expected = self.order[self._next] if self._next < len(self.order) else None
         if expected is None or expected.name != name:
             raise CheckpointError(
-                f"{self.path}: tensor {name!r} written out of order (expected {expected and expected.name!r})"
+                f"{self.path}: tensor {name!r} written out of order (expected {expected and expected.name!r})",
+                path=self.path,
+                tensor=name,
             )
         written = 0
         for part in parts:
@@ -452,11 +461,17 @@ class ShardWriter:
                 self._open_file().write(buf)
             except OSError as e:
                 raise CheckpointError(
-                    f"{self.path}: cannot write tensor {name!r}: {e.strerror or e} (disk full?)"
+                    f"{self.path}: cannot write tensor {name!r}: {e.strerror or e} (disk full?)",
+                    path=self.path,
+                    tensor=name,
                 ) from None
             written += len(buf)
         if written != expected.nbytes:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has {written} bytes, planned {expected.nbytes}")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has {written} bytes, planned {expected.nbytes}",
+                path=self.path,
+                tensor=name,
+            )
         self._next += 1
 
     def skip_to_end(self) -> None:
@@ -470,7 +485,9 @@ class ShardWriter:
             return
         if self._next != len(self.order):
             self._abort()
-            raise CheckpointError(f"{self.path}: only {self._next} of {len(self.order)} tensors were written")
+            raise CheckpointError(
+                f"{self.path}: only {self._next} of {len(self.order)} tensors were written", path=self.path
+            )
         try:
             f = self._open_file()
             f.flush()
@@ -479,7 +496,9 @@ class ShardWriter:
             os.replace(self._tmp, self.path)
         except OSError as e:
             self._abort()
-            raise CheckpointError(f"{self.path}: cannot finish writing: {e.strerror or e} (disk full?)") from None
+            raise CheckpointError(
+                f"{self.path}: cannot finish writing: {e.strerror or e} (disk full?)", path=self.path
+            ) from None
 
     def _open_file(self) -> BinaryIO:
         if self._file is None:
@@ -517,7 +536,7 @@ def _atomic(path: Path, fill) -> None:
             os.unlink(tmp)
         except OSError:  # nothing of ours there (or not a file we made): the original error is the one to report
             pass
-        raise CheckpointError(f"{path}: cannot write: {e.strerror or e}") from None
+        raise CheckpointError(f"{path}: cannot write: {e.strerror or e}", path=path) from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -539,7 +558,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
 
 
 def write_json_atomic(
-    path: str | os.PathLike, obj, indent: int = 2, ensure_ascii: bool = True, trailing_newline: bool = True
+    path: str | os.PathLike, obj, *, indent: int = 2, ensure_ascii: bool = True, trailing_newline: bool = True
 ) -> None:
     """Write JSON under a temporary name, fsync, rename into place.
 

@@ -53,7 +53,8 @@ def mxfp4_pairs(infos: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
             raise CheckpointError(
                 f"tensor {name!r} {list(info.shape)} and its scale {list(scale.shape)} are not an MXFP4 "
                 f"pair (scales must be [out, ceil(2 * {info.shape[-1] if info.shape else '?'} / 32)]); "
-                "the checkpoint is corrupt"
+                "the checkpoint is corrupt",
+                tensor=name,
             )
         pairs[name] = scale
     return pairs
@@ -78,7 +79,7 @@ def dequantize_checkpoint(
     pairs = mxfp4_pairs(infos)
     if not pairs:
         raise CheckpointError(
-            f"{src}: holds no MXFP4 weight (uint8 X.weight with X.weight_scale): nothing to dequantize"
+            f"{src}: holds no MXFP4 weight (uint8 X.weight with X.weight_scale): nothing to dequantize", path=src
         )
     to_copy = side_files(src, NOT_COPIED)
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
@@ -162,7 +163,8 @@ def _pread(fin, offset: int, n: int) -> bytes:
     if len(data) != n:
         raise CheckpointError(
             f"{fin.name}: truncated at byte {offset + len(data)} (wanted {n} bytes at {offset}); "
-            "re-download or re-create the shard"
+            "re-download or re-create the shard",
+            path=fin.name,
         )
     return data
 

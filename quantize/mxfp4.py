@@ -98,12 +98,14 @@ def quantize_mxfp4(
         if refuse_nonfinite:
             raise NonFiniteWeightError(
                 f"tensor {name or '(unnamed)'!r} holds {nonfinite} NaN/Inf value(s); quantizing would silently "
-                "encode their blocks as +6.0. Fix or re-download the source checkpoint"
+                "encode their blocks as +6.0. Fix or re-download the source checkpoint",
+                tensor=name,
             )
         if offsets != (0,):
             raise ConfigError(
                 f"tensor {name or '(unnamed)'!r} holds {nonfinite} NaN/Inf value(s): only the quark scale "
-                "rule can encode them (as Quark does)"
+                "rule can encode them (as Quark does)",
+                tensor=name,
             )
         return _quark_reference(weight)
     return codes, scales

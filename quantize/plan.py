@@ -140,7 +140,9 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
         raise CheckpointError(
             f"{ckpt.root / INDEX_NAME}: weight_map lists tensor {first!r} more than once "
             f"({len(ckpt.duplicate_index_keys)} such key(s)); keep one entry per tensor (the shard "
-            "that holds it) or re-download the index"
+            "that holds it) or re-download the index",
+            path=ckpt.root / INDEX_NAME,
+            tensor=first,
         )
     layout = layout_of(ckpt.config)
     precision = source_precision(ckpt.config, str(ckpt.root / "config.json"))
@@ -150,7 +152,9 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
         if orphans:
             raise CheckpointError(
                 f"{ckpt.root / shard}: holds tensor {orphans[0]!r} that the index does not map to it "
-                f"({len(orphans)} such); the index is stale: rebuild or re-download it"
+                f"({len(orphans)} such); the index is stale: rebuild or re-download it",
+                path=ckpt.root / shard,
+                tensor=orphans[0],
             )
     scales = fp8_scales(ckpt, infos, precision)
     recipe.check_matches([n for n, i in infos.items() if is_quantizable(i) or n in scales], layout, str(ckpt.root))
@@ -188,7 +192,9 @@ def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: Source
         name = next(iter(fp8))
         raise CheckpointError(
             f"{where(name)}: tensor {name!r} is {FP8_DTYPE} but config.json has no FP8 "
-            "quantization_config; restore the release's config.json (it says how to scale the weights)"
+            "quantization_config; restore the release's config.json (it says how to scale the weights)",
+            path=where(name),
+            tensor=name,
         )
     out: dict[str, Fp8Scale] = {}
     if not precision.is_fp8:  # a bf16 source (an FP8 tensor under it was refused above)
@@ -200,14 +206,18 @@ def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: Source
             raise CheckpointError(
                 f"{where(name)}: FP8 tensor {name!r} {list(info.shape)} has no {name + suffix!r} "
                 f"scales (or is not a 2-D linear weight); the checkpoint is incomplete or not a "
-                f"{precision.describe()} checkpoint as its config.json says: re-download it"
+                f"{precision.describe()} checkpoint as its config.json says: re-download it",
+                path=where(name),
+                tensor=name,
             )
         expected = precision.stored_scale_shapes(info.shape)
         if scale.dtype not in SCALE_DTYPES or scale.shape not in expected:
             raise CheckpointError(
                 f"{where(scale.name)}: {scale.name!r} is {scale.dtype}{list(scale.shape)}, expected "
                 f"F32{list(expected[0])} for {name!r} {list(info.shape)} with {precision.scale_rule()}; the shard "
-                "or config.json is not from the same release"
+                "or config.json is not from the same release",
+                path=where(scale.name),
+                tensor=scale.name,
             )
         out[name] = Fp8Scale(
             ckpt.weight_map[scale.name], scale, precision.block_of(info.shape), precision.scale_shape(info.shape)
@@ -233,7 +243,8 @@ def tensor_fate(info: TensorInfo, recipe: Recipe, layout: MoeLayout, fp8_weight:
     if info.shape[1] % 2:
         raise ConfigError(
             f"tensor {info.name!r} {list(info.shape)}: the recipe selects it, but MXFP4 packs two "
-            "codes per byte and its in-dimension is odd; keep it with a [[keep]] rule"
+            "codes per byte and its in-dimension is odd; keep it with a [[keep]] rule",
+            tensor=info.name,
         )
     return "quantized"
 
@@ -251,5 +262,6 @@ def check_planned_header(path: Path, plan: "ShardPlan") -> None:
         raise CheckpointError(
             f"{path}: its header differs from the one the Hub served by byte range when the run was "
             "planned; the shard was deleted. Rerun; if it happens again, the Hub or a proxy serves "
-            "inconsistent bytes"
+            "inconsistent bytes",
+            path=path,
         )

@@ -197,7 +197,7 @@ def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
         raise ConfigError(f"recipe {source}: unknown key(s) {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}")
     for key in ("name", "scheme"):
         if not isinstance(data.get(key), str) or not data[key]:
-            raise ConfigError(f"recipe {source}: {key!r} must be a non-empty string")
+            raise ConfigError(f"recipe {source}: {key!r} must be a non-empty string", entry=key)
     if data["scheme"] not in SCHEMES:
         raise ConfigError(
             f"recipe {source}: scheme {data['scheme']!r} is not supported; choose one of {sorted(SCHEMES)}"
@@ -213,7 +213,10 @@ def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
         raise ConfigError(f"recipe {source}: no [[quantize]] rule, so it would quantize nothing")
     rule = data.get("scale_rule", DEFAULT_SCALE_RULE)
     if rule not in SCALE_RULES:
-        raise ConfigError(f"recipe {source}: scale_rule {rule!r} is not known; choose one of {sorted(SCALE_RULES)}")
+        raise ConfigError(
+            f"recipe {source}: scale_rule {rule!r} is not known; choose one of {sorted(SCALE_RULES)}",
+            entry="scale_rule",
+        )
     return Recipe(
         data["name"], str(data.get("description", "")), data["scheme"], tuple(rules + quantize), source, sha256, rule
     )
@@ -222,29 +225,31 @@ def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
 def _rule_list(data: dict, key: str, source: str) -> list:
     rules = data.get(key, [])
     if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
-        raise ConfigError(f"recipe {source}: {key!r} must be an array of tables ([[{key}]])")
+        raise ConfigError(f"recipe {source}: {key!r} must be an array of tables ([[{key}]])", entry=key)
     return rules
 
 
 def _parse_rule(raw: dict, action: Decision, index: int, source: str) -> Rule:
-    where = f"recipe {source}: [[{action}]] rule {index + 1}"
+    rule = f"[[{action}]] rule {index + 1}"
+    where = f"recipe {source}: {rule}"
     unknown = set(raw) - RULE_KEYS
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(RULE_KEYS)}")
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(RULE_KEYS)}", entry=rule)
     kinds = raw.get("kinds", [])
     if not isinstance(kinds, list) or any(k not in KINDS for k in kinds):
-        raise ConfigError(f"{where}: kinds {kinds!r} must be a list drawn from {list(KINDS)}")
+        raise ConfigError(f"{where}: kinds {kinds!r} must be a list drawn from {list(KINDS)}", entry=rule)
     layers = raw.get("layers", "all")
     if layers not in LAYER_SCOPES:
         raise ConfigError(
             f"{where}: layers {layers!r} must be one of {list(LAYER_SCOPES)} "
-            "(layer numbers come from config.json, never from the recipe)"
+            "(layer numbers come from config.json, never from the recipe)",
+            entry=rule,
         )
     names = raw.get("names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ConfigError(f"{where}: names must be a list of regular expressions")
+        raise ConfigError(f"{where}: names must be a list of regular expressions", entry=rule)
     if not kinds and not names:
-        raise ConfigError(f"{where}: give kinds or names, or the rule would select every weight")
+        raise ConfigError(f"{where}: give kinds or names, or the rule would select every weight", entry=rule)
     compiled = []
     for pattern in names:
         try:

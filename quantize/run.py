@@ -9,28 +9,25 @@ side files, config.json with Quark's quantization_config, and mxforge_quantize.j
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
-from multiprocessing.context import BaseContext
-from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.disk_space import require_free_space
-from mxforge.errors import CheckpointError, ConfigError, MxforgeError
+from mxforge.errors import CheckpointError, ConfigError
 from mxforge.progress import byte_progress
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME, recorded_command, source_hashes
 from mxforge.quantize.error_report import error_report
 from mxforge.quantize.plan import QuantizePlan, ShardPlan, plan_checkpoint
 from mxforge.quantize.recipe import Recipe, load_recipe
-from mxforge.quantize.shard_job import ShardJob, ShardResult, finish_shard, run_shard
+from mxforge.quantize.result import QuantizeResult, RecipeRecord, ShardCounts, TensorCounts
+from mxforge.quantize.scheduler import Inline, ShardScheduler, ShardWorkers, Threads, quantize_steps
+from mxforge.quantize.shard_job import ShardJob, ShardResult
 from mxforge.quantize.state import ResumeState, tool_versions
 from mxforge.safe_paths import refuse_links_leaving
-from mxforge.safetensors_io import copy_atomic, partial_path, read_header, write_json_atomic
+from mxforge.safetensors_io import copy_atomic, read_header, write_json_atomic
 
 NOT_COPIED = {INDEX_NAME, QUANTIZE_STATE_NAME, QUANTIZE_NAME, "config.json"}  # config.json is rewritten
 
@@ -48,6 +45,7 @@ def quantize_checkpoint(
     src,
     out,
     recipe: Recipe | str | None = None,
+    *,
     workers: int | None = None,
     device: str = "cpu",
     quiet: bool = False,
@@ -56,8 +54,8 @@ def quantize_checkpoint(
     follow_symlinks: bool = False,
     scale_rule: str | None = None,
     measure_errors: bool = True,
-) -> dict:
-    """Quantize checkpoint `src` into `out` with `recipe`; returns the JSON report (also in OUT/mxforge_quantize.json).
+) -> QuantizeResult:
+    """Quantize checkpoint `src` into `out` with `recipe`; returns the report (also in OUT/mxforge_quantize.json).
 
     `scale_rule` (scale_rules.py) overrides the recipe's. The report's "error" section is measured while
     quantizing (error_report.py); `measure_errors=False` skips that (None), only to measure its cost.
@@ -77,7 +75,7 @@ def quantize_checkpoint(
     recipe = recipe if isinstance(recipe, Recipe) or recipe is None else load_recipe(recipe)
     _check_device(device)
     if workers is not None and workers < 1:
-        raise ConfigError(f"--workers must be at least 1, got {workers}")
+        raise ConfigError(f"--workers must be at least 1, got {workers}", entry="--workers")
     ckpt = Checkpoint.open(src, follow_symlinks)
     recipe = (recipe or load_recipe(None, ckpt.config)).with_scale_rule(scale_rule)  # None: the family's default
     to_copy = side_files(src)
@@ -86,13 +84,25 @@ def quantize_checkpoint(
     check_out_dir(src, out, QUANTIZE_STATE_NAME, "quantize")
     with directory_lock(out):
         return _quantize_into(
-            src, out, recipe, ckpt, plan, to_copy, workers, device, quiet, refuse_nonfinite, command, measure_errors
+            src,
+            out,
+            recipe=recipe,
+            ckpt=ckpt,
+            plan=plan,
+            to_copy=to_copy,
+            workers=workers,
+            device=device,
+            quiet=quiet,
+            refuse_nonfinite=refuse_nonfinite,
+            command=command,
+            measure_errors=measure_errors,
         )
 
 
 def _quantize_into(
     src: Path,
     out: Path,
+    *,
     recipe: Recipe,
     ckpt: Checkpoint,
     plan: QuantizePlan,
@@ -102,8 +112,8 @@ def _quantize_into(
     quiet: bool,
     refuse_nonfinite: bool,
     command: str | None,
-    measure_errors: bool = True,
-) -> dict:
+    measure_errors: bool,
+) -> QuantizeResult:
     started = time.monotonic()
     versions = tool_versions()
     state = ResumeState(out, recipe.sha256, versions, recipe.scale_rule)
@@ -112,7 +122,7 @@ def _quantize_into(
     for s in todo:
         state.forget(s.name)
     state.save()  # marks OUT as ours before any shard is written, so a rerun after a kill may resume into it
-    _remove_strays(out, plan)
+    remove_strays(out, plan)
     _check_free_space(out, todo)
     expected = source_hashes(src)
     verified = _download_verified(src, expected)
@@ -121,12 +131,12 @@ def _quantize_into(
             str(src),
             str(out),
             s,
-            device,
-            refuse_nonfinite,
-            expected.get(s.name),
-            verified.get(s.name),
-            recipe.scale_offsets,
-            measure_errors,
+            device=device,
+            refuse_nonfinite=refuse_nonfinite,
+            expected_sha256=expected.get(s.name),
+            verified_stat=verified.get(s.name),
+            scale_offsets=recipe.scale_offsets,
+            measure_errors=measure_errors,
         )
         for s in sorted(todo, key=lambda s: -s.source_size)
     ]
@@ -134,29 +144,28 @@ def _quantize_into(
     total = sum(s.source_size for s in todo)
     with byte_progress(total, "quantize", disable=quiet) as bar:
         results = _run_jobs(jobs, workers, state, bar)
-    accounted = finish_checkpoint(src, out, recipe, ckpt, plan, to_copy)
-    elapsed = time.monotonic() - started
+    accounted = finish_checkpoint(src, out, recipe=recipe, ckpt=ckpt, plan=plan, side_files=to_copy)
     return write_provenance(
         src,
         out,
-        recipe,
-        plan,
-        device,
-        workers,
-        state,
-        len(todo),
-        skipped,
-        total,
-        elapsed,
-        accounted,
-        command,
-        sum(r.sha256_from_download for r in results),
-        measure_errors,
+        recipe=recipe,
+        plan=plan,
+        device=device,
+        workers=workers,
+        state=state,
+        quantized_now=len(todo),
+        skipped=skipped,
+        bytes_read=total,
+        elapsed=time.monotonic() - started,
+        accounted=accounted,
+        command=command,
+        sha256_from_download=sum(r.sha256_from_download for r in results),
+        measure_errors=measure_errors,
     )
 
 
 def finish_checkpoint(
-    src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str]
+    src: Path, out: Path, *, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str]
 ) -> dict[str, int]:
     """Once every output shard is in place: check them against the plan, then write the index, the side
     files and config.json (what makes OUT a checkpoint); returns verify_output's counts.
@@ -176,17 +185,18 @@ def _check_device(device: str) -> None:
     if device == "cpu":
         return
     if device.split(":")[0] != "cuda":
-        raise ConfigError(f"--device {device!r}: choose cpu or cuda")
+        raise ConfigError(f"--device {device!r}: choose cpu or cuda", entry="--device")
     import torch
 
     if not torch.cuda.is_available():
         raise ConfigError(
             f"--device {device}: no CUDA device is visible to torch {torch.__version__} "
-            f"(built with CUDA {torch.version.cuda}); use --device cpu"
+            f"(built with CUDA {torch.version.cuda}); use --device cpu",
+            entry="--device",
         )
 
 
-def _remove_strays(out: Path, plan: QuantizePlan) -> None:
+def remove_strays(out: Path, plan: QuantizePlan) -> None:
     """Partial files from an interrupted run, and shards that are not part of this plan."""
     planned = {s.name for s in plan.shards}
     for p in out.iterdir():
@@ -196,7 +206,10 @@ def _remove_strays(out: Path, plan: QuantizePlan) -> None:
 
 def _check_free_space(out: Path, todo: list[ShardPlan]) -> None:
     require_free_space(
-        out, sum(s.output_size for s in todo), "the remaining output shards", "free space or choose another OUT"
+        out,
+        sum(s.output_size for s in todo),
+        what="the remaining output shards",
+        remedy="free space or choose another OUT",
     )
 
 
@@ -221,26 +234,7 @@ def _download_verified(src: Path, expected: dict[str, str]) -> dict[str, tuple[i
     return out
 
 
-# --- workers ---------------------------------------------------------------------------------------
-_counter: Synchronized[int] | None = None  # set in each worker process by _init_worker
-
-
-def _init_worker(counter: Synchronized[int]) -> None:
-    global _counter
-    _counter = counter
-
-
-def _worker(job: ShardJob) -> ShardResult:
-    counter = _counter
-    assert counter is not None, "runs only in a process started by start_worker_pool"
-
-    def progress(n: int) -> None:
-        with counter.get_lock():
-            counter.value += n
-
-    return run_shard(job, progress, finish=False)  # the parent fsyncs and renames, off the workers' path
-
-
+# --- the shards, through the scheduler ------------------------------------------------------------
 def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> list[ShardResult]:
     """Run shard jobs (in worker processes when workers > 1), recording each finished shard at once.
 
@@ -250,72 +244,18 @@ def _run_jobs(jobs: list[ShardJob], workers: int, state: ResumeState, bar) -> li
     results: list[ShardResult] = []
     if not jobs:
         return results
-    if workers == 1:
-        for job in jobs:
-            results.append(run_shard(job, bar.update))
-            state.record(results[-1])
-        return results
-    pool, counter = start_worker_pool(workers, jobs)
-    seen = 0
-    finisher = ThreadPoolExecutor(workers, thread_name_prefix="fsync")
-    out_dir = Path(jobs[0].out_dir)
-    failed = True
-    try:
-        working = {pool.submit(_worker, job) for job in jobs}
-        finishing: set = set()
-        while working or finishing:
-            done, _ = wait(working | finishing, timeout=0.2, return_when=FIRST_COMPLETED)
-            seen = _tick(bar, counter, seen)
-            for future in done:
-                result = future.result()  # re-raises a worker's (or a finisher's) error here
-                if future in working:
-                    working.discard(future)
-                    finishing.add(finisher.submit(finish_shard, result, out_dir))
-                else:
-                    finishing.discard(future)
-                    state.record(result)
-                    results.append(result)
-        failed = False
-    except BrokenProcessPool:
-        raise MxforgeError(
-            "a quantize worker process died (killed for memory?); rerun the same command to "
-            "resume, with fewer --workers if memory is short"
-        ) from None
-    finally:
-        if failed:  # stop the other workers at once and remove what they had half written
-            for process in list((getattr(pool, "_processes", None) or {}).values()):
-                if process.is_alive():
-                    process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        finisher.shutdown(wait=True, cancel_futures=True)
-        if failed:
-            for job in jobs:
-                partial_path(Path(job.out_dir) / job.plan.name).unlink(missing_ok=True)
-    _tick(bar, counter, seen)
+
+    def recorded(job: ShardJob, result: ShardResult) -> None:
+        state.record(result)
+        results.append(result)
+
+    pool = ShardWorkers(workers, jobs, bar=bar)
+    finishers = Threads(workers, "fsync", wait_on_failure=True) if pool.forks else Inline()
+    steps = quantize_steps(
+        pool, finishers, Path(jobs[0].out_dir), job=lambda job: job, name=lambda job: job.plan.name, recorded=recorded
+    )
+    ShardScheduler(steps).run(jobs, lambda job: "quantize")
     return results
-
-
-def start_worker_pool(workers: int, jobs: list[ShardJob]):
-    """(pool, counter): `workers` processes for `jobs` (submit `shard_worker`, which leaves `SHARD.partial` for
-    finish_shard) and the shared count of source bytes they have processed."""
-    ctx: BaseContext = mp.get_context("spawn")
-    if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
-        # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
-        from mxforge.quantize.mxfp4 import warm_cpu_kernel
-
-        warm_cpu_kernel({t.read_dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
-        ctx = mp.get_context("fork")
-    counter = ctx.Value("q", 0)
-    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,)), counter
-
-
-shard_worker = _worker  # what start_worker_pool's processes run, for schedulers outside this module
-
-
-def _tick(bar, counter, seen: int) -> int:
-    value = counter.value
-    bar.update(value - seen)
-    return value
 
 
 # --- finishing -------------------------------------------------------------------------------------
@@ -336,14 +276,17 @@ def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
                     what = "MTP layer tensor" if t.source.name.startswith(mtp_prefixes) else "tensor"
                     raise CheckpointError(
                         f"{out / shard.name}: source {what} {t.source.name!r} is missing from the "
-                        f"output (expected {o.name} {o.dtype}{list(o.shape)}); rerun to redo the shard"
+                        f"output (expected {o.name} {o.dtype}{list(o.shape)}); rerun to redo the shard",
+                        path=out / shard.name,
+                        tensor=t.source.name,
                     )
             counts[t.fate] += 1
             counts["mtp_tensors"] += t.source.name.startswith(mtp_prefixes)
     if mtp_prefixes and not counts["mtp_tensors"]:
         raise CheckpointError(
             f"{out}: config.json declares MTP layer(s) {list(plan.layout.mtp_layers)} "
-            "but the output holds none of their tensors"
+            "but the output holds none of their tensors",
+            path=out,
         )
     return counts
 
@@ -387,12 +330,13 @@ def drop_quantization_config(config: dict) -> None:
 def write_provenance(
     src: Path,
     out: Path,
+    *,
     recipe: Recipe,
     plan: QuantizePlan,
     device: str,
     workers: int,
     state: ResumeState,
-    done: int,
+    quantized_now: int,
     skipped: int,
     bytes_read: int,
     elapsed: float,
@@ -400,44 +344,44 @@ def write_provenance(
     command: str | None,
     sha256_from_download: int,
     measure_errors: bool = True,
-) -> dict:
+) -> QuantizeResult:
     """The quantize report, with the error report of every shard in `state`, written to OUT/QUANTIZE_NAME
-    (the sequential and the streamed run both end here); returns it."""
-    bytes_out = sum(s.output_size for s in plan.shards)
-    report = {
-        "stage": "quantize",
-        "source": str(src.resolve()),
-        "out": str(out.resolve()),
-        "recipe": {
-            "name": recipe.name,
-            "sha256": recipe.sha256,
-            "source": recipe.source,
-            "scheme": recipe.scheme,
-            "scale_rule": recipe.scale_rule,
-        },
-        "source_precision": plan.precision.describe(),
-        "family": plan.layout.family.title,
-        "device": device,
-        "workers": workers,
-        "shards": {"total": len(plan.shards), "quantized_now": done, "skipped_complete": skipped},
-        "shards_sha256_from_download": sha256_from_download,  # download's verified hash reused, not recomputed
-        "counts": {k: accounted[k] for k in ("quantized", "kept", "copied")},
-        "fp8_scales_consumed": accounted["scale"],  # FP8 sources: weight and input scale tensors consumed, not written
-        "mtp_layers": list(plan.layout.mtp_layers),
-        "mtp_tensors": accounted["mtp_tensors"],
-        "bytes_in": sum(s.source_size for s in plan.shards),
-        "bytes_out": bytes_out,
-        "bytes_processed_now": bytes_read,
-        "seconds": round(elapsed, 3),
-        "gb_per_s": round(bytes_read / elapsed / 1e9, 4) if elapsed > 0 else None,
-        "tool_versions": state.versions,
-        "command": recorded_command(command),
-        "tensors": {fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
-    }
-    report["error"] = (
-        error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
+    (the sequential and the streamed run both end here); returns it.
+
+    `quantized_now` / `skipped`: shards quantized by this run / found complete; `bytes_read`: the source bytes this
+    run processed; `accounted`: verify_output's counts; `sha256_from_download`: shards whose download-verified
+    sha256 stood for their bytes."""
+    result = QuantizeResult(
+        source=str(src.resolve()),
+        out=str(out.resolve()),
+        recipe=RecipeRecord(
+            name=recipe.name,
+            sha256=recipe.sha256,
+            source=recipe.source,
+            scheme=recipe.scheme,
+            scale_rule=recipe.scale_rule,
+        ),
+        source_precision=plan.precision.describe(),
+        family=plan.layout.family.title,
+        device=device,
+        workers=workers,
+        shards=ShardCounts(total=len(plan.shards), quantized_now=quantized_now, skipped_complete=skipped),
+        shards_sha256_from_download=sha256_from_download,
+        counts=TensorCounts(quantized=accounted["quantized"], kept=accounted["kept"], copied=accounted["copied"]),
+        fp8_scales_consumed=accounted["scale"],
+        mtp_layers=list(plan.layout.mtp_layers),
+        mtp_tensors=accounted["mtp_tensors"],
+        bytes_in=sum(s.source_size for s in plan.shards),
+        bytes_out=sum(s.output_size for s in plan.shards),
+        bytes_processed_now=bytes_read,
+        seconds=round(elapsed, 3),
+        gb_per_s=round(bytes_read / elapsed / 1e9, 4) if elapsed > 0 else None,
+        tool_versions=state.versions,
+        command=recorded_command(command),
+        tensors={fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
+        error=error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
         if measure_errors
-        else None
+        else None,
     )
-    write_json_atomic(out / QUANTIZE_NAME, report)
-    return report
+    write_json_atomic(out / QUANTIZE_NAME, result.as_dict())
+    return result

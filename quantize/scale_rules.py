@@ -55,5 +55,5 @@ def get_scale_rule(name: str | None) -> ScaleRule:
     """
     rule = SCALE_RULES.get(name or DEFAULT_SCALE_RULE)
     if rule is None:
-        raise ConfigError(f"scale rule {name!r} is not known; choose one of {sorted(SCALE_RULES)}")
+        raise ConfigError(f"scale rule {name!r} is not known; choose one of {sorted(SCALE_RULES)}", entry=name)
     return rule

@@ -16,7 +16,7 @@ import hashlib
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +37,7 @@ class ShardJob:
     src_dir: str
     out_dir: str
     plan: ShardPlan
+    _: KW_ONLY
     device: str = "cpu"
     refuse_nonfinite: bool = True
     expected_sha256: str | None = None  # from mxforge_source.json, when download recorded it
@@ -81,7 +82,7 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
             stat = os.fstat(fin.fileno())
             if stat.st_size != plan.source_size:
                 raise CheckpointError(
-                    f"{src}: changed size since it was planned ({plan.source_size} -> {stat.st_size})"
+                    f"{src}: changed size since it was planned ({plan.source_size} -> {stat.st_size})", path=src
                 )
             reuse = job.expected_sha256 is not None and job.verified_stat == (stat.st_size, stat.st_mtime_ns)
             try:
@@ -100,12 +101,13 @@ def run_shard(job: ShardJob, progress: Callable[[int], None] = lambda n: None, f
         elif job.expected_sha256 and digest != job.expected_sha256:
             raise CheckpointError(
                 f"{src}: sha256 {digest} differs from {job.expected_sha256} recorded in "
-                "mxforge_source.json: the shard is corrupt; re-download it"
+                "mxforge_source.json: the shard is corrupt; re-download it",
+                path=src,
             )
     except BaseException as e:
         _remove(tmp)
         if isinstance(e, OSError) and not isinstance(e, MxforgeError):
-            raise CheckpointError(f"{src}: cannot read shard: {e.strerror or e}") from None
+            raise CheckpointError(f"{src}: cannot read shard: {e.strerror or e}", path=src) from None
         raise
     result = ShardResult(
         plan.name, stat.st_size, stat.st_mtime_ns, digest, plan.output_size, 0, plan.header_sha256, reuse, errors
@@ -185,7 +187,8 @@ class _HashingReader:
                 got = max(0, min(n, len(view)))
                 raise CheckpointError(
                     f"{self._fin.name}: truncated while reading at byte {offset + got} "
-                    f"(wanted {n} bytes at {offset}); re-download the shard"
+                    f"(wanted {n} bytes at {offset}); re-download the shard",
+                    path=self._fin.name,
                 )
             self._chunks[i] = (offset, n)
         else:
@@ -196,7 +199,8 @@ class _HashingReader:
             if got != n:
                 raise CheckpointError(
                     f"{self._fin.name}: truncated while reading at byte {offset + got} "
-                    f"(wanted {n} bytes at {offset}); re-download the shard"
+                    f"(wanted {n} bytes at {offset}); re-download the shard",
+                    path=self._fin.name,
                 )
         if self._hashing:
             self._hashed[i] = self._pool.submit(self._hash.update, view)
@@ -310,10 +314,14 @@ def _read_fp8_scales(reader: _HashingReader, job: ShardJob) -> dict[str, np.ndar
                 raise CheckpointError(
                     f"{other}: cannot read {sc.info.name!r}, the block scales of {t.source.name!r} "
                     f"in {job.plan.name}: {e.strerror or e}; a streamed run needs each FP8 weight's "
-                    "scales in its own shard: quantize the downloaded checkpoint instead"
+                    "scales in its own shard: quantize the downloaded checkpoint instead",
+                    path=other,
                 ) from None
         if len(raw) != sc.info.nbytes:
-            raise CheckpointError(f"{Path(job.src_dir) / sc.shard}: truncated at {sc.info.name!r}; re-download it")
+            raise CheckpointError(
+                f"{Path(job.src_dir) / sc.shard}: truncated at {sc.info.name!r}; re-download it",
+                path=Path(job.src_dir) / sc.shard,
+            )
         out[t.source.name] = scales_as_f32(raw, sc.info.dtype, sc.grid)
     return out
 
@@ -429,12 +437,16 @@ def _handle_nonfinite(
         raise NonFiniteWeightError(
             f"{Path(job.src_dir) / job.plan.name}: tensor {s.name!r} holds {count} NaN/Inf value(s); quantizing "
             "would silently encode their blocks as +6.0 (Quark does). Fix or re-download the source, "
-            "keep the tensor with a [[keep]] recipe rule, or pass --allow-nonfinite to encode as Quark does"
+            "keep the tensor with a [[keep]] recipe rule, or pass --allow-nonfinite to encode as Quark does",
+            path=Path(job.src_dir) / job.plan.name,
+            tensor=s.name,
         )
     if job.scale_offsets != (0,):
         raise NonFiniteWeightError(
             f"{Path(job.src_dir) / job.plan.name}: tensor {s.name!r} holds {count} NaN/Inf value(s); only the quark "
-            "scale rule can encode them (as Quark does): fix the source, keep the tensor, or use --scale-rule quark"
+            "scale rule can encode them (as Quark does): fix the source, keep the tensor, or use --scale-rule quark",
+            path=Path(job.src_dir) / job.plan.name,
+            tensor=s.name,
         )
     import torch
 

@@ -63,12 +63,15 @@ def _manifest_files(manifest: Path) -> list[dict]:
     data = load_json(manifest, "download manifest")
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, list):
-        raise CheckpointError(f"{manifest}: download manifest has no 'files' list; re-run mxforge download")
+        raise CheckpointError(
+            f"{manifest}: download manifest has no 'files' list; re-run mxforge download", path=manifest
+        )
     for i, entry in enumerate(files):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise CheckpointError(
                 f"{manifest}: files[{i}] ({json.dumps(entry)[:80]}) is not an object with a "
-                "'name'; re-run mxforge download"
+                "'name'; re-run mxforge download",
+                path=manifest,
             )
     return files
 
@@ -99,7 +102,9 @@ def check_sha256(root: Path, quiet: bool = False) -> tuple[list[Problem], dict]:
     try:
         hashes = hash_files(root, [e["name"] for e in present], quiet=quiet, desc="validate: sha256", use_cache=False)
     except OSError as e:
-        raise CheckpointError(f"{e.filename or root}: cannot read for the sha256 check: {e.strerror or e}") from None
+        raise CheckpointError(
+            f"{e.filename or root}: cannot read for the sha256 check: {e.strerror or e}", path=e.filename or root
+        ) from None
     for entry in present:
         got, want = hashes[entry["name"]].sha256, entry.get("sha256")
         if want and got != want:

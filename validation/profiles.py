@@ -360,7 +360,8 @@ def select(text: str | list[str] | None, family: Family | str) -> list[Selection
             why = unsupported_reason(r.name, family) or "a later release of its range is the first to build it"
             raise ConfigError(
                 f"--engines: {item!r}: {r.engine} {', '.join(v for _, v in hits)} do(es) not build "
-                f"{_family_name(family)} models ({why})"
+                f"{_family_name(family)} models ({why})",
+                entry=item,
             )
         for r, release in usable:
             chosen.setdefault(r.name, set()).add(release)
@@ -425,19 +426,21 @@ def _releases_for(item: str, profiles: list[ReleaseRange]) -> list[tuple[Release
         raise ConfigError(
             f"--engines: {item!r} is not an engine ({', '.join(ENGINES)}), a profile "
             f"({', '.join(p.name for p in profiles)}) or an engine with versions (e.g. 'sglang==0.5.15.post1', "
-            "'vllm>=0.32')"
+            "'vllm>=0.32')",
+            entry=item,
         )
     engine, spec_text = m.groups()
     try:
         spec = SpecifierSet(spec_text.replace(" ", ""))
     except InvalidSpecifier:
-        raise ConfigError(f"--engines: {item!r}: {spec_text!r} is not a version specifier") from None
+        raise ConfigError(f"--engines: {item!r}: {spec_text!r} is not a version specifier", entry=item) from None
     hits = [(p, r) for p, r in everything if p.engine == engine and _contains(spec, r)]
     if not hits:
         known = [r for p, r in everything if p.engine == engine]
         raise ConfigError(
             f"--engines: {item!r} matches no supported {engine} release (supported: {', '.join(known)}); "
-            "a release mxforge has not read cannot be vouched for"
+            "a release mxforge has not read cannot be vouched for",
+            entry=item,
         )
     return hits
 

@@ -22,7 +22,7 @@ def _check_workers(workers: int) -> None:
     from mxforge.errors import MxforgeError
 
     if workers < 1:
-        raise MxforgeError(f"--workers must be at least 1, got {workers}")
+        raise MxforgeError(f"--workers must be at least 1, got {workers}", entry="--workers")
 
 
 def _quiet_hub(quiet: bool) -> None:

@@ -32,6 +32,7 @@ from mxforge.cli.support import (  # noqa: F401 (EXIT_* re-exported)
     add_json_option,
     add_remote_options,
     emit,
+    emit_error,
     engines_arg,
     hub_limits,
     invocation,
@@ -89,7 +90,7 @@ def run_fixture(args) -> int:
     from mxforge.models.fixture import write_fixture
 
     if args.gib is not None and args.gib <= 0:
-        raise MxforgeError(f"--gib must be positive, got {args.gib}")
+        raise MxforgeError(f"--gib must be positive, got {args.gib}", entry="--gib")
     result = write_fixture(
         args.out,
         args.preset,
@@ -246,15 +247,15 @@ def run_run(args) -> int:
         ray_address=args.ray_address,
     )
     if args.in_flight is not None and args.in_flight < 1:
-        raise MxforgeError(f"--in-flight must be at least 1, got {args.in_flight}")
+        raise MxforgeError(f"--in-flight must be at least 1, got {args.in_flight}", entry="--in-flight")
     pipeline = Pipeline(opts)
     try:
         report = pipeline.run()
     except ValidationFailed as e:
-        emit(pipeline.report(), args.json, format_run_summary(pipeline.report()))
+        emit(pipeline.report().as_dict(), args.json, format_run_summary(pipeline.report()))
         print(f"mxforge run: {e}", file=sys.stderr)
         return EXIT_PROBLEMS
-    emit(report, args.json, format_run_summary(report))
+    emit(report.as_dict(), args.json, format_run_summary(report))
     return EXIT_OK
 
 
@@ -309,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command][1](args)
     except MxforgeError as e:
         print(f"mxforge {args.command}: error: {e}", file=sys.stderr)
+        emit_error(e, getattr(args, "json", None), args.command)
         return EXIT_ERROR
     except BrokenPipeError:  # output piped into head & co.
         sys.stderr.close()

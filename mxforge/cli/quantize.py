@@ -75,14 +75,15 @@ def run_quantize(args) -> int:
         scale_rule=args.scale_rule,
         measure_errors=not args.no_error_report,
     )
-    c, s = report["counts"], report["shards"]
+    c, s = report.counts, report.shards
+    assert c is not None and s is not None, "a report quantize just wrote has every count"
     emit(
-        report,
+        report.as_dict(),
         args.json,
-        f"quantized {report['source']} -> {report['out']} with recipe {report['recipe']['name']}: "
-        f"{c['quantized']:,} tensors MXFP4, {c['kept']:,} 2-D weights kept, {c['copied']:,} copied "
-        f"(MTP layer(s) {report['mtp_layers']}: {report['mtp_tensors']} tensors); shards {s['quantized_now']} done, "
-        f"{s['skipped_complete']} already complete; {report['bytes_processed_now'] / 1e9:.2f} GB in "
-        f"{report['seconds']:.1f} s\n{summary_line(report['error'])}",
+        f"quantized {report.source} -> {report.out} with recipe {report.recipe.name}: "
+        f"{c.quantized:,} tensors MXFP4, {c.kept:,} 2-D weights kept, {c.copied:,} copied "
+        f"(MTP layer(s) {report.mtp_layers}: {report.mtp_tensors} tensors); shards {s.quantized_now} done, "
+        f"{s.skipped_complete} already complete; {(report.bytes_processed_now or 0) / 1e9:.2f} GB in "
+        f"{report.seconds or 0:.1f} s\n{summary_line(report.error)}",
     )
     return EXIT_OK

@@ -105,6 +105,25 @@ def emit(report: dict, json_target: str | None, human: str) -> None:
         write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
 
 
+def emit_error(e, json_target: str | None, command: str) -> None:
+    """With --json, the report of a command that could not run: {"stage", "ok": false, "exit_code": 2, "error":
+    its class, "message", and the error's fields (path, shard, tensor, entry, pid, repo_id, revision, filename,
+    status)}. A report that cannot be written is not a second error: the message is on stderr already."""
+    if json_target is None:
+        return
+    report = {"stage": command, "ok": False, "exit_code": EXIT_ERROR, **e.as_dict()}
+    if json_target == "-":
+        print(json.dumps(report, indent=2, default=str))
+        return
+    from mxforge.errors import MxforgeError
+    from mxforge.safetensors_io import write_json_atomic
+
+    try:
+        write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
+    except MxforgeError:
+        pass
+
+
 def invocation() -> str:
     """This process's command line as `mxforge ...`, with the Hub token masked: stages record it in their
     reports, provenance files and the model card."""

@@ -19,6 +19,7 @@ from mxforge.models import family_of, layout_of
 from mxforge.models.tensor_kinds import module_class
 from mxforge.provenance import PUBLISHED_RECORDS, read_record
 from mxforge.quantize.error_report import markdown_table
+from mxforge.quantize.result import QuantizeResult
 
 CARD_NAME = "README.md"
 SOURCE_CARD_NAME = "README.source.md"  # the source's own card, kept beside ours (hub_push.keep_source_card)
@@ -105,40 +106,39 @@ def source_card_metadata(root: Path) -> dict[str, str]:
     return {}
 
 
-def _quantize_lines(q: dict | None) -> list[str]:
+def _quantize_lines(q: QuantizeResult | None) -> list[str]:
     """mxforge_quantize.json as a few readable lines (the per-tensor lists stay in that file)."""
     if q is None:
         return [NOT_RECORDED]
-    recipe, counts = q.get("recipe") or {}, q.get("counts") or {}
-    versions = ", ".join(f"{k} {v}" for k, v in (q.get("tool_versions") or {}).items())
+    recipe, counts = q.recipe, q.counts
+    precision = q.source_precision or "bf16"
+    scale_rule = recipe.scale_rule or "quark"
+    versions = ", ".join(f"{k} {v}" for k, v in q.tool_versions.items())
     lines = [
-        f"- recipe: `{recipe.get('name', NOT_RECORDED)}` ({recipe.get('source', NOT_RECORDED)}), "
-        f"scheme `{recipe.get('scheme', NOT_RECORDED)}`, sha256 `{recipe.get('sha256', NOT_RECORDED)}`",
-        f"- source precision: {q.get('source_precision', 'bf16')} (model family: {q.get('family') or NOT_RECORDED})",
-        f"- scale rule: `{recipe.get('scale_rule', 'quark')}`"
+        f"- recipe: `{recipe.name or NOT_RECORDED}` ({recipe.source or NOT_RECORDED}), "
+        f"scheme `{recipe.scheme or NOT_RECORDED}`, sha256 `{recipe.sha256 or NOT_RECORDED}`",
+        f"- source precision: {precision} (model family: {q.family or NOT_RECORDED})",
+        f"- scale rule: `{scale_rule}`"
         + (
             " (Quark 0.13's exponent: bit-identical to Quark)"
-            if recipe.get("scale_rule", "quark") == "quark"
+            if scale_rule == "quark"
             else " (same format; recorded in quantization_config.mxforge)"
         ),
     ]
-    if counts:
-        kept = (
-            "kept in source precision"
-            if q.get("source_precision", "bf16") == "bf16"
-            else "kept as their dequantized bf16"
-        )
+    if counts is not None:
+        kept = "kept in source precision" if precision == "bf16" else "kept as their dequantized bf16"
         lines.append(
-            f"- tensors: {counts.get('quantized', 0):,} quantized to MXFP4, {counts.get('kept', 0):,} 2-D weights "
-            f"{kept}, {counts.get('copied', 0):,} other tensors copied"
+            f"- tensors: {counts.quantized:,} quantized to MXFP4, {counts.kept:,} 2-D weights "
+            f"{kept}, {counts.copied:,} other tensors copied"
             + (
-                f", {q['fp8_scales_consumed']:,} FP8 scale tensors folded into their weights (not written)"
-                if q.get("fp8_scales_consumed")
+                f", {q.fp8_scales_consumed:,} FP8 scale tensors folded into their weights (not written)"
+                if q.fp8_scales_consumed
                 else ""
             )
         )
-    if q.get("mtp_layers") is not None:
-        lines.append(f"- MTP layer(s): {q['mtp_layers']} ({q.get('mtp_tensors', NOT_RECORDED)} tensors)")
+    if q.mtp_layers is not None:
+        tensors = q.mtp_tensors if q.mtp_tensors is not None else NOT_RECORDED
+        lines.append(f"- MTP layer(s): {q.mtp_layers} ({tensors} tensors)")
     lines.append(f"- tools: {versions or NOT_RECORDED}")
     return lines
 
@@ -190,17 +190,17 @@ def _serving_lines(validation: dict, repo_id: str) -> list[str]:
 
 
 def _command_lines(
-    source: dict | None, quantize: dict | None, fixups: dict | None, push_command: str | None
+    source: dict | None, quantize: QuantizeResult | None, fixups: dict | None, push_command: str | None
 ) -> list[str]:
     """Each recorded command once, in stage order (`mxforge run` did every stage with one command)."""
     lines: list[str] = []
-    for label, data in (
-        ("download", source),
-        ("quantize", quantize),
-        ("fixup", fixups),
-        ("push", {"command": push_command} if push_command else None),
+    for label, command in (
+        ("download", (source or {}).get("command")),
+        ("quantize", quantize.command if quantize else None),
+        ("fixup", (fixups or {}).get("command")),
+        ("push", push_command),
     ):
-        line = data["command"] if data and data.get("command") else f"# {label}: {NOT_RECORDED}"
+        line = command if command and isinstance(command, str) else f"# {label}: {NOT_RECORDED}"
         if line not in lines:
             lines.append(line)
     return lines
@@ -211,7 +211,8 @@ def render_model_card(
 ) -> str:
     """The README.md text for `ckpt`. `validation` is ValidationReport.as_dict()."""
     root = ckpt.root
-    source, quantize, fixups = (read_record(root, n) for n in PUBLISHED_RECORDS)
+    source, quantize_record, fixups = (read_record(root, n) for n in PUBLISHED_RECORDS)
+    quantize = QuantizeResult.from_dict(quantize_record) if quantize_record is not None else None
     base_model = source.get("repo_id") if source else None
     quantized = isinstance(ckpt.config.get("quantization_config"), dict)
     front = ["---", "library_name: transformers"] + [f"{k}: {v}" for k, v in source_card_metadata(root).items()]
@@ -249,7 +250,7 @@ def render_model_card(
         precisions = ", ".join(f"{p} ×{n}" for p, n in counts.most_common())
         out.append(f"| {cls} | {sum(counts.values())} | {precisions} |")
     out += ["", f"{MXFP4}: uint8 E2M1 codes, two per byte, with one E8M0 `weight_scale` byte per 32 weights.", ""]
-    out += ["## Quantization error", ""] + markdown_table((quantize or {}).get("error"))
+    out += ["## Quantization error", ""] + markdown_table(quantize.error if quantize else None)
     out += ["", "## Exclusions", ""] + exclusions_summary(ckpt.config)
     out += ["", "## Fixups applied", ""] + _fixup_lines(fixups)
     out += ["", "## Engine compatibility (mxforge validate)", ""] + _serving_lines(validation, repo_id)

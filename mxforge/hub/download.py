@@ -96,7 +96,8 @@ def remote_files(api: HfApi, repo_id: str, revision: str) -> tuple[str, list[Rem
             raise MxforgeError(
                 f"{repo_id}@{revision}: the Hub lists file {f.name!r} "
                 f"{'twice' if f.name in seen else f'with size {f.size}'}; nothing was downloaded. "
-                "Check HF_ENDPOINT and the repo"
+                "Check HF_ENDPOINT and the repo",
+                repo_id=repo_id,
             )
         seen.add(f.name)
     return checked_commit(info.sha, f"{repo_id}@{revision}"), files
@@ -126,9 +127,9 @@ def check_disk_space(dest: Path, files: list[RemoteFile]) -> int:
         require_free_space(
             dest,
             needed,
-            f"{len(missing)} file(s)",
-            "free space or choose another DEST; nothing was downloaded",
-            f" (largest: {largest.name}, {format_bytes(largest.size)})",
+            what=f"{len(missing)} file(s)",
+            remedy="free space or choose another DEST; nothing was downloaded",
+            detail=f" (largest: {largest.name}, {format_bytes(largest.size)})",
         )
     return needed
 
@@ -244,18 +245,23 @@ def _raise_download_failure(
     """
     kept = f"; {format_bytes(kept_partial_bytes(dest))} of unfinished downloads are kept in {dest / PARTIAL_DIR}"
     if isinstance(e, MxforgeError):
-        raise type(e)(redact(f"{repo_id}@{commit[:12]}: {e}{others}")) from None
+        raise e.with_message(
+            redact(f"{repo_id}@{commit[:12]}: {e}{others}"), repo_id=repo_id, revision=commit, filename=f.name
+        ) from None
     if isinstance(e, OSError) and "Consistency check failed" in str(e):  # hf_hub_download's (Xet files)
         e = httpx.RemoteProtocolError("the server sent fewer bytes than the file's size")
     try:
         raise_as_hub_error(e, repo_id=repo_id, revision=commit, filename=f.name, action="download")
     except MxforgeError as mapped:
-        raise type(mapped)(f"{mapped}{others}{kept}") from None
+        raise mapped.with_message(f"{mapped}{others}{kept}") from None
     raise MxforgeError(
         redact(
             f"{repo_id} file {f.name!r}: download failed ({type(e).__name__}: {e}){others}"
             f"{kept}; rerun the same command to resume"
-        )
+        ),
+        repo_id=repo_id,
+        revision=commit,
+        filename=f.name,
     ) from None
 
 
@@ -286,7 +292,11 @@ def fetch_verified(
         path.unlink(missing_ok=True)
         raise HubVerificationError(
             f"{dest}: {why}; the file was deleted: rerun the same command to download it "
-            "again; if it happens again, the Hub or a proxy serves corrupt bytes"
+            "again; if it happens again, the Hub or a proxy serves corrupt bytes",
+            path=path,
+            repo_id=repo_id,
+            revision=commit,
+            filename=f.name,
         )
     return got
 
@@ -355,7 +365,7 @@ def download(
     dest = Path(dest)
     check_repo_id(repo_id)
     if dest.exists() and not dest.is_dir():
-        raise MxforgeError(f"{dest}: exists and is not a directory; pass a directory for DEST")
+        raise MxforgeError(f"{dest}: exists and is not a directory; pass a directory for DEST", path=dest)
     limits = limits or HubLimits.resolve()
     use_hub_limits(limits)
     api = HfApi()
@@ -364,7 +374,8 @@ def download(
     if not chosen:
         raise MxforgeError(
             f"{repo_id}@{revision}: none of its {len(files)} files match --include {include or '*'} "
-            f"--exclude {exclude or '(none)'}; widen the filters"
+            f"--exclude {exclude or '(none)'}; widen the filters",
+            repo_id=repo_id,
         )
     for f in chosen:  # before any filesystem call that uses a name
         check_remote_name(f.name, f"{repo_id}@{revision}")
@@ -404,12 +415,24 @@ def _download_into(
         raise HubVerificationError(
             f"{dest}: {len(bad)} downloaded file(s) do not match the Hub's metadata and were deleted: "
             f"{'; '.join(bad)}: rerun the same command to download them again; "
-            "if it happens again, the Hub or a proxy serves corrupt bytes"
+            "if it happens again, the Hub or a proxy serves corrupt bytes",
+            path=dest,
+            repo_id=repo_id,
+            revision=commit,
         )
     hashes = hash_files(dest, [f.name for f in chosen], workers=workers, quiet=True)  # all cached by now
     result = DownloadResult(dest, repo_id, revision, commit, hub_endpoint(), downloaded_bytes=sum(f.size for f in todo))
     result.files = [source_record_entry(f, hashes[f.name]) for f in chosen]
-    write_source_record(dest, repo_id, revision, commit, result.files, include, exclude, command)
+    write_source_record(
+        dest,
+        repo_id=repo_id,
+        revision=revision,
+        commit=commit,
+        files=result.files,
+        include=include,
+        exclude=exclude,
+        command=command,
+    )
     return result
 
 
@@ -420,6 +443,7 @@ def source_record_entry(f: RemoteFile, h: FileHash) -> dict:
 
 def write_source_record(
     dest: Path,
+    *,
     repo_id: str,
     revision: str,
     commit: str,

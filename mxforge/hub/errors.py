@@ -65,7 +65,24 @@ def _server_says(e: HfHubHTTPError) -> str:
 def as_hub_error(
     e: BaseException, *, repo_id: str, revision: str | None = None, filename: str | None = None, action: str = "reach"
 ) -> MxforgeError | None:
-    """The MxforgeError for a huggingface_hub / network exception, or None if `e` is not one of those."""
+    """The MxforgeError for a huggingface_hub / network exception, or None if `e` is not one of those; it carries
+    repo_id, revision, filename and the HTTP status (None when no answer came) as fields."""
+    mapped = _hub_error(e, repo_id=repo_id, revision=revision, filename=filename, action=action)
+    if mapped is None:
+        return None
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    return mapped.with_message(
+        str(mapped),
+        repo_id=repo_id,
+        revision=revision,
+        filename=filename,
+        status=status if isinstance(status, int) else None,
+    )
+
+
+def _hub_error(
+    e: BaseException, *, repo_id: str, revision: str | None, filename: str | None, action: str
+) -> MxforgeError | None:
     endpoint = hub_endpoint()
     where = f"{repo_id}" + (f"@{revision}" if revision else "") + (f" file {filename!r}" if filename else "")
     if isinstance(e, GatedRepoError):  # a subclass of RepositoryNotFoundError: test it first
@@ -133,4 +150,4 @@ def raise_as_hub_error(e: BaseException, **context) -> None:
     """Raise the MxforgeError for `e` (token masked) if it is a Hub/network failure; otherwise return."""
     mapped = as_hub_error(e, **context)
     if mapped is not None:
-        raise type(mapped)(redact(str(mapped))) from None
+        raise mapped.with_message(redact(str(mapped))) from None

@@ -139,7 +139,8 @@ def create_fixup_pr(
     revision = revision or "main"
     if revision.startswith("refs/pr/"):
         raise MxforgeError(
-            f"{repo_id}: --revision {revision} is a pull request; open the fix against a branch (default main)"
+            f"{repo_id}: --revision {revision} is a pull request; open the fix against a branch (default main)",
+            repo_id=repo_id,
         )
     source = HubSource(repo_id, revision, limits)
     ckpt = Checkpoint.open(source)

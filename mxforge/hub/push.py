@@ -52,13 +52,35 @@ class PushResult:
             "repo_id": self.repo_id,
             "branch": self.branch,
             "endpoint": self.endpoint,
-            "url": f"{self.endpoint}/{self.repo_id}",
+            "url": self.url,
             "commit": self.commit,
             "forced": self.forced,
             "validation": {"ok": self.validation.get("ok"), "engines": self.validation.get("engines")},
             "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
             "remote_hashes_match": True,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PushResult:
+        """Read back from `as_dict()` (mxforge run's state file): the validation verdict and the files' sha256
+        only (no git sha1), as recorded."""
+        return cls(
+            repo_id=str(d.get("repo_id", "")),
+            branch=str(d.get("branch", "")),
+            endpoint=str(d.get("endpoint", "")),
+            commit=str(d.get("commit", "")),
+            forced=bool(d.get("forced")),
+            validation=dict(d.get("validation") or {}),
+            files=[
+                FileHash(f["name"], f["size"], f["sha256"], "")
+                for f in d.get("files") or []
+                if isinstance(f, dict) and {"name", "size", "sha256"} <= f.keys()
+            ],
+        )
+
+    @property
+    def url(self) -> str:
+        return f"{self.endpoint}/{self.repo_id}"
 
 
 def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> dict:
@@ -78,7 +100,8 @@ def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> 
     if not force:
         raise PushRefused(
             f"{root}: validate found {len(report.problems)} problem(s), so nothing was pushed; first: "
-            f"{first}. Fix them (`mxforge validate {root}` lists all) or pass --force to push anyway"
+            f"{first}. Fix them (`mxforge validate {root}` lists all) or pass --force to push anyway",
+            path=root,
         )
     print(
         f"mxforge push: WARNING: --force: pushing {root} although validate found {len(report.problems)} problem(s); "
@@ -101,7 +124,7 @@ def keep_source_card(ckpt: Path) -> bool:
         card.replace(ckpt / SOURCE_CARD_NAME)
     except OSError as e:
         raise CheckpointError(
-            f"{card}: cannot keep the existing README as {SOURCE_CARD_NAME}: {e.strerror or e}"
+            f"{card}: cannot keep the existing README as {SOURCE_CARD_NAME}: {e.strerror or e}", path=card
         ) from None
     return True
 
@@ -109,6 +132,7 @@ def keep_source_card(ckpt: Path) -> bool:
 def write_model_card(
     ckpt: Path,
     names: list[str],
+    *,
     repo_id: str,
     validation: dict,
     forced: bool,
@@ -156,7 +180,8 @@ def refuse_changes(
         raise CheckpointChanged(
             f"{ckpt}: changed after validation ({listed}) {when}; nothing was committed. Let "
             f"whatever writes to {ckpt} finish, then rerun `{push_command}` to validate and push "
-            "the files as they are then"
+            "the files as they are then",
+            path=ckpt,
         )
 
 
@@ -176,13 +201,22 @@ def _operation(ckpt: Path, f: FileHash) -> CommitOperationAdd:
     if op.upload_info.sha256.hex() != f.sha256 or op.upload_info.size != f.size:
         raise CheckpointChanged(
             f"{path}: its bytes changed after validation hashed them; nothing was committed. "
-            "Rerun the push to validate and push the file as it is now"
+            "Rerun the push to validate and push the file as it is now",
+            path=path,
         )
     return op
 
 
 def upload(
-    api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, files: list[FileHash], before_commit, workers: int
+    api: HfApi,
+    ckpt: Path,
+    repo_id: str,
+    *,
+    branch: str,
+    private: bool,
+    files: list[FileHash],
+    before_commit,
+    workers: int,
 ) -> None:
     """Create the repo/branch if needed, upload the LFS objects, call `before_commit()`, then commit every file.
 
@@ -277,7 +311,8 @@ def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash]) 
     if bad:
         raise HubVerificationError(
             f"{repo_id}@{branch} ({info.sha}): {len(bad)} file(s) on the Hub differ from "
-            f"the local checkpoint: {'; '.join(bad)}: rerun the same command to upload them again"
+            f"the local checkpoint: {'; '.join(bad)}: rerun the same command to upload them again",
+            repo_id=repo_id,
         )
     return checked_commit(info.sha, f"{repo_id}@{branch}")
 
@@ -314,7 +349,7 @@ def push(
     branch = branch or "main"
     check_repo_id(repo_id)
     if not ckpt.is_dir():
-        raise CheckpointError(f"{ckpt}: not a directory; pass the checkpoint directory to push")
+        raise CheckpointError(f"{ckpt}: not a directory; pass the checkpoint directory to push", path=ckpt)
     command = recorded_command(command)
     with directory_lock(ckpt):
         moved = keep_source_card(ckpt)
@@ -325,7 +360,15 @@ def push(
         if moved and CARD_NAME in validated_files:  # validated as README.md, moved aside since: the same file
             expected[SOURCE_CARD_NAME] = validated_files[CARD_NAME]
         files = write_model_card(
-            ckpt, sorted(expected), repo_id, validation, not validation["ok"], command, workers, quiet, follow_symlinks
+            ckpt,
+            sorted(expected),
+            repo_id=repo_id,
+            validation=validation,
+            forced=not validation["ok"],
+            command=command,
+            workers=workers,
+            quiet=quiet,
+            follow_symlinks=follow_symlinks,
         )
         expected[CARD_NAME] = snapshot(ckpt, [CARD_NAME])[CARD_NAME]
         push_command = f"mxforge push {ckpt} {repo_id}"
@@ -337,11 +380,19 @@ def push(
             api,
             ckpt,
             repo_id,
-            branch,
-            private,
-            files,
+            branch=branch,
+            private=private,
+            files=files,
             workers=workers,
             before_commit=lambda: refuse_changes(ckpt, expected, follow_symlinks, "during the upload", push_command),
         )
         commit = verify_remote(api, repo_id, branch, files)
-    return PushResult(repo_id, branch, hub_endpoint(), commit, not validation["ok"], validation, files)
+    return PushResult(
+        repo_id=repo_id,
+        branch=branch,
+        endpoint=hub_endpoint(),
+        commit=commit,
+        forced=not validation["ok"],
+        validation=validation,
+        files=files,
+    )

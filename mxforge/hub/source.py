@@ -225,7 +225,10 @@ class HubSource(CheckpointSource):
             if failures > self.limits.retries or time.monotonic() > deadline:
                 raise HubError(
                     f"{self.where(name)}: could not read bytes {start}-{end - 1} in {failures} attempt(s) "
-                    f"(last: {why}); rerun later, or raise --timeout / --retries on a slow link"
+                    f"(last: {why}); rerun later, or raise --timeout / --retries on a slow link",
+                    filename=name,
+                    repo_id=self.repo_id,
+                    revision=self.commit,
                 )
             time.sleep(self.limits.backoff(failures))
 
@@ -242,7 +245,10 @@ class HubSource(CheckpointSource):
             if whole and size > end:
                 raise CheckpointError(
                     f"{self.where(name)}: is {format_bytes(size)}, more than the {format_bytes(end)} "
-                    "mxforge reads for it; the repo is broken or hostile"
+                    "mxforge reads for it; the repo is broken or hostile",
+                    filename=name,
+                    repo_id=self.repo_id,
+                    revision=self.commit,
                 )
             want = max(0, min(end, size) - start)  # a file may be shorter than the bytes asked for
             skip, out = start - offset, bytearray()  # a server that ignored Range starts at byte 0: read past it
@@ -272,7 +278,10 @@ class HubSource(CheckpointSource):
             if not m or int(m.group(1)) != start:
                 raise CheckpointError(
                     f"{self.where(name)}: asked for bytes from {start}, the Hub answered "
-                    f"{response.headers.get('Content-Range') or 'no Content-Range'}; check HF_ENDPOINT"
+                    f"{response.headers.get('Content-Range') or 'no Content-Range'}; check HF_ENDPOINT",
+                    filename=name,
+                    repo_id=self.repo_id,
+                    revision=self.commit,
                 )
             return start, int(m.group(3))
         length = response.headers.get("Content-Length", "")
@@ -280,7 +289,10 @@ class HubSource(CheckpointSource):
             return 0, int(length)
         raise CheckpointError(
             f"{self.where(name)}: the Hub ignored the byte range and sent no Content-Length "
-            f"(HTTP {response.status_code}); nothing more is read. Check HF_ENDPOINT"
+            f"(HTTP {response.status_code}); nothing more is read. Check HF_ENDPOINT",
+            filename=name,
+            repo_id=self.repo_id,
+            revision=self.commit,
         )
 
 

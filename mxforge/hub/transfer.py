@@ -155,7 +155,9 @@ class _Stream:
                     f"file {self.name!r}: no new byte in {failures} attempt(s) over {stalled:.0f} s "
                     f"(last: {why}); {format_bytes(self.have())} of {format_bytes(self.size)} are kept in "
                     f"{self.partial}: rerun the same command to resume; on a slow link raise --timeout "
-                    "or --retries"
+                    "or --retries",
+                    filename=self.name,
+                    path=self.partial,
                 )
             if CANCEL.wait(self.limits.backoff(failures)):
                 raise KeyboardInterrupt
@@ -179,7 +181,8 @@ class _Stream:
             if announced is not None and announced.isdigit() and offset + int(announced) > self.size:
                 raise OversizeBody(
                     f"file {self.name!r}: the Hub announces {offset + int(announced):,} bytes, more "
-                    f"than the {self.size:,} bytes its metadata declared; {OVERSIZE_ADVICE}"
+                    f"than the {self.size:,} bytes its metadata declared; {OVERSIZE_ADVICE}",
+                    filename=self.name,
                 )
             skip = start - offset  # a server that ignored Range resends what we have: read past it
             with open(self.partial, "ab") as out:
@@ -201,7 +204,8 @@ class _Stream:
         if written + len(chunk) > self.size:
             raise OversizeBody(
                 f"file {self.name!r}: the Hub sent more than the {self.size:,} bytes its metadata "
-                f"declared; {OVERSIZE_ADVICE}"
+                f"declared; {OVERSIZE_ADVICE}",
+                filename=self.name,
             )
         out.write(chunk)
         self.digest.update(chunk)

@@ -39,7 +39,9 @@ def family_of(config: Mapping[str, Any]) -> Family:
     supported = "; ".join(f"{f.title}: {', '.join(f.architectures)}" for f in FAMILIES)
     raise ConfigError(
         f"config.json: architecture {arch!r} (model_type {model_type!r}) is not a model family mxforge "
-        f"supports ({supported}); check that this is the checkpoint you meant"
+        f"supports ({supported}); check that this is the checkpoint you meant",
+        filename="config.json",
+        entry="architectures",
     )
 
 
@@ -61,4 +63,4 @@ def family_named(name: str) -> Family:
     for family in FAMILIES:
         if family.name == name:
             return family
-    raise ConfigError(f"unknown model family {name!r}; choose one of {', '.join(f.name for f in FAMILIES)}")
+    raise ConfigError(f"unknown model family {name!r}; choose one of {', '.join(f.name for f in FAMILIES)}", entry=name)

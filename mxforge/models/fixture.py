@@ -320,6 +320,7 @@ SIDE_FILES = {
 def write_fixture(
     out: str | os.PathLike,
     preset: str,
+    *,
     seed: int = 0,
     gib: float | None = None,
     quiet: bool = False,
@@ -338,7 +339,7 @@ def write_fixture(
     """
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MxforgeError(f"{out}: exists and is not an empty directory; choose a new output directory")
+        raise MxforgeError(f"{out}: exists and is not an empty directory; choose a new output directory", path=out)
     family = _family(family)
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")

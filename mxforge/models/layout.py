@@ -86,7 +86,9 @@ class MoeLayout:
         if missing:
             raise ConfigError(
                 f"config.json lacks {self.family.title} fields {missing}; is this a "
-                f"{'/'.join(self.family.architectures)} checkpoint?"
+                f"{'/'.join(self.family.architectures)} checkpoint?",
+                filename="config.json",
+                entry=missing[0],
             )
         for key in self.REQUIRED_FIELDS + self.OPTIONAL_INT_FIELDS:
             value = self.config.get(key)
@@ -96,7 +98,9 @@ class MoeLayout:
                 digits = value.strip() if isinstance(value, str) and value.strip().isdigit() else "<integer>"
                 raise ConfigError(
                     f"config.json: {key} is {value!r} ({type(value).__name__}), not a whole number; "
-                    f'write it as a JSON integer ("{key}": {digits}, no quotes)'
+                    f'write it as a JSON integer ("{key}": {digits}, no quotes)',
+                    filename="config.json",
+                    entry=key,
                 )
             if value is not None:
                 low, high = FIELD_LIMITS.get(key, FIELD_LIMIT_DEFAULT)

@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from mxforge.checkpoint import is_local_source
 from mxforge.errors import MxforgeError, ValidationFailed
@@ -92,6 +92,96 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
 
 
+def _report_types() -> dict[str, Any]:
+    """Each stage's result class, to read a recorded report back (download and validate are never read back: the
+    summary shows neither's report, and validate always runs again)."""
+    from mxforge.fixups.fixup import FixupResult
+    from mxforge.hub.push import PushResult
+    from mxforge.quantize.result import QuantizeResult
+    from mxforge.run.stream import StreamResult
+
+    return {"quantize": QuantizeResult, "stream": StreamResult, "fixup": FixupResult, "push": PushResult}
+
+
+@dataclass(kw_only=True)
+class StageRecord:
+    """One stage in OUT/mxforge_run.json: its status and, once done, its time, bytes and report (the stage's
+    result: DownloadResult, QuantizeResult, StreamResult, FixupResult, ValidationReport, PushResult; a recorded
+    report whose class cannot be rebuilt stays its JSON object)."""
+
+    status: str  # "running" | "done" | "failed"
+    seconds: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    gb_per_s: float | None = None
+    report: Any = None
+    skipped: str | None = None  # why a stage that had nothing to do is recorded done (a local source's download)
+    error: str | None = None  # failed: the error's message
+    error_fields: dict | None = None  # failed: the error's class and fields (MxforgeError.as_dict)
+
+    def as_dict(self) -> dict:
+        if self.status == "running":
+            return {"status": "running"}
+        if self.status == "failed":
+            return {"status": "failed", "error": self.error, "error_fields": self.error_fields}
+        out: dict[str, Any] = {"status": self.status}
+        if self.skipped is not None:
+            out["skipped"] = self.skipped
+        out |= {"seconds": self.seconds, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+        if self.skipped is None:
+            out["gb_per_s"] = self.gb_per_s
+        report = self.report
+        out["report"] = report.as_dict() if hasattr(report, "as_dict") else report
+        return out
+
+    @classmethod
+    def from_dict(cls, stage: str, d: Any) -> StageRecord | None:
+        """A recorded stage (None: not an object, so the stage runs again)."""
+        if not isinstance(d, dict) or not isinstance(d.get("status"), str):
+            return None
+        report = d.get("report")
+        kind = _report_types().get(stage)
+        if kind is not None and isinstance(report, dict) and d["status"] == "done":
+            report = kind.from_dict(report)
+        return cls(
+            status=d["status"],
+            seconds=float(d.get("seconds") or 0.0),
+            bytes_in=int(d.get("bytes_in") or 0),
+            bytes_out=int(d.get("bytes_out") or 0),
+            gb_per_s=d.get("gb_per_s"),
+            report=report,
+            skipped=d.get("skipped"),
+            error=d.get("error"),
+            error_fields=d.get("error_fields"),
+        )
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    """What `mxforge run` returns (and writes with --json): per stage its record, in stage order."""
+
+    STAGE: ClassVar[str] = "run"
+    source: str
+    out: str
+    product: str  # OUT/mxfp4
+    pushed_to: str | None
+    mode: str | None  # "stream" | "sequential"
+    reused_from_earlier_run: list[str]  # stages recorded done by an earlier run and not redone
+    stages: dict[str, StageRecord]
+
+    def as_dict(self) -> dict:
+        return {
+            "stage": self.STAGE,
+            "source": self.source,
+            "out": self.out,
+            "product": self.product,
+            "pushed_to": self.pushed_to,
+            "mode": self.mode,
+            "reused_from_earlier_run": self.reused_from_earlier_run,
+            "stages": {name: rec.as_dict() for name, rec in self.stages.items()},
+        }
+
+
 class Pipeline:
     """Runs the stages in order, recording each in the state file as it completes."""
 
@@ -105,8 +195,14 @@ class Pipeline:
         self.state = self._load_state()
         self.reused: set[str] = set()  # stages recorded done by an earlier run and not redone
         self.validated_files: dict | None = None  # the product's file stamps when validate last read it
+        self.validation: Any = None  # validate's ValidationReport, this run's
 
     def _load_state(self) -> dict:
+        """The state file's inputs and mode, with its stages as StageRecords (those the inputs invalidate dropped).
+
+        Raises:
+            MxforgeError: the file is corrupt, or holds a run of another source or revision.
+        """
         inputs = self.opts.inputs()
         if not self.state_path.exists():
             return {"inputs": inputs, "stages": {}}
@@ -116,72 +212,79 @@ class Pipeline:
             if not isinstance(old, dict) or not isinstance(state.get("stages"), dict):
                 raise TypeError("inputs and stages must be objects")
         except (ValueError, KeyError, TypeError):
-            raise MxforgeError(f"{self.state_path}: state file is corrupt; remove it to start the run over") from None
+            raise MxforgeError(
+                f"{self.state_path}: state file is corrupt; remove it to start the run over", path=self.state_path
+            ) from None
         for key in ("source", "revision"):
             if old.get(key) != inputs[key]:
                 raise MxforgeError(
                     f"{self.out}: holds a run of {key} {old.get(key)!r}, not {inputs[key]!r}: "
-                    "use another OUT directory, or remove this one to start over"
+                    "use another OUT directory, or remove this one to start over",
+                    path=self.out,
                 )
         old.setdefault("scale_rule", DEFAULT_SCALE_RULE)  # a state written before scale rules existed
         for key, stages in INVALIDATED_BY.items():
             if old.get(key) != inputs[key]:
                 for stage in stages:
                     state["stages"].pop(stage, None)
+        records = {name: StageRecord.from_dict(name, rec) for name, rec in state["stages"].items()}
+        state["stages"] = {name: rec for name, rec in records.items() if rec is not None}
         state["inputs"] = inputs
         return state
 
     def _save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.state_path, self.state)
+        write_json_atomic(
+            self.state_path, {**self.state, "stages": {k: r.as_dict() for k, r in self.state["stages"].items()}}
+        )
 
     def _done(self, stage: str, marker: Path | None) -> bool:
         rec = self.state["stages"].get(stage)
-        return bool(rec and rec.get("status") == "done" and (marker is None or marker.exists()))
+        return bool(rec and rec.status == "done" and (marker is None or marker.exists()))
 
     def _stage(
         self,
         stage: str,
-        work: Callable[[], dict],
+        work: Callable[[], Any],
         *,
         marker: Path | None = None,
         out_dir: Path | None = None,
-        bytes_in: Callable[[dict], int] | int = 0,
+        bytes_in: Callable[[Any], int] | int = 0,
         always: bool = False,
-    ) -> dict:
+    ) -> StageRecord:
         """Run one stage unless recorded done (and its marker file still exists); record it in the state file.
 
-        `bytes_in`: the bytes the stage processed, or a function of its report giving them (a resumed
+        `bytes_in`: the bytes the stage processed, or a function of its result giving them (a resumed
         download or quantize processes only what was left)."""
         if not always and self._done(stage, marker):
             self.reused.add(stage)
             return self.state["stages"][stage]
-        self.state["stages"][stage] = {"status": "running"}
+        self.state["stages"][stage] = StageRecord(status="running")
         self._save()
         start = time.monotonic()
         try:
             report = work()
         except MxforgeError as e:  # recorded for whoever reads the state file; the rerun starts this stage again
-            self.state["stages"][stage] = {"status": "failed", "error": str(e)}
+            self.state["stages"][stage] = StageRecord(status="failed", error=str(e), error_fields=e.as_dict())
             self._save()
             raise
         seconds = time.monotonic() - start
         if callable(bytes_in):
             bytes_in = bytes_in(report)
-        rec = {
-            "status": "done",
-            "seconds": round(seconds, 3),
-            "bytes_in": bytes_in,
-            "bytes_out": _dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,
-            "gb_per_s": round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
-            "report": report,
-        }
+        rec = StageRecord(
+            status="done",
+            seconds=round(seconds, 3),
+            bytes_in=bytes_in,
+            bytes_out=_dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,
+            gb_per_s=round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
+            report=report,
+        )
         self.state["stages"][stage] = rec
         self._save()
         return rec
 
-    def run(self) -> dict:
-        """Run every stage not yet done; returns the combined report.
+    def run(self) -> RunResult:
+        """Run every stage not yet done; returns every stage's record.
 
         Raises:
             ValidationFailed: validate found problems (nothing is pushed).
@@ -192,9 +295,14 @@ class Pipeline:
             from huggingface_hub.utils import disable_progress_bars
 
             disable_progress_bars()
+        import contextlib
+
         from mxforge.dir_lock import directory_lock
 
-        with directory_lock(self.out):
+        # Every directory the run writes, for the whole run (the stages take the same locks again: re-entrant).
+        with contextlib.ExitStack() as locks:
+            for directory in (self.out, self.mxfp4_dir) if self.local else (self.out, self.mxfp4_dir, self.bf16_dir):
+                locks.enter_context(directory_lock(directory))
             return self._run_stages()
 
     def _choose_mode(self) -> str:
@@ -216,7 +324,8 @@ class Pipeline:
         if earlier and asked and earlier != asked:
             raise MxforgeError(
                 f"{self.out}: holds a {earlier} run; rerun it {'with' if earlier == 'stream' else 'without'} "
-                "--stream, or use another OUT directory"
+                "--stream, or use another OUT directory",
+                path=self.out,
             )
         mode = earlier or asked
         if mode:
@@ -249,15 +358,13 @@ class Pipeline:
             )
         return mode
 
-    def _run_stages(self) -> dict:
+    def _run_stages(self) -> RunResult:
         o = self.opts
         self._save()
         try:
             self.state["mode"] = self._choose_mode()
-        except (
-            MxforgeError
-        ) as e:  # reading the source's file list is the download's first step: recorded as its failure
-            self.state["stages"]["download"] = {"status": "failed", "error": str(e)}
+        except MxforgeError as e:  # reading the source's file list is the download's first step: its failure
+            self.state["stages"]["download"] = StageRecord(status="failed", error=str(e), error_fields=e.as_dict())
             self._save()
             raise
         self._save()
@@ -267,52 +374,44 @@ class Pipeline:
                 self._stream,
                 marker=self.mxfp4_dir / "config.json",
                 out_dir=self.mxfp4_dir,
-                bytes_in=lambda report: report["bytes_processed_now"],
+                bytes_in=lambda report: report.bytes_processed_now,
             )
         else:
             if self.local:
-                self.state["stages"]["download"] = {
-                    "status": "done",
-                    "skipped": f"local source {self.bf16_dir}",
-                    "seconds": 0.0,
-                    "bytes_in": 0,
-                    "bytes_out": 0,
-                    "report": None,
-                }
+                self.state["stages"]["download"] = StageRecord(status="done", skipped=f"local source {self.bf16_dir}")
             else:
                 self._stage(
                     "download",
                     self._download,
                     marker=self.bf16_dir / "config.json",
                     out_dir=self.bf16_dir,
-                    bytes_in=lambda report: report["downloaded_bytes"],
+                    bytes_in=lambda report: report.downloaded_bytes,
                 )
             self._stage(
                 "quantize",
                 self._quantize,
                 marker=self.mxfp4_dir / "config.json",
                 out_dir=self.mxfp4_dir,
-                bytes_in=lambda report: report["bytes_processed_now"],
+                bytes_in=lambda report: report.bytes_processed_now or 0,
             )
         self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json")
         # Header-only and cheap: always checked again, never taken from the state file.
-        validate = self._stage("validate", self._validate, always=True)
-        if not validate["report"]["ok"]:
+        validate = self._stage("validate", self._validate, always=True).report
+        if not validate.ok:
             del self.state["stages"]["validate"]  # rerun it next time, after the user's fix
             self._save()
             raise ValidationFailed(
                 f"{self.mxfp4_dir}: validation found problems; nothing was pushed:\n"
-                + "\n".join(
-                    f"  - {p['engine'] + ': ' if p.get('engine') else ''}{p['subject']}: {p['message']}: {p['remedy']}"
-                    for p in validate["report"]["problems"]
-                )
+                + "\n".join(f"  - {p.format()}" for p in validate.problems),
+                path=self.mxfp4_dir,
             )
+        self.validation = validate
         if o.push_repo:
             self._stage("push", self._push, bytes_in=_dir_bytes(self.mxfp4_dir))
         return self.report()
 
     # --- the stages, each a thin call into its engine --------------------------------------------
-    def _download(self) -> dict:
+    def _download(self):
         from mxforge.hub.download import download
 
         return download(
@@ -322,9 +421,9 @@ class Pipeline:
             quiet=self.opts.quiet,
             command=self.opts.command,
             limits=self.opts.hub_limits,
-        ).as_dict()
+        )
 
-    def _stream(self) -> dict:
+    def _stream(self):
         from mxforge.hub.session import HubLimits
         from mxforge.run.stream import StreamOptions, StreamRun
 
@@ -352,10 +451,10 @@ class Pipeline:
             )
         ).run()
 
-    def _quantize(self) -> dict:
+    def _quantize(self):
         from mxforge.quantize.run import quantize_checkpoint
 
-        report = quantize_checkpoint(
+        return quantize_checkpoint(
             self.bf16_dir,
             self.mxfp4_dir,
             self.opts.recipe,
@@ -364,25 +463,22 @@ class Pipeline:
             command=self.opts.command,
             follow_symlinks=self.opts.follow_symlinks,
             scale_rule=self.opts.scale_rule,
-        )
-        report.pop("tensors", None)  # per-tensor lists stay in mxfp4/mxforge_quantize.json
-        (report.get("error") or {}).pop("tensors", None)  # per-tensor figures too
-        return report
+        ).summary()  # the per-tensor lists and figures stay in mxfp4/mxforge_quantize.json
 
-    def _fixup(self) -> dict:
+    def _fixup(self):
         from mxforge.fixups.fixup import fixup_checkpoint
 
-        return fixup_checkpoint(self.mxfp4_dir, engines=self.opts.engines, command=self.opts.command).as_dict()
+        return fixup_checkpoint(self.mxfp4_dir, engines=self.opts.engines, command=self.opts.command)
 
-    def _validate(self) -> dict:
+    def _validate(self):
         from mxforge.file_hashes import checkpoint_files, snapshot
         from mxforge.validation.validate import validate_checkpoint
 
         files = checkpoint_files(self.mxfp4_dir)
         self.validated_files = snapshot(self.mxfp4_dir, files)  # push commits only these, unchanged
-        return validate_checkpoint(self.mxfp4_dir, engines=self.opts.engines).as_dict()
+        return validate_checkpoint(self.mxfp4_dir, engines=self.opts.engines)
 
-    def _push(self) -> dict:
+    def _push(self):
         from mxforge.hub.push import push
 
         assert self.opts.push_repo is not None, "the push stage runs only with a push target"
@@ -394,76 +490,89 @@ class Pipeline:
             quiet=self.opts.quiet,
             command=self.opts.command,
             limits=self.opts.hub_limits,
-            validation=self.state["stages"]["validate"]["report"],
+            validation=self.validation.as_dict(),
             validated_files=self.validated_files,
-        ).as_dict()
+        )
 
-    def report(self) -> dict:
-        return {
-            "stage": "run",
-            "source": self.opts.source,
-            "out": str(self.out),
-            "product": str(self.mxfp4_dir),
-            "pushed_to": self.opts.push_repo,
-            "mode": self.state.get("mode"),
-            "reused_from_earlier_run": sorted(self.reused),
-            "stages": self.state["stages"],
-        }
+    def report(self) -> RunResult:
+        return RunResult(
+            source=self.opts.source,
+            out=str(self.out),
+            product=str(self.mxfp4_dir),
+            pushed_to=self.opts.push_repo,
+            mode=self.state.get("mode"),
+            reused_from_earlier_run=sorted(self.reused),
+            stages=dict(self.state["stages"]),
+        )
 
 
-def format_run_summary(report: dict) -> str:
+def format_run_summary(result: RunResult) -> str:
     """The human summary: per stage time, bytes and GB/s, then what was quantized, fixed and validated."""
-    stages = report["stages"]
+    from mxforge.fixups.fixup import FixupResult
+    from mxforge.hub.push import PushResult
+    from mxforge.quantize.result import QuantizeResult
+    from mxforge.run.stream import StreamResult
+    from mxforge.validation.report import ValidationReport
+
+    stages = result.stages
     lines = [
-        f"mxforge run {report['source']} -> {report['product']}"
-        + (" (streamed)" if report.get("mode") == "stream" else ""),
+        f"mxforge run {result.source} -> {result.product}" + (" (streamed)" if result.mode == "stream" else ""),
         f"  {'stage':<10}{'status':<9}{'time':>9}{'in':>12}{'out':>12}{'GB/s':>8}",
     ]
     for stage in STAGES:
         rec = stages.get(stage)
         if rec is None:
             continue
-        status = (
-            "skipped"
-            if rec.get("skipped")
-            else ("earlier" if stage in report["reused_from_earlier_run"] else rec["status"])
-        )
-        gbs = f"{rec['gb_per_s']:.3f}" if rec.get("gb_per_s") else "-"
+        status = "skipped" if rec.skipped else ("earlier" if stage in result.reused_from_earlier_run else rec.status)
+        gbs = f"{rec.gb_per_s:.3f}" if rec.gb_per_s else "-"
         lines.append(
-            f"  {stage:<10}{status:<9}{rec.get('seconds', 0):>8.1f}s{rec.get('bytes_in', 0) / 1e9:>10.3f}GB"
-            f"{rec.get('bytes_out', 0) / 1e9:>10.3f}GB{gbs:>8}"
+            f"  {stage:<10}{status:<9}{rec.seconds:>8.1f}s{rec.bytes_in / 1e9:>10.3f}GB"
+            f"{rec.bytes_out / 1e9:>10.3f}GB{gbs:>8}"
         )
-    quant = (stages.get("quantize") or stages.get("stream") or {}).get("report") or {}
-    if quant.get("stage") == "stream":
+
+    def report_of(stage: str, kind: type) -> Any:
+        rec = stages.get(stage)
+        return rec.report if rec is not None and isinstance(rec.report, kind) else None
+
+    quant = report_of("quantize", QuantizeResult) or report_of("stream", StreamResult)
+    if isinstance(quant, StreamResult):
         per = "; ".join(
-            f"{k} {v['bytes'] / 1e9:.3f} GB at {v['gb_per_s'] or 0:.3f} GB/s"
-            for k, v in quant["stages"].items()
-            if v["shards"]
+            f"{k} {v.bytes / 1e9:.3f} GB at {v.gb_per_s or 0:.3f} GB/s" for k, v in quant.stages.items() if v.shards
         )
-        peak = quant["peak_source_bytes_on_disk"]
+        peak = quant.peak_source_bytes_on_disk
         lines.append(
-            f"  streamed {quant['shards']['streamed_now']} of {quant['shards']['total']} shard(s)"
-            f"{' on Ray' if quant['executor'] == 'ray' else ''}: {per or 'nothing left'}; "
+            f"  streamed {quant.shards.streamed_now} of {quant.shards.total} shard(s)"
+            f"{' on Ray' if quant.executor == 'ray' else ''}: {per or 'nothing left'}; "
             + (f"peak bf16 on disk {peak / 1e9:.3f} GB " if peak is not None else "")
-            + f"(plan: {quant['disk_plan']['peak_bytes'] / 1e9:.3f} GB with the output)"
+            + f"(plan: {quant.disk_plan.peak_bytes / 1e9:.3f} GB with the output)"
         )
-    if quant.get("counts"):
-        c = quant["counts"]
+    if quant is not None and quant.counts is not None:
+        c = quant.counts
         lines.append(
-            f"  tensors: {c['quantized']:,} MXFP4, {c['kept']:,} 2-D weights kept bf16, {c['copied']:,} copied; "
-            f"MTP layer(s) {quant.get('mtp_layers')} ({quant.get('mtp_tensors')} tensors) carried"
+            f"  tensors: {c.quantized:,} MXFP4, {c.kept:,} 2-D weights kept bf16, {c.copied:,} copied; "
+            f"MTP layer(s) {quant.mtp_layers} ({quant.mtp_tensors} tensors) carried"
         )
-        lines.append(f"  {summary_line(quant.get('error'))}")
-    fix = (stages.get("fixup") or {}).get("report") or {}
-    if fix:
+        # the streamed run's error report is in mxfp4/mxforge_quantize.json (write_provenance)
+        error = quant.error if isinstance(quant, QuantizeResult) else _recorded_error(Path(result.product))
+        lines.append(f"  {summary_line(error)}")
+    fix = report_of("fixup", FixupResult)
+    if fix is not None:
         lines.append(
-            f"  fixups: {len(fix.get('applied') or [])} applied"
-            + (f", {len(fix['warnings'])} warning(s)" if fix.get("warnings") else "")
+            f"  fixups: {len(fix.applied)} applied" + (f", {len(fix.warnings)} warning(s)" if fix.warnings else "")
         )
-    val = (stages.get("validate") or {}).get("report") or {}
-    if val.get("verdict"):
-        lines.append(f"  engines: {val['verdict']}")
-    push = (stages.get("push") or {}).get("report") or {}
-    if push.get("url"):
-        lines.append(f"  pushed: {push['url']} @ {str(push.get('commit'))[:12]} (remote hashes checked)")
+    val = report_of("validate", ValidationReport)
+    if val is not None:
+        lines.append(f"  engines: {val.verdict()}")
+    push = report_of("push", PushResult)
+    if push is not None:
+        lines.append(f"  pushed: {push.url} @ {push.commit[:12]} (remote hashes checked)")
     return "\n".join(lines)
+
+
+def _recorded_error(product: Path) -> dict | None:
+    """The error report mxforge_quantize.json holds (a streamed run's quantize record)."""
+    from mxforge.provenance import QUANTIZE_NAME, read_record
+    from mxforge.quantize.result import QuantizeResult
+
+    record = read_record(product, QUANTIZE_NAME)
+    return QuantizeResult.from_dict(record).error if record is not None else None

@@ -18,22 +18,22 @@ Peak disk: the output plus at most `in_flight` source shards (and their partial 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
-from mxforge.dir_lock import check_out_dir
+from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.disk_space import free_space, require_free_space
 from mxforge.errors import CheckpointError, MxforgeError
 from mxforge.file_hashes import FileHash, HashCache, file_hash
 from mxforge.progress import byte_progress, format_bytes
 from mxforge.provenance import QUANTIZE_STATE_NAME
-from mxforge.safetensors_io import partial_path, read_header, write_json_atomic
+from mxforge.quantize.result import TensorCounts, read_int, read_num, read_obj, read_str
+from mxforge.safetensors_io import read_header, write_json_atomic
 
 if TYPE_CHECKING:  # annotations only: the Hub and the quantizer are imported when a run needs them
     from mxforge.hub.download import RemoteFile
@@ -88,15 +88,195 @@ class StageClock:
         self.last = ended if self.last is None else max(self.last, ended)
         self.shards += 1
 
-    def as_dict(self) -> dict:
+    def figures(self) -> StageFigures:
         span = (self.last - self.first) if self.first is not None and self.last is not None else 0.0
+        return StageFigures(
+            shards=self.shards,
+            bytes=self.bytes,
+            busy_seconds=round(self.busy, 3),
+            span_seconds=round(span, 3),
+            gb_per_s=round(self.bytes / span / 1e9, 4) if span > 0 else None,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageFigures:
+    """One stage of a streamed run as reported: shards, bytes, busy time, wall-clock span and throughput."""
+
+    shards: int
+    bytes: int
+    busy_seconds: float
+    span_seconds: float
+    gb_per_s: float | None
+
+    def as_dict(self) -> dict:
         return {
             "shards": self.shards,
             "bytes": self.bytes,
-            "busy_seconds": round(self.busy, 3),
-            "span_seconds": round(span, 3),
-            "gb_per_s": round(self.bytes / span / 1e9, 4) if span > 0 else None,
+            "busy_seconds": self.busy_seconds,
+            "span_seconds": self.span_seconds,
+            "gb_per_s": self.gb_per_s,
         }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> StageFigures:
+        d = read_obj(d)
+        return cls(
+            shards=read_int(d.get("shards")) or 0,
+            bytes=read_int(d.get("bytes")) or 0,
+            busy_seconds=read_num(d.get("busy_seconds")) or 0.0,
+            span_seconds=read_num(d.get("span_seconds")) or 0.0,
+            gb_per_s=read_num(d.get("gb_per_s")),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiskPlan:
+    """What a streamed run adds to disk at its peak (plan_disk), against what is there and free."""
+
+    source_bytes: int
+    output_bytes: int
+    in_flight_source_shards: int
+    peak_bytes: int
+    on_disk_bytes: int
+    free_bytes: int
+
+    def as_dict(self) -> dict:
+        return {
+            "source_bytes": self.source_bytes,
+            "output_bytes": self.output_bytes,
+            "in_flight_source_shards": self.in_flight_source_shards,
+            "peak_bytes": self.peak_bytes,
+            "on_disk_bytes": self.on_disk_bytes,
+            "free_bytes": self.free_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> DiskPlan:
+        d = read_obj(d)
+        return cls(**{k: read_int(d.get(k)) or 0 for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamShards:
+    total: int
+    streamed_now: int
+    done_earlier: int
+    quantized_earlier: int
+
+    def as_dict(self) -> dict:
+        return {
+            "total": self.total,
+            "streamed_now": self.streamed_now,
+            "done_earlier": self.done_earlier,
+            "quantized_earlier": self.quantized_earlier,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> StreamShards:
+        d = read_obj(d)
+        return cls(**{k: read_int(d.get(k)) or 0 for k in cls.__dataclass_fields__})
+
+
+@dataclass(kw_only=True)
+class StreamResult:
+    """What a streamed (or Ray) run returns and `mxforge run` records as its stream stage's report."""
+
+    STAGE: ClassVar[str] = "stream"
+    source: str
+    commit: str | None  # the Hub source's commit (None: a local source)
+    out: str
+    push_target: str | None  # REPO@BRANCH the shards' objects went to
+    recipe_name: str | None
+    recipe_sha256: str | None
+    source_precision: str | None
+    workers: int
+    downloads: int
+    uploads: int
+    in_flight: int
+    shards: StreamShards
+    disk_plan: DiskPlan
+    executor: str
+    peak_source_bytes_on_disk: int | None  # sampled by the local scheduler; None on Ray (each node's own disk)
+    stages: dict[str, StageFigures]
+    counts: TensorCounts | None
+    mtp_layers: list[int]
+    mtp_tensors: int | None
+    bytes_in: int
+    bytes_out: int
+    bytes_processed_now: int
+    downloaded_bytes: int
+    uploaded_bytes: int
+    seconds: float
+    tool_versions: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "stage": self.STAGE,
+            "source": self.source,
+            "commit": self.commit,
+            "out": self.out,
+            "push_target": self.push_target,
+            "recipe": {"name": self.recipe_name, "sha256": self.recipe_sha256},
+            "source_precision": self.source_precision,
+            "workers": self.workers,
+            "downloads": self.downloads,
+            "uploads": self.uploads,
+            "in_flight": self.in_flight,
+            "shards": self.shards.as_dict(),
+            "disk_plan": self.disk_plan.as_dict(),
+            "executor": self.executor,
+            "peak_source_bytes_on_disk": self.peak_source_bytes_on_disk,
+            "stages": {k: v.as_dict() for k, v in self.stages.items()},
+            "counts": self.counts.as_dict() if self.counts else None,
+            "mtp_layers": self.mtp_layers,
+            "mtp_tensors": self.mtp_tensors,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "bytes_processed_now": self.bytes_processed_now,
+            "downloaded_bytes": self.downloaded_bytes,
+            "uploaded_bytes": self.uploaded_bytes,
+            "seconds": self.seconds,
+            "tool_versions": self.tool_versions,
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> StreamResult:
+        """Read back from `mxforge run`'s state file (the summary of a resumed run)."""
+        d = read_obj(d)
+        recipe = read_obj(d.get("recipe"))
+        mtp = d.get("mtp_layers")
+        return cls(
+            source=read_str(d.get("source")) or "",
+            commit=read_str(d.get("commit")),
+            out=read_str(d.get("out")) or "",
+            push_target=read_str(d.get("push_target")),
+            recipe_name=read_str(recipe.get("name")),
+            recipe_sha256=read_str(recipe.get("sha256")),
+            source_precision=read_str(d.get("source_precision")),
+            workers=read_int(d.get("workers")) or 0,
+            downloads=read_int(d.get("downloads")) or 0,
+            uploads=read_int(d.get("uploads")) or 0,
+            in_flight=read_int(d.get("in_flight")) or 0,
+            shards=StreamShards.from_dict(d.get("shards")),
+            disk_plan=DiskPlan.from_dict(d.get("disk_plan")),
+            executor=read_str(d.get("executor")) or "local",
+            peak_source_bytes_on_disk=read_int(d.get("peak_source_bytes_on_disk")),
+            stages={k: StageFigures.from_dict(v) for k, v in read_obj(d.get("stages")).items()},
+            counts=TensorCounts.from_dict(d.get("counts")),
+            mtp_layers=[i for i in mtp if read_int(i) is not None] if isinstance(mtp, list) else [],
+            mtp_tensors=read_int(d.get("mtp_tensors")),
+            bytes_in=read_int(d.get("bytes_in")) or 0,
+            bytes_out=read_int(d.get("bytes_out")) or 0,
+            bytes_processed_now=read_int(d.get("bytes_processed_now")) or 0,
+            downloaded_bytes=read_int(d.get("downloaded_bytes")) or 0,
+            uploaded_bytes=read_int(d.get("uploaded_bytes")) or 0,
+            seconds=read_num(d.get("seconds")) or 0.0,
+            tool_versions={k: v for k, v in read_obj(d.get("tool_versions")).items() if isinstance(v, str)},
+            notes=[n for n in d.get("notes") or [] if isinstance(n, str)],
+        )
 
 
 @dataclass
@@ -138,6 +318,12 @@ class _State:
 
     def save(self) -> None:
         write_json_atomic(self.path, self.data)
+
+
+def _begin(s: _Shard) -> _Shard:
+    """Stamp the start of a shard's step (StageClock), as it is handed to its lane."""
+    s.started = time.time()
+    return s
 
 
 def plan_disk(output_bytes: int, source_sizes: list[int], in_flight: int) -> int:
@@ -193,7 +379,8 @@ class StreamRun:
         if missing:
             raise MxforgeError(
                 f"{o.source}@{commit[:12]}: {INDEX_NAME} names shard {missing[0]!r}, which the repo does "
-                f"not hold ({len(missing)} such); the source repo is incomplete"
+                f"not hold ({len(missing)} such); the source repo is incomplete",
+                repo_id=o.source,
             )
         headers = {}
         for name in ckpt.shard_names:
@@ -212,7 +399,9 @@ class StreamRun:
                 if hub.file_sizes[name] != by_name[name].size:
                     raise CheckpointError(
                         f"{hub.where(name)}: the Hub serves {hub.file_sizes[name]:,} bytes, its file "
-                        f"list says {by_name[name].size:,}; the source repo is broken or hostile"
+                        f"list says {by_name[name].size:,}; the source repo is broken or hostile",
+                        filename=name,
+                        repo_id=o.source,
                     )
         ckpt.headers = headers  # the cached property, filled from the Hub: planning needs no shard on disk
         for f in files:  # provenance as `mxforge download` records it; shards by the Hub's sha256, verified on arrival
@@ -220,30 +409,39 @@ class StreamRun:
                 hashes[f.name] = FileHash(f.name, f.size, f.sha256 or "", f.blob_id or "")
         write_source_record(
             o.bf16_dir,
-            o.source,
-            o.revision,
-            commit,
-            [source_record_entry(f, hashes[f.name]) for f in files],
-            None,
-            None,
-            o.command,
+            repo_id=o.source,
+            revision=o.revision,
+            commit=commit,
+            files=[source_record_entry(f, hashes[f.name]) for f in files],
+            include=None,
+            exclude=None,
+            command=o.command,
         )
         return ckpt, by_name, commit
 
-    def run(self) -> dict:
+    def run(self) -> StreamResult:
         """Stream every shard not yet done, then write the index, side files and config.json; returns the report.
+        Holds the lock (dir_lock) of every directory it writes: OUT/mxfp4 and, for a Hub source, OUT/bf16.
 
         Raises:
+            DirectoryInUse: another mxforge process works in one of them.
             DiskSpaceError: the output plus the in-flight source shards cannot fit (before any shard is fetched).
             MxforgeError: any stage's error (download, verify, quantize, pre-upload), unchanged; finished
                 shards stay recorded for the rerun.
         """
+        with contextlib.ExitStack() as locks:
+            locks.enter_context(directory_lock(self.o.mxfp4_dir))
+            if not self.o.local:
+                locks.enter_context(directory_lock(self.o.bf16_dir))
+            return self._run()
+
+    def _run(self) -> StreamResult:
         from mxforge.quantize.plan import plan_checkpoint
         from mxforge.quantize.recipe import load_recipe
         from mxforge.quantize.run import (
-            _remove_strays,
             default_workers,
             finish_checkpoint,
+            remove_strays,
             side_files,
             write_provenance,
         )
@@ -270,7 +468,7 @@ class StreamRun:
         shards = [self._shard_status(s, remote, qstate, state) for s in plan.shards]
         qstate.save()
         state.save()
-        _remove_strays(o.mxfp4_dir, plan)
+        remove_strays(o.mxfp4_dir, plan)
         workers = o.workers or default_workers(len(plan.shards))
         in_flight = max(1, o.in_flight or workers + 1)
         self._check_disk(plan, shards, in_flight)
@@ -282,29 +480,38 @@ class StreamRun:
         if todo and o.executor == "ray":
             from mxforge.run.ray_executor import run_on_ray
 
-            run_on_ray(self, todo, qstate, state, o.ray_address, workers)
+            run_on_ray(self, todo, qstate, state, address=o.ray_address, workers=workers)
         elif todo:
-            self._stream(todo, workers, in_flight, qstate, state)
-        accounted = finish_checkpoint(o.bf16_dir, o.mxfp4_dir, recipe, ckpt, plan, to_copy)
+            self._stream(todo, qstate, state, workers=workers, in_flight=in_flight)
+        accounted = finish_checkpoint(o.bf16_dir, o.mxfp4_dir, recipe=recipe, ckpt=ckpt, plan=plan, side_files=to_copy)
         elapsed = time.monotonic() - started
         quantized = self.clocks["quantize"]
         write_provenance(
             o.bf16_dir,
             o.mxfp4_dir,
-            recipe,
-            plan,
-            "cpu",
-            workers,
-            qstate,
-            quantized.shards,
-            len(shards) - quantized.shards,
-            quantized.bytes,
-            elapsed,
-            accounted,
-            o.command,
-            self.sha256_from_download,
+            recipe=recipe,
+            plan=plan,
+            device="cpu",
+            workers=workers,
+            state=qstate,
+            quantized_now=quantized.shards,
+            skipped=len(shards) - quantized.shards,
+            bytes_read=quantized.bytes,
+            elapsed=elapsed,
+            accounted=accounted,
+            command=o.command,
+            sha256_from_download=self.sha256_from_download,
         )
-        return self._report(recipe, plan, shards, todo, workers, in_flight, accounted, elapsed)
+        return self._report(
+            recipe=recipe,
+            plan=plan,
+            shards=shards,
+            todo=todo,
+            workers=workers,
+            in_flight=in_flight,
+            accounted=accounted,
+            elapsed=elapsed,
+        )
 
     def _shard_status(self, s, remote, qstate, state) -> _Shard:
         """Where one shard stands, from the state files and the disk."""
@@ -356,14 +563,14 @@ class StreamRun:
         )
         _, free = free_space(o.mxfp4_dir)
         source = sum(s.plan.source_size for s in shards)
-        self.disk_plan = {
-            "source_bytes": source,
-            "output_bytes": output,
-            "in_flight_source_shards": in_flight,
-            "peak_bytes": peak,
-            "on_disk_bytes": have,
-            "free_bytes": free,
-        }
+        self.disk_plan = DiskPlan(
+            source_bytes=source,
+            output_bytes=output,
+            in_flight_source_shards=in_flight,
+            peak_bytes=peak,
+            on_disk_bytes=have,
+            free_bytes=free,
+        )
         self._say(
             f"streaming {len(shards)} shard(s), at most {in_flight} bf16 shard(s) on disk at once: peak disk "
             f"{format_bytes(peak)} (output {format_bytes(output)} + source shards in flight), against "
@@ -372,124 +579,104 @@ class StreamRun:
         require_free_space(
             o.mxfp4_dir,
             peak - have,
-            f"the streamed run's output ({format_bytes(output)}) and {in_flight} source shard(s) in flight",
-            "free space, or lower --in-flight",
+            what=f"the streamed run's output ({format_bytes(output)}) and {in_flight} source shard(s) in flight",
+            remedy="free space, or lower --in-flight",
         )
 
     # --- 2: the overlapped stages -------------------------------------------------------------------
-    def _stream(self, todo: list[_Shard], workers: int, in_flight: int, qstate, state: _State) -> None:
-        from mxforge.quantize.run import shard_worker, start_worker_pool
-        from mxforge.quantize.shard_job import ShardJob, finish_shard
+    def _stream(self, todo: list[_Shard], qstate, state: _State, *, workers: int, in_flight: int) -> None:
+        """download -> quantize -> finish -> upload per shard, through quantize's shard scheduler."""
+        from mxforge.hub.transfer import CANCEL
+        from mxforge.quantize.scheduler import ShardScheduler, ShardWorkers, Step, Threads, quantize_steps
+        from mxforge.quantize.shard_job import ShardJob
 
         o = self.o
         offsets = self.recipe.scale_offsets
-        jobs = {
-            s.plan.name: ShardJob(
-                str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True, s.source_sha256, scale_offsets=offsets
+
+        def job(s: _Shard) -> ShardJob:
+            return ShardJob(
+                str(o.bf16_dir),
+                str(o.mxfp4_dir),
+                s.plan,
+                expected_sha256=s.source_sha256,
+                verified_stat=s.verified,
+                scale_offsets=offsets,
             )
-            for s in todo
-        }
+
         quantizing = [s for s in todo if s.step in ("download", "quantize")]
-        # Worker processes first (fork), before any thread of ours exists.
-        pool, counter = (
-            start_worker_pool(min(workers, max(1, len(quantizing))), list(jobs.values()))
-            if quantizing
-            else (None, None)
-        )
-        if pool is not None:
-            pool.submit(int).result()
-        threads = ThreadPoolExecutor(o.downloads + o.uploads + workers, thread_name_prefix="stream")
-        running: dict = {}  # future -> (kind, shard)
-
-        def idle(step: str) -> list[_Shard]:
-            busy = {id(s) for _, s in running.values()}
-            return [s for s in todo if s.step == step and id(s) not in busy]
-
-        def count(kind: str) -> int:
-            return sum(1 for k, _ in running.values() if k == kind)
+        # Always processes (one worker too): the scheduler's thread keeps downloads and uploads going meanwhile.
+        pool = ShardWorkers(min(workers, max(1, len(quantizing))), [job(s) for s in quantizing], processes=True)
+        downloads = Threads(o.downloads, "download", on_interrupt=CANCEL.set)  # a cancelled one keeps its partial
+        uploads = Threads(o.uploads, "upload")
+        finishers = Threads(workers, "fsync", wait_on_failure=True)
 
         def on_disk() -> int:  # bf16 shards downloading, downloaded or being quantized
-            busy = {id(s) for _, s in running.values()}
-            return sum(1 for s in todo if s.step in ("download", "quantize") and (s.verified or id(s) in busy))
+            return sum(1 for s in todo if s.step in ("download", "quantize") and (s.verified or sched.is_running(s)))
 
-        total = sum(s.plan.source_size for s in quantizing)
-        seen, failed = 0, True
-        from mxforge.hub.transfer import CANCEL
+        def quantized(s: _Shard, result) -> str | None:
+            self.record_quantized(s, result, qstate, state)
+            if not o.local:
+                (o.bf16_dir / s.plan.name).unlink(missing_ok=True)
+            return s.step if s.step != "done" else None
 
+        steps = [
+            Step(
+                "download",
+                downloads,
+                self._download,
+                args=lambda s, previous: (_begin(s), dl_bar),
+                admit=lambda s: sched.busy("download") < o.downloads and on_disk() < in_flight,
+                done=lambda s, stamp: self.record_download(s, stamp, state),
+            ),
+            *quantize_steps(
+                pool,
+                finishers,
+                o.mxfp4_dir,
+                job=lambda s: job(_begin(s)),
+                name=lambda s: s.plan.name,
+                recorded=quantized,
+                admit=lambda s: (o.local or s.verified is not None) and sched.busy("quantize", "finish") < workers,
+            ),
+            Step(
+                "upload",
+                uploads,
+                self.upload_shard,
+                args=lambda s, previous: (_begin(s),),
+                admit=lambda s: sched.busy("upload") < o.uploads,
+                done=lambda s, fh: self.record_upload(s, fh, state),
+            ),
+        ]
+        sched: ShardScheduler[_Shard] = ShardScheduler(
+            steps,
+            on_tick=lambda: setattr(
+                self, "peak_source_bytes", max(self.peak_source_bytes, self._source_bytes_on_disk(todo))
+            ),
+        )
         CANCEL.clear()
-        bar = byte_progress(total, "stream (quantized)", disable=o.quiet)
+        sched.start()  # the worker processes fork before the progress bars' thread exists
+        pool.bar = bar = byte_progress(
+            sum(s.plan.source_size for s in quantizing), "stream (quantized)", disable=o.quiet
+        )
         dl_bar = byte_progress(
             sum(s.plan.source_size for s in todo if s.step == "download"), "download", disable=o.quiet
         )
         try:
-            while any(s.step != "done" for s in todo):
-                if not o.local:
-                    for s in idle("download"):
-                        if s.verified or count("download") >= o.downloads or on_disk() >= in_flight:
-                            continue
-                        s.started = time.time()
-                        running[threads.submit(self._download, s, dl_bar)] = ("download", s)
-                for s in idle("quantize"):
-                    if (o.local or s.verified) and count("quantize") + count("finish") < workers:
-                        assert pool is not None, "the worker pool starts when any shard is to be quantized"
-                        jobs[s.plan.name] = ShardJob(
-                            str(o.bf16_dir), str(o.mxfp4_dir), s.plan, "cpu", True, s.source_sha256, s.verified, offsets
-                        )
-                        s.started = time.time()
-                        running[pool.submit(shard_worker, jobs[s.plan.name])] = ("quantize", s)
-                for s in idle("upload"):
-                    if count("upload") < o.uploads:
-                        s.started = time.time()
-                        running[threads.submit(self.upload_shard, s)] = ("upload", s)
-                done, _ = wait(list(running), timeout=0.2, return_when=FIRST_COMPLETED)
-                if counter is not None:
-                    bar.update(counter.value - seen)
-                    seen = counter.value
-                self.peak_source_bytes = max(self.peak_source_bytes, self._source_bytes_on_disk(todo))
-                for future in done:
-                    kind, s = running.pop(future)
-                    result = future.result()  # a stage's error stops the run here
-                    if kind == "download":
-                        self.record_download(s, result, state)
-                    elif kind == "quantize":
-                        running[threads.submit(finish_shard, result, o.mxfp4_dir)] = ("finish", s)
-                    elif kind == "finish":
-                        self.record_quantized(s, result, qstate, state)
-                        if not o.local:
-                            (o.bf16_dir / s.plan.name).unlink(missing_ok=True)
-                    else:
-                        self.record_upload(s, result, state)
-            failed = False
-        except BrokenProcessPool:
-            raise MxforgeError(
-                "a quantize worker process died (killed for memory?); rerun the same command to "
-                "resume, with fewer --workers if memory is short"
-            ) from None
+            sched.run(todo, lambda s: s.step if s.step != "done" else None)
         finally:
-            if failed:
-                CANCEL.set()  # downloads stop at their next chunk, keeping their partial files
-                for process in list((getattr(pool, "_processes", None) or {}).values()):
-                    if process.is_alive():
-                        process.terminate()
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-            threads.shutdown(wait=not failed, cancel_futures=True)
-            if failed:
-                for s in todo:
-                    partial_path(o.mxfp4_dir / s.plan.name).unlink(missing_ok=True)
             bar.close()
             dl_bar.close()
 
     # Each step's outcome, recorded (by the one thread that runs the scheduler) as soon as it is known.
-    def record_download(self, s: _Shard, stamp: tuple[int, int], state: _State) -> None:
+    def record_download(self, s: _Shard, stamp: tuple[int, int], state: _State) -> str:
         assert s.remote is not None, "only a Hub source's shards are downloaded"
         self.clocks["download"].add(s.started, s.plan.source_size)
         s.verified, s.source_sha256 = stamp, s.remote.sha256
         state.data["downloaded"][s.plan.name] = {"sha256": s.source_sha256, "stamp": list(stamp)}
         state.save()
         s.step = "quantize"
+        return s.step
 
-    def record_quantized(self, s: _Shard, result, qstate, state: _State, clock: bool = True) -> None:
+    def record_quantized(self, s: _Shard, result, qstate, state: _State, *, clock: bool = True) -> None:
         """The output shard is in place: record it; its bf16 shard is no longer needed (the caller deletes it)."""
         qstate.record(result)
         self.sha256_from_download += result.sha256_from_download
@@ -500,7 +687,8 @@ class StreamRun:
         s.verified = None
         s.step = "upload" if self.o.push_repo else "done"
 
-    def record_upload(self, s: _Shard, fh: FileHash, state: _State, clock: bool = True) -> None:
+    def record_upload(self, s: _Shard, fh: FileHash, state: _State, *, clock: bool = True) -> None:
+        """The output shard's object is on the Hub: record it; the shard is done."""
         cache = HashCache(self.o.mxfp4_dir)  # push's model card reads the hashes from here, without a re-read
         cache.put(fh)
         cache.save()
@@ -568,42 +756,43 @@ class StreamRun:
         return total
 
     # --- 3: report ------------------------------------------------------------------------------------
-    def _report(self, recipe, plan, shards, todo, workers, in_flight, accounted, elapsed) -> dict:
+    def _report(
+        self, *, recipe, plan, shards, todo, workers: int, in_flight: int, accounted: dict, elapsed: float
+    ) -> StreamResult:
         from mxforge.quantize.state import tool_versions
 
         o = self.o
-        return {
-            "stage": "stream",
-            "source": o.source,
-            "commit": self.commit,
-            "out": str(o.mxfp4_dir),
-            "push_target": f"{o.push_repo}@{o.branch}" if o.push_repo else None,
-            "recipe": {"name": recipe.name, "sha256": recipe.sha256},
-            "source_precision": plan.precision.describe(),
-            "workers": workers,
-            "downloads": o.downloads,
-            "uploads": o.uploads,
-            "in_flight": in_flight,
-            "shards": {
-                "total": len(shards),
-                "streamed_now": len(todo),
-                "done_earlier": len(shards) - len(todo),
-                "quantized_earlier": len(shards) - self.clocks["quantize"].shards,
-            },
-            "disk_plan": self.disk_plan,
-            "executor": o.executor,
-            # sampled by the local scheduler; Ray's nodes keep theirs in their own temporary directories
-            "peak_source_bytes_on_disk": self.peak_source_bytes if o.executor == "local" else None,
-            "stages": {k: c.as_dict() for k, c in self.clocks.items()},
-            "counts": {k: accounted[k] for k in ("quantized", "kept", "copied")},
-            "mtp_layers": list(plan.layout.mtp_layers),
-            "mtp_tensors": accounted["mtp_tensors"],
-            "bytes_in": sum(s.source_size for s in plan.shards),
-            "bytes_out": sum(s.output_size for s in plan.shards),
-            "bytes_processed_now": self.clocks["quantize"].bytes,
-            "downloaded_bytes": self.clocks["download"].bytes,
-            "uploaded_bytes": self.clocks["upload"].bytes,
-            "seconds": round(elapsed, 3),
-            "tool_versions": tool_versions(),
-            "notes": self.notes,
-        }
+        return StreamResult(
+            source=o.source,
+            commit=self.commit,
+            out=str(o.mxfp4_dir),
+            push_target=f"{o.push_repo}@{o.branch}" if o.push_repo else None,
+            recipe_name=recipe.name,
+            recipe_sha256=recipe.sha256,
+            source_precision=plan.precision.describe(),
+            workers=workers,
+            downloads=o.downloads,
+            uploads=o.uploads,
+            in_flight=in_flight,
+            shards=StreamShards(
+                total=len(shards),
+                streamed_now=len(todo),
+                done_earlier=len(shards) - len(todo),
+                quantized_earlier=len(shards) - self.clocks["quantize"].shards,
+            ),
+            disk_plan=self.disk_plan,
+            executor=o.executor,
+            peak_source_bytes_on_disk=self.peak_source_bytes if o.executor == "local" else None,
+            stages={k: c.figures() for k, c in self.clocks.items()},
+            counts=TensorCounts(quantized=accounted["quantized"], kept=accounted["kept"], copied=accounted["copied"]),
+            mtp_layers=list(plan.layout.mtp_layers),
+            mtp_tensors=accounted["mtp_tensors"],
+            bytes_in=sum(s.source_size for s in plan.shards),
+            bytes_out=sum(s.output_size for s in plan.shards),
+            bytes_processed_now=self.clocks["quantize"].bytes,
+            downloaded_bytes=self.clocks["download"].bytes,
+            uploaded_bytes=self.clocks["upload"].bytes,
+            seconds=round(elapsed, 3),
+            tool_versions=tool_versions(),
+            notes=self.notes,
+        )

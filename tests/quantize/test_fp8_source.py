@@ -302,11 +302,11 @@ def test_quantize_compressed_tensors_fp8_equals_quantizing_the_bf16_it_stands_fo
     _write_reference_bf16(tmp_path / "fp8", tmp_path / "bf16")
     report = quantize_checkpoint(tmp_path / "fp8", tmp_path / "a", quiet=True, workers=2)
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "b", quiet=True, workers=1)
-    assert report["source_precision"] == "fp8 (e4m3, compressed-tensors, per-channel weight_scale)"
+    assert report.source_precision == "fp8 (e4m3, compressed-tensors, per-channel weight_scale)"
     fp8_weights = sum(i.dtype == "F8_E4M3" for i in Checkpoint.open(tmp_path / "fp8").tensor_infos().values())
-    assert report["fp8_scales_consumed"] == 2 * fp8_weights  # weight_scale and input_scale of each
-    kept_fp8 = [n for n in report["tensors"]["kept"] if not re.search(family_named("glm4_moe").fp8_bf16_weights, n)]
-    assert report["tensors"]["quantized"] and kept_fp8  # both fates of an FP8 weight are covered
+    assert report.fp8_scales_consumed == 2 * fp8_weights  # weight_scale and input_scale of each
+    kept_fp8 = [n for n in report.tensors["kept"] if not re.search(family_named("glm4_moe").fp8_bf16_weights, n)]
+    assert report.tensors["quantized"] and kept_fp8  # both fates of an FP8 weight are covered
     out = sorted((tmp_path / "a").glob("*.safetensors"))
     assert [p.name for p in out] == [p.name for p in sorted((tmp_path / "b").glob("*.safetensors"))]
     for p in out + [tmp_path / "a" / "config.json", tmp_path / "a" / "model.safetensors.index.json"]:
@@ -334,7 +334,7 @@ def test_quantize_per_tensor_compressed_tensors_fp8_equals_quantizing_the_bf16_i
     _write_reference_bf16(tmp_path / "fp8", tmp_path / "bf16")
     report = quantize_checkpoint(tmp_path / "fp8", tmp_path / "a", quiet=True)
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "b", quiet=True)
-    assert report["source_precision"] == "fp8 (e4m3, compressed-tensors, per-tensor weight_scale)"
+    assert report.source_precision == "fp8 (e4m3, compressed-tensors, per-tensor weight_scale)"
     for p in sorted((tmp_path / "b").glob("*.safetensors")) + [tmp_path / "b" / "config.json"]:
         assert p.read_bytes() == (tmp_path / "a" / p.name).read_bytes(), p.name
 
@@ -358,15 +358,15 @@ def test_quantize_fp8_equals_quantizing_its_dequantized_bf16(fp8_tiny, tmp_path)
     """Quantized weights: Quark-numerics MXFP4 of the reference dequantization; kept weights: that bf16; scales and
     the FP8 quantization_config gone; the report names the source precision."""
     report = quantize_checkpoint(fp8_tiny, tmp_path / "q", quiet=True, workers=1)
-    assert report["source_precision"].startswith("fp8") and report["fp8_scales_consumed"] > 0
+    assert report.source_precision.startswith("fp8") and report.fp8_scales_consumed > 0
     src, out = _tensors(fp8_tiny), _tensors(tmp_path / "q")
     assert not any(n.endswith("_scale_inv") for n in out) and not any(
         t.dtype == torch.float8_e4m3fn for t in out.values()
     )
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "quark" and "weight_block_size" not in json.dumps(config)
-    quantized = set(report["tensors"]["quantized"])
-    kept_fp8 = [n for n in report["tensors"]["kept"] if src[n].dtype == torch.float8_e4m3fn]
+    quantized = set(report.tensors["quantized"])
+    kept_fp8 = [n for n in report.tensors["kept"] if src[n].dtype == torch.float8_e4m3fn]
     assert quantized and kept_fp8
     for name in sorted(quantized)[:12] + kept_fp8:
         ref = src[name].to(torch.float32)
@@ -388,7 +388,7 @@ def test_quantize_fp8_is_bit_reproducible_across_workers_and_resume(fp8_tiny, tm
     first = sorted((tmp_path / "b").glob("*.safetensors"))[0]
     first.unlink()  # a shard lost: the rerun redoes it only
     again = quantize_checkpoint(fp8_tiny, tmp_path / "b", quiet=True, workers=2)
-    assert (again["shards"]["quantized_now"], again["shards"]["skipped_complete"]) == (1, again["shards"]["total"] - 1)
+    assert (again.shards.quantized_now, again.shards.skipped_complete) == (1, again.shards.total - 1)
     for p in sorted((tmp_path / "a").glob("*.safetensors")) + [
         tmp_path / "a" / "config.json",
         tmp_path / "a" / "model.safetensors.index.json",
@@ -520,7 +520,7 @@ def test_bf16_weights_under_an_fp8_config_are_a_bf16_source(tiny_ckpt, tmp_path)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QUANTIZATION_CONFIG}))
     stale = quantize_checkpoint(src, tmp_path / "a", quiet=True)
-    assert stale["source_precision"] == "bf16"
+    assert stale.source_precision == "bf16"
     quantize_checkpoint(tiny_ckpt, tmp_path / "b", quiet=True)
     for p in sorted((tmp_path / "b").glob("*.safetensors")) + [tmp_path / "b" / "config.json"]:
         assert p.read_bytes() == (tmp_path / "a" / p.name).read_bytes(), p.name

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
 from mxforge.quantize.mxfp4 import quantize_mxfp4
+from mxforge.quantize.result import QuantizeResult, ShardCounts
 from mxforge.quantize.run import quantize_checkpoint
 from mxforge.validation.validate import validate_checkpoint
 
@@ -24,13 +25,18 @@ def _files(d: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def quantized_tiny(tiny_ckpt, tmp_path_factory) -> tuple[Path, dict]:
+def quantized_tiny(tiny_ckpt, tmp_path_factory) -> tuple[Path, QuantizeResult]:
+    """The CLI's output and its --json report, read back as the typed result (the same document as the record)."""
     out = tmp_path_factory.mktemp("q") / "tiny-mxfp4"
     proc = run_cli(
         "quantize", str(tiny_ckpt), str(out), "--quiet", "--json", str(out.parent / "report.json"), check=True
     )
     assert "MXFP4" in proc.stdout
-    return out, json.loads((out.parent / "report.json").read_text())
+    written = json.loads((out.parent / "report.json").read_text())
+    assert written == json.loads((out / QUANTIZE_NAME).read_text())
+    report = QuantizeResult.from_dict(written)
+    assert report.as_dict() == written  # the typed result writes back the very document it was read from
+    return out, report
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +80,15 @@ def test_every_tiny_weight_bytes_equal_quark(tiny_ckpt):
 def test_every_source_tensor_accounted_for(tiny_ckpt, quantized_tiny):
     out, report = quantized_tiny
     source = Checkpoint.open(tiny_ckpt)
-    counts = report["counts"]
-    assert counts["quantized"] + counts["kept"] + counts["copied"] == len(source.weight_map)
-    listed = report["tensors"]["quantized"] + report["tensors"]["kept"] + report["tensors"]["copied"]
+    counts = report.counts
+    assert counts.quantized + counts.kept + counts.copied == len(source.weight_map)
+    listed = report.tensors["quantized"] + report.tensors["kept"] + report.tensors["copied"]
     assert sorted(listed) == sorted(source.weight_map)
     result = Checkpoint.open(out)
     mtp = f"model.layers.{source.config['num_hidden_layers']}."
-    assert report["mtp_tensors"] == sum(n.startswith(mtp) for n in source.weight_map) > 0
+    assert report.mtp_tensors == sum(n.startswith(mtp) for n in source.weight_map) > 0
     infos = result.tensor_infos()
-    for name in report["tensors"]["quantized"]:
+    for name in report.tensors["quantized"]:
         rows, cols = source.tensor_infos()[name].shape
         assert (infos[name].dtype, infos[name].shape) == ("U8", (rows, cols // 2))
         assert (infos[name + "_scale"].dtype, infos[name + "_scale"].shape) == ("U8", (rows, -(-cols // 32)))
@@ -102,7 +108,7 @@ def test_every_source_tensor_accounted_for(tiny_ckpt, quantized_tiny):
     }
     config = json.loads((out / "config.json").read_text())
     exclude = config["quantization_config"]["exclude"]
-    assert exclude == sorted(n.removesuffix(".weight") for n in report["tensors"]["kept"])
+    assert exclude == sorted(n.removesuffix(".weight") for n in report.tensors["kept"])
     assert f"{mtp}eh_proj" in exclude and "lm_head" in exclude and "model.embed_tokens" not in exclude
 
 
@@ -119,10 +125,10 @@ def test_provenance_and_side_files(tiny_ckpt, quantized_tiny):
 
 def test_mtp_bf16_recipe_keeps_whole_mtp_layer(tiny_ckpt, tmp_path):
     report = quantize_checkpoint(tiny_ckpt, tmp_path / "o", "glm-5.2-mxfp4-mtp-bf16", workers=1, quiet=True)
-    mtp = f"model.layers.{report['mtp_layers'][0]}."
+    mtp = f"model.layers.{report.mtp_layers[0]}."
     infos = Checkpoint.open(tmp_path / "o").tensor_infos()
     assert not [n for n, i in infos.items() if n.startswith(mtp) and i.dtype == "U8"]
-    assert report["mtp_tensors"] > 0 and report["counts"]["quantized"] > 0
+    assert report.mtp_tensors > 0 and report.counts.quantized > 0
 
 
 def test_deterministic_across_runs_and_worker_counts(tiny_ckpt, quantized_tiny, tmp_path):
@@ -137,18 +143,18 @@ def test_rerun_skips_complete_shards_and_redoes_stale_ones(tiny_ckpt, tmp_path):
     shutil.copytree(tiny_ckpt, src)
     out = tmp_path / "out"
     first = quantize_checkpoint(src, out, workers=1, quiet=True)
-    assert first["shards"] == {"total": 3, "quantized_now": 3, "skipped_complete": 0}
+    assert first.shards == ShardCounts(total=3, quantized_now=3, skipped_complete=0)
     again = quantize_checkpoint(src, out, workers=1, quiet=True)
-    assert again["shards"]["skipped_complete"] == 3
+    assert again.shards.skipped_complete == 3
     # a damaged output shard and a touched-but-identical source: only the damaged one is redone
     shard = sorted(out.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-10])
     (src / sorted(out.glob("*.safetensors"))[1].name).touch()
     third = quantize_checkpoint(src, out, workers=1, quiet=True)
-    assert third["shards"] == {"total": 3, "quantized_now": 1, "skipped_complete": 2}
+    assert third.shards == ShardCounts(total=3, quantized_now=1, skipped_complete=2)
     # another recipe: everything is stale
     fourth = quantize_checkpoint(src, out, "glm-5.2-mxfp4-mtp-bf16", workers=1, quiet=True)
-    assert fourth["shards"]["quantized_now"] == 3
+    assert fourth.shards.quantized_now == 3
     quantize_checkpoint(src, tmp_path / "fresh", "glm-5.2-mxfp4-mtp-bf16", workers=1, quiet=True)
     assert _files(out) == _files(tmp_path / "fresh")
 

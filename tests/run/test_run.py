@@ -91,6 +91,21 @@ def test_run_human_summary_and_local_source(tiny_ckpt, tmp_path):
         assert text in proc.stdout, proc.stdout
     state = json.loads((tmp_path / "run" / RUN_STATE_NAME).read_text())
     assert state["inputs"]["recipe"] == "glm-5.2-mxfp4"
+    # Each recorded stage reads back as its typed result and writes back the very document it was read from ...
+    from mxforge.run.pipeline import StageRecord
+
+    for name, recorded in state["stages"].items():
+        assert StageRecord.from_dict(name, recorded).as_dict() == recorded, name
+    # ... so a rerun, whose stages are all taken from the state file (validate excepted), sums them up the same.
+    again = run_cli("run", str(tiny_ckpt), str(tmp_path / "run"), "--quiet")
+    assert again.returncode == 0, again.stderr
+    assert "quantize  earlier" in again.stdout and "fixup     earlier" in again.stdout
+
+    def facts(text: str) -> list[str]:
+        return [ln for ln in text.splitlines() if ln.lstrip().startswith(("tensors:", "error", "fixups:", "engines:"))]
+
+    assert len(facts(proc.stdout)) == 4 and facts(again.stdout) == facts(proc.stdout)
+    assert "relative RMSE" in facts(proc.stdout)[1]
 
 
 def test_run_refuses_another_source_in_the_same_out(tiny_ckpt, tmp_path):

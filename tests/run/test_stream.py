@@ -12,7 +12,7 @@ import sys
 import threading
 
 import pytest
-from helpers import hub_env, pushed_files, run_cli
+from helpers import hub_env, pushed_files, run_cli, start_cli
 
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME, STREAM_STATE_NAME
 from mxforge.run.stream import choose_stream, plan_disk
@@ -344,3 +344,46 @@ def test_the_reported_disk_peak_counts_each_source_shard_once(tmp_path):
     run = StreamRun(StreamOptions("zai/x", False, bf16, tmp_path / "out", tmp_path / "state.json", None, limits=limits))
     shards = [_Shard(SimpleNamespace(name=n)) for n in ("a.safetensors", "b.safetensors", "sub/c.safetensors")]
     assert run._source_bytes_on_disk(shards) == 100 + 30 + 20
+
+
+def test_a_streamed_run_holds_the_lock_of_every_directory_it_writes(hub, tmp_path, tiny_ckpt):
+    """While a streamed run works in OUT, `mxforge quantize SRC OUT/mxfp4` (or a download into OUT/bf16) is refused
+    naming the run's pid; it used to run to completion inside the stream's output."""
+    from mxforge.dir_lock import directory_lock
+    from mxforge.errors import DirectoryInUse
+    from mxforge.quantize.run import quantize_checkpoint
+
+    reached, release = threading.Event(), threading.Event()
+
+    def stall(handler) -> None:  # hold the second shard's download until the test is done trying
+        if _whole_get(SHARDS[1])(handler):
+            reached.set()
+            release.wait(120)
+
+    hub.before["resolve"] = stall
+    out = tmp_path / "stream"
+    proc = start_cli(
+        "run",
+        "zai/glm-tiny",
+        str(out),
+        "--stream",
+        "--quiet",
+        "--workers",
+        "1",
+        "--in-flight",
+        "1",
+        env=hub_env(hub, tmp_path),
+    )
+    try:
+        assert reached.wait(300), "the streamed run never fetched its second shard"
+        with pytest.raises(DirectoryInUse, match=f"in use by pid {proc.pid}") as e:
+            quantize_checkpoint(tiny_ckpt, out / "mxfp4", quiet=True)
+        assert (e.value.path, e.value.pid) == (out / "mxfp4", proc.pid)
+        assert not (out / "mxfp4" / "config.json").exists()
+        with pytest.raises(DirectoryInUse):
+            with directory_lock(out / "bf16"):
+                pass
+    finally:
+        release.set()
+        stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout + stderr

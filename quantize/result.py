@@ -1,0 +1,181 @@
+"""What `mxforge quantize` returns and records: QuantizeResult, written as OUT/mxforge_quantize.json (`as_dict`,
+the same JSON document as before it was typed) and read back from it (`from_dict`: the run summary of a resumed
+run, the model card). A record written by an older mxforge, or missing a field, reads as None there ("not
+recorded"); a value of the wrong type reads as None too: a record is a description, never trusted input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+# Readers of a recorded JSON value, for the from_dict of every stage result: the value if of the type, else None.
+def read_str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def read_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def read_num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def read_obj(v: Any) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeRecord:
+    """The recipe a checkpoint was quantized with (quantize/recipe.py)."""
+
+    name: str | None
+    sha256: str | None
+    source: str | None  # the TOML's path, or the shipped recipe's name
+    scheme: str | None
+    scale_rule: str | None
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "sha256": self.sha256,
+            "source": self.source,
+            "scheme": self.scheme,
+            "scale_rule": self.scale_rule,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RecipeRecord:
+        d = read_obj(d)
+        return cls(**{k: read_str(d.get(k)) for k in ("name", "sha256", "source", "scheme", "scale_rule")})
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorCounts:
+    """Source tensors by fate: MXFP4, 2-D weights kept, others copied byte for byte."""
+
+    quantized: int
+    kept: int
+    copied: int
+
+    def as_dict(self) -> dict:
+        return {"quantized": self.quantized, "kept": self.kept, "copied": self.copied}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> TensorCounts | None:
+        d = read_obj(d)
+        values = {k: read_int(d.get(k)) for k in ("quantized", "kept", "copied")}
+        return None if None in values.values() else cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardCounts:
+    total: int
+    quantized_now: int
+    skipped_complete: int  # complete and still valid from an earlier run
+
+    def as_dict(self) -> dict:
+        return {"total": self.total, "quantized_now": self.quantized_now, "skipped_complete": self.skipped_complete}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ShardCounts | None:
+        d = read_obj(d)
+        values = {k: read_int(d.get(k)) for k in ("total", "quantized_now", "skipped_complete")}
+        return None if None in values.values() else cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(kw_only=True)
+class QuantizeResult:
+    """The quantize report (OUT/mxforge_quantize.json). Fields as in the JSON document, in its order."""
+
+    STAGE: ClassVar[str] = "quantize"
+    source: str | None  # SRC, resolved
+    out: str | None  # OUT, resolved
+    recipe: RecipeRecord
+    source_precision: str | None  # "bf16", or the FP8 layout read as bf16 (fp8_source.SourcePrecision.describe)
+    family: str | None  # the model family's title (mxforge.models)
+    device: str | None
+    workers: int | None
+    shards: ShardCounts | None
+    shards_sha256_from_download: int | None  # shards whose download-verified sha256 was reused, not recomputed
+    counts: TensorCounts | None
+    fp8_scales_consumed: int | None  # FP8 sources: weight and input scale tensors consumed, not written
+    mtp_layers: list[int] | None
+    mtp_tensors: int | None
+    bytes_in: int | None
+    bytes_out: int | None
+    bytes_processed_now: int | None
+    seconds: float | None
+    gb_per_s: float | None
+    tool_versions: dict[str, str] = field(default_factory=dict)
+    command: str | None = None
+    tensors: dict[str, list[str]] | None = None  # per fate, every tensor name (only in mxforge_quantize.json)
+    error: dict | None = None  # error_report.error_report(); None: not measured
+
+    def as_dict(self) -> dict:
+        out = {
+            "stage": self.STAGE,
+            "source": self.source,
+            "out": self.out,
+            "recipe": self.recipe.as_dict(),
+            "source_precision": self.source_precision,
+            "family": self.family,
+            "device": self.device,
+            "workers": self.workers,
+            "shards": self.shards.as_dict() if self.shards else None,
+            "shards_sha256_from_download": self.shards_sha256_from_download,
+            "counts": self.counts.as_dict() if self.counts else None,
+            "fp8_scales_consumed": self.fp8_scales_consumed,
+            "mtp_layers": self.mtp_layers,
+            "mtp_tensors": self.mtp_tensors,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "bytes_processed_now": self.bytes_processed_now,
+            "seconds": self.seconds,
+            "gb_per_s": self.gb_per_s,
+            "tool_versions": self.tool_versions,
+            "command": self.command,
+        }
+        if self.tensors is not None:
+            out["tensors"] = self.tensors
+        out["error"] = self.error
+        return out
+
+    def summary(self) -> QuantizeResult:
+        """The same without the per-tensor lists (what `mxforge run` keeps in its state file)."""
+        from dataclasses import replace
+
+        error = {k: v for k, v in self.error.items() if k != "tensors"} if self.error else self.error
+        return replace(self, tensors=None, error=error)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> QuantizeResult:
+        d = read_obj(d)
+        mtp = d.get("mtp_layers")
+        tensors = d.get("tensors")
+        return cls(
+            source=read_str(d.get("source")),
+            out=read_str(d.get("out")),
+            recipe=RecipeRecord.from_dict(d.get("recipe")),
+            source_precision=read_str(d.get("source_precision")),
+            family=read_str(d.get("family")),
+            device=read_str(d.get("device")),
+            workers=read_int(d.get("workers")),
+            shards=ShardCounts.from_dict(d.get("shards")),
+            shards_sha256_from_download=read_int(d.get("shards_sha256_from_download")),
+            counts=TensorCounts.from_dict(d.get("counts")),
+            fp8_scales_consumed=read_int(d.get("fp8_scales_consumed")),
+            mtp_layers=[i for i in mtp if read_int(i) is not None] if isinstance(mtp, list) else None,
+            mtp_tensors=read_int(d.get("mtp_tensors")),
+            bytes_in=read_int(d.get("bytes_in")),
+            bytes_out=read_int(d.get("bytes_out")),
+            bytes_processed_now=read_int(d.get("bytes_processed_now")),
+            seconds=read_num(d.get("seconds")),
+            gb_per_s=read_num(d.get("gb_per_s")),
+            tool_versions={k: v for k, v in read_obj(d.get("tool_versions")).items() if isinstance(v, str)},
+            command=read_str(d.get("command")),
+            tensors=tensors if isinstance(tensors, dict) else None,
+            error=d.get("error") if isinstance(d.get("error"), dict) else None,
+        )

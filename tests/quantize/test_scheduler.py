@@ -1,0 +1,134 @@
+"""The one shard scheduler (quantize/scheduler.py) on its own: shards move through steps within each step's bounds,
+the first failure (or Ctrl-C, seen within a wait slice) interrupts every lane and abandons every shard's half-done
+work, and a worker process that dies is one MxforgeError. The modes that use it are tested end to end in
+test_quantize_resume.py, tests/run/test_stream.py and tests/run/test_run.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from mxforge.errors import MxforgeError
+from mxforge.quantize.scheduler import (
+    SLICE_SECONDS,
+    WORKER_DIED,
+    Inline,
+    ShardScheduler,
+    ShardWorkers,
+    Step,
+    Threads,
+)
+
+
+class Probe:
+    """Counts how many shards run a step at once."""
+
+    def __init__(self):
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+
+    def work(self, shard, seconds: float = 0.02):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(seconds)
+        with self.lock:
+            self.now -= 1
+        return shard * 10
+
+
+def test_shards_move_through_the_steps_within_each_bound():
+    fetch, crunch, log = Probe(), Probe(), []
+    steps = [
+        Step(
+            "fetch",
+            Threads(4, "fetch"),
+            fetch.work,
+            done=lambda s, r: "crunch",
+            admit=lambda s: sched.busy("fetch") < 2,
+        ),
+        Step(
+            "crunch",
+            Threads(4, "crunch"),
+            crunch.work,
+            args=lambda s, fetched: (s if fetched is None else fetched,),  # what the step before returned, if any
+            done=lambda s, r: log.append((s, r)),
+        ),
+    ]
+    sched: ShardScheduler[int] = ShardScheduler(steps)
+    sched.run(list(range(8)), lambda s: "fetch" if s % 2 else "crunch")  # even shards start further on
+    assert fetch.most == 2 and crunch.most <= 4
+    assert sorted(log) == sorted((s, s * 100 if s % 2 else s * 10) for s in range(8))
+
+
+def test_the_first_failure_interrupts_every_lane_and_abandons_every_shard():
+    interrupted, abandoned = threading.Event(), []
+    slow = Threads(2, "slow", on_interrupt=interrupted.set)
+
+    def work(shard):
+        if shard == 3:
+            raise MxforgeError("shard 3 is broken", shard=str(shard))
+        interrupted.wait(30)  # a transfer that stops when its lane is interrupted
+        return shard
+
+    steps = [
+        Step("slow", slow, work, done=lambda s, r: None, abandon=abandoned.append),
+        Step("fails", Inline(), work, done=lambda s, r: None),
+    ]
+    started = time.monotonic()
+    with pytest.raises(MxforgeError, match="shard 3 is broken") as e:
+        ShardScheduler(steps).run([1, 2, 3], lambda s: "fails" if s == 3 else "slow")
+    assert e.value.shard == "3" and interrupted.is_set() and sorted(abandoned) == [1, 2, 3]
+    assert time.monotonic() - started < 10
+
+
+def test_ctrl_c_is_seen_within_a_wait_slice_and_abandons_the_shards():
+    abandoned = []
+    steps = [
+        Step(
+            "sleep",
+            Threads(1, "sleep"),
+            time.sleep,
+            args=lambda s, _: (3,),
+            done=lambda s, r: None,
+            abandon=abandoned.append,
+        )
+    ]
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ShardScheduler(steps).run(["a"], lambda s: "sleep")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    # the sleeping thread is not waited for (Threads does not wait on failure): the run ends at once
+    assert time.monotonic() - started < 0.3 + 4 * SLICE_SECONDS and abandoned == ["a"]
+
+
+def _die(_job):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_process_that_dies_is_one_error_saying_what_to_do(tiny_ckpt):
+    from mxforge.checkpoint import Checkpoint
+    from mxforge.quantize.plan import plan_checkpoint
+    from mxforge.quantize.recipe import load_recipe
+    from mxforge.quantize.shard_job import ShardJob
+
+    plan = plan_checkpoint(Checkpoint.open(tiny_ckpt), load_recipe(None))
+    jobs = [ShardJob(str(tiny_ckpt), "/nonexistent", s) for s in plan.shards]
+    workers = ShardWorkers(2, jobs)
+    assert workers.forks
+    with pytest.raises(MxforgeError) as e:
+        ShardScheduler([Step("die", workers, _die, done=lambda s, r: None)]).run(jobs, lambda j: "die")
+    assert str(e.value) == WORKER_DIED
