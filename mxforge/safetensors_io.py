@@ -255,8 +255,8 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
     """
     from mxforge.json_input import check_depth
 
-    def corrupt(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: safetensors header {why}; the shard is corrupt", path=path)
+    def corrupt(why: str, tensor: str | None = None) -> CheckpointError:
+        return CheckpointError(f"{path}: safetensors header {why}; the shard is corrupt", path=path, tensor=tensor)
 
     # Every tensor entry is an object inside the header's: an upper bound on the entries, known before parsing.
     declared = max(raw.count(b"{") - 1, 0)
@@ -300,12 +300,12 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
             metadata = dict(value)
             continue
         if not isinstance(value, _Pairs):
-            raise corrupt(f"entry for tensor {name!r} is not an object ({_short(value)})")
+            raise corrupt(f"entry for tensor {name!r} is not an object ({_short(value)})", name)
         keys = [k for k, _ in value if k in _ENTRY_FIELDS]
         missing = [k for k in _ENTRY_FIELDS if k not in keys]
         if missing or len(keys) != len(set(keys)):
             what = f"lacks {missing}" if missing else "repeats a field"
-            raise corrupt(f"entry for tensor {name!r} {what} ({_short(value)})")
+            raise corrupt(f"entry for tensor {name!r} {what} ({_short(value)})", name)
         entries[name] = value  # a tensor named twice: the last entry counts, as in safetensors
     data_start = 8 + len(raw)
     tensors: dict[str, TensorInfo] = {}
@@ -313,30 +313,38 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
         fields = dict(value)
         dtype, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
         if type(dtype) is not str or dtype not in SAFETENSORS_DTYPE_BITS:
-            raise corrupt(f"gives tensor {name!r} the unknown dtype {_short(dtype)}")
+            raise corrupt(f"gives tensor {name!r} the unknown dtype {_short(dtype)}", name)
         if not _uints(shape):
-            raise corrupt(f"gives tensor {name!r} a shape that is not a list of unsigned integers ({_short(shape)})")
+            raise corrupt(
+                f"gives tensor {name!r} a shape that is not a list of unsigned integers ({_short(shape)})", name
+            )
         if not _uints(offsets) or len(offsets) != 2:
-            raise corrupt(f"gives tensor {name!r} data_offsets that are not two unsigned integers ({_short(offsets)})")
+            raise corrupt(
+                f"gives tensor {name!r} data_offsets that are not two unsigned integers ({_short(offsets)})", name
+            )
         numel = 1
         for d in shape:
             numel *= d
             if numel > U64_MAX:
-                raise corrupt(f"gives tensor {name!r} a shape {shape} whose size overflows 64 bits")
+                raise corrupt(f"gives tensor {name!r} a shape {shape} whose size overflows 64 bits", name)
         bits = numel * SAFETENSORS_DTYPE_BITS[dtype]
         if bits % 8:
-            raise corrupt(f"gives tensor {name!r} ({dtype}{shape}) a size that is not a whole number of bytes")
+            raise corrupt(f"gives tensor {name!r} ({dtype}{shape}) a size that is not a whole number of bytes", name)
         begin, end = offsets
         if dtype not in DTYPE_SIZE:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has dtype {dtype}, which mxforge does not read "
-                f"(it reads {', '.join(DTYPE_SIZE)})"
+                f"(it reads {', '.join(DTYPE_SIZE)})",
+                path=path,
+                tensor=name,
             )
         info = TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
         if end >= begin and info.nbytes != bits // 8:
             raise CheckpointError(
                 f"{path}: tensor {name!r} header says {dtype}{list(shape)} ({bits // 8} bytes) "
-                f"but its data_offsets span {end - begin} bytes: the header lies; the shard is corrupt"
+                f"but its data_offsets span {end - begin} bytes: the header lies; the shard is corrupt",
+                path=path,
+                tensor=name,
             )
         tensors[name] = info
     budget.refund_tensors(declared - len(tensors))
