@@ -230,8 +230,9 @@ class Pipeline:
         from mxforge.hub.session import HubLimits, use_hub_limits
         from mxforge.run.stream import choose_stream
 
-        use_hub_limits(o.hub_limits or HubLimits.resolve())
-        _, files = remote_files(HfApi(), o.source, o.revision)
+        limits = o.hub_limits or HubLimits.resolve()
+        use_hub_limits(limits)
+        _, files = remote_files(HfApi(), o.source, o.revision, limits)
         source = sum(f.size for f in files)
         self.out.mkdir(parents=True, exist_ok=True)
         _, free = free_space(self.out)

@@ -174,13 +174,14 @@ class StreamRun:
         from huggingface_hub import HfApi
 
         from mxforge.hub.download import fetch_verified, remote_files, source_record_entry, write_source_record
-        from mxforge.hub.session import use_hub_limits
+        from mxforge.hub.session import fresh_connections, use_hub_limits
         from mxforge.hub.source import HubSource
         from mxforge.safe_paths import check_remote_name
 
         use_hub_limits(o.limits)
+        fresh_connections()
         self.api = api = HfApi()
-        commit, files = remote_files(api, o.source, o.revision)
+        commit, files = remote_files(api, o.source, o.revision, o.limits)
         for f in files:
             check_remote_name(f.name, f"{o.source}@{o.revision}")
         self.commit = commit
@@ -278,7 +279,7 @@ class StreamRun:
         if o.push_repo and todo:  # the repo (empty until push's commit) must exist to receive objects
             from mxforge.hub.push import prepare_repo
 
-            self._hub_call(lambda: prepare_repo(self.api_for_push(), o.push_repo, o.branch, o.private))
+            self._hub_call(lambda: prepare_repo(self.api_for_push(), o.push_repo, o.branch, o.private, o.limits))
         if todo and o.executor == "ray":
             from mxforge.run.ray_executor import run_on_ray
 
