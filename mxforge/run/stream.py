@@ -32,7 +32,7 @@ from mxforge.disk_space import free_space, require_free_space
 from mxforge.errors import CheckpointError, MxforgeError
 from mxforge.file_hashes import FileHash, HashCache, file_hash
 from mxforge.progress import byte_progress, format_bytes
-from mxforge.provenance import QUANTIZE_STATE_NAME
+from mxforge.provenance import QUANTIZE_STATE_NAME, SOURCE_NAME, carried_files, carried_from, fetched_patterns
 from mxforge.safetensors_io import partial_path, read_header, write_json_atomic
 
 if TYPE_CHECKING:  # annotations only: the Hub and the quantizer are imported when a run needs them
@@ -170,7 +170,11 @@ class StreamRun:
         """(checkpoint with every header, remote files by name or None, commit or None)."""
         o = self.o
         if o.local:
-            return Checkpoint.open(o.bf16_dir, o.follow_symlinks), None, None
+            ckpt = Checkpoint.open(o.bf16_dir, o.follow_symlinks)
+            self.carried = carried_from(o.bf16_dir, ckpt.shard_names)
+            written = [o.bf16_dir / n for n in (*self.carried.names, "config.json", INDEX_NAME)]
+            self.side_bytes = {"fetched": 0, "copied": sum(p.stat().st_size for p in written if p.is_file())}
+            return ckpt, None, None
         from huggingface_hub import HfApi
 
         from mxforge.hub.download import fetch_verified, remote_files, source_record_entry, write_source_record
@@ -186,16 +190,26 @@ class StreamRun:
             check_remote_name(f.name, f"{o.source}@{o.revision}")
         self.commit = commit
         o.bf16_dir.mkdir(parents=True, exist_ok=True)
-        small = [f for f in files if not f.name.endswith(".safetensors")]
-        hashes = {f.name: fetch_verified(api, o.source, commit, o.bf16_dir, f, o.limits) for f in small}
-        ckpt = Checkpoint.open(o.bf16_dir)  # config.json and the index, downloaded and verified just now
         by_name = {f.name: f for f in files}
+        first = [by_name[n] for n in ("config.json", INDEX_NAME) if n in by_name]
+        hashes = {f.name: fetch_verified(api, o.source, commit, o.bf16_dir, f, o.limits) for f in first}
+        ckpt = Checkpoint.open(o.bf16_dir)  # config.json and the index, downloaded and verified just now
         missing = [s for s in ckpt.shard_names if s not in by_name]
         if missing:
             raise MxforgeError(
                 f"{o.source}@{commit[:12]}: {INDEX_NAME} names shard {missing[0]!r}, which the repo does "
                 f"not hold ({len(missing)} such); the source repo is incomplete"
             )
+        # Only what the product carries is fetched (besides the shards); the rest is named once, not downloaded.
+        shards = set(ckpt.shard_names)
+        self.carried = carried_files([n for n in by_name if n not in shards])
+        small = [*first, *(by_name[n] for n in self.carried.names)]
+        later = small[len(first) :]
+        hashes.update({f.name: fetch_verified(api, o.source, commit, o.bf16_dir, f, o.limits) for f in later})
+        fetched = sum(f.size for f in small)
+        self.side_bytes = {"fetched": fetched, "copied": fetched}  # each one is copied into OUT/mxfp4 (or rewritten)
+        fetching = {f.name for f in small} | shards
+        files = [f for f in files if f.name in fetching]  # what this run fetches, as its source record says
         headers = {}
         for name in ckpt.shard_names:
             local = o.bf16_dir / name
@@ -225,7 +239,7 @@ class StreamRun:
             o.revision,
             commit,
             [source_record_entry(f, hashes[f.name]) for f in files],
-            None,
+            fetched_patterns(),  # what a run fetches, as the sequential run's download records it
             None,
             o.command,
         )
@@ -245,7 +259,6 @@ class StreamRun:
             _remove_strays,
             default_workers,
             finish_checkpoint,
-            side_files,
             write_provenance,
         )
         from mxforge.quantize.state import ResumeState, tool_versions
@@ -258,7 +271,10 @@ class StreamRun:
         self.recipe = recipe
         plan = plan_checkpoint(ckpt, recipe)
         plan.refuse_cross_shard_scales("a streamed run deletes each source shard once it is quantized")
-        to_copy = side_files(o.bf16_dir)
+        to_copy = self.carried.names + ([] if o.local else [SOURCE_NAME])  # the source record _open_source wrote
+        note = self.carried.note()
+        if note:
+            self._say(note)
         check_out_dir(o.bf16_dir, o.mxfp4_dir, QUANTIZE_STATE_NAME, "quantize")
         o.mxfp4_dir.mkdir(parents=True, exist_ok=True)
         qstate = ResumeState(o.mxfp4_dir, recipe.sha256, tool_versions(), recipe.scale_rule)
@@ -347,13 +363,14 @@ class StreamRun:
     def _check_disk(self, plan, shards: list[_Shard], in_flight: int) -> None:
         o = self.o
         output = sum(s.output_size for s in plan.shards)
-        peak = plan_disk(
+        side = self.side_bytes["fetched"] + self.side_bytes["copied"]  # config, index, carried files and copies
+        peak = side + plan_disk(
             output,
             [] if o.local else [s.plan.source_size for s in shards if s.step in ("download", "quantize")],
             in_flight,
         )
         have = sum((o.mxfp4_dir / s.plan.name).stat().st_size for s in shards if s.step in ("upload", "done")) + (
-            0 if o.local else sum(s.plan.source_size for s in shards if s.verified)
+            0 if o.local else sum(s.plan.source_size for s in shards if s.verified) + self.side_bytes["fetched"]
         )
         _, free = free_space(o.mxfp4_dir)
         source = sum(s.plan.source_size for s in shards)
@@ -361,13 +378,15 @@ class StreamRun:
             "source_bytes": source,
             "output_bytes": output,
             "in_flight_source_shards": in_flight,
+            "side_file_bytes": side,
             "peak_bytes": peak,
             "on_disk_bytes": have,
             "free_bytes": free,
         }
         self._say(
             f"streaming {len(shards)} shard(s), at most {in_flight} bf16 shard(s) on disk at once: peak disk "
-            f"{format_bytes(peak)} (output {format_bytes(output)} + source shards in flight), against "
+            f"{format_bytes(peak)} (output {format_bytes(output)} + source shards in flight + {format_bytes(side)} "
+            "of config, index and carried files with their copies), against "
             f"{format_bytes(source)} of source; {format_bytes(free)} free"
         )
         require_free_space(
