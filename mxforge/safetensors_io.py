@@ -359,10 +359,9 @@ def parse_header(path, raw: bytes, file_size: int, budget: HeaderBudget | None =
             )
         cursor = info.end
     if cursor != file_size:
-        what = "truncated" if cursor > file_size else "has trailing bytes"
+        what = "is truncated" if cursor > file_size else "has trailing bytes"
         raise CheckpointError(
-            f"{path}: header describes {cursor} bytes but the file has {file_size}: the shard is {what}; "
-            "re-download it",
+            f"{path}: header describes {cursor} bytes but the file has {file_size}: the shard {what}; re-download it",
             path=path,
         )
     return ShardHeader(path, tensors, metadata, data_start, file_size)

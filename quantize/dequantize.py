@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
+from mxforge.checkpoint import Checkpoint, write_index
 from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.errors import CheckpointError
 from mxforge.progress import byte_progress
-from mxforge.provenance import DEQUANTIZE_NAME, WRITTEN_FILES, recorded_command
+from mxforge.provenance import DEQUANTIZE_NAME, carried_from, recorded_command
 from mxforge.quantize.mxfp4 import dequantize_rows
-from mxforge.quantize.run import drop_quantization_config, side_files
+from mxforge.quantize.run import drop_quantization_config
 from mxforge.safe_paths import refuse_links_leaving
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
@@ -34,8 +35,6 @@ CHUNK_BYTES = 16 << 20
 SCALE_SUFFIX = "_scale"
 E8M0_NAN = 0xFF  # OCP MX v1.0: the E8M0 code 0xFF is NaN, and a block with a NaN scale is NaN in every element
 MX_BLOCK = 32
-# Not carried over: what describes the MXFP4 checkpoint (its provenance, state, backups, card), not this one.
-NOT_COPIED = {INDEX_NAME, "config.json", "README.md", *WRITTEN_FILES}
 
 
 def mxfp4_pairs(infos: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
@@ -81,7 +80,8 @@ def dequantize_checkpoint(
         raise CheckpointError(
             f"{src}: holds no MXFP4 weight (uint8 X.weight with X.weight_scale): nothing to dequantize", path=src
         )
-    to_copy = side_files(src, NOT_COPIED)
+    carried = carried_from(src, ckpt.shard_names, {"README.md": "the MXFP4 checkpoint's model card"})
+    to_copy = carried.names
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     check_out_dir(src, out, DEQUANTIZE_NAME, "dequantize")
     out.mkdir(parents=True, exist_ok=True)
@@ -128,6 +128,9 @@ def dequantize_checkpoint(
         write_index(out, weight_map, index_total)
         for name in to_copy:
             copy_atomic(src / name, out / name)
+        note = carried.note()
+        if note and not quiet:
+            print(f"mxforge dequantize: {note}", file=sys.stderr)
         config = copy.deepcopy(ckpt.config)
         drop_quantization_config(config)
         write_json_atomic(out / "config.json", config)

@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 from pathlib import Path
 
-from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
+from mxforge.checkpoint import Checkpoint, write_index
 from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.disk_space import require_free_space
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.progress import byte_progress
-from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME, recorded_command, source_hashes
+from mxforge.provenance import (
+    QUANTIZE_NAME,
+    QUANTIZE_STATE_NAME,
+    SOURCE_NAME,
+    carried_from,
+    recorded_command,
+    source_hashes,
+)
 from mxforge.quantize.error_report import error_report
 from mxforge.quantize.plan import QuantizePlan, ShardPlan, plan_checkpoint
 from mxforge.quantize.recipe import Recipe, load_recipe
@@ -28,8 +36,6 @@ from mxforge.quantize.shard_job import ShardJob, ShardResult
 from mxforge.quantize.state import ResumeState, tool_versions
 from mxforge.safe_paths import refuse_links_leaving
 from mxforge.safetensors_io import copy_atomic, read_header, write_json_atomic
-
-NOT_COPIED = {INDEX_NAME, QUANTIZE_STATE_NAME, QUANTIZE_NAME, "config.json"}  # config.json is rewritten
 
 
 def default_workers(shards: int) -> int:
@@ -54,8 +60,13 @@ def quantize_checkpoint(
     follow_symlinks: bool = False,
     scale_rule: str | None = None,
     measure_errors: bool = True,
+    source_record_is_ours: bool = False,
 ) -> QuantizeResult:
     """Quantize checkpoint `src` into `out` with `recipe`; returns the report (also in OUT/mxforge_quantize.json).
+
+    OUT carries SRC's non-weight files that provenance.carried_files allows; `source_record_is_ours`: SRC's
+    mxforge_source.json was written by the caller's own download of SRC for this product (mxforge run), so OUT
+    carries it too (no other mxforge record, state or backup is ever taken from SRC).
 
     `scale_rule` (scale_rules.py) overrides the recipe's. The report's "error" section is measured while
     quantizing (error_report.py); `measure_errors=False` skips that (None), only to measure its cost.
@@ -78,12 +89,13 @@ def quantize_checkpoint(
         raise ConfigError(f"--workers must be at least 1, got {workers}", entry="--workers")
     ckpt = Checkpoint.open(src, follow_symlinks)
     recipe = (recipe or load_recipe(None, ckpt.config)).with_scale_rule(scale_rule)  # None: the family's default
-    to_copy = side_files(src)
+    carried = carried_from(src, ckpt.shard_names, ours=[SOURCE_NAME] if source_record_is_ours else [])
+    to_copy = carried.names
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     plan = plan_checkpoint(ckpt, recipe)
     check_out_dir(src, out, QUANTIZE_STATE_NAME, "quantize")
     with directory_lock(out):
-        return _quantize_into(
+        report = _quantize_into(
             src,
             out,
             recipe=recipe,
@@ -97,6 +109,10 @@ def quantize_checkpoint(
             command=command,
             measure_errors=measure_errors,
         )
+    note = carried.note()
+    if note and not quiet:
+        print(f"mxforge quantize: {note}", file=sys.stderr)
+    return report
 
 
 def _quantize_into(
@@ -295,19 +311,6 @@ def _write_index(plan: QuantizePlan, out: Path) -> None:
     weight_map = {o.name: s.name for s in plan.shards for t in s.tensors for o in t.outputs()}
     total = sum(o.nbytes for s in plan.shards for t in s.tensors for o in t.outputs())
     write_index(out, weight_map, total)
-
-
-def side_files(src: Path, not_copied=NOT_COPIED) -> list[str]:
-    """Top-level non-weight files to copy (tokenizer, generation config, provenance...), not hidden ones, state,
-    unfinished files or `not_copied`."""
-    return [
-        p.name
-        for p in sorted(src.iterdir())
-        if p.is_file()
-        and not (
-            p.name.startswith(".") or p.suffix == ".safetensors" or p.name in not_copied or p.name.endswith(".partial")
-        )
-    ]
 
 
 def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -> None:

@@ -29,8 +29,10 @@ Errors carry the Hub's headers (`X-Error-Code: RepoNotFound | RevisionNotFound |
 
 Fault injection (attributes of `LoopbackHub`, for tests): `drop_at` cuts a download off at a byte offset,
 `corrupt` serves flipped bytes, `reported_size` makes metadata claim another size, `misreport_sha256`
-makes metadata claim another LFS sha256, `fail_commits` refuses that many commits. `requests` logs (method, path,
-Range) of every request.
+makes metadata claim another LFS sha256, `fail_commits` refuses that many commits, `fail[route] = (status, n)`
+answers a route with that HTTP status n times (-1: always; e.g. a transient 500), `lose_answer[route] = n` does
+what the request asks, then drops the connection without answering (a commit whose answer was lost).
+`requests` logs (method, path, Range) of every request.
 
 Tampering (a hostile Hub, for tests): `add_file` serves any file name (`../x`, `/abs`, a backslash, NUL...);
 `short_body` answers with at most N bytes and a Content-Length that says so; `long_body` sends N bytes more
@@ -40,7 +42,10 @@ then stops; `stall` holds any route named in it (`repo_info`, `HEAD resolve`, `G
 `lfs_batch`, `commit`, ...) without answering until the hub stops; `redirect_resolve` answers file requests
 with a 302 to the same path on a second server on another port of 127.0.0.1 (`mirror_requests` logs what
 reached it, with whether an Authorization header came along); `before[route]` runs a callback when a
-route is hit (e.g. to change a local file in the middle of a push).
+route is hit (e.g. to change a local file in the middle of a push; one that returns True has answered the
+request itself: a hostile answer, an HTTP 500); `hold_after[route]` answers that route N times normally,
+each time keeping the keep-alive connection open and never answering the next request sent on it.
+A route is named alone (`resolve`) or with its method (`HEAD resolve`) in `stall`, `before` and `hold_after`.
 
 Bandwidth (benchmarks): `pace["down"].rate` / `pace["up"].rate` limit file downloads / request bodies to that
 many bytes/s, shared by all connections as one link would; `bytes_sent` / `bytes_received` count them.
@@ -55,6 +60,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import io
 import json
 import re
 import socket
@@ -204,6 +210,8 @@ class LoopbackHub:
         self.reported_size: dict[str, int] = {}  # path -> size claimed by the metadata
         self.misreport_sha256: set[str] = set()  # paths whose metadata claims another LFS sha256
         self.fail_commits = 0  # refuse this many commits (409) before accepting
+        self.fail: dict[str, tuple[int, int]] = {}  # route -> (HTTP status, times; -1: every time) answered instead
+        self.lose_answer: dict[str, int] = {}  # route -> times (-1: always): done, then dropped unanswered
         self.requests: list[tuple[str, str, str | None]] = []
         # Tampering.
         self.short_body: dict[str, int] = {}  # path -> at most this many bytes per answer
@@ -213,7 +221,9 @@ class LoopbackHub:
         self.stall: set[str] = set()  # route names held without an answer
         self.redirect_resolve = False  # file requests -> 302 to the mirror server
         self.mirror_requests: list[tuple[str, str, bool]] = []  # (method, path, Authorization sent) at the mirror
-        self.before: dict[str, object] = {}  # route name -> callable(handler) run first
+        self.before: dict[str, object] = {}  # route name -> callable(handler) run first; True: it answered itself
+        self.hold_after: dict[str, int] = {}  # route name -> times: answer it, then never answer that connection again
+        self.held_connections = 0  # connections whose next request was held (hold_after)
         # A link of limited bandwidth (benchmarks): bytes/s per direction, shared by every connection (None: unlimited).
         self.pace = {"down": _Pacer(None), "up": _Pacer(None)}
         self.bytes_sent = 0  # file bytes served by resolve (downloads)
@@ -423,14 +433,27 @@ class _HubHandler(BaseHTTPRequestHandler):
             for route_method, pattern, name in ROUTES:
                 m = pattern.match(url.path)
                 if m and route_method == method and (name == "resolve" or not self.mirror):
-                    if name in hub.before:
-                        hub.before[name](self)
-                    if name in hub.stall or f"{method} {name}" in hub.stall:
+                    keys = (name, f"{method} {name}")
+                    hooks = [hub.before[k] for k in keys if k in hub.before]
+                    if any([hook(self) for hook in hooks]):
+                        return self._held_after(keys)  # a callback answered the request itself
+                    if any(k in hub.stall for k in keys):
                         return self._hold()
+                    if self._injected_failure(keys):
+                        return None
                     if name == "resolve" and hub.redirect_resolve and not self.mirror:
                         return self._send_json({}, 302, {"Location": hub.mirror_endpoint + self.path})
                     params = {k: unquote(v) for k, v in m.groupdict().items() if v is not None}
-                    return getattr(self, f"h_{name}")(body=body, **params)
+                    if self._take(hub.lose_answer, keys):  # done, but the answer never reaches the client
+                        self.wfile, sent = io.BytesIO(), self.wfile
+                        try:
+                            getattr(self, f"h_{name}")(body=body, **params)
+                        finally:
+                            self.wfile = sent
+                        self.close_connection = True
+                        return self.connection.shutdown(socket.SHUT_RDWR)
+                    getattr(self, f"h_{name}")(body=body, **params)
+                    return self._held_after(keys)
             raise HubError(404, f"no route for {method} {url.path}")
         except HubError as e:
             self._send_json({"error": e.message}, e.status, {"X-Error-Code": e.code, "X-Error-Message": e.message})
@@ -438,6 +461,44 @@ class _HubHandler(BaseHTTPRequestHandler):
             pass
         except Exception as e:  # a bug here must answer 500, not hang the client
             self._send_json({"error": f"loopback hub: {type(e).__name__}: {e}"}, 500)
+
+    def _take(self, switch: dict[str, int], keys: tuple[str, ...]) -> bool:
+        """Whether a per-route countdown switch (-1: always) applies to this request; counts it down."""
+        with self.hub.lock:
+            key = next((k for k in keys if switch.get(k)), None)
+            if key is not None and switch[key] > 0:
+                switch[key] -= 1
+        return key is not None
+
+    def _injected_failure(self, keys: tuple[str, ...]) -> bool:
+        """Answer the HTTP error `fail` holds for this route (counting it down); False when there is none."""
+        with self.hub.lock:
+            key = next((k for k in keys if self.hub.fail.get(k, (0, 0))[1]), None)
+            if key is None:
+                return False
+            status, times = self.hub.fail[key]
+            self.hub.fail[key] = (status, times - 1 if times > 0 else times)
+        self._send_json({"error": f"injected HTTP {status}"}, status)
+        return True
+
+    def _held_after(self, keys: tuple[str, ...]) -> None:
+        """After an answer to a route in `hold_after`: the connection stays open and its next request is never
+        answered (a server holding a keep-alive connection)."""
+        with self.hub.lock:
+            for k in keys:
+                left = self.hub.hold_after.get(k, 0)
+                if left and not self.close_connection:
+                    self.hub.hold_after[k] = left - 1
+                    self._hold_next = True
+                    return
+
+    def handle_one_request(self) -> None:
+        if getattr(self, "_hold_next", False):  # see _held_after: whatever comes next on this connection waits
+            self._hold_next = False
+            with self.hub.lock:
+                self.hub.held_connections += 1
+            return self._hold()
+        super().handle_one_request()
 
     def _hold(self) -> None:
         """Answer nothing until the hub stops (a stalled server), then drop the connection."""

@@ -37,7 +37,8 @@ def add_hub_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="attempts at a file that bring no new byte before giving up (default: MXFORGE_HUB_RETRIES, else 5)",
+        help="attempts after a transient Hub failure (HTTP 5xx / 429, a dropped or silent connection), and at a "
+        "file that bring no new byte, before giving up (default: MXFORGE_HUB_RETRIES, else 5)",
     )
 
 

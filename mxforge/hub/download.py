@@ -25,8 +25,9 @@ from mxforge.dir_lock import directory_lock
 from mxforge.disk_space import require_free_space
 from mxforge.errors import HubVerificationError, MxforgeError
 from mxforge.file_hashes import FileHash, HashCache, file_hash, hash_files
+from mxforge.hub.api import repo_info
 from mxforge.hub.errors import check_repo_id, checked_commit, hub_endpoint, raise_as_hub_error
-from mxforge.hub.session import HubLimits, use_hub_limits
+from mxforge.hub.session import HubLimits, fresh_connections, use_hub_limits
 from mxforge.hub.transfer import CANCEL, PARTIAL_DIR, fetch_file, kept_partial_bytes
 from mxforge.progress import byte_progress, format_bytes
 from mxforge.provenance import SOURCE_NAME, recorded_command
@@ -74,18 +75,18 @@ class DownloadResult:
         }
 
 
-def remote_files(api: HfApi, repo_id: str, revision: str) -> tuple[str, list[RemoteFile]]:
-    """(commit sha, files with size and hashes) of a repo at a revision.
+def remote_files(
+    api: HfApi, repo_id: str, revision: str, limits: HubLimits | None = None
+) -> tuple[str, list[RemoteFile]]:
+    """(commit sha, files with size and hashes) of a repo at a revision (api.repo_info: retried, bounded).
 
     Raises:
-        HubError: missing/gated repo, unknown revision, unreachable Hub, no answer in time (hub_session).
+        HubError: missing/gated repo, unknown revision, unreachable Hub, no answer in time (hub_session), a list
+            longer than api.MAX_LISTED_FILES.
         MxforgeError: the metadata lists a file twice or with a negative size.
     """
-    try:
-        info = api.model_info(repo_id, revision=revision, files_metadata=True)
-    except Exception as e:
-        raise_as_hub_error(e, repo_id=repo_id, revision=revision, action="read the file list of")
-        raise
+    limits = limits or HubLimits.resolve()
+    info = repo_info(api, repo_id, revision, limits, files_metadata=True, action="read the file list of")
     files = [
         RemoteFile(s.rfilename, int(s.size or 0), s.lfs.sha256 if s.lfs else None, s.blob_id)
         for s in info.siblings or []
@@ -368,8 +369,9 @@ def download(
         raise MxforgeError(f"{dest}: exists and is not a directory; pass a directory for DEST", path=dest)
     limits = limits or HubLimits.resolve()
     use_hub_limits(limits)
+    fresh_connections()
     api = HfApi()
-    commit, files = remote_files(api, repo_id, revision)
+    commit, files = remote_files(api, repo_id, revision, limits)
     chosen = select(files, include, exclude)
     if not chosen:
         raise MxforgeError(

@@ -18,6 +18,7 @@ from huggingface_hub.errors import (
 
 from mxforge.checkpoint import repo_id_problem
 from mxforge.errors import HubError, MxforgeError
+from mxforge.hub.session import attempts_note
 from mxforge.redaction import redact
 
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -66,7 +67,11 @@ def as_hub_error(
     e: BaseException, *, repo_id: str, revision: str | None = None, filename: str | None = None, action: str = "reach"
 ) -> MxforgeError | None:
     """The MxforgeError for a huggingface_hub / network exception, or None if `e` is not one of those; it carries
-    repo_id, revision, filename and the HTTP status (None when no answer came) as fields."""
+    repo_id, revision, filename and the HTTP status (None when no answer came) as fields.
+
+    `action` is what was being done, as a verb phrase whose object is the repo (or its file): "download",
+    "push to", "read the file list of"; every message puts it after "to" (tests/hub/test_hostile_hub.py renders
+    each one with every action the code passes, looking for doubled words)."""
     mapped = _hub_error(e, repo_id=repo_id, revision=revision, filename=filename, action=action)
     if mapped is None:
         return None
@@ -85,6 +90,7 @@ def _hub_error(
 ) -> MxforgeError | None:
     endpoint = hub_endpoint()
     where = f"{repo_id}" + (f"@{revision}" if revision else "") + (f" file {filename!r}" if filename else "")
+    tries = attempts_note(e)
     if isinstance(e, GatedRepoError):  # a subclass of RepositoryNotFoundError: test it first
         if get_token():
             msg = (
@@ -113,34 +119,34 @@ def _hub_error(
         return HubError(f"cannot {action} {where}: HF_HUB_OFFLINE is set; unset it to use the Hub")
     if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
         return HubError(
-            f"cannot reach the Hub at {endpoint} to {action} {where} ({type(e).__name__}): "
+            f"cannot reach the Hub at {endpoint} to {action} {where}{tries} ({type(e).__name__}): "
             "check the network, proxy settings and HF_ENDPOINT, then rerun"
         )
     if isinstance(e, httpx.TimeoutException):
         return HubError(
-            f"the Hub at {endpoint} stopped answering during {action} of {where} ({type(e).__name__}): "
+            f"the Hub at {endpoint} stopped answering when asked to {action} {where}{tries} ({type(e).__name__}): "
             "rerun the same command to resume; on a slow link raise --timeout (MXFORGE_HUB_TIMEOUT)"
         )
-    if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+    if isinstance(e, (httpx.RemoteProtocolError, httpx.NetworkError)):
         return HubError(
-            f"the connection to {endpoint} dropped during {action} of {where} ({type(e).__name__}): "
+            f"the connection to {endpoint} dropped when asked to {action} {where}{tries} ({type(e).__name__}): "
             "rerun the same command to resume where it stopped"
         )
     if isinstance(e, HfHubHTTPError):
         status = e.response.status_code if e.response is not None else None
         if status == 401:
             return HubError(
-                f"{endpoint} refused the credentials for {action} {where} "
+                f"{endpoint} refused the credentials to {action} {where} "
                 f"(HTTP 401, {_token_hint()}){_server_says(e)}: "
                 "set HF_TOKEN to a valid token with the needed (write, for push) access"
             )
         if status == 403:
             return HubError(
-                f"{endpoint} forbids {action} {where} (HTTP 403){_server_says(e)}: use a token with write "
-                "access to this namespace, or another repo id"
+                f"{endpoint} does not allow you to {action} {where} (HTTP 403){_server_says(e)}: use a token "
+                "with write access to this namespace, or another repo id"
             )
         return HubError(
-            f"the Hub at {endpoint} answered HTTP {status} to {action} {where}{_server_says(e)}: "
+            f"the Hub at {endpoint} answered HTTP {status}{tries} when asked to {action} {where}{_server_says(e)}: "
             "rerun later; if it persists, check the Hub's status"
         )
     return None

@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from functools import partial
 
 from huggingface_hub import CommitOperationAdd
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import MxforgeError
 from mxforge.fixups.fixup import FixupResult, add_to_record, fixup_checkpoint
+from mxforge.hub.api import ListingBudget, open_pull_requests
 from mxforge.hub.errors import raise_as_hub_error
-from mxforge.hub.session import HubLimits
+from mxforge.hub.session import CANCEL, HubLimits, fresh_connections, is_transient, retrying
 from mxforge.hub.source import HubSource
 from mxforge.models import layout_of
 from mxforge.provenance import FIXUPS_NAME, read_fixups_record, recorded_command
@@ -142,6 +144,7 @@ def create_fixup_pr(
             f"{repo_id}: --revision {revision} is a pull request; open the fix against a branch (default main)",
             repo_id=repo_id,
         )
+    fresh_connections()
     source = HubSource(repo_id, revision, limits)
     ckpt = Checkpoint.open(source)
     selections = select(engines, layout_of(ckpt.config).family)
@@ -162,47 +165,77 @@ def create_fixup_pr(
     existing = _open_pr_with(source, fixup.new_config)
     result.fetched = source.stats()
     if existing is not None:
-        result.status, result.pr_num, result.pr_url = "exists", existing.num, existing.url
+        result.status, (result.pr_num, result.pr_url) = "exists", existing
         return result
     if dry_run:
         result.status = "dry-run"
         return result
     record = add_to_record(read_fixups_record(source), applied, fixup.engines, command)
-    operations = [
-        CommitOperationAdd("config.json", config_bytes(fixup.new_config)),
-        CommitOperationAdd(FIXUPS_NAME, config_bytes(record)),
-    ]
-    try:
-        info = source.api.create_commit(
-            repo_id,
-            operations,
-            commit_message=PR_TITLE,
-            commit_description=result.description,
-            revision=revision,
-            create_pr=True,
-            parent_commit=source.commit,
-        )
-    except Exception as e:
-        raise_as_hub_error(e, repo_id=repo_id, revision=revision, action="open a pull request on")
-        raise
-    result.status, result.pr_num, result.pr_url = "opened", info.pr_num, info.pr_url
+    files = {"config.json": config_bytes(fixup.new_config), FIXUPS_NAME: config_bytes(record)}
+    result.status = "opened"
+    result.pr_num, result.pr_url = _open_pr(source, files, result.description, fixup.new_config)
     return result
 
 
-def _open_pr_with(source: HubSource, config: dict):
-    """The open pull request by mxforge (its title) whose config.json equals `config`, or None."""
+def _open_pr(source: HubSource, files: dict[str, bytes], description: str, config: dict) -> tuple[int, str]:
+    """Open the pull request (one commit of `files` against the source's revision); returns its number and URL.
+
+    A commit that failed transiently (is_transient) is sent again only when the repo's open pull requests show
+    that it did not land: a commit whose answer was lost must not open a second pull request (huggingface_hub
+    never retries a commit by itself for that reason).
+
+    Raises:
+        HubError: the Hub refused it, or it still failed after `limits.retries` more attempts.
+    """
+    limits, failures = source.limits, 0
+    while True:
+        try:
+            info = source.api.create_commit(
+                source.repo_id,
+                [CommitOperationAdd(name, data) for name, data in files.items()],
+                commit_message=PR_TITLE,
+                commit_description=description,
+                revision=source.revision,
+                create_pr=True,
+                parent_commit=source.commit,
+            )
+            assert info.pr_num is not None and info.pr_url is not None, "create_pr=True makes a pull request"
+            return info.pr_num, info.pr_url
+        except Exception as e:
+            failures += 1
+            if not is_transient(e) or failures > limits.retries:
+                setattr(e, "mxforge_attempts", failures)
+                raise_as_hub_error(e, repo_id=source.repo_id, revision=source.revision, action="open a pull request on")
+                raise
+        if CANCEL.wait(limits.backoff(failures)):
+            raise KeyboardInterrupt
+        landed = _open_pr_with(source, config)
+        if landed is not None:
+            return landed
+
+
+def _open_pr_with(source: HubSource, config: dict) -> tuple[int, str] | None:
+    """(number, URL) of the open pull request by mxforge (its title) whose config.json equals `config`, or None.
+    The scan of the open pull requests is bounded as a listing (api.ListingBudget), the time spent reading each
+    candidate's config.json included.
+
+    Raises:
+        HubError: the list cannot be read, or it passes a bound.
+    """
     api, repo_id = source.api, source.repo_id
-    try:
-        for pr in api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open"):
-            if pr.title != PR_TITLE:
-                continue
-            details = api.get_discussion_details(repo_id, pr.num)
-            if details.target_branch not in (source.revision, f"refs/heads/{source.revision}"):
-                continue
-            theirs = HubSource(repo_id, pr.git_reference, source.limits).read_json("config.json", "config.json")
-            if theirs == config:
-                return pr
-    except Exception as e:
-        raise_as_hub_error(e, repo_id=repo_id, action="list the pull requests of")
-        raise
+    budget = ListingBudget(f"{repo_id}: the list of its open pull requests", source.limits)
+    for pr in open_pull_requests(api, repo_id, budget):
+        budget.check()
+        if pr.title != PR_TITLE:
+            continue
+        try:
+            details = retrying(partial(api.get_discussion_details, repo_id, pr.num), source.limits)
+        except Exception as e:
+            raise_as_hub_error(e, repo_id=repo_id, action=f"read pull request #{pr.num} of")
+            raise
+        if details.target_branch not in (source.revision, f"refs/heads/{source.revision}"):
+            continue
+        theirs = HubSource(repo_id, pr.git_reference, source.limits).read_json("config.json", "config.json")
+        if theirs == config:
+            return pr.num, f"{source.endpoint}/{repo_id}/discussions/{pr.num}"
     return None

@@ -26,9 +26,10 @@ from mxforge.checkpoint import Checkpoint
 from mxforge.dir_lock import directory_lock
 from mxforge.errors import CheckpointChanged, CheckpointError, HubError, HubVerificationError, MxforgeError, PushRefused
 from mxforge.file_hashes import FileHash, FileStamp, checkpoint_files, file_hash, hash_files, snapshot
+from mxforge.hub.api import repo_info
 from mxforge.hub.card import CARD_MARKER, CARD_NAME, SOURCE_CARD_NAME, render_model_card
-from mxforge.hub.errors import as_hub_error, check_repo_id, checked_commit, hub_endpoint, raise_as_hub_error
-from mxforge.hub.session import HubLimits, use_hub_limits
+from mxforge.hub.errors import as_hub_error, check_repo_id, checked_commit, hub_endpoint
+from mxforge.hub.session import CANCEL, HubLimits, fresh_connections, is_transient, retrying, use_hub_limits
 from mxforge.provenance import recorded_command
 from mxforge.redaction import redact
 from mxforge.safetensors_io import write_text_atomic
@@ -217,6 +218,7 @@ def upload(
     files: list[FileHash],
     before_commit,
     workers: int,
+    limits: HubLimits,
 ) -> None:
     """Create the repo/branch if needed, upload the LFS objects, call `before_commit()`, then commit every file.
 
@@ -228,20 +230,52 @@ def upload(
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             ops = list(pool.map(lambda f: _operation(ckpt, f), files))
-        prepare_repo(api, repo_id, branch, private)
+        prepare_repo(api, repo_id, branch, private, limits)
         api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=branch)
         before_commit()
-        api.create_commit(
-            repo_id,
-            operations=ops,
-            commit_message=f"Upload {len(ops)} files with mxforge",
-            repo_type="model",
-            revision=branch,
-        )
+        commit_once(api, repo_id, branch, ops, files, limits)
     except MxforgeError:
         raise
     except Exception as e:
         _raise_upload_failure(e, f"upload of {ckpt}", repo_id, branch)
+
+
+def commit_once(
+    api: HfApi, repo_id: str, branch: str, ops: list[CommitOperationAdd], files: list[FileHash], limits: HubLimits
+) -> None:
+    """Commit `ops` (the files `files` describe) onto `branch`. A commit that failed transiently (is_transient: a
+    5xx, a dropped or silent connection) may still have landed, its answer lost: the branch is read back first,
+    and the commit is sent again (the same operations, uploaded already) only when it does not hold every file
+    as `files` describes it. huggingface_hub never retries a commit by itself, since a blind retry can commit
+    twice.
+
+    Raises:
+        the last attempt's exception after `limits.retries` more attempts (or any other at once).
+        HubError: the branch cannot be read back.
+    """
+    failures = 0
+    while True:
+        try:
+            api.create_commit(
+                repo_id,
+                operations=ops,
+                commit_message=f"Upload {len(ops)} files with mxforge",
+                repo_type="model",
+                revision=branch,
+            )
+            return
+        except Exception as e:
+            failures += 1
+            if not is_transient(e) or failures > limits.retries:
+                setattr(e, "mxforge_attempts", failures)
+                raise
+        if CANCEL.wait(limits.backoff(failures)):
+            raise KeyboardInterrupt
+        try:
+            verify_remote(api, repo_id, branch, files, limits)
+            return  # it had landed
+        except HubVerificationError:
+            pass  # not (all) there: commit again
 
 
 def _raise_upload_failure(e: Exception, what: str, repo_id: str, branch: str) -> None:
@@ -258,11 +292,12 @@ def _raise_upload_failure(e: Exception, what: str, repo_id: str, branch: str) ->
     ) from None
 
 
-def prepare_repo(api: HfApi, repo_id: str, branch: str, private: bool) -> None:
-    """Create the repo, and the branch when not main, unless they exist (an empty repo shows nothing)."""
-    api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+def prepare_repo(api: HfApi, repo_id: str, branch: str, private: bool, limits: HubLimits) -> None:
+    """Create the repo, and the branch when not main, unless they exist (an empty repo shows nothing); each call is
+    retried after a transient failure (with exist_ok, a second attempt after one that landed changes nothing)."""
+    retrying(lambda: api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True), limits)
     if branch != "main":
-        api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True)
+        retrying(lambda: api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True), limits)
 
 
 def preupload_file(api: HfApi, ckpt: Path, repo_id: str, branch: str, f: FileHash) -> None:
@@ -282,18 +317,14 @@ def preupload_file(api: HfApi, ckpt: Path, repo_id: str, branch: str, f: FileHas
         _raise_upload_failure(e, f"pre-upload of {ckpt / f.name}", repo_id, branch)
 
 
-def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash]) -> str:
+def verify_remote(api: HfApi, repo_id: str, branch: str, files: list[FileHash], limits: HubLimits) -> str:
     """Compare every local file with the Hub's record of it on `branch`; returns the branch's commit sha.
 
     Raises:
         HubVerificationError: a file is missing on the Hub or its size/hash differs, naming each one.
         HubError: the metadata cannot be read.
     """
-    try:
-        info = api.model_info(repo_id, revision=branch, files_metadata=True)
-    except Exception as e:
-        raise_as_hub_error(e, repo_id=repo_id, revision=branch, action="read back the file hashes of")
-        raise
+    info = repo_info(api, repo_id, branch, limits, files_metadata=True, action="read back the file hashes of")
     remote = {s.rfilename: s for s in info.siblings or []}
     bad = []
     for f in files:
@@ -375,6 +406,7 @@ def push(
         refuse_changes(ckpt, expected, follow_symlinks, "while it was hashed", push_command)
         limits = limits or HubLimits.resolve()
         use_hub_limits(limits)
+        fresh_connections()
         api = HfApi()
         upload(
             api,
@@ -385,8 +417,9 @@ def push(
             files=files,
             workers=workers,
             before_commit=lambda: refuse_changes(ckpt, expected, follow_symlinks, "during the upload", push_command),
+            limits=limits,
         )
-        commit = verify_remote(api, repo_id, branch, files)
+        commit = verify_remote(api, repo_id, branch, files, limits)
     return PushResult(
         repo_id=repo_id,
         branch=branch,

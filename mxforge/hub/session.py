@@ -1,4 +1,5 @@
-"""The HTTP client huggingface_hub uses for mxforge: a timeout on every request, the token only to HF_ENDPOINT.
+"""The HTTP client huggingface_hub uses for mxforge: a timeout on every request, the token only to HF_ENDPOINT,
+bounded waits, retries of what is safe to retry, and fresh connections per stage.
 
 huggingface_hub (1.x) makes one shared httpx client with no timeout (and some calls, e.g. repo info, pass
 `timeout=None` explicitly), so an API call to a Hub that stops answering waits forever; and when it
@@ -6,17 +7,30 @@ follows a redirect of a file's metadata request it compares host names only, so 
 header follows a redirect to another port of the same host. `use_hub_limits` installs, through
 huggingface_hub's supported `set_client_factory`, a client whose request hook gives every request
 without a timeout the API timeout and drops `Authorization` from every request whose origin (scheme,
-host, port) is not exactly HF_ENDPOINT's (redirects included: httpx runs the hook for each hop).
+host, port) is not exactly HF_ENDPOINT's (redirects included: httpx runs the hook for each hop), and whose
+response hook caps a `Retry-After` (or `RateLimit` reset) at the API timeout (at most `BACKOFF_MAX_S`):
+huggingface_hub's own http_backoff (preupload, LFS) sleeps as long as the server says.
+
+`retrying` repeats an idempotent call after a transient failure (`is_transient`: a dropped or silent
+connection, or one of the statuses huggingface_hub's http_backoff retries) within `HubLimits`; the
+timed-out connection is closed by httpx, so the next attempt opens another. `fresh_connections` starts a
+stage on new connections, so a connection an earlier stage left idle (one a server keeps open and never
+answers on again) cannot make this stage's first request time out.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import threading
+import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
-from huggingface_hub import constants, set_client_factory
+from huggingface_hub import close_session, constants, set_client_factory
+from huggingface_hub.errors import HfHubHTTPError
 
 from mxforge.errors import MxforgeError
 
@@ -24,6 +38,12 @@ TIMEOUT_ENV, RETRIES_ENV = "MXFORGE_HUB_TIMEOUT", "MXFORGE_HUB_RETRIES"
 DEFAULT_API_TIMEOUT_S = 60.0
 DEFAULT_RETRIES = 5
 BACKOFF_START_S, BACKOFF_MAX_S = 0.5, 15.0
+# A retry may follow these: a connection that dropped or went silent, and the statuses huggingface_hub's own
+# http_backoff retries (huggingface_hub.utils._http: 408 timeout, 429 rate limit, 500, 502, 503, 504).
+TRANSIENT = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+CANCEL = threading.Event()  # set on Ctrl-C: transfers stop at their next chunk, retries at their next wait
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,12 @@ class HubLimits:
     def no_progress_deadline(self) -> float:
         """As long as `retries` + 1 attempts that each time out, with their backoff, can take."""
         return (self.retries + 1) * self.data_timeout + sum(self.backoff(k) for k in range(1, self.retries + 1))
+
+    @property
+    def api_deadline(self) -> float:
+        """How long one API call (or one listing, all its pages) may take over all its attempts: as long as
+        `retries` + 1 attempts that each time out, with their backoff."""
+        return (self.retries + 1) * self.api_timeout + sum(self.backoff(k) for k in range(1, self.retries + 1))
 
     def backoff(self, failures: int) -> float:
         """Seconds to wait before the next attempt after `failures` consecutive failed ones."""
@@ -107,6 +133,24 @@ def _request_guard(timeout: float):
     return guard
 
 
+def _bounded_waits(timeout: float):
+    """A response hook capping the waits a server asks for (`Retry-After`, the `RateLimit` reset) at the API timeout
+    (at most BACKOFF_MAX_S): huggingface_hub's http_backoff sleeps that long before its next attempt, however long."""
+    limit = max(1, int(min(BACKOFF_MAX_S, timeout)))
+
+    def cap(response: httpx.Response) -> None:
+        retry_after = response.headers.get("retry-after")
+        if retry_after is not None and not (retry_after.strip().isdigit() and int(retry_after) <= limit):
+            response.headers["retry-after"] = str(limit)
+        ratelimit = response.headers.get("ratelimit")
+        if ratelimit is not None:
+            response.headers["ratelimit"] = re.sub(
+                r"\bt=(\d+)", lambda m: f"t={min(int(m.group(1)), limit)}", ratelimit
+            )
+
+    return cap
+
+
 def _client_factory(timeout: float):
     def make() -> httpx.Client:
         try:  # huggingface_hub's own client (its request hook: offline mode, request ids), then ours on top
@@ -117,7 +161,11 @@ def _client_factory(timeout: float):
             client = httpx.Client(follow_redirects=True)
         client.timeout = httpx.Timeout(timeout)
         hooks = client.event_hooks
-        client.event_hooks = {**hooks, "request": [*hooks.get("request", []), _request_guard(timeout)]}
+        client.event_hooks = {
+            **hooks,
+            "request": [*hooks.get("request", []), _request_guard(timeout)],
+            "response": [*hooks.get("response", []), _bounded_waits(timeout)],
+        }
         return client
 
     return make
@@ -133,3 +181,63 @@ def use_hub_limits(limits: HubLimits) -> None:
     if _installed != limits.api_timeout:
         set_client_factory(_client_factory(limits.api_timeout))
         _installed = limits.api_timeout
+
+
+def fresh_connections() -> None:
+    """Make the stage about to start open its own connections: close huggingface_hub's shared client (it is made
+    again, with these limits, on the next request). An idle connection an earlier stage left, which a server may
+    keep open without ever answering on it again, would otherwise make this stage's first request wait out its
+    timeout and be blamed for it. Call it only where no other Hub transfer of this process is in flight."""
+    close_session()
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a request that failed with `e` may succeed when sent again: a dropped or silent connection, or
+    an HTTP status in RETRY_STATUSES."""
+    if isinstance(e, TRANSIENT):
+        return True
+    response = getattr(e, "response", None) if isinstance(e, HfHubHTTPError) else None
+    return response is not None and response.status_code in RETRY_STATUSES
+
+
+def failed_attempt(e: BaseException) -> str:
+    """A transient failure in a few words, for the error that reports the last attempt: the HTTP status, or the
+    transport error."""
+    response = getattr(e, "response", None) if isinstance(e, HfHubHTTPError) else None
+    if response is not None:
+        return f"HTTP {response.status_code}"
+    return f"{type(e).__name__}: {e}"
+
+
+def attempts_note(e: BaseException) -> str:
+    """' after N attempts' for an error `retrying` gave up on ('' otherwise), for the message that reports it."""
+    n = getattr(e, "mxforge_attempts", None)
+    return f" after {n} attempts" if n and n > 1 else ""
+
+
+def retrying(call: Callable[[], T], limits: HubLimits) -> T:
+    """`call()`, sent again after a transient failure (is_transient) with `limits.backoff` between attempts, at
+    most `limits.retries` more times and within `limits.api_deadline`. Only for requests that a second attempt
+    cannot turn into a second effect: reads (repo info, file metadata, listings), and creating what may exist
+    already (exist_ok).
+
+    Raises:
+        the last attempt's exception (its `mxforge_attempts` says how many were made; see attempts_note), or any
+        non-transient one at once.
+        KeyboardInterrupt: CANCEL was set during a wait.
+    """
+    end = time.monotonic() + limits.api_deadline
+    failures = 0
+    while True:
+        try:
+            return call()
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            failures += 1
+            wait = limits.backoff(failures)
+            if failures > limits.retries or time.monotonic() + wait > end:
+                setattr(e, "mxforge_attempts", failures)
+                raise
+        if CANCEL.wait(wait):
+            raise KeyboardInterrupt

@@ -10,9 +10,10 @@ Limits (a Hub is not trusted to behave):
   are asked for; config.json and the index may be at most `MAX_JSON_BYTES`;
 - a server that ignores `Range` (200, the whole file) is read only as far as the bytes wanted, then the
   connection is dropped: a multi-GB shard is never downloaded;
-- a body shorter than asked (truncated) is a failed attempt, retried `HubLimits.retries` times with
-  backoff; every read has `HubLimits.data_timeout`, and a file whose bytes are not all in within
-  `HubLimits.no_progress_deadline` is given up;
+- a body shorter than asked (truncated), a dropped or silent connection and an HTTP 5xx / 429 are failed
+  attempts, retried `HubLimits.retries` times with backoff (repo info too: api.repo_info); every read has
+  `HubLimits.data_timeout`, and a file whose bytes are not all in within `HubLimits.no_progress_deadline` is
+  given up;
 - the token goes only to HF_ENDPOINT's exact origin (hub_session), also across a redirect to a CDN.
 
 What was read is cached by commit sha under `<cache>/hub-headers` (cache_dir.cache_root: $MXFORGE_CACHE, else the
@@ -39,9 +40,9 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 from mxforge.cache_dir import cache_root
 from mxforge.checkpoint import CheckpointSource
 from mxforge.errors import CheckpointError, HubError, MxforgeError
+from mxforge.hub.api import repo_info
 from mxforge.hub.errors import check_repo_id, checked_commit, hub_endpoint, raise_as_hub_error
-from mxforge.hub.session import HubLimits, use_hub_limits
-from mxforge.hub.transfer import TRANSIENT
+from mxforge.hub.session import HubLimits, failed_attempt, is_transient, use_hub_limits
 from mxforge.json_input import MAX_JSON_BYTES, loads
 from mxforge.progress import format_bytes
 from mxforge.safe_paths import remote_path
@@ -77,11 +78,7 @@ class HubSource(CheckpointSource):
         use_hub_limits(self.limits)
         self.api = HfApi()
         self.endpoint = hub_endpoint()
-        try:
-            info = self.api.model_info(repo_id, revision=self.revision)
-        except Exception as e:
-            raise_as_hub_error(e, repo_id=repo_id, revision=self.revision, action="read the file list of")
-            raise
+        info = repo_info(self.api, repo_id, self.revision, self.limits, action="read the file list of")
         self.commit = checked_commit(info.sha, f"{repo_id}@{self.revision}")
         self.names = {s.rfilename for s in info.siblings or [] if isinstance(s.rfilename, str)}
         self.label = repo_id if self.revision == "main" else f"{repo_id}@{self.revision}"
@@ -216,11 +213,13 @@ class HubSource(CheckpointSource):
         while True:
             try:
                 return self._attempt(name, start, end, whole, deadline)
-            except (*TRANSIENT, _ShortRead) as e:
-                why = str(e) if isinstance(e, _ShortRead) else f"{type(e).__name__}: {e}"
-            except Exception as e:
-                raise_as_hub_error(e, repo_id=self.repo_id, revision=self.commit, filename=name, action="read")
-                raise
+            except _ShortRead as e:
+                why = str(e)
+            except Exception as e:  # a dropped or silent connection, an HTTP 5xx: another attempt; else mapped
+                if not is_transient(e):
+                    raise_as_hub_error(e, repo_id=self.repo_id, revision=self.commit, filename=name, action="read")
+                    raise
+                why = failed_attempt(e)
             failures += 1
             if failures > self.limits.retries or time.monotonic() > deadline:
                 raise HubError(
@@ -312,4 +311,7 @@ def open_source(
         if revision is not None:
             raise MxforgeError(f"{spec}: --revision applies to a Hub repo id, not to a local directory")
         return LocalDir(spec, follow_symlinks)
+    from mxforge.hub.session import fresh_connections
+
+    fresh_connections()  # a command's reads of a Hub repo start on their own connections
     return HubSource(spec, revision, limits)

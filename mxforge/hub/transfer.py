@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -30,13 +29,11 @@ from huggingface_hub.utils._runtime import is_xet_available
 
 from mxforge.errors import HubError, OversizeBody
 from mxforge.file_hashes import FileDigest, FileHash
-from mxforge.hub.session import HubLimits
+from mxforge.hub.session import CANCEL, HubLimits, failed_attempt, is_transient, retrying
 from mxforge.progress import format_bytes
 from mxforge.safe_paths import remote_path
 
 PARTIAL_DIR = Path(".cache") / "mxforge" / "download"
-TRANSIENT = (httpx.RemoteProtocolError, httpx.ReadError, httpx.TimeoutException, httpx.ConnectError)
-CANCEL = threading.Event()
 OVERSIZE_ADVICE = "the partial file was deleted and nothing more is written. Check HF_ENDPOINT and the repo"
 
 
@@ -84,7 +81,9 @@ def fetch_file(
     if target.is_file() and target.stat().st_size == size:
         return None  # finished in an earlier run (the hashes are verified afterwards)
     url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
-    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint, timeout=limits.metadata_timeout)
+    meta = retrying(
+        lambda: get_hf_file_metadata(url, token=token, endpoint=endpoint, timeout=limits.metadata_timeout), limits
+    )
     if meta.xet_file_data is not None and is_xet_available():
         hf_hub_download(
             repo_id,
@@ -141,13 +140,17 @@ class _Stream:
             try:
                 self._attempt(start)
                 continue
-            except (*TRANSIENT, _FailedAttempt) as e:
-                why = f"{type(e).__name__}: {e}" if not isinstance(e, _FailedAttempt) else str(e)
+            except _FailedAttempt as e:
+                why = str(e)
             except _Cancelled:
                 raise KeyboardInterrupt from None
             except OversizeBody:
                 self.partial.unlink(missing_ok=True)
                 raise
+            except Exception as e:  # a dropped or silent connection, an HTTP 5xx: another attempt; else raised
+                if not is_transient(e):
+                    raise
+                why = failed_attempt(e)
             failures = 0 if self.have() > start else failures + 1  # only attempts that bring nothing count
             stalled = time.monotonic() - self.last_growth
             if failures > self.limits.retries or stalled > self.limits.no_progress_deadline:

@@ -335,13 +335,15 @@ class Pipeline:
         from huggingface_hub import HfApi
 
         from mxforge.disk_space import free_space
-        from mxforge.hub.download import remote_files
+        from mxforge.hub.download import remote_files, select
         from mxforge.hub.session import HubLimits, use_hub_limits
+        from mxforge.provenance import fetched_patterns
         from mxforge.run.stream import choose_stream
 
-        use_hub_limits(o.hub_limits or HubLimits.resolve())
-        _, files = remote_files(HfApi(), o.source, o.revision)
-        source = sum(f.size for f in files)
+        limits = o.hub_limits or HubLimits.resolve()
+        use_hub_limits(limits)
+        _, files = remote_files(HfApi(), o.source, o.revision, limits)
+        source = sum(f.size for f in select(files, fetched_patterns(), None))  # what a run of it downloads
         self.out.mkdir(parents=True, exist_ok=True)
         _, free = free_space(self.out)
         mode = "stream" if choose_stream(source, free) else "sequential"
@@ -413,11 +415,13 @@ class Pipeline:
     # --- the stages, each a thin call into its engine --------------------------------------------
     def _download(self):
         from mxforge.hub.download import download
+        from mxforge.provenance import fetched_patterns
 
         return download(
             self.opts.source,
             self.bf16_dir,
             revision=self.opts.revision,
+            include=fetched_patterns(),  # the shards and what the product carries, not the rest of the repo
             quiet=self.opts.quiet,
             command=self.opts.command,
             limits=self.opts.hub_limits,
@@ -463,6 +467,7 @@ class Pipeline:
             command=self.opts.command,
             follow_symlinks=self.opts.follow_symlinks,
             scale_rule=self.opts.scale_rule,
+            source_record_is_ours=not self.local,  # bf16/'s source record: this run's download wrote it
         ).summary()  # the per-tensor lists and figures stay in mxfp4/mxforge_quantize.json
 
     def _fixup(self):

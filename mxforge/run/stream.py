@@ -31,7 +31,7 @@ from mxforge.disk_space import free_space, require_free_space
 from mxforge.errors import CheckpointError, MxforgeError
 from mxforge.file_hashes import FileHash, HashCache, file_hash
 from mxforge.progress import byte_progress, format_bytes
-from mxforge.provenance import QUANTIZE_STATE_NAME
+from mxforge.provenance import QUANTIZE_STATE_NAME, SOURCE_NAME, carried_files, carried_from, fetched_patterns
 from mxforge.quantize.result import TensorCounts, read_int, read_num, read_obj, read_str
 from mxforge.safetensors_io import read_header, write_json_atomic
 
@@ -137,6 +137,7 @@ class DiskPlan:
     source_bytes: int
     output_bytes: int
     in_flight_source_shards: int
+    side_file_bytes: int  # config, index and carried files fetched into bf16/ and their copies in mxfp4/
     peak_bytes: int
     on_disk_bytes: int
     free_bytes: int
@@ -146,6 +147,7 @@ class DiskPlan:
             "source_bytes": self.source_bytes,
             "output_bytes": self.output_bytes,
             "in_flight_source_shards": self.in_flight_source_shards,
+            "side_file_bytes": self.side_file_bytes,
             "peak_bytes": self.peak_bytes,
             "on_disk_bytes": self.on_disk_bytes,
             "free_bytes": self.free_bytes,
@@ -356,25 +358,30 @@ class StreamRun:
         """(checkpoint with every header, remote files by name or None, commit or None)."""
         o = self.o
         if o.local:
-            return Checkpoint.open(o.bf16_dir, o.follow_symlinks), None, None
+            ckpt = Checkpoint.open(o.bf16_dir, o.follow_symlinks)
+            self.carried = carried_from(o.bf16_dir, ckpt.shard_names)
+            written = [o.bf16_dir / n for n in (*self.carried.names, "config.json", INDEX_NAME)]
+            self.side_bytes = {"fetched": 0, "copied": sum(p.stat().st_size for p in written if p.is_file())}
+            return ckpt, None, None
         from huggingface_hub import HfApi
 
         from mxforge.hub.download import fetch_verified, remote_files, source_record_entry, write_source_record
-        from mxforge.hub.session import use_hub_limits
+        from mxforge.hub.session import fresh_connections, use_hub_limits
         from mxforge.hub.source import HubSource
         from mxforge.safe_paths import check_remote_name
 
         use_hub_limits(o.limits)
+        fresh_connections()
         self.api = api = HfApi()
-        commit, files = remote_files(api, o.source, o.revision)
+        commit, files = remote_files(api, o.source, o.revision, o.limits)
         for f in files:
             check_remote_name(f.name, f"{o.source}@{o.revision}")
         self.commit = commit
         o.bf16_dir.mkdir(parents=True, exist_ok=True)
-        small = [f for f in files if not f.name.endswith(".safetensors")]
-        hashes = {f.name: fetch_verified(api, o.source, commit, o.bf16_dir, f, o.limits) for f in small}
-        ckpt = Checkpoint.open(o.bf16_dir)  # config.json and the index, downloaded and verified just now
         by_name = {f.name: f for f in files}
+        first = [by_name[n] for n in ("config.json", INDEX_NAME) if n in by_name]
+        hashes = {f.name: fetch_verified(api, o.source, commit, o.bf16_dir, f, o.limits) for f in first}
+        ckpt = Checkpoint.open(o.bf16_dir)  # config.json and the index, downloaded and verified just now
         missing = [s for s in ckpt.shard_names if s not in by_name]
         if missing:
             raise MxforgeError(
@@ -382,6 +389,16 @@ class StreamRun:
                 f"not hold ({len(missing)} such); the source repo is incomplete",
                 repo_id=o.source,
             )
+        # Only what the product carries is fetched (besides the shards); the rest is named once, not downloaded.
+        shards = set(ckpt.shard_names)
+        self.carried = carried_files([n for n in by_name if n not in shards])
+        small = [*first, *(by_name[n] for n in self.carried.names)]
+        later = small[len(first) :]
+        hashes.update({f.name: fetch_verified(api, o.source, commit, o.bf16_dir, f, o.limits) for f in later})
+        fetched = sum(f.size for f in small)
+        self.side_bytes = {"fetched": fetched, "copied": fetched}  # each one is copied into OUT/mxfp4 (or rewritten)
+        fetching = {f.name for f in small} | shards
+        files = [f for f in files if f.name in fetching]  # what this run fetches, as its source record says
         headers = {}
         for name in ckpt.shard_names:
             local = o.bf16_dir / name
@@ -413,7 +430,7 @@ class StreamRun:
             revision=o.revision,
             commit=commit,
             files=[source_record_entry(f, hashes[f.name]) for f in files],
-            include=None,
+            include=fetched_patterns(),  # what a run fetches, as the sequential run's download records it
             exclude=None,
             command=o.command,
         )
@@ -442,7 +459,6 @@ class StreamRun:
             default_workers,
             finish_checkpoint,
             remove_strays,
-            side_files,
             write_provenance,
         )
         from mxforge.quantize.state import ResumeState, tool_versions
@@ -455,7 +471,10 @@ class StreamRun:
         self.recipe = recipe
         plan = plan_checkpoint(ckpt, recipe)
         plan.refuse_cross_shard_scales("a streamed run deletes each source shard once it is quantized")
-        to_copy = side_files(o.bf16_dir)
+        to_copy = self.carried.names + ([] if o.local else [SOURCE_NAME])  # the source record _open_source wrote
+        note = self.carried.note()
+        if note:
+            self._say(note)
         check_out_dir(o.bf16_dir, o.mxfp4_dir, QUANTIZE_STATE_NAME, "quantize")
         o.mxfp4_dir.mkdir(parents=True, exist_ok=True)
         qstate = ResumeState(o.mxfp4_dir, recipe.sha256, tool_versions(), recipe.scale_rule)
@@ -476,7 +495,7 @@ class StreamRun:
         if o.push_repo and todo:  # the repo (empty until push's commit) must exist to receive objects
             from mxforge.hub.push import prepare_repo
 
-            self._hub_call(lambda: prepare_repo(self.api_for_push(), o.push_repo, o.branch, o.private))
+            self._hub_call(lambda: prepare_repo(self.api_for_push(), o.push_repo, o.branch, o.private, o.limits))
         if todo and o.executor == "ray":
             from mxforge.run.ray_executor import run_on_ray
 
@@ -553,13 +572,14 @@ class StreamRun:
     def _check_disk(self, plan, shards: list[_Shard], in_flight: int) -> None:
         o = self.o
         output = sum(s.output_size for s in plan.shards)
-        peak = plan_disk(
+        side = self.side_bytes["fetched"] + self.side_bytes["copied"]  # config, index, carried files and copies
+        peak = side + plan_disk(
             output,
             [] if o.local else [s.plan.source_size for s in shards if s.step in ("download", "quantize")],
             in_flight,
         )
         have = sum((o.mxfp4_dir / s.plan.name).stat().st_size for s in shards if s.step in ("upload", "done")) + (
-            0 if o.local else sum(s.plan.source_size for s in shards if s.verified)
+            0 if o.local else sum(s.plan.source_size for s in shards if s.verified) + self.side_bytes["fetched"]
         )
         _, free = free_space(o.mxfp4_dir)
         source = sum(s.plan.source_size for s in shards)
@@ -567,13 +587,15 @@ class StreamRun:
             source_bytes=source,
             output_bytes=output,
             in_flight_source_shards=in_flight,
+            side_file_bytes=side,
             peak_bytes=peak,
             on_disk_bytes=have,
             free_bytes=free,
         )
         self._say(
             f"streaming {len(shards)} shard(s), at most {in_flight} bf16 shard(s) on disk at once: peak disk "
-            f"{format_bytes(peak)} (output {format_bytes(output)} + source shards in flight), against "
+            f"{format_bytes(peak)} (output {format_bytes(output)} + source shards in flight + {format_bytes(side)} "
+            "of config, index and carried files with their copies), against "
             f"{format_bytes(source)} of source; {format_bytes(free)} free"
         )
         require_free_space(

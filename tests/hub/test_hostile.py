@@ -370,13 +370,13 @@ def test_hostile_symlinks_leaving_src_are_refused_by_quantize(tiny_ckpt, tmp_pat
     assert not (tmp_path / "out").exists()
 
     (tmp_path / "secret.txt").write_text("not for OUT")
-    (src / "notes.txt").symlink_to(tmp_path / "secret.txt")  # a side file quantize would copy
+    (src / "LICENSE").symlink_to(tmp_path / "secret.txt")  # a side file quantize would copy
     proc = run_cli("quantize", str(src), str(tmp_path / "out"), "--quiet", "--follow-symlinks")
     assert proc.returncode == 0, proc.stderr  # an explicit --follow-symlinks reads through both
     (src / SHARD).unlink()
     shutil.move(tmp_path / "elsewhere" / SHARD, src / SHARD)
     line = one_error_line(run_cli("quantize", str(src), str(tmp_path / "out2"), "--quiet"))
-    assert f"{src / 'notes.txt'}: symlink to" in line and "refusing to copy" in line
+    assert f"{src / 'LICENSE'}: symlink to" in line and "refusing to copy" in line
 
 
 def test_hostile_symlinks_leaving_the_checkpoint_are_refused_by_validate_and_push(hub, tmp_path, tiny_ckpt):
