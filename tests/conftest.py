@@ -11,7 +11,7 @@ from helpers import OTHER_TOKEN, REPO, TOKEN, run_cli
 
 from mxforge.models.fixture import write_fixture
 
-sys.path.insert(0, str(REPO / "scripts"))  # the test Hub (loopback_hub) and the Quark-style writer (quark_like)
+sys.path.insert(0, str(REPO / "tests" / "support"))  # the test Hub (loopback_hub), the Quark-style writer (quark_like)
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +32,7 @@ def full_layout_ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def hub(tmp_path, tiny_ckpt):
-    """A loopback Hub (scripts/loopback_hub.py) serving the tiny fixture as zai/glm-tiny, and as zai/glm-gated
+    """A loopback Hub (tests/support/loopback_hub.py) serving the tiny fixture as zai/glm-tiny, and as zai/glm-gated
     (gated, granted to alice); alice holds TOKEN, bob OTHER_TOKEN. A test file may extend it (a fixture `hub`
     that takes this one and adds repos)."""
     from loopback_hub import LoopbackHub

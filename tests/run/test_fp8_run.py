@@ -6,10 +6,9 @@ checkpoint is the same bytes as sequential."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from helpers import REPO, hub_env, pushed_files, run_cli
+from helpers import hub_env, pushed_files, run_cli
 
 from mxforge.models import FAMILIES, family_named
 from mxforge.models.fixture import write_fixture
@@ -23,7 +22,6 @@ PROVENANCE = {"mxforge_source.json", "mxforge_quantize.json", "mxforge_fixups.js
 @pytest.fixture
 def fp8_hub(tmp_path):
     """A loopback Hub serving every family's tiny FP8 fixture as zai/<family>-fp8."""
-    sys.path.insert(0, str(REPO / "scripts"))
     from loopback_hub import LoopbackHub
 
     hub = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
