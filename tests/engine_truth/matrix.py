@@ -21,7 +21,6 @@ from quark_like import write_quark_like
 
 from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.models import Family
-from mxforge.models.fixture import write_fixture
 from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.validation.loaded import load_checkpoint
 from mxforge.validation.matching import DRAFT, TARGET
@@ -32,6 +31,8 @@ from . import probe_io
 
 # A layer config that quantizes nothing (Quark's QLayerConfig() as exported).
 NULL_LAYER_CONFIG = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
+# The bf16 checkpoints of a family the exports are made from (`mxforge fixture` preset, config overrides): a
+# 6-expert replica and the family's real layout (conftest.py's `family_cases` builds them).
 SIZES = {
     "e6": ("tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}),  # a small replica
     "e256": ("full-layout", {}),
@@ -46,15 +47,6 @@ class Case:
     def load(self):
         loaded, _, _, _ = load_checkpoint(self.path)
         return loaded
-
-
-def sources(root: Path, family: Family) -> dict[str, Path]:
-    """The bf16 checkpoints of `family` the exports are made from: a 6-expert replica and the full layout."""
-    out = {}
-    for size, (preset, overrides) in SIZES.items():
-        out[size] = root / f"bf16-{size}"
-        write_fixture(out[size], preset, quiet=True, overrides=overrides, family=family)
-    return out
 
 
 def recipe_export(src: Path, out: Path, recipe: str) -> None:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli
 from safetensors.torch import load_file
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
@@ -24,13 +23,10 @@ def _files(d: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def quantized_tiny(tiny_ckpt, tmp_path_factory) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("q") / "tiny-mxfp4"
-    proc = run_cli(
-        "quantize", str(tiny_ckpt), str(out), "--quiet", "--json", str(out.parent / "report.json"), check=True
-    )
-    assert "MXFP4" in proc.stdout
-    return out, json.loads((out.parent / "report.json").read_text())
+def quantized_tiny(quantized_tiny) -> tuple[Path, dict]:
+    """The session's `mxforge quantize` of the tiny fixture (conftest.py), with its JSON report."""
+    assert "MXFP4" in (quantized_tiny.parent / "quantize.txt").read_text()
+    return quantized_tiny, json.loads((quantized_tiny.parent / "quantize.json").read_text())
 
 
 @pytest.fixture(scope="module")
