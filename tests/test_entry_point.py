@@ -99,6 +99,7 @@ def test_in_process_cli_leaves_nothing_behind(tiny_ckpt, tmp_path):
         assert (
             cli("quantize", str(tiny_ckpt), str(out), "--json", str(tmp_path / f"q{n}.json"), env=cache).returncode == 0
         )
+        assert cli("fixup", str(out), "--quiet").returncode == 0
         assert cli("validate", str(out), env=cache).returncode == 0
         assert cli("inspect", str(tmp_path / "nope")).returncode == 2
 
