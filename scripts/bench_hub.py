@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The loopback Hub and the Quark-style writer are test code (tests/support/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from bench_markdown import add_markdown_option, table, write_markdown  # noqa: E402
 
 

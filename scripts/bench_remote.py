@@ -5,7 +5,7 @@ checkpoint side by side.
 
 The checkpoint is the `full-layout` fixture written in Quark's MXFP4 format with AMD's exclusions as globs
 (282 shards, 438 GB apparent, sparse files: real headers, data holes), served as `amd-like/glm-5.2-mxfp4` by
-scripts/loopback_hub.py on 127.0.0.1 (so the wall time is a floor: a real Hub adds one round trip per
+tests/support/loopback_hub.py on 127.0.0.1 (so the wall time is a floor: a real Hub adds one round trip per
 request). The real `mxforge` command runs in a subprocess with its own cache directory.
 
     .venv/bin/python scripts/bench_remote.py [--workdir DIR] [--json REPORT] [--markdown FILE]
@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The loopback Hub and the Quark-style writer are test code (tests/support/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from bench_markdown import add_markdown_option, table, write_markdown  # noqa: E402
 from bench_validate import AMD_WITH_MTP  # noqa: E402
 from loopback_hub import LoopbackHub  # noqa: E402

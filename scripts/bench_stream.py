@@ -27,7 +27,8 @@ from pathlib import Path
 
 from mxforge.provenance import PUBLISHED_RECORDS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The loopback Hub and the Quark-style writer are test code (tests/support/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from bench_markdown import add_markdown_option, write_markdown  # noqa: E402
 
 TOKEN = "hf_benchStreamToken"

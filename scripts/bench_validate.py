@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from bench_markdown import add_markdown_option, table, write_markdown
-from quark_like import write_quark_like
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.fixups.fixup import fixup_checkpoint
@@ -35,16 +34,14 @@ from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME
 from mxforge.safetensors_io import read_header
 from mxforge.validation.validate import validate_checkpoint
 
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "support")]  # helpers' constants and quark_like: test code
+
+from helpers import BASE  # noqa: E402
+from quark_like import write_quark_like  # noqa: E402
+
 TARGET_S = 2.0
-AMD_WITH_MTP = [
-    "*self_attn*",
-    "*mlp.gate",
-    "*lm_head",
-    "*mlp.gate_proj",
-    "*mlp.up_proj",
-    "*mlp.down_proj",
-    "*layers.78.*",
-]
+AMD_WITH_MTP = BASE + ["*layers.78.*"]  # AMD's published exclusions, GLM-5.2's MTP layer (78) whole
 
 
 def median_time(fn, repeat: int) -> float:

@@ -1,7 +1,7 @@
 """The README's main job: the whole mxforge pipeline on the embedded default, end to end.
 
 1. builds the tiny GLM-5.2-shaped bf16 fixture (every layer kind plus the MTP layer);
-2. serves it as the Hub repo `mxforge-demo/glm-5.2-tiny` from the loopback Hub (scripts/loopback_hub.py)
+2. serves it as the Hub repo `mxforge-demo/glm-5.2-tiny` from the loopback Hub (tests/support/loopback_hub.py)
    on 127.0.0.1, the same server the tests use;
 3. runs the real `mxforge run mxforge-demo/glm-5.2-tiny OUT --push mxforge-demo/glm-5.2-tiny-mxfp4`:
    download (verified), quantize, fixup, validate for every engine profile, push (model card, remote hashes);
@@ -21,7 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The loopback Hub and the Quark-style writer are test code (tests/support/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from loopback_hub import LoopbackHub  # noqa: E402
 
 from mxforge.models.fixture import write_fixture  # noqa: E402

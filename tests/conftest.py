@@ -7,32 +7,59 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import OTHER_TOKEN, REPO, TOKEN, run_cli
+from helpers import GLM5, OTHER_TOKEN, REPO, TOKEN, cli
 
-from mxforge.models.fixture import write_fixture
+from mxforge.models.fixture import FixtureResult, write_fixture
 
-sys.path.insert(0, str(REPO / "scripts"))  # the test Hub (loopback_hub) and the Quark-style writer (quark_like)
+sys.path.insert(0, str(REPO / "tests" / "support"))  # the test Hub (loopback_hub), the Quark-style writer (quark_like)
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory) -> Path:
+def fixture_ckpt(tmp_path_factory):
+    """fixture_ckpt(preset, family=None, precision="bf16", **overrides) -> (path, FixtureResult): `mxforge fixture`'s
+    checkpoint (seed 0), written once per session for each set of arguments and shared by every test that asks
+    for the same. Treat as read-only; copy it before changing anything."""
+    built: dict[tuple, tuple[Path, FixtureResult]] = {}
+
+    def get(preset: str, family: str | None = None, precision: str = "bf16", **overrides) -> tuple[Path, FixtureResult]:
+        key = (preset, family or GLM5.name, precision, tuple(sorted(overrides.items())))
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"fixture-{preset}-{key[1]}-{precision}") / "ckpt"
+            result = write_fixture(
+                out, preset, quiet=True, overrides=overrides or None, family=key[1], precision=precision
+            )
+            built[key] = out, result
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(fixture_ckpt) -> Path:
     """The tiny bf16 fixture (seed 0). Treat as read-only; copy it before changing anything."""
-    out = tmp_path_factory.mktemp("tiny") / "glm-tiny"
-    write_fixture(out, "tiny", seed=0, quiet=True)
+    return fixture_ckpt("tiny")[0]
+
+
+@pytest.fixture(scope="session")
+def quantized_tiny(tiny_ckpt, tmp_path_factory) -> Path:
+    """`mxforge quantize` of the tiny fixture with its family's default recipe (worker pool as by default), run
+    in-process once per session; beside it: its JSON report `quantize.json` and its summary `quantize.txt`.
+    Treat as read-only; copy it before changing anything."""
+    out = tmp_path_factory.mktemp("quantized") / "tiny-mxfp4"
+    proc = cli("quantize", str(tiny_ckpt), str(out), "--quiet", "--json", str(out.parent / "quantize.json"), check=True)
+    (out.parent / "quantize.txt").write_text(proc.stdout)
     return out
 
 
 @pytest.fixture(scope="session")
-def full_layout_ckpt(tmp_path_factory) -> Path:
+def full_layout_ckpt(fixture_ckpt) -> Path:
     """The full GLM-5.2 layout as sparse files (headers real, data holes)."""
-    out = tmp_path_factory.mktemp("full") / "glm-full"
-    write_fixture(out, "full-layout", quiet=True)
-    return out
+    return fixture_ckpt("full-layout")[0]
 
 
 @pytest.fixture
 def hub(tmp_path, tiny_ckpt):
-    """A loopback Hub (scripts/loopback_hub.py) serving the tiny fixture as zai/glm-tiny, and as zai/glm-gated
+    """A loopback Hub (tests/support/loopback_hub.py) serving the tiny fixture as zai/glm-tiny, and as zai/glm-gated
     (gated, granted to alice); alice holds TOKEN, bob OTHER_TOKEN. A test file may extend it (a fixture `hub`
     that takes this one and adds repos)."""
     from loopback_hub import LoopbackHub
@@ -46,7 +73,7 @@ def hub(tmp_path, tiny_ckpt):
 
 
 @pytest.fixture(scope="session")
-def family_cases(tmp_path_factory):
+def family_cases(tmp_path_factory, fixture_ckpt):
     """The engine-conformance matrix of one model family, built on first use and once per session for every
     suite that judges it (engine truth, local-vs-remote): tests/engine_truth/matrix.py's export styles at 6
     routed experts and at the family's real layout, before and after fixup, plus the real pipeline's output
@@ -63,12 +90,15 @@ def family_cases(tmp_path_factory):
         if family_name not in built:
             family = family_named(family_name)
             root = tmp_path_factory.mktemp(f"conformance-{family_name}")
-            srcs = matrix.sources(root, family)
+            srcs = {
+                size: fixture_ckpt(preset, family.name, **overrides)[0]
+                for size, (preset, overrides) in matrix.SIZES.items()
+            }
             out = {c.name: c for c in matrix.export_cases(root, srcs, family)}
             runs = [(recipe, "quark") for recipe in family.recipes] + [(family.recipes[0], "mse")]
             for recipe, rule in runs:
                 name = f"run-{recipe}" + ("" if rule == "quark" else f"-{rule}")
-                run_cli(
+                cli(
                     "run",
                     str(srcs["e6"]),
                     str(root / name),
@@ -76,21 +106,16 @@ def family_cases(tmp_path_factory):
                     recipe,
                     "--scale-rule",
                     rule,
+                    "--workers",
+                    "1",
                     "--quiet",
                     check=True,
                 )
                 out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
             if family.has_fp8_release:
-                fp8, name = root / "fp8-e6", f"run-fp8-{family.recipes[0]}"
-                write_fixture(
-                    fp8,
-                    matrix.SIZES["e6"][0],
-                    quiet=True,
-                    overrides=matrix.SIZES["e6"][1],
-                    family=family,
-                    precision="fp8",
-                )
-                run_cli("run", str(fp8), str(root / name), "--quiet", check=True)
+                name = f"run-fp8-{family.recipes[0]}"
+                fp8 = fixture_ckpt(matrix.SIZES["e6"][0], family.name, "fp8", **matrix.SIZES["e6"][1])[0]
+                cli("run", str(fp8), str(root / name), "--workers", "1", "--quiet", check=True)
                 out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
             built[family_name] = out
         return built[family_name]

@@ -5,6 +5,7 @@ from conftest.py or from each other."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -85,6 +86,55 @@ def run_cli(
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"mxforge {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+# What huggingface_hub reads once, at import: a Hub command runs in its own process (run_cli with hub_env).
+READ_AT_IMPORT = (
+    "HF_ENDPOINT",
+    "HF_HOME",
+    "HF_TOKEN",
+    "HF_HUB_DISABLE_XET",
+    "HF_HUB_ETAG_TIMEOUT",
+    "HF_HUB_DOWNLOAD_TIMEOUT",
+)
+
+
+def cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `mxforge ARGS` in this process, as the entry point does (`mxforge.cli.main.main`), without an
+    interpreter start-up: its exit code and what it printed, as run_cli returns them.
+
+    The CLI keeps no state between calls that could leak into the next one: it installs no signal or logging
+    handler, never changes directory, and reads its environment at call time (`env` is set for the call only,
+    as is sys.argv, which `invocation()` records). Not for: a Hub command (huggingface_hub reads HF_* once, at
+    import: run_cli with hub_env), Ctrl-C (main then ends the process), limits set on the process (run_cli's
+    as_user, a preexec_fn), or killing a run. Warnings go to pytest's recorder, not to `stderr`: the exit-path
+    tests (tests/test_entry_point.py) check the real process's stderr line by line."""
+    from mxforge.cli.main import main
+
+    env = env or {}
+    assert not set(env) & set(READ_AT_IMPORT), f"{sorted(set(env) & set(READ_AT_IMPORT))}: use run_cli"
+    out, err = io.StringIO(), io.StringIO()
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_argv = sys.argv
+    try:
+        os.environ.update(env)
+        sys.argv = ["mxforge", *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse: --help, --version, a usage error
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        sys.argv = saved_argv
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    proc = subprocess.CompletedProcess(["mxforge", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"mxforge {' '.join(args)} exited {code}:\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 

@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from helpers import AMD, REPO, run_cli
+from helpers import AMD, REPO, cli
 from quark_like import write_quark_like
 
 pytestmark = pytest.mark.slow
@@ -83,7 +83,7 @@ def export(tiny_ckpt, tmp_path_factory) -> Path:
     """A Quark-style export of the tiny GLM fixture with AMD's exclusions, fixed up: it loads everywhere."""
     out = tmp_path_factory.mktemp("ext") / "export"
     write_quark_like(tiny_ckpt, out, AMD)
-    run_cli("fixup", str(out), "--quiet", check=True)
+    cli("fixup", str(out), "--quiet", check=True)
     return out
 
 
@@ -105,7 +105,7 @@ def test_a_new_engine_release_is_one_profile_file(copy, pristine, export):
     old = _validate(lambda *a: run_copy(copy, *a), str(export), "--engines", "sglang-0.5.22")
     assert list(new["checked"]["engines"]) == ["sglang-0.5.99"]
     assert new["ok"] and new["checked"]["engines"]["sglang-0.5.99"] == old["checked"]["engines"]["sglang-0.5.22"]
-    refused = run_cli("validate", str(export), "--engines", "sglang==0.5.99")
+    refused = cli("validate", str(export), "--engines", "sglang==0.5.99")
     assert refused.returncode == 2 and "sglang==0.5.99" in refused.stderr
 
 
@@ -152,7 +152,7 @@ def test_a_new_model_family_is_a_module_a_registration_and_its_tables(copy, pris
         _validate(lambda *a: run_copy(copy, *a), str(export)),
     )
     assert ours["ok"] and ours["checked"]["engines"] == glm["checked"]["engines"]
-    refused = run_cli("validate", str(toy))
+    refused = cli("validate", str(toy))
     assert refused.returncode == 2 and "ToyMoeForCausalLM" in refused.stderr
 
 
@@ -181,7 +181,7 @@ def test_a_new_scale_rule_is_one_entry(copy, pristine, tiny_ckpt, tmp_path):
     assert config["quantization_config"]["mxforge"]["scale_rule"] == "up"
     assert run_copy(copy, "fixup", str(out), "--quiet").returncode == 0
     assert _validate(lambda *a: run_copy(copy, *a), str(out))["ok"]
-    refused = run_cli("quantize", str(tiny_ckpt), str(tmp_path / "other"), "--scale-rule", "up")
+    refused = cli("quantize", str(tiny_ckpt), str(tmp_path / "other"), "--scale-rule", "up")
     assert refused.returncode == 2 and "up" in refused.stderr
 
 
@@ -236,11 +236,11 @@ def test_a_new_fp8_source_layout_is_one_scheme_entry_and_its_reader(copy, pristi
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["source_precision"] == "fp8 (e4m3, toy per-channel weight_scale)"
-    run_cli("quantize", str(channel), str(reference), "--quiet", "--workers", "1", check=True)
+    cli("quantize", str(channel), str(reference), "--quiet", "--workers", "1", check=True)
     shards = sorted(p.name for p in reference.glob("*.safetensors"))
     assert shards and sorted(p.name for p in out.glob("*.safetensors")) == shards
     for shard in shards:
         got, want = load_file(out / shard), load_file(reference / shard)
         assert got.keys() == want.keys() and all(got[n].equal(want[n]) for n in want), shard
-    refused = run_cli("quantize", str(ours), str(tmp_path / "other"))
+    refused = cli("quantize", str(ours), str(tmp_path / "other"))
     assert refused.returncode == 2 and "toy_fp8" in refused.stderr

@@ -16,11 +16,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers import BASE  # AMD's published exclusions; the MTP layer's are added per case
 from quark_like import write_quark_like
 
 from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.models import Family
-from mxforge.models.fixture import write_fixture
 from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.validation.loaded import load_checkpoint
 from mxforge.validation.matching import DRAFT, TARGET
@@ -29,10 +29,10 @@ from mxforge.validation.tensor_forms import BF16, MXFP4
 
 from . import probe_io
 
-# AMD's published GLM-5.2 MXFP4 exclusions (glm-5.2.md), the MTP layer's added per case.
-BASE_GLOBS = ["*self_attn*", "*mlp.gate", "*lm_head", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj"]
 # A layer config that quantizes nothing (Quark's QLayerConfig() as exported).
 NULL_LAYER_CONFIG = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
+# The bf16 checkpoints of a family the exports are made from (`mxforge fixture` preset, config overrides): a
+# 6-expert replica and the family's real layout (conftest.py's `family_cases` builds them).
 SIZES = {
     "e6": ("tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}),  # a small replica
     "e256": ("full-layout", {}),
@@ -47,15 +47,6 @@ class Case:
     def load(self):
         loaded, _, _, _ = load_checkpoint(self.path)
         return loaded
-
-
-def sources(root: Path, family: Family) -> dict[str, Path]:
-    """The bf16 checkpoints of `family` the exports are made from: a 6-expert replica and the full layout."""
-    out = {}
-    for size, (preset, overrides) in SIZES.items():
-        out[size] = root / f"bf16-{size}"
-        write_fixture(out[size], preset, quiet=True, overrides=overrides, family=family)
-    return out
 
 
 def recipe_export(src: Path, out: Path, recipe: str) -> None:
@@ -79,12 +70,12 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
             "recipe-default": lambda out: recipe_export(src, out, default),
             "recipe-mtp-bf16": lambda out: recipe_export(src, out, mtp_bf16),
             # Quark resolves its globs into exact names on export; here the whole MTP layer stays bf16.
-            "amd-whole-mtp": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "*"]),
+            "amd-whole-mtp": lambda out: write_quark_like(src, out, BASE + [mtp + "*"]),
             # The same exclusions written as globs, as hand-edited exports carry them.
-            "amd-globs": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "*"], glob_exclude=True),
+            "amd-globs": lambda out: write_quark_like(src, out, BASE + [mtp + "*"], glob_exclude=True),
             # The write-up's recipe: MTP shared expert and eh_proj kept, as globs.
             "wafer-globs": lambda out: write_quark_like(
-                src, out, BASE_GLOBS + [mtp + "mlp.shared_experts*", mtp + "eh_proj"], glob_exclude=True
+                src, out, BASE + [mtp + "mlp.shared_experts*", mtp + "eh_proj"], glob_exclude=True
             ),
             # Exact names, but the MTP layer's bf16 modules as one `re:` entry.
             "re-mtp": lambda out: _regex_mtp(src, out, n),
@@ -95,7 +86,7 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
             # Hand-written exports: fused modules named by their fused names (each engine's), not their shards.
             "fused-names": lambda out: _fused_names(src, out),
             # One decoder layer's routed experts kept bf16, excluded expert by expert (Quark's exact names).
-            "experts-bf16": lambda out: write_quark_like(src, out, BASE_GLOBS + [mtp + "*", "*layers.3.mlp.experts.*"]),
+            "experts-bf16": lambda out: write_quark_like(src, out, BASE + [mtp + "*", "*layers.3.mlp.experts.*"]),
             # Layer 3's experts pinned to MXFP4 expert by expert in layer_quant_config; the global config weights-only.
             "lqc-experts": lambda out: _pinned_experts(src, out, default),
             # The MTP layer excluded by its bare layer name as well.
@@ -112,7 +103,7 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
 
 
 def _regex_mtp(src: Path, out: Path, n: int) -> None:
-    write_quark_like(src, out, BASE_GLOBS + [f"*layers.{n}.mlp.shared_experts*", f"*layers.{n}.eh_proj"])
+    write_quark_like(src, out, BASE + [f"*layers.{n}.mlp.shared_experts*", f"*layers.{n}.eh_proj"])
     prefix = f"model.layers.{n}."
     _edit_qc(
         out,
@@ -131,7 +122,7 @@ def _edit_qc(out: Path, edit) -> None:
 
 def _layer_config_mtp(src: Path, out: Path, n: int) -> None:
     groups = [f"*layers.{n}.self_attn*", f"*layers.{n}.mlp.shared_experts*", f"*layers.{n}.eh_proj"]
-    write_quark_like(src, out, BASE_GLOBS + groups[1:])
+    write_quark_like(src, out, BASE + groups[1:])
     prefix = f"model.layers.{n}."
 
     def edit(qc: dict) -> None:
@@ -143,7 +134,7 @@ def _layer_config_mtp(src: Path, out: Path, n: int) -> None:
 
 def _fused_names(src: Path, out: Path) -> None:
     """Every excluded shard group replaced by the fused module's names (sglang's and vLLM's)."""
-    write_quark_like(src, out, BASE_GLOBS)
+    write_quark_like(src, out, BASE)
     fused = {
         "q_a_proj": ["fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj"],
         "kv_a_proj_with_mqa": [],
@@ -165,7 +156,7 @@ def _fused_names(src: Path, out: Path) -> None:
 
 
 def _layer_entry(src: Path, out: Path, n: int) -> None:
-    write_quark_like(src, out, BASE_GLOBS + [f"*layers.{n}.*"])
+    write_quark_like(src, out, BASE + [f"*layers.{n}.*"])
     _edit_qc(out, lambda qc: qc["exclude"].append(f"model.layers.{n}"))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -135,7 +136,7 @@ class Release:
                 "members": [n for n in names if n.endswith(".py")],
             }
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = meta.with_suffix(".partial")
+            tmp = meta.with_name(f"{meta.name}.{os.getpid()}.partial")  # probes of one release may fetch at once
             tmp.write_text(json.dumps(self.meta, indent=1))
             tmp.replace(meta)
         self.members = set(self.meta["members"])
@@ -182,7 +183,7 @@ class Release:
                     data = z.read(mem)  # zipfile checks the member's CRC-32
                     out = self.root / mem
                     out.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = out.with_name(out.name + ".partial")
+                    tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")
                     tmp.write_bytes(data)
                     tmp.replace(out)
         return {m: self.root / mem for m, mem in wanted.items() if mem}

@@ -2,7 +2,7 @@
 
 import json
 
-from helpers import AMD, MTP, run_cli
+from helpers import AMD, MTP, cli
 from quark_like import write_quark_like
 
 
@@ -11,19 +11,19 @@ def test_validate_fixup_validate(tiny_ckpt, tmp_path):
     write_quark_like(tiny_ckpt, ckpt, AMD)
     original = (ckpt / "config.json").read_text()
 
-    proc = run_cli("validate", str(ckpt))
+    proc = cli("validate", str(ckpt))
     assert proc.returncode == 1
     assert "loads: sglang 0.5.16-0.5.23, vllm 0.30.0-0.33.0; FAILS: sglang 0.5.9 (" in proc.stdout
     assert f"under model.layers.{MTP}.mlp.shared_experts.{{gate,up}}_proj: run mxforge fixup" in proc.stdout
-    assert run_cli("validate", str(ckpt), "--engines", "sglang>=0.5.16 vllm").returncode == 0
+    assert cli("validate", str(ckpt), "--engines", "sglang>=0.5.16 vllm").returncode == 0
 
-    proc = run_cli("fixup", str(ckpt), "--dry-run")
+    proc = cli("fixup", str(ckpt), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert '+      "model.eh_proj",' in proc.stdout and "--- a/config.json" in proc.stdout
     assert (ckpt / "config.json").read_text() == original and not (ckpt / "config.json.orig").exists()
 
     report = tmp_path / "fixup.json"
-    proc = run_cli("fixup", str(ckpt), "--json", str(report))
+    proc = cli("fixup", str(ckpt), "--json", str(report))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(report.read_text())["changed"] is True
     assert (ckpt / "config.json.orig").read_text() == original
@@ -36,13 +36,13 @@ def test_validate_fixup_validate(tiny_ckpt, tmp_path):
     assert "mxforge" not in json.dumps(qc)  # the record lives beside config.json, not inside quantization_config
     assert not list(ckpt.glob("*.partial"))
 
-    proc = run_cli("validate", str(ckpt), "--json")
+    proc = cli("validate", str(ckpt), "--json")
     out = json.loads(proc.stdout)
     assert proc.returncode == 0 and out["ok"] and all(out["engines"].values()) and "vllm==0.33.0" in out["engines"]
     assert set(out) >= {"ok", "engines", "problems", "checked"}
 
     after = (ckpt / "config.json").read_text()
-    proc = run_cli("fixup", str(ckpt))
+    proc = cli("fixup", str(ckpt))
     assert proc.returncode == 0 and "nothing to fix" in proc.stdout
     assert (ckpt / "config.json").read_text() == after
     assert (ckpt / "config.json.orig").read_text() == original
@@ -52,16 +52,16 @@ def test_validate_fixup_validate(tiny_ckpt, tmp_path):
 def test_fixup_exit_codes(tiny_ckpt, tmp_path):
     ckpt = tmp_path / "q"
     write_quark_like(tiny_ckpt, ckpt, AMD, drop_layers=(MTP,))
-    proc = run_cli("fixup", str(ckpt))
+    proc = cli("fixup", str(ckpt))
     assert proc.returncode == 1 and "--mtp-from" in proc.stdout
-    proc = run_cli("fixup", str(ckpt), "--engines", "sglang,trtllm")
+    proc = cli("fixup", str(ckpt), "--engines", "sglang,trtllm")
     assert proc.returncode == 2 and "'trtllm' is not an engine" in proc.stderr and "Traceback" not in proc.stderr
-    assert run_cli("fixup", str(tmp_path / "nope")).returncode == 2
+    assert cli("fixup", str(tmp_path / "nope")).returncode == 2
     backup = (ckpt / "config.json.orig").read_text()  # the first run fixed what it could (dense MLPs for sglang 0.5.9)
     config = json.loads((ckpt / "config.json").read_text())
     config["quantization_config"]["exclude"] = "*self_attn*"
     (ckpt / "config.json").write_text(json.dumps(config))
-    proc = run_cli("fixup", str(ckpt), "--mtp-from", str(tiny_ckpt))
+    proc = cli("fixup", str(ckpt), "--mtp-from", str(tiny_ckpt))
     assert proc.returncode == 2 and "exclude is not a list" in proc.stderr
     assert not (ckpt / "model-mtp.safetensors").exists() and (ckpt / "config.json.orig").read_text() == backup
 
@@ -73,12 +73,12 @@ def test_damaged_fixup_record_stops_before_config_changes(tiny_ckpt, tmp_path):
     original = (ckpt / "config.json").read_text()
     for damaged in ("{truncated", '["not", "a", "record"]'):
         (ckpt / "mxforge_fixups.json").write_text(damaged)
-        proc = run_cli("fixup", str(ckpt))
+        proc = cli("fixup", str(ckpt))
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert "mxforge_fixups.json" in proc.stderr
         assert (ckpt / "config.json").read_text() == original and not (ckpt / "config.json.orig").exists()
     (ckpt / "mxforge_fixups.json").unlink()
-    assert run_cli("fixup", str(ckpt)).returncode == 0
+    assert cli("fixup", str(ckpt)).returncode == 0
     assert len(json.loads((ckpt / "mxforge_fixups.json").read_text())["runs"]) == 1
 
 
@@ -88,6 +88,6 @@ def test_backup_that_cannot_be_written_is_one_error_and_config_unchanged(tiny_ck
     original = (ckpt / "config.json").read_text()
     (ckpt / "config.json.orig.partial").mkdir()  # the copy's temporary name is taken by a directory
     (ckpt / "config.json.orig.partial" / "x").write_text("")
-    proc = run_cli("fixup", str(ckpt))
+    proc = cli("fixup", str(ckpt))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "config.json.orig" in proc.stderr, proc.stderr
     assert (ckpt / "config.json").read_text() == original and not (ckpt / "mxforge_fixups.json").exists()

@@ -3,7 +3,7 @@ exit 2 (130 for Ctrl-C), writes nothing where it should not, sends the token now
 bounded time: the Hub timeouts and retries are set small through the environment or --timeout.
 
 The real `mxforge` command in a subprocess, the real huggingface_hub client, the loopback Hub
-(scripts/loopback_hub.py) in its tampering modes on 127.0.0.1. Select with `pytest -k hostile`.
+(tests/support/loopback_hub.py) in its tampering modes on 127.0.0.1. Select with `pytest -k hostile`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TOKEN, hub_env, one_error_line, run_cli, start_cli
+from helpers import TOKEN, cli, hub_env, one_error_line, run_cli, start_cli
 from loopback_hub import LoopbackHub
 from safetensors.numpy import save_file
 
@@ -113,7 +113,7 @@ def test_hostile_index_naming_a_shard_outside_the_checkpoint(tiny_ckpt, tmp_path
     index_path.write_text(json.dumps(index))
     for command in ("validate", "quantize"):
         args = [command, str(ckpt)] + ([str(tmp_path / "out"), "--quiet"] if command == "quantize" else [])
-        line = one_error_line(run_cli(*args))
+        line = one_error_line(cli(*args))
         assert "'../elsewhere.safetensors'" in line and "refused because" in line and first in line
     assert not (tmp_path / "out").exists()
 
@@ -365,24 +365,24 @@ def _link_out(ckpt: Path, name: str, target: Path) -> None:
 def test_hostile_symlinks_leaving_src_are_refused_by_quantize(tiny_ckpt, tmp_path):
     src = _copy(tiny_ckpt, tmp_path / "src")
     _link_out(src, SHARD, tmp_path / "elsewhere" / SHARD)
-    line = one_error_line(run_cli("quantize", str(src), str(tmp_path / "out"), "--quiet"))
+    line = one_error_line(cli("quantize", str(src), str(tmp_path / "out"), "--quiet"))
     assert f"{src / SHARD}: symlink to {tmp_path / 'elsewhere' / SHARD}" in line and "--follow-symlinks" in line
     assert not (tmp_path / "out").exists()
 
     (tmp_path / "secret.txt").write_text("not for OUT")
     (src / "LICENSE").symlink_to(tmp_path / "secret.txt")  # a side file quantize would copy
-    proc = run_cli("quantize", str(src), str(tmp_path / "out"), "--quiet", "--follow-symlinks")
+    proc = cli("quantize", str(src), str(tmp_path / "out"), "--quiet", "--follow-symlinks")
     assert proc.returncode == 0, proc.stderr  # an explicit --follow-symlinks reads through both
     (src / SHARD).unlink()
     shutil.move(tmp_path / "elsewhere" / SHARD, src / SHARD)
-    line = one_error_line(run_cli("quantize", str(src), str(tmp_path / "out2"), "--quiet"))
+    line = one_error_line(cli("quantize", str(src), str(tmp_path / "out2"), "--quiet"))
     assert f"{src / 'LICENSE'}: symlink to" in line and "refusing to copy" in line
 
 
 def test_hostile_symlinks_leaving_the_checkpoint_are_refused_by_validate_and_push(hub, tmp_path, tiny_ckpt):
     ckpt = _copy(tiny_ckpt, tmp_path / "ckpt")
     _link_out(ckpt, SHARD, tmp_path / "elsewhere" / SHARD)
-    line = one_error_line(run_cli("validate", str(ckpt)))
+    line = one_error_line(cli("validate", str(ckpt)))
     assert f"{ckpt / SHARD}: symlink to" in line and "--follow-symlinks" in line
 
     (ckpt / SHARD).unlink()
@@ -427,7 +427,7 @@ def test_hostile_recipe_paths_must_exist(tiny_ckpt, tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_recipe("glm-5.2-mxfp4.toml")  # not a bare name: a path, relative to the working directory
     assert load_recipe("glm-5.2-mxfp4").source == "manifests/recipes/glm-5.2-mxfp4.toml"
-    line = one_error_line(run_cli("quantize", str(tiny_ckpt), str(tmp_path / "out"), "--recipe", str(missing)))
+    line = one_error_line(cli("quantize", str(tiny_ckpt), str(tmp_path / "out"), "--recipe", str(missing)))
     assert str(missing) in line and not (tmp_path / "out").exists()
 
 
@@ -442,9 +442,9 @@ def test_hostile_fixup_record_survives_an_interruption_between_its_two_writes(ti
     ckpt = tmp_path / "q"
     write_quark_like(tiny_ckpt, ckpt, AMD)
     (ckpt / f"{fails}.partial").mkdir()  # where the atomic write of FAILS goes first: it cannot
-    one_error_line(run_cli("fixup", str(ckpt)))
+    one_error_line(cli("fixup", str(ckpt)))
     (ckpt / f"{fails}.partial").rmdir()
-    proc = run_cli("fixup", str(ckpt))
+    proc = cli("fixup", str(ckpt))
     assert proc.returncode == 0, proc.stderr
     original = json.loads((ckpt / "config.json.orig").read_text())["quantization_config"]["exclude"]
     fixed = json.loads((ckpt / "config.json").read_text())["quantization_config"]["exclude"]
@@ -462,7 +462,7 @@ def test_hostile_duplicate_index_keys_are_refused_by_quantize(tiny_ckpt, tmp_pat
     key = pairs[0][0]
     body = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in pairs + pairs[:1])  # listed twice, same shard
     index_path.write_text(f'{{"metadata": {json.dumps(index["metadata"])}, "weight_map": {{{body}}}}}')
-    line = one_error_line(run_cli("quantize", str(src), str(tmp_path / "out"), "--quiet"))
+    line = one_error_line(cli("quantize", str(src), str(tmp_path / "out"), "--quiet"))
     assert f"lists tensor {key!r} more than once" in line and not (tmp_path / "out").exists()
 
 
@@ -474,7 +474,7 @@ def test_hostile_integer_config_fields_given_as_strings_are_refused(tiny_ckpt, t
     config["num_hidden_layers"] = str(layers)
     (src / "config.json").write_text(json.dumps(config))
     args = [command, str(src)] + ([str(tmp_path / "out"), "--quiet"] if command == "quantize" else [])
-    line = one_error_line(run_cli(*args))
+    line = one_error_line(cli(*args))
     assert f"num_hidden_layers is '{layers}' (str), not a whole number" in line
     assert f'"num_hidden_layers": {layers}, no quotes' in line
 

@@ -1,7 +1,7 @@
 """A hostile Hub, round 3 (issue 20, items 4, 5, 10, 11 and 13): listings that never end, files a product must not
 carry, transient HTTP errors, forged mxforge records in a source, garbled messages and a held keep-alive.
 
-The loopback Hub (scripts/loopback_hub.py) serves the hostile answers over real HTTP on 127.0.0.1 to the real
+The loopback Hub (tests/support/loopback_hub.py) serves the hostile answers over real HTTP on 127.0.0.1 to the real
 huggingface_hub client: `fail[route]` (an HTTP status, n times or always), `lose_answer[route]` (done, answer lost),
 `hold_after[route]` (a keep-alive connection then never answered), `before[route]` (any answer at all). The library
 is called in a subprocess that has the Hub's environment (`_library`), one `mxforge run` per product path.

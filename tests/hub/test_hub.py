@@ -1,4 +1,4 @@
-"""`mxforge download` / `mxforge push` against a loopback Hub (scripts/loopback_hub.py): the real
+"""`mxforge download` / `mxforge push` against a loopback Hub (tests/support/loopback_hub.py): the real
 huggingface_hub client over real HTTP on 127.0.0.1, the real `mxforge` command in a subprocess.
 Select with `pytest -k "hub or push or download"`.
 """

@@ -1,5 +1,5 @@
 """The remote doctor: `mxforge validate / fixup --create-pr / inspect` on a Hub repo, read through ranged
-header reads, against the loopback Hub (scripts/loopback_hub.py) with the real huggingface_hub client over
+header reads, against the loopback Hub (tests/support/loopback_hub.py) with the real huggingface_hub client over
 real HTTP. Select with `pytest tests/hub/test_remote.py`.
 """
 

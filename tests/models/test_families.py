@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from helpers import TOKEN, hub_env, run_cli
+from helpers import TOKEN, cli, hub_env, run_cli
 from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
@@ -22,12 +22,12 @@ PUBLISHED = [f for f in FAMILIES if f.published]
 
 
 @pytest.mark.parametrize("family", PUBLISHED, ids=lambda f: f.name)
-def test_full_layout_reproduces_the_published_inventory(family, tmp_path):
+def test_full_layout_reproduces_the_published_inventory(family, fixture_ckpt):
     """Tensor count, element count and shard count of the published release (FP8 releases: as published, each
     block-scaled weight with its weight_scale_inv; the bf16 fixture holds the same names and shapes less the scales)."""
     published = dict(family.published)
-    result = write_fixture(tmp_path / "full", "full-layout", family=family, quiet=True)
-    ckpt = Checkpoint.open(tmp_path / "full")
+    path, result = fixture_ckpt("full-layout", family.name)  # the session's: the conformance matrix's too
+    ckpt = Checkpoint.open(path)
     infos = ckpt.tensor_infos()
     layout = layout_of(ckpt.config)
     assert {n: (i.dtype, i.shape) for n, i in infos.items()} == {t.name: (t.dtype, t.shape) for t in layout.tensors()}
@@ -200,7 +200,7 @@ def test_run_end_to_end_per_family(family, tmp_path):
         hub.stop()
     quantized = json.loads((tmp_path / "out" / "mxfp4" / "mxforge_quantize.json").read_text())
     assert quantized["recipe"]["name"] == family.default_recipe
-    validate = run_cli("validate", str(tmp_path / "out" / "mxfp4"), "--json")
+    validate = cli("validate", str(tmp_path / "out" / "mxfp4"), "--json")
     assert validate.returncode == 0, validate.stdout + validate.stderr
 
 

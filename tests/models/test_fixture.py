@@ -2,7 +2,7 @@ import json
 import os
 
 import torch
-from helpers import run_cli
+from helpers import cli
 from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
@@ -149,12 +149,12 @@ def test_plan_shards_exact_count():
 
 
 def test_cli_fixture_and_errors(tmp_path):
-    proc = run_cli("fixture", str(tmp_path / "t"), "--preset", "tiny", "--seed", "3", "--quiet", "--json", "-")
+    proc = cli("fixture", str(tmp_path / "t"), "--preset", "tiny", "--seed", "3", "--quiet", "--json", "-")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["preset"] == "tiny" and report["seed"] == 3 and report["shards"] == 3
-    again = run_cli("fixture", str(tmp_path / "t"), "--preset", "tiny")
+    again = cli("fixture", str(tmp_path / "t"), "--preset", "tiny")
     assert again.returncode == 2 and "not an empty directory" in again.stderr and "Traceback" not in again.stderr
-    bad = run_cli("fixture", str(tmp_path / "u"), "--preset", "tiny", "--gib", "1")
+    bad = cli("fixture", str(tmp_path / "u"), "--preset", "tiny", "--gib", "1")
     assert bad.returncode == 2 and "bench preset only" in bad.stderr
-    assert "zeros" in run_cli("fixture", "--help").stdout
+    assert "zeros" in cli("fixture", "--help").stdout

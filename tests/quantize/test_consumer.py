@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cli
 from ocp_mx import decode_checkpoint, decode_mxfp4, e2m1_value, e8m0_table
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -251,10 +251,9 @@ def report(label: str, ref: Reference, measured: dict[str, dict]) -> str:
 
 
 @pytest.fixture(scope="module")
-def default_mxfp4(tiny_ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("consumer") / "mxfp4"
-    run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", check=True)
-    return out
+def default_mxfp4(quantized_tiny) -> Path:
+    """`mxforge quantize` of the tiny fixture, default recipe (the session's: conftest.py)."""
+    return quantized_tiny
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +297,7 @@ def test_mxfp4_logits_match_source(rule, tiny_ckpt, default_mxfp4, reference, tm
         ckpt = default_mxfp4
     else:
         ckpt = tmp_path / "mxfp4"
-        run_cli("quantize", str(tiny_ckpt), str(ckpt), "--quiet", "--scale-rule", rule, check=True)
+        cli("quantize", str(tiny_ckpt), str(ckpt), "--quiet", "--scale-rule", rule, check=True)
     decoded = tmp_path / "decoded"
     counts = decode_checkpoint(ckpt, decoded)
     assert counts["decoded"] == len(quantized_weight_names(default_mxfp4)) > 0

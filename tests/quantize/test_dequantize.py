@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import one_error_line, run_cli
+from helpers import cli, one_error_line
 from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
@@ -34,7 +34,7 @@ def runs(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path, Path, dict]:
     """(scale rule, MXFP4 checkpoint, its dequantization, quantize's report)."""
     work = tmp_path_factory.mktemp(f"deq-{request.param}")
     mxfp4, bf16 = work / "mxfp4", work / "bf16"
-    run_cli(
+    cli(
         "quantize",
         str(tiny_ckpt),
         str(mxfp4),
@@ -45,7 +45,7 @@ def runs(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path, Path, dict]:
         str(work / "q.json"),
         check=True,
     )
-    proc = run_cli("dequantize", str(mxfp4), str(bf16), "--json", str(work / "d.json"), check=True)
+    proc = cli("dequantize", str(mxfp4), str(bf16), "--json", str(work / "d.json"), check=True)
     assert "dequantized" in proc.stdout
     return request.param, mxfp4, bf16, json.loads((work / "q.json").read_text())
 
@@ -111,11 +111,9 @@ def test_refuses_a_foreign_out_and_a_checkpoint_without_mxfp4(runs, tiny_ckpt, t
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    assert "not a previous `mxforge dequantize` output" in one_error_line(
-        run_cli("dequantize", str(mxfp4), str(foreign))
-    )
+    assert "not a previous `mxforge dequantize` output" in one_error_line(cli("dequantize", str(mxfp4), str(foreign)))
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"] and (foreign / "notes.txt").read_text() == "mine"
-    assert "no MXFP4 weight" in one_error_line(run_cli("dequantize", str(tiny_ckpt), str(tmp_path / "o")))
+    assert "no MXFP4 weight" in one_error_line(cli("dequantize", str(tiny_ckpt), str(tmp_path / "o")))
 
 
 def test_nan_scales_make_their_whole_block_nan_with_one_warning_line(runs, tmp_path):

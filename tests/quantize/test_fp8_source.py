@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cli
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
@@ -411,14 +411,14 @@ def test_fp8_checkpoint_without_its_scales_or_config_is_refused(fp8_tiny, tmp_pa
 
 
 def test_inspect_names_precision_family_and_recipe(fp8_tiny):
-    proc = run_cli("inspect", str(fp8_tiny), check=True)
+    proc = cli("inspect", str(fp8_tiny), check=True)
     assert "precision: fp8 (e4m3, 128x128 block scales, weight_scale_inv); default recipe: glm-5.2-mxfp4" in proc.stdout
     assert "(GLM-5 / 5.1 / 5.2)" in proc.stdout
 
 
 def test_inspect_names_compressed_tensors_fp8(tmp_path):
     write_fixture(tmp_path / "fp8", "tiny", quiet=True, family="glm4_moe", precision="fp8")
-    proc = run_cli("inspect", str(tmp_path / "fp8"), check=True)
+    proc = cli("inspect", str(tmp_path / "fp8"), check=True)
     assert "precision: fp8 (e4m3, compressed-tensors, per-channel weight_scale); default recipe: glm-4.5-mxfp4" in (
         proc.stdout
     )
@@ -472,7 +472,7 @@ def test_scales_in_another_shard_are_read_from_it_and_a_stream_refuses_them(fp8_
     quantize_checkpoint(tmp_path / "split", tmp_path / "b", quiet=True)
     for p in sorted((tmp_path / "a").glob("*.safetensors")):
         assert p.read_bytes() == (tmp_path / "b" / p.name).read_bytes(), p.name
-    proc = run_cli("run", str(tmp_path / "split"), str(tmp_path / "s"), "--stream", "--quiet")
+    proc = cli("run", str(tmp_path / "split"), str(tmp_path / "s"), "--stream", "--quiet")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"FP8 weight {weight!r} has its block scales in model-00002-of-00003.safetensors" in proc.stderr
 
@@ -528,7 +528,7 @@ def test_bf16_weights_under_an_fp8_config_are_a_bf16_source(tiny_ckpt, tmp_path)
 
 def test_fp8_fixture_of_glm45_is_its_compressed_tensors_release_layout(tmp_path):
     """GLM-4.5's FP8 releases are compressed-tensors per-channel FP8: that is what --precision fp8 writes for it."""
-    proc = run_cli("fixture", str(tmp_path / "cli"), "--family", "glm4_moe", "--precision", "fp8", "--quiet")
+    proc = cli("fixture", str(tmp_path / "cli"), "--family", "glm4_moe", "--precision", "fp8", "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     qc = json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"]
     assert (

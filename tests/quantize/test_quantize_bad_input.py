@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cli, one_error_line, run_cli
 from safetensors.torch import load_file, save_file
 
 from mxforge.checkpoint import INDEX_NAME
+from mxforge.errors import CheckpointError, ConfigError, MxforgeError, NonFiniteWeightError
 from mxforge.file_hashes import hash_files
 from mxforge.provenance import QUANTIZE_STATE_NAME
+from mxforge.quantize.run import quantize_checkpoint
 
 
 @pytest.fixture
@@ -41,37 +43,40 @@ def _fill_with_nan(src: Path, name: str) -> None:
     save_file(tensors, shard)
 
 
-def _fails(src: Path, out: Path, *extra: str, match: str, preexec=None) -> str:
-    if preexec is None:
-        proc = run_cli("quantize", str(src), str(out), "--quiet", "--workers", "1", *extra)
-    else:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "mxforge.cli",
-                "quantize",
-                str(src),
-                str(out),
-                "--quiet",
-                "--workers",
-                "1",
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            preexec_fn=preexec,
-            timeout=600,
-        )
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert match in lines[0], lines[0]
+def _nothing_complete(out: Path) -> None:
+    """OUT holds nothing that looks complete: no config.json, no index, no report, no .partial file."""
     if out.exists():
         names = {p.name for p in out.iterdir()}
         assert not names & {"config.json", INDEX_NAME, "mxforge_quantize.json"}, names
         assert not [n for n in names if n.endswith(".partial")], names
-    return lines[0]
+
+
+def _fails(
+    src: Path, out: Path, recipe=None, *, match: str, error: type[MxforgeError] = CheckpointError, **options
+) -> str:
+    """quantize_checkpoint (what `mxforge quantize` calls) raises `error`, one line naming `match`, and
+    leaves nothing in OUT that looks complete; returns the message (what the CLI prints after "error: ")."""
+    with pytest.raises(error) as e:
+        quantize_checkpoint(src, out, recipe, workers=1, quiet=True, **options)
+    msg = str(e.value)
+    assert type(e.value) is error and "\n" not in msg and match in msg, repr(e.value)
+    _nothing_complete(out)
+    return msg
+
+
+def _fails_in_a_subprocess(src: Path, out: Path, *extra: str, match: str, preexec=None) -> str:
+    """`mxforge quantize` in its own process (for limits set on that process): exit 2, one line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mxforge.cli", "quantize", str(src), str(out), "--quiet", "--workers", "1", *extra],
+        capture_output=True,
+        text=True,
+        preexec_fn=preexec,
+        timeout=600,
+    )
+    line = one_error_line(proc)
+    assert len(proc.stderr.strip().splitlines()) == 1 and match in line, proc.stderr
+    _nothing_complete(out)
+    return line
 
 
 def test_truncated_shard(src, tmp_path):
@@ -119,12 +124,12 @@ def test_download_verified_sha256_reused_until_the_shard_changes(src, tiny_ckpt,
     (src / "mxforge_source.json").write_text(json.dumps({"repo_id": "t/tiny", "files": files}))
     hash_files(src, [p.name for p in shards], quiet=True)  # download's verified hashes, by size and mtime
     out, report = tmp_path / "out", tmp_path / "report.json"
-    run_cli("quantize", str(src), str(out), "--quiet", "--json", str(report), check=True)
+    cli("quantize", str(src), str(out), "--quiet", "--workers", "1", "--json", str(report), check=True)
     assert json.loads(report.read_text())["shards_sha256_from_download"] == len(shards)
     state = json.loads((out / QUANTIZE_STATE_NAME).read_text())["shards"]
     assert {n: e["source_sha256"] for n, e in state.items()} == {f["name"]: f["sha256"] for f in files}
     plain = tmp_path / "plain"
-    run_cli("quantize", str(tiny_ckpt), str(plain), "--quiet", check=True)
+    quantize_checkpoint(tiny_ckpt, plain, workers=1, quiet=True)
     for p in shards:
         assert (out / p.name).read_bytes() == (plain / p.name).read_bytes(), p.name
 
@@ -159,15 +164,14 @@ def test_nan_in_a_weight_to_quantize_is_refused_with_count(src, tmp_path):
     w[5, 7] = float("inf")
     tensors[name] = w
     save_file(tensors, shard)
-    msg = _fails(src, tmp_path / "out", match=name)
+    msg = _fails(src, tmp_path / "out", match=name, error=NonFiniteWeightError)
     assert "4 NaN/Inf" in msg and "--allow-nonfinite" in msg
-    ok = run_cli("quantize", str(src), str(tmp_path / "out2"), "--quiet", "--allow-nonfinite")
-    assert ok.returncode == 0, ok.stderr
+    quantize_checkpoint(src, tmp_path / "out2", workers=1, quiet=True, refuse_nonfinite=False)
 
 
 def test_nan_in_a_kept_weight_is_copied(src, tmp_path):
     _fill_with_nan(src, "model.layers.0.self_attn.q_a_proj.weight")
-    assert run_cli("quantize", str(src), str(tmp_path / "out"), "--quiet").returncode == 0
+    assert cli("quantize", str(src), str(tmp_path / "out"), "--quiet", "--workers", "1").returncode == 0
 
 
 def test_recipe_pattern_matching_nothing(src, tmp_path):
@@ -176,7 +180,7 @@ def test_recipe_pattern_matching_nothing(src, tmp_path):
         'name = "r"\nscheme = "mxfp4"\n[[quantize]]\nkinds = ["experts"]\n'
         '[[keep]]\nnames = ["model\\\\.layers\\\\.999\\\\..*"]\n'
     )
-    msg = _fails(src, tmp_path / "out", "--recipe", str(recipe), match=str(recipe))
+    msg = _fails(src, tmp_path / "out", recipe, match=str(recipe), error=ConfigError)
     assert "[[keep]] rule 1" in msg and "matches no 2-D weight" in msg
 
 
@@ -187,7 +191,7 @@ def test_mtp_rule_on_a_checkpoint_without_mtp(src, tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     recipe = tmp_path / "mtp.toml"
     recipe.write_text('name = "m"\nscheme = "mxfp4"\n[[quantize]]\nkinds = ["experts"]\nlayers = "mtp"\n')
-    _fails(src, tmp_path / "out", "--recipe", str(recipe), match="no MTP layer")
+    _fails(src, tmp_path / "out", recipe, match="no MTP layer", error=ConfigError)
 
 
 def _file_size_limit(limit: int):
@@ -200,7 +204,9 @@ def _file_size_limit(limit: int):
 
 def test_out_on_a_full_disk(src, tmp_path):
     """A real write limit on the subprocess (RLIMIT_FSIZE): the filesystem refuses bytes past 1 MB."""
-    msg = _fails(src, tmp_path / "out", match="no space left for the output", preexec=_file_size_limit(1 << 20))
+    msg = _fails_in_a_subprocess(
+        src, tmp_path / "out", match="no space left for the output", preexec=_file_size_limit(1 << 20)
+    )
     assert ".safetensors" in msg and "rerun" in msg
     assert not list((tmp_path / "out").glob("*.safetensors"))
 
@@ -208,14 +214,14 @@ def test_out_on_a_full_disk(src, tmp_path):
 def test_cuda_without_a_gpu(src, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    _fails(src, tmp_path / "out", "--device", "cuda", match="no CUDA device")
+    _fails(src, tmp_path / "out", device="cuda", match="no CUDA device", error=ConfigError)
 
 
 def test_out_not_ours(src, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("x")
-    _fails(src, out, match="not a previous `mxforge quantize` output")
+    _fails(src, out, match="not a previous `mxforge quantize` output", error=MxforgeError)
     assert (out / "precious.txt").read_text() == "x"
 
 

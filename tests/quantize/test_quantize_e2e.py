@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_cli
 from safetensors.torch import load_file
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
@@ -25,18 +24,15 @@ def _files(d: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def quantized_tiny(tiny_ckpt, tmp_path_factory) -> tuple[Path, QuantizeResult]:
-    """The CLI's output and its --json report, read back as the typed result (the same document as the record)."""
-    out = tmp_path_factory.mktemp("q") / "tiny-mxfp4"
-    proc = run_cli(
-        "quantize", str(tiny_ckpt), str(out), "--quiet", "--json", str(out.parent / "report.json"), check=True
-    )
-    assert "MXFP4" in proc.stdout
-    written = json.loads((out.parent / "report.json").read_text())
-    assert written == json.loads((out / QUANTIZE_NAME).read_text())
+def quantized_tiny(quantized_tiny) -> tuple[Path, QuantizeResult]:
+    """The session's `mxforge quantize` of the tiny fixture (conftest.py), with its --json report read back as the
+    typed result (the same document as the record)."""
+    assert "MXFP4" in (quantized_tiny.parent / "quantize.txt").read_text()
+    written = json.loads((quantized_tiny.parent / "quantize.json").read_text())
+    assert written == json.loads((quantized_tiny / QUANTIZE_NAME).read_text())
     report = QuantizeResult.from_dict(written)
     assert report.as_dict() == written  # the typed result writes back the very document it was read from
-    return out, report
+    return quantized_tiny, report
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+from helpers import cli
 
 from mxforge.models.fixture import write_fixture
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
@@ -32,7 +32,7 @@ def multi_shard_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def uninterrupted(multi_shard_ckpt, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("resume-ref") / "out"
-    run_cli("quantize", str(multi_shard_ckpt), str(out), "--quiet", "--workers", "1", check=True)
+    cli("quantize", str(multi_shard_ckpt), str(out), "--quiet", "--workers", "1", check=True)
     return out
 
 
@@ -101,7 +101,7 @@ def test_sigkill_then_rerun_is_byte_identical(multi_shard_ckpt, uninterrupted, t
 
     assert _kill_group_when(proc, ready), "the run finished before the kill could land"
     assert not (out / "config.json").exists() and not (out / QUANTIZE_NAME).exists()
-    rerun = run_cli("quantize", str(multi_shard_ckpt), str(out), "--quiet", "--json", "-", check=True)
+    rerun = cli("quantize", str(multi_shard_ckpt), str(out), "--quiet", "--json", "-", check=True)
     report = json.loads(rerun.stdout)
     if moment == "after_first_shard":
         assert report["shards"]["skipped_complete"] >= 1
@@ -115,17 +115,17 @@ def test_kill_during_the_first_state_write_still_resumes(tiny_ckpt, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / (QUANTIZE_STATE_NAME + ".partial")).write_text('{"format": 1, "sha')
-    run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", check=True)
+    cli("quantize", str(tiny_ckpt), str(out), "--quiet", check=True)
     reference = tmp_path / "ref"
-    run_cli("quantize", str(tiny_ckpt), str(reference), "--quiet", check=True)
+    cli("quantize", str(tiny_ckpt), str(reference), "--quiet", check=True)
     assert _outputs(out) == _outputs(reference)
     assert not list(out.glob("*.partial"))
 
 
 def test_state_file_of_the_wrong_shape_means_redo_everything(tiny_ckpt, tmp_path):
     out = tmp_path / "out"
-    run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", check=True)
+    cli("quantize", str(tiny_ckpt), str(out), "--quiet", check=True)
     reference = _outputs(out)
     (out / QUANTIZE_STATE_NAME).write_text("[1, 2, 3]")
-    rerun = json.loads(run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", "--json", "-", check=True).stdout)
+    rerun = json.loads(cli("quantize", str(tiny_ckpt), str(out), "--quiet", "--json", "-", check=True).stdout)
     assert rerun["shards"]["skipped_complete"] == 0 and _outputs(out) == reference

@@ -91,7 +91,7 @@ def test_bad_recipes_are_clear_errors(tmp_path, body, message):
 
 
 def test_scale_rule_from_the_recipe_is_used_and_recorded_and_the_flag_wins(tiny_ckpt, tmp_path):
-    from helpers import REPO, run_cli
+    from helpers import REPO, cli
 
     path = tmp_path / "mse.toml"
     shipped = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
@@ -103,7 +103,7 @@ def test_scale_rule_from_the_recipe_is_used_and_recorded_and_the_flag_wins(tiny_
     assert "mxforge" not in load_recipe("glm-5.2-mxfp4").quantization_config(["lm_head"])
     for flag, want in (([], "mse"), (["--scale-rule", "quark"], "quark")):
         out = tmp_path / f"out-{want}"
-        run_cli("quantize", str(tiny_ckpt), str(out), "--recipe", str(path), "--quiet", *flag, check=True)
+        cli("quantize", str(tiny_ckpt), str(out), "--recipe", str(path), "--quiet", *flag, check=True)
         assert json.loads((out / "mxforge_quantize.json").read_text())["recipe"]["scale_rule"] == want
         assert ("mxforge" in json.loads((out / "config.json").read_text())["quantization_config"]) == (want == "mse")
 

@@ -177,12 +177,12 @@ def test_report_aggregates_pooled_sums_and_names_the_worst():
 
 
 def test_resume_keeps_the_error_report_and_a_new_scale_rule_redoes_every_shard(tiny_ckpt, tmp_path):
-    from helpers import run_cli
+    from helpers import cli
 
     out = tmp_path / "out"
 
     def quantize(*extra: str) -> dict:
-        run_cli("quantize", str(tiny_ckpt), str(out), "--quiet", "--json", str(tmp_path / "r.json"), *extra, check=True)
+        cli("quantize", str(tiny_ckpt), str(out), "--quiet", "--json", str(tmp_path / "r.json"), *extra, check=True)
         return json.loads((tmp_path / "r.json").read_text())
 
     first = quantize()

@@ -5,29 +5,21 @@ import shutil
 
 import pytest
 import torch
-from helpers import BASE, GLM5, MTP, run_cli
+from helpers import BASE, GLM5, MTP, cli
 from quark_like import write_quark_like
 from safetensors import safe_open
 
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.quantize.run import quantize_checkpoint
 from mxforge.validation.profiles import all_profiles
 from mxforge.validation.validate import validate_checkpoint
 
 pytestmark = pytest.mark.slow  # the real quantizer's output, fixed up and validated
 
 
-@pytest.fixture(scope="session")
-def quantized_tiny(tiny_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("quantized") / "tiny-mxfp4"
-    quantize_checkpoint(tiny_ckpt, out, "glm-5.2-mxfp4", workers=1, quiet=True)
-    return out
-
-
 def test_quantize_then_validate_fails_old_sglang_then_fixup_passes_everywhere(quantized_tiny, tmp_path):
     ckpt = tmp_path / "q"
     shutil.copytree(quantized_tiny, ckpt)
-    proc = run_cli("validate", str(ckpt), "--json")
+    proc = cli("validate", str(ckpt), "--json")
     report = json.loads(proc.stdout)
     assert proc.returncode == 1
     failing = {r["profile"] for r in report["releases"] if not r["ok"]}
@@ -43,12 +35,12 @@ def test_quantize_then_validate_fails_old_sglang_then_fixup_passes_everywhere(qu
     assert {"model.eh_proj", "model.decoder.mlp.shared_experts.gate_up_proj"} <= subjects
     assert all(p["engine"] in failing and p["remedy"] == "run mxforge fixup" for p in report["problems"])
 
-    proc = run_cli("fixup", str(ckpt))
+    proc = cli("fixup", str(ckpt))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for profile in all_profiles(GLM5):
-        assert run_cli("validate", str(ckpt), "--engines", profile.name).returncode == 0, profile.name
+        assert cli("validate", str(ckpt), "--engines", profile.name).returncode == 0, profile.name
     assert validate_checkpoint(ckpt).ok
-    assert "nothing to fix" in run_cli("fixup", str(ckpt)).stdout
+    assert "nothing to fix" in cli("fixup", str(ckpt)).stdout
 
 
 def test_mtp_from_reinjects_the_layer_as_the_quantizer_writes_it(tiny_ckpt, quantized_tiny, tmp_path):
@@ -57,7 +49,7 @@ def test_mtp_from_reinjects_the_layer_as_the_quantizer_writes_it(tiny_ckpt, quan
     assert not validate_checkpoint(ckpt).ok
     before = json.loads((ckpt / "model.safetensors.index.json").read_text())
 
-    dry = run_cli("fixup", str(ckpt), "--mtp-from", str(tiny_ckpt), "--dry-run")
+    dry = cli("fixup", str(ckpt), "--mtp-from", str(tiny_ckpt), "--dry-run")
     assert dry.returncode == 0 and "MTP layer(s) [7]" in dry.stdout and not (ckpt / "model-mtp.safetensors").exists()
 
     result = fixup_checkpoint(ckpt, mtp_from=tiny_ckpt, recipe="glm-5.2-mxfp4")
@@ -90,7 +82,7 @@ def test_mtp_from_refuses_a_mismatched_source(tiny_ckpt, tmp_path):
     config = json.loads((other / "config.json").read_text())
     config["n_routed_experts"] = 16
     (other / "config.json").write_text(json.dumps(config))
-    proc = run_cli("fixup", str(ckpt), "--mtp-from", str(other))
+    proc = cli("fixup", str(ckpt), "--mtp-from", str(other))
     assert proc.returncode == 2 and "n_routed_experts" in proc.stderr and "Traceback" not in proc.stderr
     assert not (ckpt / "model-mtp.safetensors").exists() and not (ckpt / "config.json.orig").exists()
 
@@ -110,7 +102,7 @@ def test_mtp_from_names_the_remedy_for_an_odd_in_dimension(tiny_ckpt, tmp_path):
     rows, cols = tensors[name].shape
     tensors[name] = torch.zeros(rows, cols - 1, dtype=tensors[name].dtype)
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    proc = run_cli("fixup", str(ckpt), "--mtp-from", str(src), "--recipe", "glm-5.2-mxfp4")
+    proc = cli("fixup", str(ckpt), "--mtp-from", str(src), "--recipe", "glm-5.2-mxfp4")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert name in proc.stderr and "[[keep]]" in proc.stderr
     assert not (ckpt / "model-mtp.safetensors").exists() and not (ckpt / "config.json.orig").exists()

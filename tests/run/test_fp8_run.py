@@ -6,31 +6,28 @@ checkpoint is the same bytes as sequential."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from helpers import REPO, hub_env, pushed_files, run_cli
+from helpers import hub_env, pushed_files, run_cli
 
 from mxforge.models import FAMILIES, family_named
-from mxforge.models.fixture import write_fixture
 from mxforge.quantize.fp8_source import source_precision
 from mxforge.validation.validate import validate_checkpoint
+
+pytestmark = pytest.mark.slow  # the whole pipeline from the loopback Hub to a push, per family (as test_run.py)
 
 TOKEN = "hf_mxforgeFp8RunTestTokenNeverLogged5"
 PROVENANCE = {"mxforge_source.json", "mxforge_quantize.json", "mxforge_fixups.json", "README.md"}
 
 
 @pytest.fixture
-def fp8_hub(tmp_path):
-    """A loopback Hub serving every family's tiny FP8 fixture as zai/<family>-fp8."""
-    sys.path.insert(0, str(REPO / "scripts"))
+def fp8_hub(tmp_path, fixture_ckpt):
+    """A loopback Hub serving every family's tiny FP8 fixture (the session's, conftest.py) as zai/<family>-fp8."""
     from loopback_hub import LoopbackHub
 
     hub = LoopbackHub(tmp_path / "hub", tokens={TOKEN: "alice"})
     for family in (f for f in FAMILIES if f.has_fp8_release):
-        src = tmp_path / "src" / family.name
-        write_fixture(src, "tiny", quiet=True, family=family, precision="fp8")
-        hub.add_repo_from_dir(f"zai/{family.name}-fp8", src)
+        hub.add_repo_from_dir(f"zai/{family.name}-fp8", fixture_ckpt("tiny", family.name, "fp8")[0])
     hub.start()
     yield hub
     hub.stop()
@@ -55,7 +52,7 @@ def _run(hub, tmp_path, family: str, out, repo: str, *extra):
 
 
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.has_fp8_release])
-def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, tmp_path, family):
+def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, fixture_ckpt, tmp_path, family):
     out = tmp_path / "run"
     report = _run(fp8_hub, tmp_path, family, out, f"alice/{family}-mxfp4", "--no-stream")
     stages = report["stages"]
@@ -67,7 +64,8 @@ def test_run_from_an_fp8_hub_repo_to_a_push(fp8_hub, tmp_path, family):
     assert validate_checkpoint(out / "mxfp4").ok
     pushed = pushed_files(fp8_hub, f"alice/{family}-mxfp4")
     card = pushed["README.md"].decode()
-    described = source_precision(json.loads((tmp_path / "src" / family / "config.json").read_text())).describe()
+    source = fixture_ckpt("tiny", family, "fp8")[0]
+    described = source_precision(json.loads((source / "config.json").read_text())).describe()
     assert quantize["source_precision"] == described
     assert f"- source precision: {described} (model family: {family_named(family).title})" in card
     config = json.loads(pushed["config.json"])

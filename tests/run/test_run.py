@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TOKEN, hub_env, run_cli
+from helpers import REPO, TOKEN, cli, hub_env, run_cli
 
 from mxforge.models.fixture import write_fixture
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME
@@ -79,7 +79,7 @@ def test_run_from_hub_to_hub_with_push(hub, tmp_path):
 
 
 def test_run_human_summary_and_local_source(tiny_ckpt, tmp_path):
-    proc = run_cli("run", str(tiny_ckpt), str(tmp_path / "run"), "--quiet")
+    proc = cli("run", str(tiny_ckpt), str(tmp_path / "run"), "--quiet")
     assert proc.returncode == 0, proc.stderr
     for text in (
         "download  skipped",
@@ -110,10 +110,10 @@ def test_run_human_summary_and_local_source(tiny_ckpt, tmp_path):
 
 def test_run_refuses_another_source_in_the_same_out(tiny_ckpt, tmp_path):
     out = tmp_path / "run"
-    assert run_cli("run", str(tiny_ckpt), str(out), "--quiet").returncode == 0
+    assert cli("run", str(tiny_ckpt), str(out), "--quiet").returncode == 0
     other = tmp_path / "other"
     write_fixture(other, "tiny", seed=5, quiet=True)
-    proc = run_cli("run", str(other), str(out), "--quiet")
+    proc = cli("run", str(other), str(out), "--quiet")
     assert proc.returncode == 2 and "holds a run of source" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -149,7 +149,7 @@ def bench_src(tmp_path_factory) -> Path:
 
 def test_sigkill_during_quantize_then_rerun_is_byte_identical(bench_src, tmp_path):
     reference = tmp_path / "reference"
-    run_cli("run", str(bench_src), str(reference), "--quiet", "--workers", "2", check=True)
+    cli("run", str(bench_src), str(reference), "--quiet", "--workers", "2", check=True)
     out = tmp_path / "killed"
     proc = subprocess.Popen(
         [sys.executable, "-m", "mxforge.cli", "run", str(bench_src), str(out), "--quiet", "--workers", "2"],
@@ -168,7 +168,7 @@ def test_sigkill_during_quantize_then_rerun_is_byte_identical(bench_src, tmp_pat
     state = json.loads((out / RUN_STATE_NAME).read_text())
     assert state["stages"]["quantize"]["status"] == "running"
     assert not (mxfp4 / "config.json").exists()
-    rerun = run_cli("run", str(bench_src), str(out), "--quiet", "--workers", "2", "--json", "-", check=True)
+    rerun = cli("run", str(bench_src), str(out), "--quiet", "--workers", "2", "--json", "-", check=True)
     report = json.loads(rerun.stdout)
     assert report["stages"]["validate"]["report"]["ok"] is True
     assert _product(out) == _product(reference)
@@ -198,5 +198,5 @@ def test_run_state_file_of_the_wrong_shape_is_one_line(tiny_ckpt, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / RUN_STATE_NAME).write_text('{"inputs": [1, 2], "stages": 3}')
-    proc = run_cli("run", str(tiny_ckpt), str(out), "--quiet")
+    proc = cli("run", str(tiny_ckpt), str(out), "--quiet")
     assert proc.returncode == 2 and "state file is corrupt" in proc.stderr and "Traceback" not in proc.stderr

@@ -12,7 +12,7 @@ import sys
 import threading
 
 import pytest
-from helpers import hub_env, pushed_files, run_cli, start_cli
+from helpers import cli, hub_env, pushed_files, run_cli, start_cli
 
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME, STREAM_STATE_NAME
 from mxforge.run.stream import choose_stream, plan_disk
@@ -191,7 +191,7 @@ def test_sigkill_mid_stream_then_rerun_commits_the_same_bytes(hub, tmp_path, poi
 
 def test_stream_from_a_local_source_keeps_it_and_matches_sequential(tiny_ckpt, tmp_path):
     before = {p.name: p.stat().st_mtime_ns for p in tiny_ckpt.iterdir()}
-    run_cli("run", str(tiny_ckpt), str(tmp_path / "seq"), "--quiet", check=True)
+    cli("run", str(tiny_ckpt), str(tmp_path / "seq"), "--quiet", check=True)
     # The single-node path never imports Ray, installed or not.
     code = (
         "import sys; from mxforge.cli.main import main; "
@@ -217,7 +217,7 @@ def test_stream_from_a_local_source_keeps_it_and_matches_sequential(tiny_ckpt, t
 def test_stream_applies_the_scale_rule_and_reports_the_same_errors_as_sequential(tiny_ckpt, tmp_path):
     """--scale-rule reaches the streamed shard jobs, and the streamed quantize report carries the error report."""
     for mode, extra in (("seq", ()), ("str", ("--stream",))):
-        run_cli("run", str(tiny_ckpt), str(tmp_path / mode), "--scale-rule", "mse", "--quiet", *extra, check=True)
+        cli("run", str(tiny_ckpt), str(tmp_path / mode), "--scale-rule", "mse", "--quiet", *extra, check=True)
 
     def files(d):
         return {

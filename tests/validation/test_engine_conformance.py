@@ -12,6 +12,7 @@ builds it. Needs the package registry (as pip does); deselect offline with `-m "
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from engine_truth import matrix, probe_io
@@ -57,20 +58,75 @@ def family_reports(family_cases):
     return get
 
 
+def profile_of(family_name: str, engine: str, release: str):
+    """The profile that reads `release` of `engine` for a family (None: no profile of the family reads it)."""
+    return next((p for p in all_profiles(family_name) if p.engine == engine and release in p.read), None)
+
+
 @pytest.fixture(scope="session")
-def answers(family_cases, family_loaded):
-    """The release's own answers for every case of a family (one probe process per release and family)."""
-    cache: dict[tuple[str, str], dict] = {}
+def probe_runs() -> dict[tuple[str, str], int]:
+    """How many probe processes each (engine, release) has started in this session."""
+    return {}
+
+
+def _releases_asked(items) -> list[tuple[str, str]]:
+    """The (engine, release) pairs the selected tests ask `answers` about by their parameters, in run order."""
+    out: list[tuple[str, str]] = []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "answers" in getattr(item, "fixturenames", ()) and {"profile_name", "release"} <= set(params):
+            key = (params["profile_name"].split("-", 1)[0], params["release"])
+            if key not in out:
+                out.append(key)
+    return out
+
+
+@pytest.fixture(scope="session")
+def answers(request, family_cases, family_loaded, probe_runs):
+    """The release's own answers for every case of a family. One probe process per release answers for every
+    family its profiles build (each case asked as the family's profile for that release sees it). Probes run in
+    two threads: while one release's answers are judged, the next selected release is already being probed
+    (a probe is a process of its own: the two use both cores)."""
+    futures: dict[tuple[str, str], Future] = {}
+    ahead = _releases_asked(request.session.items)
+    pool = ThreadPoolExecutor(2, thread_name_prefix="probe")
+
+    def submit(engine: str, release: str) -> Future:
+        if (engine, release) not in futures:
+            requests = []
+            for family in FAMILIES:
+                profile = profile_of(family.name, engine, release)
+                if profile is None:
+                    continue
+                loaded = family_loaded(family.name)
+                for name, c in family_cases(family.name).items():
+                    requests.append({**matrix.request(profile, c, loaded[name]), "name": f"{family.name}:{name}"})
+            probe_runs[engine, release] = probe_runs.get((engine, release), 0) + 1
+            futures[engine, release] = pool.submit(probe_io.run_probe, engine, release, requests)
+        return futures[engine, release]
 
     def get(family_name: str, profile_name: str, release: str) -> dict:
-        if (family_name, release) not in cache:
-            profile = load_profile(profile_name, family_name)
-            loaded = family_loaded(family_name)
-            requests = [matrix.request(profile, c, loaded[name]) for name, c in family_cases(family_name).items()]
-            cache[family_name, release] = probe_io.run_probe(profile.engine, release, requests)
-        return cache[family_name, release]
+        key = (load_profile(profile_name, family_name).engine, release)
+        future = submit(*key)
+        if key in ahead:  # the next release a selected test asks about: probed while this one is judged
+            later = [k for k in ahead[ahead.index(key) + 1 :] if k not in futures]
+            if later:
+                submit(*later[0])
+        found = future.result()
+        return {name.split(":", 1)[1]: a for name, a in found.items() if name.split(":", 1)[0] == family_name}
 
-    return get
+    yield get
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_one_probe_process_answers_every_family_of_a_release(answers, probe_runs):
+    """The newest sglang and vLLM releases build every family: each is asked once, for all of them."""
+    for engine, release in (("sglang", "0.5.23"), ("vllm", "0.33.0")):
+        families = [f.name for f in FAMILIES if profile_of(f.name, engine, release)]
+        assert len(families) == len(FAMILIES) > 1, families
+        for family_name in families:
+            assert answers(family_name, profile_of(family_name, engine, release).name, release)
+        assert probe_runs[engine, release] == 1
 
 
 @pytest.mark.parametrize("family_name,profile_name,release", RELEASES, ids=IDS)

@@ -13,7 +13,6 @@ from quark_like import write_quark_like
 
 from mxforge.errors import ConfigError
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.models.fixture import write_fixture
 from mxforge.validation.profiles import all_profiles, parse_engines_arg, select
 from mxforge.validation.validate import validate_checkpoint
 
@@ -280,13 +279,12 @@ def test_shared_expert_fusion_at_256_experts(full_layout_ckpt, tmp_path):
     assert "--disable-shared-experts-fusion" not in serve["sglang 0.5.16-0.5.23"]["command"]
 
 
-def test_deepseek_v32_draft_decides_its_own_fusion_from_sglang_0_5_18(tmp_path):
+def test_deepseek_v32_draft_decides_its_own_fusion_from_sglang_0_5_18(fixture_ckpt, tmp_path):
     """DeepSeek-V3.2's target never fuses its shared expert. Up to sglang 0.5.17 that refusal reaches its draft (built
     next, in the same process); from 0.5.18 the draft's own gate decides, and at 256 experts it appends the MTP shared
     expert to the routed-expert bank unless an exclude entry vetoes it. An export that keeps the MTP shared expert bf16
     through layer_quant_config (no exclude entry names it) needs the flag there; fixup's entries veto the fusion."""
-    src, ckpt, mtp = tmp_path / "v32", tmp_path / "q", 61
-    write_fixture(src, "full-layout", quiet=True, family="deepseek_v32")
+    src, ckpt, mtp = fixture_ckpt("full-layout", "deepseek_v32")[0], tmp_path / "q", 61
     shared = f"*layers.{mtp}.mlp.shared_experts*"
     write_quark_like(src, ckpt, BASE + [shared, f"*layers.{mtp}.eh_proj", "*embed_tokens", "*shared_head.head"])
     config = json.loads((ckpt / "config.json").read_text())

@@ -1,11 +1,11 @@
 import json
 import shutil
 
-from helpers import run_cli
+from helpers import cli
 
 
 def test_inspect_json_report(tiny_ckpt):
-    proc = run_cli("inspect", str(tiny_ckpt), "--json")
+    proc = cli("inspect", str(tiny_ckpt), "--json")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert r["architecture"] == "GlmMoeDsaForCausalLM"
@@ -38,7 +38,7 @@ def test_inspect_json_report(tiny_ckpt):
 
 
 def test_inspect_human_summary_and_report_file(tiny_ckpt, tmp_path):
-    proc = run_cli("inspect", str(tiny_ckpt), "--json", str(tmp_path / "r.json"))
+    proc = cli("inspect", str(tiny_ckpt), "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0
     assert "MTP: layer(s) [7] present, 47 tensors, complete" in proc.stdout
     assert json.loads((tmp_path / "r.json").read_text())["stage"] == "inspect"
@@ -57,18 +57,18 @@ def test_inspect_reports_missing_mtp_and_quant_config(tiny_ckpt, tmp_path):
         "global_quant_config": {"weight": {"dtype": "fp4", "group_size": 32, "scale_format": "e8m0"}},
     }
     (ckpt / "config.json").write_text(json.dumps(config))
-    r = json.loads(run_cli("inspect", str(ckpt), "--json").stdout)
+    r = json.loads(cli("inspect", str(ckpt), "--json").stdout)
     assert r["mtp"]["present"] is False and r["mtp"]["expected_layers"] == [7]
     assert r["quantization"]["exclude_entries"] == 2 and r["quantization"]["exclude_glob_entries"] == 1
-    assert "config declares layer(s) [7]" in run_cli("inspect", str(ckpt)).stdout
+    assert "config declares layer(s) [7]" in cli("inspect", str(ckpt)).stdout
 
 
 def test_inspect_not_a_checkpoint(tmp_path):
-    proc = run_cli("inspect", str(tmp_path))
+    proc = cli("inspect", str(tmp_path))
     assert proc.returncode == 2
     assert "no config.json" in proc.stderr and str(tmp_path) in proc.stderr and "Traceback" not in proc.stderr
     (tmp_path / "config.json").write_text("{}")
-    proc = run_cli("inspect", str(tmp_path))
+    proc = cli("inspect", str(tmp_path))
     assert proc.returncode == 2 and "no model.safetensors" in proc.stderr
-    missing = run_cli("inspect", str(tmp_path / "nope"))
+    missing = cli("inspect", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "not a directory" in missing.stderr

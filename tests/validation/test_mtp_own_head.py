@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import cli
 from safetensors.torch import load_file, save_file
 
 from mxforge.models import family_named
@@ -62,14 +62,14 @@ def glm46_like(tmp_path_factory) -> tuple[Path, int]:
 def test_a_glm46_layout_quantizes_fixes_up_and_validates_for_every_release(glm46_like, tmp_path):
     src, layer = glm46_like
     out = tmp_path / "out"
-    run_cli("quantize", str(src), str(out), "--quiet", "--workers", "1", check=True)
-    run_cli("fixup", str(out), "--quiet", check=True)
-    proc = run_cli("validate", str(out), "--json", "-")
+    cli("quantize", str(src), str(out), "--quiet", "--workers", "1", check=True)
+    cli("fixup", str(out), "--quiet", check=True)
+    proc = cli("validate", str(out), "--json", "-")
     report = json.loads(proc.stdout)
     assert proc.returncode == 0 and report["ok"], proc.stdout
     assert report["checked"]["engines"] and all(report["checked"]["engines"].values())
     assert any(f"MTP layer {layer}:" in n and "without its own embed_tokens.weight" in n for n in report["notes"])
-    inspected = json.loads(run_cli("inspect", str(src), "--json", "-", check=True).stdout)
+    inspected = json.loads(cli("inspect", str(src), "--json", "-", check=True).stdout)
     assert inspected["mtp"]["complete"]
 
 
@@ -78,7 +78,7 @@ def test_other_mtp_tensors_and_other_families_are_still_required(glm46_like, tmp
     GLM-4.6 layout without the MTP layer's eh_proj."""
     write_fixture(tmp_path / "v3", "tiny", quiet=True, family=family_named("deepseek_v3"))
     layer = without_own_head(tmp_path / "v3", tmp_path / "v3-no-head")
-    proc = run_cli("validate", str(tmp_path / "v3-no-head"))
+    proc = cli("validate", str(tmp_path / "v3-no-head"))
     assert proc.returncode == 1 and f"model.layers.{layer}.shared_head.head.weight" in proc.stdout
 
     src, layer = glm46_like
@@ -91,7 +91,7 @@ def test_other_mtp_tensors_and_other_families_are_still_required(glm46_like, tmp
     del tensors[name]
     save_file(tensors, broken / shard, metadata={"format": "pt"})
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
-    proc = run_cli("validate", str(broken))
+    proc = cli("validate", str(broken))
     assert proc.returncode == 1 and name in proc.stdout
 
 

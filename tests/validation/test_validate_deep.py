@@ -6,7 +6,7 @@ import os
 import shutil
 
 import pytest
-from helpers import AMD, run_cli
+from helpers import AMD, cli
 from quark_like import write_quark_like
 
 from mxforge.checkpoint import Checkpoint
@@ -30,7 +30,7 @@ def test_nan_scale_byte_is_found_only_by_deep(tiny_ckpt, tmp_path):
     report = validate_checkpoint(ckpt, deep=True)
     (p,) = report.problems
     assert (p.check, p.subject) == ("scales", name) and "[3, 1]" in p.message
-    proc = run_cli("validate", str(ckpt), "--deep", "--quiet")
+    proc = cli("validate", str(ckpt), "--deep", "--quiet")
     assert proc.returncode == 1 and name in proc.stdout
 
 
@@ -68,7 +68,7 @@ def test_malformed_sha256_manifest_is_one_error(tiny_ckpt, tmp_path, manifest, n
     with pytest.raises(CheckpointError, match=r"mxforge_source\.json") as e:
         validate_checkpoint(ckpt, deep=True)
     assert named in str(e.value)
-    proc = run_cli("validate", str(ckpt), "--deep", "--quiet")
+    proc = cli("validate", str(ckpt), "--deep", "--quiet")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and named in proc.stderr + proc.stdout
 
 

@@ -2,7 +2,7 @@ import json
 import shutil
 
 import pytest
-from helpers import run_cli
+from helpers import cli
 
 from mxforge.validation.validate import validate_checkpoint
 
@@ -26,7 +26,7 @@ def test_clean_checkpoint_passes(tiny_ckpt):
     report = validate_checkpoint(tiny_ckpt)
     assert report.ok, report.format()
     assert report.checked["integrity"]["tensors"] == 258
-    proc = run_cli("validate", str(tiny_ckpt))
+    proc = cli("validate", str(tiny_ckpt))
     assert proc.returncode == 0 and "OK" in proc.stdout
 
 
@@ -36,7 +36,7 @@ def test_wrong_total_size(ckpt):
     _write_index(ckpt, index)
     report = validate_checkpoint(ckpt)  # no engine reads total_size: a warning, which fixup repairs
     assert report.ok and [p.subject for p in report.warnings] == ["model.safetensors.index.json:metadata.total_size"]
-    proc = run_cli("validate", str(ckpt), "--json")
+    proc = cli("validate", str(ckpt), "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["warnings"][0]["remedy"] == "run mxforge fixup (sets it)"
 
 
@@ -60,7 +60,7 @@ def test_missing_shard_orphans_and_truncation(ckpt):
 
 
 def test_cannot_run_exits_2(tmp_path):
-    proc = run_cli("validate", str(tmp_path))
+    proc = cli("validate", str(tmp_path))
     assert proc.returncode == 2 and "no config.json" in proc.stderr
 
 

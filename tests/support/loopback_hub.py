@@ -50,7 +50,7 @@ A route is named alone (`resolve`) or with its method (`HEAD resolve`) in `stall
 Bandwidth (benchmarks): `pace["down"].rate` / `pace["up"].rate` limit file downloads / request bodies to that
 many bytes/s, shared by all connections as one link would; `bytes_sent` / `bytes_received` count them.
 
-Standalone: `python scripts/loopback_hub.py --root DIR [--port N] [--token T] [--down-mbps R] [--up-mbps R]`:
+Standalone: `python tests/support/loopback_hub.py --root DIR [--port N] [--token T] [--down-mbps R] [--up-mbps R]`:
 every DIR/<owner>/<name>/ directory is served as a model repo on branch main; pushed objects are kept under
 DIR/.loopback-hub/.
 """
