@@ -301,9 +301,10 @@ def start_worker_pool(workers: int, jobs: list[ShardJob]):
     ctx: BaseContext = mp.get_context("spawn")
     if jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
         # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
-        from mxforge.quantize.mxfp4 import warm_cpu_kernel
-
-        warm_cpu_kernel({t.read_dtype for job in jobs for t in job.plan.tensors if t.fate == "quantized"})
+        quantized = [t for job in jobs for t in job.plan.tensors if t.format is not None]
+        for fmt in {t.format.name: t.format for t in quantized if t.format is not None}.values():
+            if fmt.kernels.warm is not None:
+                fmt.kernels.warm({t.read_dtype for t in quantized if t.format == fmt})
         ctx = mp.get_context("fork")
     counter = ctx.Value("q", 0)
     return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,)), counter
@@ -413,6 +414,7 @@ def write_provenance(
             "sha256": recipe.sha256,
             "source": recipe.source,
             "scheme": recipe.scheme,
+            "format": recipe.element_format.name,
             "scale_rule": recipe.scale_rule,
         },
         "source_precision": plan.precision.describe(),

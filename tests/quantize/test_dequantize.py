@@ -16,8 +16,9 @@ from helpers import one_error_line, run_cli
 from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
+from mxforge.formats import MXFP4
+from mxforge.formats.quark import quark_dequantize_weight
 from mxforge.provenance import DEQUANTIZE_NAME
-from mxforge.quantize.quark_ref import quark_dequantize_weight
 
 
 def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -59,7 +60,7 @@ def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouch
     for name, t in unpacked.items():
         if f"{name}_scale" in scales:
             assert t.dtype == torch.bfloat16 and t.shape == (packed[name].shape[0], 2 * packed[name].shape[1])
-            want = quark_dequantize_weight(packed[name], packed[f"{name}_scale"], torch.bfloat16)
+            want = quark_dequantize_weight(MXFP4, packed[name], packed[f"{name}_scale"], torch.bfloat16)
             assert torch.equal(t, want.to(torch.bfloat16)), name
         else:
             assert t.dtype == packed[name].dtype and torch.equal(t.view(torch.uint8), packed[name].view(torch.uint8)), (
