@@ -25,14 +25,14 @@ from mxforge.models import layout_of
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, keep_original, read_fixups_record, recorded_command
 from mxforge.safetensors_io import write_json_atomic
 from mxforge.validation.config_checks import exclude_entries
-from mxforge.validation.engine_check import check_engine, decide, engine_view, without_fusion
+from mxforge.validation.engine_check import OTHER, check_engine, decide, engine_view, without_fusion
 from mxforge.validation.integrity import TOTAL_SIZE
 from mxforge.validation.loaded import LoadedCheckpoint, load_checkpoint
 from mxforge.validation.matching import DRAFT, is_glob
 from mxforge.validation.modules import EngineModule
 from mxforge.validation.profiles import EngineProfile, check_engine_items, select
 from mxforge.validation.report import MAX_LISTED, Problem
-from mxforge.validation.tensor_forms import BF16, MXFP4
+from mxforge.validation.tensor_forms import BF16, form_title
 from mxforge.validation.validate import loadability_problems
 
 
@@ -160,11 +160,14 @@ def needed_aliases(
                         not module.is_mtp or v.roles[DRAFT].entries.matching_entry(module.runtime)
                     ):
                         continue
-                    why = "stored bf16; " + {
-                        None: "the engine would raise while deciding",
-                        BF16: f"the MTP module's name in {profile.name}",
-                        MXFP4: "the engine would build it MXFP4",
-                    }.get(verdict.form, f"the engine would build it with {verdict.form}")
+                    if verdict.form is None:
+                        why = "stored bf16; the engine would raise while deciding"
+                    elif verdict.form == BF16:
+                        why = f"stored bf16; the MTP module's name in {profile.name}"
+                    elif verdict.form == OTHER:
+                        why = f"stored bf16; the engine would build it with {verdict.form}"
+                    else:
+                        why = f"stored bf16; the engine would build it {form_title(verdict.form)}"
                     for entry in alias_entries(profile, module):
                         if entry in entries:
                             continue

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
+from mxforge.formats import ElementFormat
 from mxforge.models import MoeLayout, layout_of
 from mxforge.models.tensor_kinds import layer_of
 from mxforge.progress import byte_progress
@@ -47,9 +48,10 @@ SHAPE_FIELDS = (
 class MtpPlan:
     layers: list[int]
     tensors: list[PlannedTensor]  # as written (quantized weights: codes + scales)
-    quantize: set[str]  # source weight names that become MXFP4
+    quantize: dict[str, ElementFormat]  # source weight names that are quantized, and the format each goes to
     kept_modules: list[str]  # 2-D weights kept bf16: they join `exclude`
     source_bytes: int
+    kept_tensors: int = 0  # source tensors written as they are (everything not quantized)
 
 
 def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
@@ -60,7 +62,7 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
         CheckpointError: the export already holds MTP tensors, or the source lacks them.
     """
     from mxforge.quantize.fp8_source import source_precision
-    from mxforge.quantize.plan import TensorPlan, tensor_fate
+    from mxforge.quantize.plan import plan_tensor
 
     if source_precision(src.config, str(src.root / "config.json")).is_fp8:
         raise ConfigError(
@@ -94,13 +96,14 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
             "use the original bf16 checkpoint",
             path=src.root,
         )
-    plans = [TensorPlan(infos[n], tensor_fate(infos[n], recipe, layout)) for n in sorted(infos)]
+    plans = [plan_tensor(infos[n], recipe, layout) for n in sorted(infos)]
     return MtpPlan(
         list(layout.mtp_layers),
         [o for p in plans for o in p.outputs()],
-        {p.source.name for p in plans if p.fate == "quantized"},
+        {p.source.name: p.format for p in plans if p.format is not None},
         [p.source.name.removesuffix(".weight") for p in plans if p.fate == "kept"],
         sum(i.nbytes for i in infos.values()),
+        sum(p.format is None for p in plans),
     )
 
 
@@ -128,7 +131,6 @@ def inject_mtp(
     """
     from safetensors import safe_open
 
-    from mxforge.quantize.mxfp4 import quantize_mxfp4
     from mxforge.quantize.recipe import load_recipe
 
     ckpt = root if isinstance(root, Checkpoint) else Checkpoint.open(root)
@@ -146,7 +148,7 @@ def inject_mtp(
     ):
         handles = {}
         try:
-            for t in writer.order:  # a quantized weight's codes come right before its scales (name order)
+            for t in writer.order:  # a quantized weight's codes come before its scales (name order)
                 if t.name in pending_scales:
                     writer.write(t.name, pending_scales.pop(t.name))
                     continue
@@ -155,9 +157,10 @@ def inject_mtp(
                     handles[shard] = safe_open(str(src.root / shard), framework="pt")
                 tensor = handles[shard].get_tensor(t.name)
                 bar.update(tensor.numel() * tensor.element_size())
-                if t.name in plan.quantize:
-                    codes, scales = quantize_mxfp4(tensor, name=t.name)
-                    pending_scales[t.name.removesuffix(".weight") + ".weight_scale"] = scales
+                fmt = plan.quantize.get(t.name)
+                if fmt is not None:
+                    codes, scales = fmt.quantize(tensor, name=t.name)
+                    pending_scales[fmt.scale_name(t.name)] = scales
                     writer.write(t.name, codes)
                 else:
                     writer.write(t.name, tensor)
@@ -173,7 +176,7 @@ def inject_mtp(
         "recipe_sha256": recipe.sha256,
         "shard": MTP_SHARD,
         "quantized": len(plan.quantize),
-        "kept_bf16": len(plan.tensors) - 2 * len(plan.quantize),
+        "kept_bf16": plan.kept_tensors,
         "excluded_modules_added": len(plan.kept_modules),
         "why": "the export shipped without its MTP layer",
     }

@@ -1,14 +1,13 @@
 """`mxforge dequantize CKPT OUT`: an MXFP4 checkpoint back to bf16, for evaluation and debugging.
 
-Every MXFP4 weight (`X.weight` uint8 codes with its `X.weight_scale` E8M0 bytes) becomes a bf16 `X.weight`
-holding exactly the values the codes encode (what Quark's own dequantization gives; every such value is
-a bf16); its scale tensor goes. A block whose E8M0 scale is 0xFF (NaN, by the OCP MX spec) is NaN throughout,
-and the report says so per tensor (`nan_scale_blocks`, one warning each). Every other tensor is copied byte for
-byte. Streaming: a tensor is read
-and written in row chunks (CHUNK_BYTES of output at a time), whatever its size. Each shard is written
-under a temporary name and renamed when whole; then the index, the side files, config.json without its
-quantization_config, and mxforge_dequantize.json (the report) last. A rerun into the same OUT redoes
-the work (OUT must be new, empty, or an earlier dequantize output).
+Every weight stored in an element format (mxforge/formats/: MXFP4's `X.weight` uint8 codes with its `X.weight_scale`
+E8M0 bytes) becomes a bf16 `X.weight` holding the values the codes encode (what Quark's own dequantization gives;
+every MXFP4 value is a bf16, exactly); its scale tensor goes. Every other tensor is copied byte for byte. A block
+whose scale is its format's NaN code (E8M0 0xFF, by the OCP MX spec) is NaN throughout, and the report says so per
+tensor (`nan_scale_blocks`, one warning each). Streaming: a tensor is read and written in row chunks (CHUNK_BYTES of
+output at a time), whatever its size. Each shard is written under a temporary name and renamed when whole; then the
+index, the side files, config.json without its quantization_config, and mxforge_dequantize.json (the report) last. A
+rerun into the same OUT redoes the work (OUT must be new, empty, or an earlier dequantize output).
 """
 
 from __future__ import annotations
@@ -24,38 +23,31 @@ import numpy as np
 from mxforge.checkpoint import Checkpoint, write_index
 from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.errors import CheckpointError
+from mxforge.formats import FORMATS, ElementFormat, StoredPair, declared_format, stored_pairs
 from mxforge.progress import byte_progress
 from mxforge.provenance import DEQUANTIZE_NAME, carried_from, recorded_command
-from mxforge.quantize.mxfp4 import dequantize_rows
 from mxforge.quantize.run import drop_quantization_config
 from mxforge.safe_paths import refuse_links_leaving
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
 CHUNK_BYTES = 16 << 20
-SCALE_SUFFIX = "_scale"
-E8M0_NAN = 0xFF  # OCP MX v1.0: the E8M0 code 0xFF is NaN, and a block with a NaN scale is NaN in every element
-MX_BLOCK = 32
 
 
-def mxfp4_pairs(infos: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
-    """The MXFP4 weights of a checkpoint: `X.weight` (U8 codes) -> its `X.weight_scale` (U8 E8M0 bytes).
+def quantized_pairs(infos: dict[str, TensorInfo], prefer: ElementFormat | None = None) -> dict[str, StoredPair]:
+    """The quantized weights of a checkpoint: `X.weight` (codes) -> its pair (format, codes, scales); `prefer`: the
+    format quantization_config declares (mxforge.formats.stored_pair).
 
     Raises:
-        CheckpointError: a pair whose shapes do not fit (scales must be [out, ceil(2 * codes_in / 32)]).
+        CheckpointError: a pair whose shapes do not fit its format (named, with the expected shapes).
     """
-    pairs = {}
-    for name, info in infos.items():
-        scale = infos.get(name + SCALE_SUFFIX)
-        if not (name.endswith(".weight") and info.dtype == "U8" and scale is not None and scale.dtype == "U8"):
-            continue
-        if len(info.shape) != 2 or len(scale.shape) != 2 or scale.shape != (info.shape[0], -(-2 * info.shape[1] // 32)):
+    pairs = stored_pairs(infos, prefer)
+    for name, pair in pairs.items():
+        if pair.defect:
             raise CheckpointError(
-                f"tensor {name!r} {list(info.shape)} and its scale {list(scale.shape)} are not an MXFP4 "
-                f"pair (scales must be [out, ceil(2 * {info.shape[-1] if info.shape else '?'} / 32)]); "
+                f"tensor {name!r} and its scales are not a {pair.format.title} pair ({pair.defect}); "
                 "the checkpoint is corrupt",
                 tensor=name,
             )
-        pairs[name] = scale
     return pairs
 
 
@@ -75,17 +67,19 @@ def dequantize_checkpoint(
     src, out = Path(src), Path(out)
     ckpt = Checkpoint.open(src, follow_symlinks)
     infos = ckpt.tensor_infos()
-    pairs = mxfp4_pairs(infos)
+    pairs = quantized_pairs(infos, declared_format(ckpt.quantization_config))
     if not pairs:
         raise CheckpointError(
-            f"{src}: holds no MXFP4 weight (uint8 X.weight with X.weight_scale): nothing to dequantize", path=src
+            f"{src}: holds no {' or '.join(f.title for f in FORMATS)} weight (codes under X.weight with their scales "
+            "beside them): nothing to dequantize",
+            path=src,
         )
     carried = carried_from(src, ckpt.shard_names, {"README.md": "the MXFP4 checkpoint's model card"})
     to_copy = carried.names
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     check_out_dir(src, out, DEQUANTIZE_NAME, "dequantize")
     out.mkdir(parents=True, exist_ok=True)
-    scales = {s.name for s in pairs.values()}
+    scales = {p.scale.name for p in pairs.values() if p.scale is not None}
     total = sum(i.nbytes for i in infos.values())
     weight_map, bytes_out, index_total = {}, 0, 0
     nan_blocks: dict[str, int] = {}
@@ -100,7 +94,7 @@ def dequantize_checkpoint(
                     i for i in header.tensors.values() if ckpt.weight_map.get(i.name) == shard and i.name not in scales
                 ]
                 planned = [
-                    PlannedTensor(i.name, "BF16", (i.shape[0], 2 * i.shape[1]))
+                    PlannedTensor(i.name, "BF16", pairs[i.name].shape)
                     if i.name in pairs
                     else PlannedTensor(i.name, i.dtype, i.shape)
                     for i in mine
@@ -109,20 +103,10 @@ def dequantize_checkpoint(
                 writer = ShardWriter(out / shard, planned, metadata=header.metadata or {})
                 with open(src / shard, "rb") as fin, writer:
                     for t in writer.order:
-                        info = header.tensors[t.name]
-                        parts = (
-                            _dequantized(fin, info, header.tensors[t.name + SCALE_SUFFIX], nan_blocks)
-                            if t.name in pairs
-                            else _raw(fin, info)
-                        )
-                        writer.write_parts(
-                            t.name,
-                            _counted(
-                                parts,
-                                bar,
-                                info.nbytes + (header.tensors[t.name + SCALE_SUFFIX].nbytes if t.name in pairs else 0),
-                            ),
-                        )
+                        info, pair = header.tensors[t.name], pairs.get(t.name)
+                        parts = _dequantized(fin, pair, nan_blocks) if pair is not None else _raw(fin, info)
+                        scale_bytes = pair.scale.nbytes if pair is not None and pair.scale is not None else 0
+                        writer.write_parts(t.name, _counted(parts, bar, info.nbytes + scale_bytes))
                         weight_map[t.name] = shard
                 bytes_out += writer.nbytes
         write_index(out, weight_map, index_total)
@@ -136,8 +120,9 @@ def dequantize_checkpoint(
         write_json_atomic(out / "config.json", config)
         seconds = time.monotonic() - started
         warnings = [
-            f"tensor {name!r}: {n:,} block(s) of {MX_BLOCK} with a NaN scale (E8M0 0xFF) written as NaN throughout "
-            "(OCP MX); the MXFP4 checkpoint holds NaN there"
+            f"tensor {name!r}: {n:,} block(s) of {pairs[name].format.block} with a NaN scale "
+            f"({pairs[name].format.scale.title} 0x{pairs[name].format.scale.nan_code:02X}) written as NaN throughout "
+            f"(OCP MX); the {pairs[name].format.title} checkpoint holds NaN there"
             for name, n in sorted(nan_blocks.items())
         ]
         report = {
@@ -177,24 +162,31 @@ def _raw(fin, info: TensorInfo):
         yield _pread(fin, pos, min(CHUNK_BYTES, info.end - pos))
 
 
-def _dequantized(fin, codes: TensorInfo, scales: TensorInfo, nan_blocks: dict[str, int]):
-    """bf16 bytes of an MXFP4 weight, row chunk by row chunk; blocks with a NaN scale are NaN (counted into
-    `nan_blocks` under the weight's name)."""
-    rows, half = codes.shape
-    nblocks = scales.shape[1]
-    step = max(1, CHUNK_BYTES // (4 * half))  # 2 * half bf16 values a row
+def _dequantized(fin, pair: StoredPair, nan_blocks: dict[str, int]):
+    """bf16 bytes of a quantized weight, row chunk by row chunk; blocks with the NaN scale code decode to NaN
+    (counted into `nan_blocks` under the weight's name)."""
+    codes, scales, fmt = pair.weight, pair.scale, pair.format
+    assert scales is not None, f"{codes.name}: a quantized weight without scales is refused by quantized_pairs"
+    rows, inner = pair.shape
+    packed, nblocks = codes.shape[1], scales.shape[1]
+    step = max(1, CHUNK_BYTES // (2 * inner))  # inner bf16 values a row
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
-        c = np.frombuffer(_pread(fin, codes.start + r0 * half, n * half), dtype=np.uint8).reshape(n, half)
+        c = np.frombuffer(_pread(fin, codes.start + r0 * packed, n * packed), dtype=np.uint8).reshape(n, packed)
         s = np.frombuffer(_pread(fin, scales.start + r0 * nblocks, n * nblocks), dtype=np.uint8).reshape(n, nblocks)
-        nan = s == E8M0_NAN
-        if nan.any():  # decode them with a finite scale (no inf * 0 warnings), then make the whole block NaN
-            values = dequantize_rows(c, np.where(nan, 127, s).astype(np.uint8), 2 * half)
-            values[np.repeat(nan, MX_BLOCK, axis=1)[:, : 2 * half]] = np.nan
-            nan_blocks[codes.name] = nan_blocks.get(codes.name, 0) + int(nan.sum())
-        else:
-            values = dequantize_rows(c, s, 2 * half)
-        yield (values.view(np.uint32) >> 16).astype("<u2")  # exact: every MXFP4 value is a bf16
+        nan = int((s == fmt.scale.nan_code).sum())
+        if nan:
+            nan_blocks[codes.name] = nan_blocks.get(codes.name, 0) + nan
+        with np.errstate(invalid="ignore"):  # 0 * NaN in a NaN-scale block: NaN, as the OCP MX spec says
+            values = fmt.kernels.decode(c, s, inner)
+        yield _bf16_bits(values)
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values as bf16 bit patterns, rounded to nearest even (exact for every MXFP4 value; NaN stays NaN)."""
+    bits = values.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(np.isnan(values), bits >> np.uint32(16), rounded).astype("<u2")
 
 
 def _counted(parts, bar, nbytes: int):

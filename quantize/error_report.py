@@ -9,8 +9,8 @@ scale 2^e):
 - clipped_fraction: the fraction of values with |x| > 6 * 2^e, the largest magnitude their block can
   represent, which are therefore stored as +-6 * 2^e. Quark's exponent clips the values of a block
   whose amax lies in [1.5, 1.75) * 2^k; a scale rule can trade clipping for resolution.
-The kernels add four float64 running sums per tensor (ERROR_STATS); this module turns them into those
-figures and aggregates them per module class (tensor_kinds, the MTP layer as its own class) and per
+The kernels add four float64 running sums per tensor (mxforge.formats.ERROR_STATS); this module turns them into
+those figures and aggregates them per module class (tensor_kinds, the MTP layer as its own class) and per
 layer, with the worst tensors named. Aggregates pool the sums (an element-weighted RMSE), not the ratios.
 """
 
@@ -21,7 +21,6 @@ from collections import defaultdict
 
 from mxforge.models.tensor_kinds import layer_of, module_class
 
-ERROR_STATS = 4  # sum of squared errors, sum of squares, max |error|, clipped count
 WORST_SHOWN = 5
 SUM_KEYS = ("sum_sq_err", "sum_sq", "max_abs_err", "clipped", "elements")
 
@@ -127,8 +126,8 @@ def markdown_table(report: dict | None) -> list[str]:
         return ["not recorded"]
     lines = [
         f"Measured by `mxforge quantize` in the same pass that quantized (scale rule `{report['scale_rule']}`); "
-        "relative RMSE = sqrt(Σ(x−q)²/Σx²), clipped = |x| above the largest magnitude of its 32-value block "
-        "(6·2^e).",
+        "relative RMSE = sqrt(Σ(x−q)²/Σx²), clipped = |x| above the largest magnitude its block's scale can "
+        "represent (the largest element value times the scale).",
         "",
         "| module class | tensors | relative RMSE | SNR (dB) | max abs error | clipped |",
         "|---|---:|---:|---:|---:|---:|",

@@ -1,7 +1,8 @@
 """What quantize will write: per source shard, each tensor's fate and the output shard's exact byte layout.
 
 An output shard keeps its source shard's name and holds, in safetensors order, every tensor of that
-shard: kept ones unchanged, each quantized `X.weight` as U8 codes `X.weight` plus U8 `X.weight_scale`.
+shard: kept ones unchanged, each quantized `X.weight` as the tensors its element format stores (mxforge/formats/:
+codes under `X.weight` and their block scales beside it).
 Headers carry no `__metadata__`, as Quark's file-to-file writes them.
 
 FP8 sources (fp8_source.py): an F8_E4M3 weight is read as the bf16 its scales make of it, so it is quantized from
@@ -18,9 +19,9 @@ from typing import Literal
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
+from mxforge.formats import ElementFormat
 from mxforge.models import MoeLayout, layout_of
 from mxforge.quantize.fp8_source import BF16, FP8_DTYPE, SCALE_DTYPES, SourcePrecision, source_precision
-from mxforge.quantize.mxfp4 import packed_shapes
 from mxforge.quantize.recipe import Recipe, is_linear_weight_name
 from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, read_header, safetensors_order
 
@@ -42,13 +43,14 @@ class Fp8Scale:
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One source tensor: `quantized` (MXFP4), `kept` (a 2-D linear weight left as is, listed in `exclude`;
+    """One source tensor: `quantized` (to `format`), `kept` (a 2-D linear weight left as is, listed in `exclude`;
     an FP8 one as its dequantized bf16), `copied` (anything else, byte for byte) or `scale` (an FP8 weight's
     scales, or its module's input scale: consumed and not written)."""
 
     source: TensorInfo
     fate: Fate
     fp8_scale: Fp8Scale | None = None  # set for an F8_E4M3 weight: read as bf16 through these scales
+    format: ElementFormat | None = None  # set for a quantized weight: the element format it is stored in
 
     @property
     def read_dtype(self) -> str:
@@ -61,8 +63,8 @@ class TensorPlan:
             return []
         if self.fate != "quantized":
             return [PlannedTensor(s.name, self.read_dtype, s.shape)]
-        codes, scales = packed_shapes(s.shape)
-        return [PlannedTensor(s.name, "U8", codes), PlannedTensor(s.name + "_scale", "U8", scales)]
+        assert self.format is not None, f"{s.name}: planned for quantization without its element format"
+        return self.format.stored(s.name, s.shape)
 
 
 @dataclass
@@ -169,7 +171,7 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
         plans = [
             TensorPlan(info, "scale")
             if info.name in consumed
-            else TensorPlan(info, tensor_fate(info, recipe, layout, info.name in scales), scales.get(info.name))
+            else plan_tensor(info, recipe, layout, scales.get(info.name))
             for info in header.tensors.values()
         ]
         shards.append(ShardPlan(shard, plans, header.file_size))
@@ -230,23 +232,27 @@ def is_quantizable(info: TensorInfo) -> bool:
     return len(info.shape) == 2 and info.dtype in QUANTIZABLE_DTYPES and is_linear_weight_name(info.name)
 
 
-def tensor_fate(info: TensorInfo, recipe: Recipe, layout: MoeLayout, fp8_weight: bool = False) -> Fate:
-    """What the recipe does with one source tensor (`fp8_weight`: an F8_E4M3 weight with its block scales).
+def plan_tensor(info: TensorInfo, recipe: Recipe, layout: MoeLayout, fp8_scale: Fp8Scale | None = None) -> TensorPlan:
+    """What the recipe does with one source tensor (`fp8_scale`: an F8_E4M3 weight's block scales), and to which
+    element format a quantized one goes.
 
     Raises:
-        ConfigError: the recipe selects a weight whose odd in-dimension cannot be packed (says how to keep it).
+        ConfigError: the recipe selects a weight its format cannot store (e.g. an odd in-dimension for MXFP4's two
+            codes per byte; says how to keep it).
     """
-    if not (fp8_weight or is_quantizable(info)):
-        return "copied"
-    if recipe.decide(info.name, layout) == "keep":
-        return "kept"
-    if info.shape[1] % 2:
+    if not (fp8_scale is not None or is_quantizable(info)):
+        return TensorPlan(info, "copied", fp8_scale)
+    fmt = recipe.format_of(info.name, layout)
+    if fmt is None:
+        return TensorPlan(info, "kept", fp8_scale)
+    reason = fmt.unpackable(info.shape[1])
+    if reason:
         raise ConfigError(
-            f"tensor {info.name!r} {list(info.shape)}: the recipe selects it, but MXFP4 packs two "
-            "codes per byte and its in-dimension is odd; keep it with a [[keep]] rule",
+            f"tensor {info.name!r} {list(info.shape)}: the recipe selects it, but {reason}; "
+            "keep it with a [[keep]] rule",
             tensor=info.name,
         )
-    return "quantized"
+    return TensorPlan(info, "quantized", fp8_scale, fmt)
 
 
 def check_planned_header(path: Path, plan: "ShardPlan") -> None:

@@ -5,7 +5,9 @@ rule matches is kept. A rule selects 2-D linear weights by tensor kind (`mxforge
 shared_experts, router, dense_mlp, attention, indexer, mtp_proj, embeddings, other), by layer scope
 (`all`, `decoder` = layers 0..num_hidden_layers-1, `mtp` = the MTP layers after them, from config.json)
 and optionally by `names`, regular expressions that must match the whole module name. Every rule must
-match something in the checkpoint it is applied to. `scale_rule` (optional, default "quark") names how
+match something in the checkpoint it is applied to. A `[[quantize]]` rule may name the element `format` its
+weights are stored in (mxforge/formats/, default "mxfp4"); every `[[quantize]]` rule of a recipe names the same one
+(a checkpoint's quantization_config has one global scheme). `scale_rule` (optional, default "quark") names how
 each block's scale is chosen (scale_rules.py); `--scale-rule` overrides it.
 """
 
@@ -21,6 +23,7 @@ from typing import Iterable, Literal
 
 from mxforge.bounded_re import BoundedPattern, check_pattern_count, compile_bounded
 from mxforge.errors import ConfigError
+from mxforge.formats import DEFAULT_FORMAT, ElementFormat, format_named
 from mxforge.manifest_io import manifest_text
 from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
 from mxforge.models.tensor_kinds import KINDS, layer_of
@@ -33,7 +36,7 @@ SCHEMES = {"mxfp4": True, "w_mxfp4": False}  # scheme -> are dynamic MXFP4 activ
 LAYER_SCOPES = ("all", "decoder", "mtp")
 TOP_KEYS = {"name", "description", "scheme", "quantize", "keep", "scale_rule"}
 METADATA_KEY = "mxforge"  # quantization_config's key for what Quark's schema has no field for (Quark ignores it)
-RULE_KEYS = {"kinds", "layers", "names"}
+RULE_KEYS = {"kinds", "layers", "names", "format"}
 
 
 def is_linear_weight_name(name: str) -> bool:
@@ -49,6 +52,7 @@ class Rule:
     kinds: tuple[str, ...]
     layers: str
     names: tuple[BoundedPattern, ...]  # matched in bounded time (mxforge.bounded_re): a recipe may be hostile
+    format: ElementFormat | None = None  # what a [[quantize]] rule stores its weights as (None for [[keep]])
 
     def matches(self, tensor_name: str, layout: MoeLayout) -> bool:
         if self.kinds and layout.kind_of(tensor_name) not in self.kinds:
@@ -66,6 +70,7 @@ class Rule:
             f"kinds={list(self.kinds)}" if self.kinds else "",
             f"layers={self.layers!r}",
             f"names={[p.pattern for p in self.names]}" if self.names else "",
+            f"format={self.format.name!r}" if self.format is not None and self.format != DEFAULT_FORMAT else "",
         ]
         return f"[[{self.action}]] rule {self.index + 1} ({', '.join(p for p in parts if p)})"
 
@@ -120,6 +125,16 @@ class Recipe:
         return SCHEMES[self.scheme]
 
     @property
+    def element_format(self) -> ElementFormat:
+        """The element format its [[quantize]] rules store weights in (one per recipe: parse_recipe checks it)."""
+        return next(r.format for r in self.rules if r.format is not None)
+
+    def format_of(self, tensor_name: str, layout: MoeLayout) -> ElementFormat | None:
+        """The format a tensor the recipe quantizes is stored in (None: the recipe keeps it)."""
+        rule = self.matching_rule(tensor_name, layout)
+        return rule.format if rule is not None and rule.action == "quantize" else None
+
+    @property
     def scale_offsets(self) -> tuple[int, ...]:
         """The shard kernels' exponent offsets for this recipe's scale rule (scale_rules.py)."""
         return get_scale_rule(self.scale_rule).offsets
@@ -128,18 +143,22 @@ class Recipe:
         """This recipe with `--scale-rule` applied (None: the recipe's own).
 
         Raises:
-            ConfigError: an unknown scale rule.
+            ConfigError: an unknown scale rule, or one the recipe's format has no kernel for.
         """
-        return self if scale_rule is None else dataclasses.replace(self, scale_rule=get_scale_rule(scale_rule).name)
+        if scale_rule is None:
+            return self
+        rule = get_scale_rule(scale_rule)
+        _check_scale_rule(rule.name, self.element_format, f"recipe {self.source}")
+        return dataclasses.replace(self, scale_rule=rule.name)
 
     def quantization_config(self, excluded_modules: list[str]) -> dict:
         """`quantization_config` for config.json, built with Quark's own config objects (cached per Quark version).
 
         With Quark's scale rule it is exactly Quark's; another rule is recorded under METADATA_KEY (the recipe
         and the rule), a key Quark's reader and the engines ignore: the tensors' format is the same."""
-        from mxforge.quantize.quark_ref import cached_quantization_config
+        from mxforge.formats.quark import cached_quantization_config
 
-        config = cached_quantization_config(sorted(excluded_modules), self.quantize_inputs)
+        config = cached_quantization_config(self.element_format, sorted(excluded_modules), self.quantize_inputs)
         rule = get_scale_rule(self.scale_rule)
         if not rule.is_quark:
             config[METADATA_KEY] = {
@@ -211,15 +230,36 @@ def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
     quantize = [_parse_rule(r, "quantize", i, source) for i, r in enumerate(quantize_rules)]
     if not quantize:
         raise ConfigError(f"recipe {source}: no [[quantize]] rule, so it would quantize nothing")
+    formats = sorted({r.format.name for r in quantize if r.format is not None})
+    if len(formats) > 1:
+        raise ConfigError(
+            f"recipe {source}: its [[quantize]] rules name the element formats {formats}; mxforge writes one "
+            "element format per checkpoint (quantization_config's global scheme): give every [[quantize]] rule "
+            "the same format"
+        )
     rule = data.get("scale_rule", DEFAULT_SCALE_RULE)
     if rule not in SCALE_RULES:
         raise ConfigError(
             f"recipe {source}: scale_rule {rule!r} is not known; choose one of {sorted(SCALE_RULES)}",
             entry="scale_rule",
         )
+    _check_scale_rule(rule, quantize[0].format or DEFAULT_FORMAT, f"recipe {source}")
     return Recipe(
         data["name"], str(data.get("description", "")), data["scheme"], tuple(rules + quantize), source, sha256, rule
     )
+
+
+def _check_scale_rule(name: str, fmt: ElementFormat, where: str) -> None:
+    """A scale rule other than Quark's needs a format whose kernels take one.
+
+    Raises:
+        ConfigError: names the format and the rule.
+    """
+    if not get_scale_rule(name).is_quark and not fmt.scale_rules:
+        raise ConfigError(
+            f"{where}: scale rule {name!r} is not available for {fmt.title} (its kernels encode Quark's scale only); "
+            f"use scale_rule 'quark' with format {fmt.name!r}"
+        )
 
 
 def _rule_list(data: dict, key: str, source: str) -> list:
@@ -256,4 +296,15 @@ def _parse_rule(raw: dict, action: Decision, index: int, source: str) -> Rule:
             compiled.append(compile_bounded(pattern, where=f"{where}: names pattern"))
         except re.error as e:
             raise ConfigError(f"{where}: names pattern {pattern!r} is not a valid regular expression ({e})") from None
-    return Rule(action, index, tuple(kinds), layers, tuple(compiled))
+    if action == "keep":
+        if "format" in raw:
+            raise ConfigError(f"{where}: a [[keep]] rule keeps weights as stored; `format` is for [[quantize]] rules")
+        return Rule(action, index, tuple(kinds), layers, tuple(compiled))
+    name = raw.get("format", DEFAULT_FORMAT.name)
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: format must be a string, the name of an element format")
+    try:
+        fmt = format_named(name)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return Rule(action, index, tuple(kinds), layers, tuple(compiled), fmt)

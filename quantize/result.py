@@ -35,6 +35,7 @@ class RecipeRecord:
     sha256: str | None
     source: str | None  # the TOML's path, or the shipped recipe's name
     scheme: str | None
+    format: str | None  # the element format's registry name (mxforge/formats)
     scale_rule: str | None
 
     def as_dict(self) -> dict:
@@ -43,13 +44,14 @@ class RecipeRecord:
             "sha256": self.sha256,
             "source": self.source,
             "scheme": self.scheme,
+            "format": self.format,
             "scale_rule": self.scale_rule,
         }
 
     @classmethod
     def from_dict(cls, d: Any) -> RecipeRecord:
         d = read_obj(d)
-        return cls(**{k: read_str(d.get(k)) for k in ("name", "sha256", "source", "scheme", "scale_rule")})
+        return cls(**{k: read_str(d.get(k)) for k in ("name", "sha256", "source", "scheme", "format", "scale_rule")})
 
 
 @dataclass(frozen=True, kw_only=True)

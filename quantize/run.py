@@ -362,6 +362,7 @@ def write_provenance(
             sha256=recipe.sha256,
             source=recipe.source,
             scheme=recipe.scheme,
+            format=recipe.element_format.name,
             scale_rule=recipe.scale_rule,
         ),
         source_precision=plan.precision.describe(),

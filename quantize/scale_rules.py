@@ -1,15 +1,16 @@
-"""Scale rules: how the E8M0 exponent of each 32-element MXFP4 block is chosen. One place, as data.
+"""Scale rules: how the E8M0 exponent of each block of an MX format is chosen. One place, as data.
 
-Every rule starts from Quark 0.13's exponent (`mxfp4.py` documents it) and lists the exponent offsets it
-tries, in order of preference. With one candidate the block gets Quark's exponent: bit for bit what Quark
-writes. With several, each candidate's squared reconstruction error over the block is computed (the
-elements rounded exactly as Quark rounds them for that scale) and the smallest wins; a tie keeps the
+Every rule starts from Quark 0.13's exponent (mxforge/formats/mxfp4/numerics.py documents it) and lists the
+exponent offsets it tries, in order of preference. With one candidate the block gets Quark's exponent: bit for
+bit what Quark writes. With several, each candidate's squared reconstruction error over the block is computed
+(the elements rounded exactly as Quark rounds them for that scale) and the smallest wins; a tie keeps the
 earlier candidate, so Quark's exponent wins every tie. Offsets that would leave the byte range [1, 254]
 are skipped. The on-disk format is the same for every rule: only which exponent a block gets differs.
 
 The block error is summed in float32 in a fixed order that all three kernels (C, numba, torch) follow
 exactly, so every kernel picks the same exponent: element i goes to lane i % 8 (each lane summed in
-element order), then the lanes are combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
+element order), then the lanes are combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)). A format's kernels take a
+rule's offsets where its entry says so (`ElementFormat.scale_rules`: MXFP4's do).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 from mxforge.errors import ConfigError
 
 DEFAULT_SCALE_RULE = "quark"
-ERROR_LANES = 8
 
 
 @dataclass(frozen=True)

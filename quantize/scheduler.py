@@ -149,9 +149,10 @@ class ShardWorkers(Lane):
         ctx: BaseContext = mp.get_context("spawn")
         if self._jobs[0].device == "cpu" and "fork" in mp.get_all_start_methods():
             # fork: workers start at once with the compiled kernel already loaded (CPU path: no torch/CUDA state).
-            from mxforge.quantize.mxfp4 import warm_cpu_kernel
-
-            warm_cpu_kernel({t.read_dtype for job in self._jobs for t in job.plan.tensors if t.fate == "quantized"})
+            quantized = [t for job in self._jobs for t in job.plan.tensors if t.format is not None]
+            for fmt in {t.format.name: t.format for t in quantized if t.format is not None}.values():
+                if fmt.kernels.warm is not None:
+                    fmt.kernels.warm({t.read_dtype for t in quantized if t.format == fmt})
             ctx = mp.get_context("fork")
         self._counter = ctx.Value("q", 0)
         self._pool = ProcessPoolExecutor(self.size, mp_context=ctx, initializer=_init_worker, initargs=(self._counter,))

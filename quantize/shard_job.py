@@ -359,16 +359,18 @@ def _quantize_tensor(
 ) -> dict:
     """Quantize one tensor in row chunks (an FP8 one from its dequantized bf16, through `fp8_scales`); returns its
     error sums (error_report.tensor_record)."""
-    from mxforge.quantize.error_report import ERROR_STATS, tensor_record
+    from mxforge.formats import ERROR_STATS
+    from mxforge.quantize.error_report import tensor_record
 
-    s = t.source
+    s, fmt = t.source, t.format
+    assert fmt is not None, f"{s.name}: planned for quantization without its element format"
     rows, inner = s.shape
     itemsize = s.nbytes // max(1, s.numel)
     row_bytes = inner * itemsize
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
-    nblocks = -(-inner // 32)
-    codes_at, scales_at = job.plan.offsets[s.name], job.plan.offsets[s.name + "_scale"]
-    codes_buf = np.empty(min(rows, rows_per_chunk) * (inner // 2), dtype=np.uint8)
+    packed, nblocks = fmt.packed_inner(inner), fmt.blocks(inner)
+    codes_at, scales_at = job.plan.offsets[s.name], job.plan.offsets[fmt.scale_name(s.name)]
+    codes_buf = np.empty(min(rows, rows_per_chunk) * packed, dtype=np.uint8)
     scales_buf = np.empty(min(rows, rows_per_chunk) * nblocks, dtype=np.uint8)
     nonfinite = 0
     stats = np.zeros(ERROR_STATS, dtype=np.float64) if job.measure_errors else None
@@ -380,10 +382,10 @@ def _quantize_tensor(
             if fp8_scales is None
             else dequantize_rows(raw, fp8_scales, r0, inner, _fp8_block(t))
         )
-        codes = codes_buf[: n * (inner // 2)].reshape(n, inner // 2)
+        codes = codes_buf[: n * packed].reshape(n, packed)
         scales = scales_buf[: n * nblocks].reshape(n, nblocks)
-        nonfinite += _quantize_rows(x, codes, scales, t.read_dtype, job, stats)
-        _pwrite_all(out_fd, codes.data, codes_at + r0 * (inner // 2), _out_path(job))
+        nonfinite += _quantize_rows(x, codes, scales, t, job, stats)
+        _pwrite_all(out_fd, codes.data, codes_at + r0 * packed, _out_path(job))
         _pwrite_all(out_fd, scales.data, scales_at + r0 * nblocks, _out_path(job))
         progress(n * row_bytes)
     if nonfinite:
@@ -401,21 +403,19 @@ def _as_rows(raw: bytes | memoryview, dtype: str, n: int, inner: int) -> np.ndar
 
 
 def _quantize_rows(
-    x: np.ndarray, codes: np.ndarray, scales: np.ndarray, dtype: str, job: ShardJob, stats: np.ndarray | None
+    x: np.ndarray, codes: np.ndarray, scales: np.ndarray, t: TensorPlan, job: ShardJob, stats: np.ndarray | None
 ) -> int:
+    kernels = t.format.kernels if t.format is not None else None
+    assert kernels is not None, f"{t.source.name}: planned for quantization without its element format"
     if job.device == "cpu":
-        from mxforge.quantize.mxfp4 import quantize_rows_cpu
-
-        return quantize_rows_cpu(x, codes, scales, job.scale_offsets, stats)
+        return kernels.encode_cpu(x, codes, scales, job.scale_offsets, stats)
     import torch
 
-    from mxforge.quantize.mxfp4 import _quantize_torch
-
     w = torch.from_numpy(x.copy())
-    if dtype == "BF16":
+    if t.read_dtype == "BF16":
         w = w.view(torch.bfloat16)
     codes_t, scales_t = torch.from_numpy(codes), torch.from_numpy(scales)
-    return _quantize_torch(w, codes_t, scales_t, torch.device(job.device), job.scale_offsets, stats)
+    return kernels.encode_torch(w, codes_t, scales_t, torch.device(job.device), job.scale_offsets, stats)
 
 
 def _handle_nonfinite(
@@ -428,15 +428,17 @@ def _handle_nonfinite(
     scales_at: int,
     fp8_scales: np.ndarray | None = None,
 ) -> None:
-    """Refuse, or (when allowed) redo the tensor with Quark's own kernel, which encodes NaN blocks as +6.0."""
+    """Refuse, or (when allowed) redo the tensor with Quark's own kernel, which encodes NaN blocks as finite values
+    (scale 2^0, every element 6.0)."""
     from mxforge.errors import NonFiniteWeightError
-    from mxforge.quantize.mxfp4 import _quark_reference
+    from mxforge.formats.quark import quark_quantize_weight
 
-    s = t.source
+    s, fmt = t.source, t.format
+    assert fmt is not None, f"{s.name}: planned for quantization without its element format"
     if job.refuse_nonfinite:
         raise NonFiniteWeightError(
             f"{Path(job.src_dir) / job.plan.name}: tensor {s.name!r} holds {count} NaN/Inf value(s); quantizing "
-            "would silently encode their blocks as +6.0 (Quark does). Fix or re-download the source, "
+            "would silently encode their blocks as finite values (Quark does). Fix or re-download the source, "
             "keep the tensor with a [[keep]] recipe rule, or pass --allow-nonfinite to encode as Quark does",
             path=Path(job.src_dir) / job.plan.name,
             tensor=s.name,
@@ -457,7 +459,7 @@ def _handle_nonfinite(
         else dequantize_rows(raw, fp8_scales, 0, s.shape[1], _fp8_block(t))
     )
     w = torch.from_numpy(rows.copy())
-    codes, scales = _quark_reference(w.view(torch.bfloat16) if t.read_dtype == "BF16" else w)
+    codes, scales = quark_quantize_weight(fmt, w.view(torch.bfloat16) if t.read_dtype == "BF16" else w)
     _pwrite_all(out_fd, codes.numpy().data, codes_at, _out_path(job))
     _pwrite_all(out_fd, scales.numpy().data, scales_at, _out_path(job))
 

@@ -98,7 +98,8 @@ def fp32_vs_bf16_numerics(src: Path, limit: int = 24) -> dict:
     import torch
     from safetensors import safe_open
 
-    from mxforge.quantize.mxfp4 import quantize_rows_cpu
+    from mxforge.formats import MXFP4
+    from mxforge.formats.element import unpack_codes
 
     codes_diff = codes_total = scales_diff = scales_total = 0
     seen = 0
@@ -114,15 +115,15 @@ def fp32_vs_bf16_numerics(src: Path, limit: int = 24) -> dict:
                 fp32 = q.float() * expanded_scale(q, scale_of(f, name))
                 results = []
                 for x in (fp32.numpy(), fp32.to(torch.bfloat16).view(torch.int16).numpy()):
-                    codes = np.empty((rows, cols // 2), np.uint8)
-                    scales = np.empty((rows, -(-cols // 32)), np.uint8)
-                    quantize_rows_cpu(np.ascontiguousarray(x), codes, scales)
+                    codes_shape, scales_shape = MXFP4.packed_shapes((rows, cols))
+                    codes, scales = np.empty(codes_shape, np.uint8), np.empty(scales_shape, np.uint8)
+                    MXFP4.kernels.encode_cpu(np.ascontiguousarray(x), codes, scales, (0,), None)
                     results.append((codes, scales))
                 (c32, s32), (c16, s16) = results
-                # compare nibbles (each byte packs two codes)
-                for shift in (0, 4):
-                    codes_diff += int(((c32 >> shift) & 0xF != (c16 >> shift) & 0xF).sum())
-                codes_total += c32.size * 2
+                # compare codes, not the bytes that pack them
+                u32, u16 = (unpack_codes(c, MXFP4.element_bits) for c in (c32, c16))
+                codes_diff += int((u32 != u16).sum())
+                codes_total += u32.size
                 scales_diff += int((s32 != s16).sum())
                 scales_total += s32.size
                 seen += 1

@@ -35,9 +35,10 @@ from mxforge.file_hashes import file_hash
 QUARK_SNIPPET = """
 import json, sys, time
 from quark.torch import ModelQuantizer
-from mxforge.quantize.quark_ref import mxfp4_qconfig
+from mxforge.formats import MXFP4
+from mxforge.formats.quark import qconfig
 src, dst, exclude = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
-quantizer = ModelQuantizer(mxfp4_qconfig(exclude))
+quantizer = ModelQuantizer(qconfig(MXFP4, exclude))
 print("READY", flush=True)
 t = time.monotonic()
 quantizer.direct_quantize_checkpoint(src, dst, device="cpu")

@@ -34,9 +34,10 @@ from bench_markdown import add_markdown_option, write_markdown
 from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
-from mxforge.quantize.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from mxforge.formats import MXFP4
 from mxforge.quantize.plan import plan_checkpoint
 from mxforge.quantize.recipe import load_recipe
+from mxforge.quantize.scale_rules import get_scale_rule
 
 
 def quantized_weights(src: Path) -> dict[str, torch.Tensor]:
@@ -52,10 +53,10 @@ def quantized_weights(src: Path) -> dict[str, torch.Tensor]:
 
 def mxforge_rule(rule: str):
     def run(w: torch.Tensor) -> torch.Tensor:
-        codes, scales = quantize_mxfp4(w, scale_rule=rule)
+        codes, scales = MXFP4.quantize(w, offsets=get_scale_rule(rule).offsets)
         return codes, scales
 
-    return run, lambda out, w: dequantize_mxfp4(out[0], out[1], w.shape[1])
+    return run, lambda out, w: MXFP4.dequantize(out[0], out[1], w.shape[1])
 
 
 def auto_round_opt_rtn():
@@ -67,7 +68,7 @@ def auto_round_opt_rtn():
         return None, f"{type(e).__name__}: {e}"
 
     def run(w: torch.Tensor) -> torch.Tensor:
-        return quant_mx_opt_rtn(w, bits=4, group_size=32, data_type="mx_fp4")[0]
+        return quant_mx_opt_rtn(w, bits=MXFP4.element_bits, group_size=MXFP4.block, data_type="mx_fp4")[0]
 
     return (run, lambda out, w: out.float()), auto_round.__version__
 
@@ -141,7 +142,7 @@ def main() -> None:
         )
     weights = quantized_weights(src)
     size = sum(w.numel() * 2 for w in weights.values())
-    quantize_mxfp4(next(iter(weights.values()))[:1])  # build/load the C kernel outside the timings
+    MXFP4.quantize(next(iter(weights.values()))[:1])  # build/load the C kernel outside the timings
     results = {
         "quark": measure("quark", mxforge_rule("quark"), weights, args.repeat),
         "mse": measure("mse", mxforge_rule("mse"), weights, args.repeat),

@@ -16,10 +16,11 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from mxforge.formats import FORMATS, format_named
+from mxforge.formats.element import DTYPE_LABELS
 from mxforge.models import FAMILIES, Family
 from mxforge.models.tensor_kinds import KINDS
 from mxforge.quantize.fp8_source import FP8_SCHEMES
-from mxforge.quantize.mxfp4 import BLOCK, TWICE_GRID
 from mxforge.quantize.recipe import LAYER_SCOPES, SCHEMES, load_recipe
 from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES
 from mxforge.validation.profiles import EngineProfile, load_profile, profile_names, unsupported_reason
@@ -260,14 +261,19 @@ def _per_family_rules() -> list[str]:
             fused = "; ".join(f"`{k}` = {' + '.join(v)}" for k, v in sorted(p.fused.items()))
             never = ", ".join(_code(m) for m in sorted(p.never_quantized))
             requant = ", ".join(_code(m) for m in p.requantized_when_excluded) or "none"
-            rows.append([_code(p.name), fused, never, requant, _yes(p.mxfp4_needs_fp4_inputs), p.layer_config_match])
+            formats = ", ".join(
+                format_named(n).title
+                + (" (with dynamic activations of it declared)" if n in p.formats_needing_inputs else "")
+                for n in sorted(p.formats)
+            )
+            rows.append([_code(p.name), fused, never, requant, formats or "none", p.layer_config_match])
         out += _table(
             [
                 "profiles",
                 "fused modules",
                 "never quantized",
                 "re-quantized when excluded",
-                "MXFP4 needs dynamic MXFP4 activations",
+                "element formats loaded",
                 "`layer_quant_config` match",
             ],
             _collapsed(rows),
@@ -338,23 +344,23 @@ def _recipes() -> list[str]:
 
 def _formats() -> list[str]:
     out = ["## Formats", ""]
-    grid = ", ".join(f"{v / 2:g}" for v in TWICE_GRID)
-    out.append("### Element format written")
+    out.append("### Element formats written (the registry, mxforge/formats/)")
     out.append("")
-    out += _table(
-        ["format", "element", "values", "block", "scale", "stored as"],
-        [
+    rows = []
+    for f in FORMATS:
+        grid = ", ".join(f"{v:g}" for v in sorted({abs(v) for v in f.values}))
+        rows.append(
             [
-                "MXFP4 (OCP Microscaling)",
-                "E2M1 (4 bits: sign, 2 exponent, 1 mantissa)",
+                f"{f.title} (`{f.name}`)",
+                f"{f.element} ({f.element_bits} bits)",
                 f"±{{{grid}}}",
-                f"{BLOCK} values along the input dimension (the last block may be shorter)",
-                "E8M0: one byte, 2^(byte-127); 255 = NaN",
-                f"`X.weight` uint8 [out, in/2] (first element in the low nibble) + `X.weight_scale` uint8 "
-                f"[out, ceil(in/{BLOCK})]",
+                f"{f.block} values along the input dimension (the last block may be shorter)",
+                f"{f.scale.title}: 2^(code-{f.scale.bias}); {f.scale.nan_code} = NaN",
+                f"`X.weight` {f.codes_label} [out, in*{f.element_bits}/8] + `X.weight{f.scale_suffix}` "
+                f"{DTYPE_LABELS.get(f.scale.dtype, f.scale.dtype)} [out, ceil(in/{f.block})]",
             ]
-        ],
-    )
+        )
+    out += _table(["format", "element", "values", "block", "scale", "stored as"], rows)
     out.append("### Recipe schemes (`scheme = ...`)")
     out.append("")
     rows = [
@@ -367,7 +373,8 @@ def _formats() -> list[str]:
     for r in SCALE_RULES.values():
         default = " (default)" if r.name == DEFAULT_SCALE_RULE else ""
         rows.append([_code(r.name) + default, ", ".join(f"{o:+d}" if o else "0" for o in r.offsets), r.description])
-    out += _table(["rule", "E8M0 exponent offsets tried (from Quark's)", "what"], rows)
+    scale = next(f.scale.title for f in FORMATS if f.scale_rules)
+    out += _table(["rule", f"{scale} exponent offsets tried (from Quark's)", "what"], rows)
     out.append("### FP8 source layouts (read by `quantize` and `run`)")
     out.append("")
     rows = []

@@ -244,3 +244,207 @@ def test_a_new_fp8_source_layout_is_one_scheme_entry_and_its_reader(copy, pristi
         assert got.keys() == want.keys() and all(got[n].equal(want[n]) for n in want), shard
     refused = cli("quantize", str(ours), str(tmp_path / "other"))
     assert refused.returncode == 2 and "toy_fp8" in refused.stderr
+
+
+# The new element format of the example: its entry and its kernel, one module. Bit for bit Quark's (the test checks).
+MXFP6_E2M3 = '''"""MXFP6 E2M3 (OCP MX FP6: sign, 2 exponent bits with bias 1, 3 mantissa bits; E8M0 scale per 32),
+as Quark 0.13's `OCP_MXFP6E2M3Spec` writes it, with a torch kernel (throwaway: tests/test_extension_points.py)."""
+
+from __future__ import annotations
+
+from mxforge.formats.element import (
+    E8M0,
+    ElementFormat,
+    Kernels,
+    QuarkSpec,
+    add_error_stats,
+    decode_table,
+    even_scale_codes,
+    magnitude_codes,
+    pack_codes,
+    power_of_two,
+    unpack_codes,
+)
+
+BLOCK, BITS, MANTISSA_BITS, EMAX = 32, 6, 3, 2
+_MAGNITUDES = tuple(m / 8 if e == 0 else 2.0 ** (e - 1) * (1 + m / 8) for e in range(4) for m in range(8))
+VALUES = _MAGNITUDES + tuple(-v for v in _MAGNITUDES)  # the sign is the top bit
+
+
+def encode_torch(weight, codes, scales, device, offsets=(0,), stats=None) -> int:
+    import torch
+
+    rows, inner = weight.shape
+    nblocks = scales.shape[1]
+    x = weight.to(device=device, dtype=torch.float32)
+    nonfinite = int((~torch.isfinite(x)).sum())
+    x = torch.nn.functional.pad(x, (0, nblocks * BLOCK - inner)).reshape(rows, nblocks, BLOCK)
+    amax = x.abs().amax(dim=-1)
+    byte = even_scale_codes(amax, MANTISSA_BITS, EMAX)
+    q = x.abs() * power_of_two(E8M0.bias - byte).unsqueeze(-1)
+    mag = magnitude_codes(q, VALUES)
+    if stats is not None:
+        table = torch.tensor(VALUES, dtype=torch.float64, device=device)
+        scale = power_of_two(byte - E8M0.bias).to(torch.float64).unsqueeze(-1)
+        add_error_stats(x.abs(), table[mag.long()] * scale, q > max(VALUES), torch.isfinite(amax), stats)
+    code = mag | (((x < 0) & (mag > 0)).to(torch.uint8) << (BITS - 1))
+    codes.copy_(torch.from_numpy(pack_codes(code.reshape(rows, -1)[:, :inner].cpu().numpy(), BITS)))
+    scales.copy_(byte.to(torch.uint8).cpu())
+    return nonfinite
+
+
+def encode_cpu(rows, codes, scales, offsets=(0,), stats=None) -> int:
+    import torch
+
+    w = torch.from_numpy(rows)
+    w = w.view(torch.bfloat16) if rows.dtype.itemsize == 2 else w  # bf16 bits, as the shard jobs pass them
+    return encode_torch(w, torch.from_numpy(codes), torch.from_numpy(scales), torch.device("cpu"), offsets, stats)
+
+
+def decode(codes, scales, inner):
+    return decode_table(VALUES, E8M0, BLOCK, unpack_codes(codes, BITS), scales, inner)
+
+
+FORMAT = ElementFormat(
+    name="mxfp6_e2m3",
+    title="MXFP6 E2M3",
+    element="E2M3",
+    element_bits=BITS,
+    values=VALUES,
+    block=BLOCK,
+    scale=E8M0,
+    codes_dtype="U8",
+    quark=QuarkSpec("OCP_MXFP6E2M3Spec", "fp6_e2m3"),
+    kernels=Kernels(encode_cpu=encode_cpu, encode_torch=encode_torch, decode=decode),
+)
+'''
+# Wrong on purpose: a block of 16, and normal values at twice their exponent (the code table of another format).
+MUTANTS = {
+    "block": ("BLOCK, BITS, MANTISSA_BITS, EMAX = 32, 6, 3, 2", "BLOCK, BITS, MANTISSA_BITS, EMAX = 16, 6, 3, 2"),
+    "code table": ("2.0 ** (e - 1) * (1 + m / 8)", "2.0**e * (1 + m / 8)"),
+}
+THROWAWAY_VLLM = (
+    'extends = "vllm-0.31.0"\nreleases = ">=0.99,<0.100"\nread = ["0.99"]\n'
+    'summary = "a throwaway release that loads MXFP6 E2M3 (tests/test_extension_points.py)"\n\n'
+    '[schemes]\nformats = ["mxfp4", "mxfp6_e2m3"]\n'
+)
+
+
+def add_mxfp6_e2m3(root: Path, entry: str = MXFP6_E2M3) -> None:
+    """The change the docs (docs/formats.md) list for an element format: its module and its line in FORMATS."""
+    (root / "mxforge/formats/mxfp6_e2m3.py").write_text(entry)
+    init = root / "mxforge/formats/__init__.py"
+    text, n = re.subn(
+        r"^from mxforge\.formats import mxfp4$",
+        "from mxforge.formats import mxfp4, mxfp6_e2m3",
+        init.read_text(),
+        flags=re.M,
+    )
+    text, m = re.subn(
+        r"^(FORMATS: tuple\[ElementFormat, \.\.\.\] = \(mxfp4\.FORMAT,)\)", r"\1 mxfp6_e2m3.FORMAT)", text, flags=re.M
+    )
+    assert n == m == 1
+    init.write_text(text)
+
+
+def _quark_mxfp6(weight):
+    """(codes, scales) of Quark 0.13's own file-to-file routine for OCP MXFP6 E2M3 (the reference numbers)."""
+    from quark.torch.quantization import file2file_quantization as f2f
+    from quark.torch.quantization.config.config import OCP_MXFP6E2M3Spec
+
+    out: dict = {}
+    spec = OCP_MXFP6E2M3Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
+    f2f._single_stage_quantize_weight(weight, "w.weight", "w", spec, out, "ref.safetensors")
+    return out["w.weight"], out["w.weight_scale"]
+
+
+def _quark_mxfp6_dequantized(codes, scales):
+    """Quark's own dequantization of stored MXFP6 E2M3 codes (what its model loading runs), in bf16."""
+    import torch
+    from quark.torch.export.nn.modules.realquantizer import get_real_quantizer
+    from quark.torch.quantization.config.config import OCP_MXFP6E2M3Spec
+
+    spec = OCP_MXFP6E2M3Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
+    quantizer = get_real_quantizer(
+        qspec=spec,
+        quantizer=None,
+        reorder=True,
+        real_quantized=True,
+        float_dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        scale_shape=tuple(scales.shape),
+    )
+    quantizer.scale = scales.clone()
+    return quantizer(codes).to(torch.bfloat16)
+
+
+def _tensors(root: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {n: t for shard in sorted(root.glob("*.safetensors")) for n, t in load_file(shard).items()}
+
+
+def test_a_new_element_format_is_one_entry_and_its_kernel(copy, pristine, tiny_ckpt, tmp_path):
+    """An element format is one registry entry with its kernel (mxforge/formats/<name>.py and its line in
+    FORMATS): a recipe rule's `format` selects it, and quantize (bytes and quantization_config Quark 0.13's own for
+    OCP MXFP6 E2M3), dequantize (Quark's own dequantization), fixup and validate follow. Fixup and validate say per
+    release that its profile does not vouch for the format; a release whose profile lists it (the third file, a
+    throwaway vLLM profile) validates it. A wrong block size or code table gives bytes other than Quark's."""
+    import torch
+    from quark.torch.quantization.config.config import OCP_MXFP6E2M3Spec, QConfig, QLayerConfig
+
+    add_mxfp6_e2m3(copy)
+    (copy / "mxforge/manifests/engines/vllm-0.99.toml").write_text(THROWAWAY_VLLM)
+    assert changed_files(copy, pristine) == {
+        "mxforge/formats/mxfp6_e2m3.py",
+        "mxforge/formats/__init__.py",
+        "mxforge/manifests/engines/vllm-0.99.toml",
+    }
+    recipe = tmp_path / "glm-5.2-mxfp6.toml"
+    shipped = (REPO / "manifests/recipes/glm-5.2-mxfp4.toml").read_text()
+    recipe.write_text(shipped.replace("[[quantize]]\n", '[[quantize]]\nformat = "mxfp6_e2m3"\n'))
+
+    out = tmp_path / "out"
+    proc = run_copy(copy, "quantize", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--quiet", "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["recipe"]["format"] == "mxfp6_e2m3" and report["error"]["overall"]["rel_rmse"] > 0
+    source, ours = _tensors(tiny_ckpt), _tensors(out)
+    quantized = report["tensors"]["quantized"]
+    assert quantized and all(ours[n].shape == (source[n].shape[0], source[n].shape[1] * 3 // 4) for n in quantized)
+    for name in quantized:
+        codes, scales = _quark_mxfp6(source[name])
+        assert torch.equal(ours[name], codes) and torch.equal(ours[name + "_scale"], scales), name
+    weight = OCP_MXFP6E2M3Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
+    inputs = OCP_MXFP6E2M3Spec(ch_axis=-1, is_dynamic=True).to_quantization_spec()
+    quark_qc = QConfig(global_quant_config=QLayerConfig(weight=weight, input_tensors=inputs)).to_dict()
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["global_quant_config"] == quark_qc["global_quant_config"]
+
+    deq = tmp_path / "bf16"
+    assert run_copy(copy, "dequantize", str(out), str(deq), "--quiet").returncode == 0
+    unpacked = _tensors(deq)
+    for name in quantized:
+        assert torch.equal(unpacked[name], _quark_mxfp6_dequantized(ours[name], ours[name + "_scale"])), name
+
+    fixed = run_copy(copy, "fixup", str(out), "--quiet")  # writes the entries; exit 1: no profile but one vouches
+    assert fixed.returncode == 1 and "has not measured that they load MXFP6 E2M3" in fixed.stdout, fixed.stdout
+    every = _validate(lambda *a: run_copy(copy, *a), str(out))
+    engines = every["checked"]["engines"]
+    assert not every["ok"] and "vllm-0.99" in engines
+    unvouched = {p["engine"] for p in every["problems"] if "has not measured that they load MXFP6 E2M3" in p["message"]}
+    assert unvouched == set(engines) - {"vllm-0.99"}, every["problems"][:3]
+    throwaway = _validate(lambda *a: run_copy(copy, *a), str(out), "--engines", "vllm==0.99")
+    assert throwaway["ok"] and list(throwaway["checked"]["engines"]) == ["vllm-0.99"], throwaway["problems"][:3]
+    refused = cli("quantize", str(tiny_ckpt), str(tmp_path / "other"), "--recipe", str(recipe))
+    assert refused.returncode == 2 and "mxfp6_e2m3" in refused.stderr
+
+    for what, (right, wrong) in MUTANTS.items():
+        mutant = package_copy(tmp_path / f"mutant-{what.replace(' ', '-')}")
+        assert MXFP6_E2M3.count(right) == 1
+        add_mxfp6_e2m3(mutant, MXFP6_E2M3.replace(right, wrong))
+        bad = tmp_path / f"bad-{what.replace(' ', '-')}"
+        proc = run_copy(mutant, "quantize", str(tiny_ckpt), str(bad), "--recipe", str(recipe), "--quiet")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        theirs = _tensors(bad)
+        assert not any(torch.equal(theirs[n], ours[n]) for n in quantized), what  # Quark's bytes, as checked above

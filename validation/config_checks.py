@@ -6,18 +6,15 @@ import re
 from typing import Mapping
 
 from mxforge.bounded_re import compile_bounded
+from mxforge.formats import FORMATS, format_named
 from mxforge.models import MoeLayout
 from mxforge.models.tensor_kinds import layer_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
 from mxforge.validation.matching import is_glob
 from mxforge.validation.report import Problem
-from mxforge.validation.tensor_forms import BF16, MXFP4, Stored
+from mxforge.validation.tensor_forms import BF16, Stored
 
 QC = "config.json:quantization_config"
-
-# Fields both engines read from a Quark quantization_config (sglang quark.py / vLLM quark.py from_config),
-# and the weight spec an MXFP4 export carries (Quark's OCP_MXFP4Spec).
-MXFP4_WEIGHT_SPEC = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}
 
 
 def exclude_entries(qc: Mapping | None) -> list[str]:
@@ -26,16 +23,17 @@ def exclude_entries(qc: Mapping | None) -> list[str]:
     return [e for e in entries if isinstance(e, str)] if isinstance(entries, list) else []
 
 
-def check_quant_config(qc: Mapping | None, has_uint8: bool) -> list[Problem]:
-    """Problems with `quantization_config` that stop every engine (or make `exclude` entries dead letters)."""
+def check_quant_config(qc: Mapping | None, quantized: frozenset[str]) -> list[Problem]:
+    """Problems with `quantization_config` that stop every engine (or make `exclude` entries dead letters).
+    `quantized`: the element formats the checkpoint's weights are stored in (their names)."""
     if qc is None:
-        if has_uint8:
+        if quantized:
+            held = ", ".join(f"{f.codes_label} ({f.title})" for f in map(format_named, sorted(quantized)))
             return [
                 Problem(
                     "quant_config",
                     QC,
-                    "missing, but the checkpoint holds uint8 (MXFP4) weights: engines would "
-                    "load the packed bytes as bf16",
+                    f"missing, but the checkpoint holds {held} weights: engines would load the packed bytes as bf16",
                     "restore the quantization_config written by the quantizer",
                 )
             ]
@@ -62,11 +60,13 @@ def check_quant_config(qc: Mapping | None, has_uint8: bool) -> list[Problem]:
     if not isinstance(weight, dict):
         bad("global_quant_config.weight", "missing", "write the quantizer's quantization_config")
     else:
-        for key, want in MXFP4_WEIGHT_SPEC.items():
+        # the weight spec a Quark export of one of the formats carries (its OCP_MXSpec subclass: mxforge/formats/)
+        fmt = next((f for f in FORMATS if f.quark.dtype == weight.get("dtype")), FORMATS[0])
+        for key, want in fmt.spec_fields.items():
             if weight.get(key) != want:
                 bad(
                     f"global_quant_config.weight.{key}",
-                    f"is {weight.get(key)!r}, expected {want!r} for MXFP4",
+                    f"is {weight.get(key)!r}, expected {want!r} for {fmt.title}",
                     "write the quantizer's quantization_config",
                 )
     entries = qc.get("exclude", [])
@@ -99,12 +99,12 @@ def check_layout(
     infos: Mapping[str, TensorInfo],
     skip: frozenset[str],
 ) -> tuple[list[Problem], dict]:
-    """Every tensor config.json implies is stored (a linear as bf16 or MXFP4); the MTP layer is complete.
+    """Every tensor config.json implies is stored (a linear as bf16 or an element format); the MTP layer is complete.
 
     Returns the problems and the count of stored linears per form.
     """
     problems: list[Problem] = []
-    counts = {MXFP4: 0, BF16: 0}
+    counts = {**{f.name: 0 for f in FORMATS}, BF16: 0}
     missing_by_layer: dict[int | None, list[str]] = {}
     for s in stored.values():
         if s.form:
@@ -132,7 +132,7 @@ def check_layout(
             continue
         check = "mtp" if layer is not None and layout.is_mtp(layer) else "layout"
         for name in names:
-            what = "linear weight (bf16 or MXFP4)" if name.removesuffix(".weight") in stored else "tensor"
+            what = "linear weight (bf16 or quantized)" if name.removesuffix(".weight") in stored else "tensor"
             problems.append(
                 Problem(
                     check,

@@ -9,24 +9,28 @@ from typing import Mapping
 from mxforge.checkpoint import load_json
 from mxforge.errors import CheckpointError
 from mxforge.file_hashes import hash_files
+from mxforge.formats import stored_pairs
 from mxforge.progress import byte_progress
 from mxforge.provenance import QUANTIZE_NAME, SOURCE_NAME
 from mxforge.safetensors_io import TensorInfo
 from mxforge.validation.report import Problem
 
-NAN_SCALE = 255  # E8M0 0xFF encodes NaN: every weight of that 32-block dequantizes to NaN
 CHUNK = 16 << 20
 
 
 def scan_scales(
     root: Path, weight_map: Mapping[str, str], infos: Mapping[str, TensorInfo], quiet: bool = False
 ) -> tuple[list[Problem], int]:
-    """Every uint8 `*.weight_scale` tensor read in full; a 255 byte is a NaN block. Returns problems, bytes read."""
-    scales = [info for name, info in infos.items() if name.endswith(".weight_scale") and info.dtype == "U8"]
-    total = sum(i.nbytes for i in scales)
+    """Every quantized weight's scale tensor read in full; its format's NaN code (E8M0 0xFF) is a NaN block.
+    Returns problems, bytes read."""
+    pairs = [p for p in stored_pairs(infos).values() if p.scale is not None and p.scale.dtype == p.format.scale.dtype]
+    total = sum(p.scale.nbytes for p in pairs if p.scale is not None)
     problems = []
     with byte_progress(total, "validate: scales", disable=quiet) as bar:
-        for info in scales:
+        for pair in pairs:
+            info, scale = pair.scale, pair.format.scale
+            assert info is not None  # pairs without scales are left out above
+            nan_code = bytes([scale.nan_code])
             with open(root / weight_map[info.name], "rb") as f:
                 f.seek(info.start)
                 remaining, first = info.nbytes, None
@@ -35,8 +39,8 @@ def scan_scales(
                     chunk = f.read(min(CHUNK, remaining))
                     if not chunk:
                         break
-                    if first is None and NAN_SCALE in chunk:
-                        first = offset + chunk.index(NAN_SCALE)
+                    if first is None and nan_code in chunk:
+                        first = offset + chunk.index(nan_code)
                     remaining -= len(chunk)
                     offset += len(chunk)
                     bar.update(len(chunk))
@@ -46,8 +50,8 @@ def scan_scales(
                     Problem(
                         "scales",
                         info.name,
-                        f"holds E8M0 byte 255 (NaN) first at [{row}, {col}]: that block "
-                        "of 32 weights dequantizes to NaN",
+                        f"holds {scale.title} byte {scale.nan_code} (NaN) first at [{row}, {col}]: that block "
+                        f"of {pair.format.block} weights dequantizes to NaN",
                         "the source weights were not finite there: fix the source and re-quantize this tensor",
                     )
                 )

@@ -9,7 +9,7 @@ from mxforge.safetensors_io import TensorInfo
 from mxforge.validation.config_checks import exclude_entries
 from mxforge.validation.matching import is_glob
 from mxforge.validation.modules import LayerLinears
-from mxforge.validation.tensor_forms import BF16, MXFP4, Stored
+from mxforge.validation.tensor_forms import BF16, Stored, form_title
 
 
 def diagnose(
@@ -60,8 +60,13 @@ def diagnose(
         elif forms and all(f == BF16 for f in forms):
             notes.append(f"MTP layer {layer} is entirely bf16 ({len(forms)} linear weights)")
         else:
+            quantized = ", ".join(
+                f"{forms.count(f)} linear weights {form_title(f)}"
+                for f in dict.fromkeys(forms)
+                if f not in (None, BF16)
+            )
             notes.append(
-                f"MTP layer {layer}: {forms.count(MXFP4)} linear weights MXFP4, {forms.count(BF16)} bf16"
+                f"MTP layer {layer}: {quantized or '0 linear weights quantized'}, {forms.count(BF16)} bf16"
                 + (f", {forms.count(None)} missing" if None in forms else "")
                 + (
                     f"; without its own {', '.join(n.removeprefix(prefix) for n in omitted)} (as the release ships "

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from mxforge.errors import ConfigError
+from mxforge.formats import FORMATS, MXFP4, format_named, format_of_spec
 from mxforge.models import MoeLayout
 from mxforge.validation.loaded import LoadedCheckpoint
 from mxforge.validation.matching import (
@@ -16,28 +17,31 @@ from mxforge.validation.matching import (
     ShardsDisagree,
     engine_excludes,
     fuses_shared_experts,
-    is_mxfp4_config,
     module_config,
     role_views,
+    scheme_format,
 )
 from mxforge.validation.modules import EngineModule, LayerLinears, engine_modules
 from mxforge.validation.profiles import EngineProfile
 from mxforge.validation.report import Problem
-from mxforge.validation.tensor_forms import BF16, MXFP4, Stored, braced, describe_stored, mxfp4_shapes
+from mxforge.validation.tensor_forms import BF16, Stored, braced, describe_stored, form_title
 
 RUN_FIXUP = "run mxforge fixup"
 OTHER = "another scheme"
+WRITTEN = " and ".join(["bf16", *(f.title for f in FORMATS)])  # what mxforge writes and checks
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """The engine's decision for one module: MXFP4 or bf16, or an error it raises while deciding."""
+    """The engine's decision for one module: an element format (its name) or bf16, or an error it raises while
+    deciding."""
 
     module: EngineModule
-    form: str | None  # MXFP4 / BF16 / OTHER (a scheme mxforge never writes); None when the engine raises
+    form: str | None  # a format's name / BF16 / OTHER (a scheme mxforge never writes); None when the engine raises
     reason: str  # why: the matching entry, "never quantized", "not excluded", the error ...
     disagree: ShardsDisagree | None = None
     requantized: bool = False  # loaded as `form` (bf16), then re-quantized to MXFP4 by the engine
+    remedy: str | None = None  # for an error the usual remedies do not fit
 
 
 @dataclass
@@ -93,10 +97,10 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         if not profile.requantizes(module.runtime, role.global_config):
             return Verdict(module, BF16, why)
         try:  # re-quantized with the scheme its layer config names, which must be MXFP4
-            requant = is_mxfp4_config(profile, module_config(profile, role, module.runtime, module.is_experts))
+            requant = scheme_format(profile, module_config(profile, role, module.runtime, module.is_experts))
         except SchemeError as e:
             return Verdict(module, None, f"the engine raises: {e}")
-        if not requant:
+        if requant != MXFP4:
             return Verdict(
                 module,
                 None,
@@ -110,8 +114,9 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         config = module_config(profile, role, module.runtime, module.is_experts)
     except SchemeError as e:
         return Verdict(module, None, f"the engine raises: {e}")
-    if is_mxfp4_config(profile, config):
-        return Verdict(module, MXFP4, "no exclude entry matches it")
+    fmt = scheme_format(profile, config)
+    if fmt is not None:
+        return Verdict(module, fmt.name, "no exclude entry matches it")
     weight = (config or {}).get("weight")
     if not isinstance(weight, dict):
         return Verdict(
@@ -120,12 +125,24 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
             "no exclude entry matches it and its layer config quantizes nothing: the engine raises "
             '"No quark compatible scheme"',
         )
-    if weight.get("dtype") == "fp4":
+    asked = format_of_spec(weight)
+    if asked is not None and asked.name not in profile.formats:
+        loaded = ", ".join(format_named(f).title for f in sorted(profile.formats))
         return Verdict(
             module,
             None,
-            "its layer config is not an MXFP4 scheme the engine takes (MXFP4 weights need dynamic "
-            'MXFP4 activations declared): the engine raises "No quark compatible scheme"',
+            f"its layer config asks for {asked.title} weights, and {profile.name}'s profile lists {loaded} as the "
+            "formats these releases load (schemes.formats): mxforge has not measured that they load "
+            f"{asked.title}",
+            remedy=f"serve it with a release whose profile lists {asked.name}, or re-quantize it to {loaded}",
+        )
+    if asked is not None or weight.get("dtype") in {f.quark.dtype for f in FORMATS}:
+        title = (asked or next(f for f in FORMATS if f.quark.dtype == weight.get("dtype"))).title
+        return Verdict(
+            module,
+            None,
+            f"its layer config is not an {title} scheme the engine takes ({title} weights need dynamic "
+            f'{title} activations declared): the engine raises "No quark compatible scheme"',
         )
     return Verdict(module, OTHER, f"its layer config asks for {weight.get('dtype')!r} weights")
 
@@ -157,18 +174,24 @@ def expected_text(module: EngineModule, form: str) -> str:
         down = next(s for s in shards if s.name.endswith("down_proj"))
         n = sum(s.name.endswith("gate_proj") for s in shards)
         hidden, inter = gate.in_features, gate.out_features
-        if form == MXFP4:
+        if form != BF16:
+            fmt = format_named(form)
+            try:
+                w13, w2 = fmt.packed_inner(hidden), fmt.packed_inner(inter)
+            except ConfigError as e:
+                return f"{fmt.title} ({e}: it cannot be packed)"
             return (
-                f"MXFP4 (uint8 w13_weight [{n}, {2 * inter}, {hidden // 2}], "
-                f"w2_weight [{n}, {down.out_features}, {inter // 2}])"
+                f"{fmt.title} ({fmt.codes_label} w13_weight [{n}, {2 * inter}, {w13}], "
+                f"w2_weight [{n}, {down.out_features}, {w2}])"
             )
         return f"bf16 (w13_weight [{n}, {2 * inter}, {hidden}], w2_weight [{n}, {down.out_features}, {inter}])"
     out = sum(s.out_features for s in shards)
-    if form == MXFP4:
-        try:
-            return f"MXFP4 (uint8 {list(mxfp4_shapes(out, shards[0].in_features)[0])})"
-        except ConfigError:
-            return f"MXFP4 (in-dimension {shards[0].in_features} is odd: it cannot be packed)"
+    if form != BF16:
+        fmt = format_named(form)
+        reason = fmt.unpackable(shards[0].in_features)
+        if reason:
+            return f"{fmt.title} ({reason}: it cannot be packed)"
+        return f"{fmt.title} ({fmt.codes_label} {list(fmt.packed_shapes((out, shards[0].in_features))[0])})"
     return f"bf16 [{out}, {shards[0].in_features}]"
 
 
@@ -199,12 +222,13 @@ def _compare(view: EngineView, verdict: Verdict, stored: list[Stored]) -> Proble
     if verdict.form is None and verdict.disagree is None:
         return problem(
             f"{verdict.reason} (the checkpoint holds {found} under {where})",
-            RUN_FIXUP if forms == {BF16} else "write an MXFP4 quantization_config (the quantizer's), or exclude it",
+            verdict.remedy
+            or (RUN_FIXUP if forms == {BF16} else "write the quantizer's quantization_config, or exclude it"),
         )
     if verdict.form == OTHER:
         return problem(
             f"{verdict.reason}; the checkpoint holds {found} under {where}",
-            "exclude it or give it an MXFP4 layer config (mxforge writes and checks MXFP4 and bf16 only)",
+            f"exclude it or give it a layer config of a format mxforge writes ({WRITTEN} only)",
         )
     if verdict.disagree is not None:
         d = verdict.disagree
@@ -238,13 +262,14 @@ def _compare(view: EngineView, verdict: Verdict, stored: list[Stored]) -> Proble
             message + "; its shards are stored in different formats and the engine loads them into one parameter",
             "re-quantize so that every shard of this module is stored alike",
         )
-    if verdict.form == MXFP4:
+    if verdict.form != BF16:
         return problem(message, RUN_FIXUP)
     if not module.quantizable:
         return problem(message + f" ({verdict.reason})", f"re-quantize with {module.checkpoint} excluded (kept bf16)")
+    stored_as = next((form_title(f) for f in forms if f is not None), "quantized")
     return problem(
         message + f" ({verdict.reason})",
-        "remove that exclude entry (the tensors are MXFP4 on disk), or re-quantize the module in bf16",
+        f"remove that exclude entry (the tensors are {stored_as} on disk), or re-quantize the module in bf16",
     )
 
 

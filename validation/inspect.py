@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mxforge.checkpoint import Checkpoint, CheckpointSource
 from mxforge.errors import ConfigError
+from mxforge.formats import format_of_spec, weight_of_scale
 from mxforge.models import layout_of
 from mxforge.models.tensor_kinds import kind_of, layer_of
 
@@ -67,8 +68,7 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
     }
     mtp["present"] = bool(mtp["present_layers"])
     mtp["complete"] = layout is not None and all(
-        {t.name for t in layout.layer_tensors(i)} - layout.omittable()
-        <= {n.replace(".weight_scale", ".weight") for n in infos}
+        {t.name for t in layout.layer_tensors(i)} - layout.omittable() <= {weight_of_scale(n) or n for n in infos}
         for i in mtp_layers
     )
     return {
@@ -93,12 +93,14 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
 
 def checkpoint_precision(qc: dict | None) -> str:
     """What the weights are stored as, from quantization_config: bf16 (none), fp8 (a source mxforge reads, with its
-    block shape), mxfp4 (Quark's), or the quant_method as named."""
+    block shape), an element format (Quark's spec of one: mxforge/formats/), or the quant_method as named."""
     if not qc:
         return "bf16"
     if qc.get("quant_method") == "quark":
         weight = (qc.get("global_quant_config") or {}).get("weight") or {}
-        return f"Quark {weight.get('dtype')} group {weight.get('group_size')} (MXFP4 when fp4 / group 32)"
+        fmt = format_of_spec(weight)
+        what = fmt.title if fmt is not None else "not an element format mxforge knows"
+        return f"Quark {weight.get('dtype')} group {weight.get('group_size')} ({what})"
     from mxforge.errors import ConfigError
     from mxforge.quantize.fp8_source import source_precision
 

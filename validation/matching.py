@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from mxforge.bounded_re import BoundedPattern, check_pattern_count, compile_bounded
+from mxforge.formats import ElementFormat, format_of_spec
 from mxforge.models import MoeLayout
 from mxforge.validation.profiles import EngineProfile
 
@@ -196,23 +197,22 @@ def _pinned_experts_config(prefix: str, pinned: dict) -> dict:
     return configs[0]
 
 
-def is_mxfp4_config(profile: EngineProfile, config: dict | None) -> bool:
-    """Whether the release's MXFP4 scheme takes this layer config (static fp4 weights, per group of 32, e8m0;
-    dynamic fp4 activations where the release requires them)."""
+def scheme_format(profile: EngineProfile, config: dict | None) -> ElementFormat | None:
+    """The element format the release's OCP MX scheme builds a module in from its layer config, or None when no
+    scheme of the release takes the config. Which configs name a format is the format's fact (its spec fields:
+    dtype, qscheme, group size, scale format; static weights); which formats the release loads, and whether it
+    requires dynamic activations of the same format declared, is the release's (its profile's `schemes`)."""
     weight = (config or {}).get("weight")
     inputs = (config or {}).get("input_tensors")
     if not isinstance(weight, dict) or weight.get("is_dynamic") is True:
-        return False
-    spec = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}
-    if any(weight.get(k) != v for k, v in spec.items()):
-        return False
+        return None
+    fmt = format_of_spec(weight)
+    if fmt is None or fmt.name not in profile.formats:
+        return None
     if inputs is None:
-        return not profile.mxfp4_needs_fp4_inputs
-    return (
-        isinstance(inputs, dict)
-        and inputs.get("is_dynamic") is not False
-        and all(inputs.get(k) == v for k, v in spec.items())
-    )
+        return None if fmt.name in profile.formats_needing_inputs else fmt
+    dynamic = isinstance(inputs, dict) and inputs.get("is_dynamic") is not False
+    return fmt if dynamic and fmt.matches_spec(inputs) else None
 
 
 def _with_mtp_remap(profile: EngineProfile, entries: ExcludeList, layer: int) -> ExcludeList:

@@ -21,6 +21,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from mxforge.errors import ConfigError
+from mxforge.formats import MXFP4, format_named
 from mxforge.manifest_io import load_manifest
 from mxforge.models import Family, family_named
 
@@ -77,7 +78,8 @@ class EngineProfile:
     fused_name_first: bool  # an entry naming a fused module excludes it
     expert_child_entries: bool  # any `<layer>.mlp.experts.*` entry excludes the experts
     packed: frozenset[str]  # fused modules decided by their shards' entries
-    mxfp4_needs_fp4_inputs: bool  # MXFP4 weights load only with dynamic fp4 activations declared
+    formats: frozenset[str]  # the element formats (mxforge/formats/) whose OCP MX scheme these releases take
+    formats_needing_inputs: frozenset[str]  # ... whose weights load only with dynamic same-format inputs declared
     expert_layer_configs: bool  # per-expert layer_quant_config entries configure the experts
     layer_config_match: str  # how layer_quant_config keys match: "fnmatch", "substring-or-fnmatch"
     fused: dict[str, tuple[str, ...]]  # fused module -> the checkpoint linears it is built from
@@ -98,11 +100,12 @@ class EngineProfile:
         return f"{prefix.format(layer=layer)}.{local}"
 
     def requantizes(self, runtime: str, global_config: dict | None) -> bool:
-        """Whether this release re-quantizes excluded module `runtime` to MXFP4 after loading it in bf16."""
+        """Whether this release re-quantizes excluded module `runtime` to MXFP4 after loading it in bf16 (it tests
+        the global weight dtype alone: MXFP4's Quark dtype)."""
         weight = (global_config or {}).get("weight")
         return (
             isinstance(weight, dict)
-            and weight.get("dtype") == "fp4"
+            and weight.get("dtype") == MXFP4.quark.dtype
             and any(s in runtime for s in self.requantized_when_excluded)
         )
 
@@ -221,7 +224,8 @@ def _load(name: str, family: str) -> EngineProfile:
             fused_name_first=bool(ex["fused_name_first"]),
             expert_child_entries=bool(ex["expert_child_entries"]),
             packed=frozenset(ex["packed"]),
-            mxfp4_needs_fp4_inputs=bool(sc["mxfp4_needs_fp4_inputs"]),
+            formats=frozenset(sc["formats"]),
+            formats_needing_inputs=frozenset(sc["formats_needing_inputs"]),
             expert_layer_configs=bool(sc["expert_layer_configs"]),
             layer_config_match=sc.get("layer_config_match", "fnmatch"),
             fused={k: tuple(v) for k, v in mod["fused"].items()},
@@ -278,6 +282,13 @@ def _check(p: EngineProfile, where: str, family_from_later_release: bool = False
     unknown = p.packed - set(p.fused)
     if unknown:
         raise ConfigError(f"{where}: exclude.packed names {sorted(unknown)}, which modules.fused does not define")
+    for name in p.formats:
+        try:
+            format_named(name)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: schemes.formats: {e}") from None
+    if not p.formats_needing_inputs <= p.formats:
+        raise ConfigError(f"{where}: schemes.formats_needing_inputs must be drawn from schemes.formats")
 
 
 @dataclass(frozen=True)

@@ -1,32 +1,27 @@
-"""What the checkpoint holds for each linear weight: MXFP4 (uint8 codes + uint8 scales), bf16, or neither."""
+"""What the checkpoint holds for each linear weight: an element format's codes and scales (mxforge/formats/:
+MXFP4's uint8 codes + uint8 scales), bf16, or neither."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
 
-from mxforge.errors import ConfigError
-from mxforge.quantize.mxfp4 import packed_shapes
+from mxforge.formats import FORMATS, format_named, stored_pair
 from mxforge.safetensors_io import TensorInfo
 from mxforge.validation.modules import Linear
 
-MXFP4, BF16 = "mxfp4", "bf16"
+BF16 = "bf16"  # a form: else the name of the element format (mxforge.formats) the weight is stored in
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 
 
-def mxfp4_shapes(out_features: int, in_features: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Shapes of `weight` (two 4-bit codes per byte) and `weight_scale` (one byte per 32) for a quantized linear
-    (the quantizer's own `packed_shapes`).
-
-    Raises:
-        ConfigError: an odd in-dimension, which MXFP4 cannot pack.
-    """
-    return packed_shapes((out_features, in_features))
+def form_title(form: str) -> str:
+    """A form for people: "bf16", or the element format's title ("MXFP4")."""
+    return form if form == BF16 else format_named(form).title
 
 
 @dataclass(slots=True)
 class Stored:
-    """How one linear is stored: `form` MXFP4 / bf16 / None (missing), and what is wrong with it, if anything."""
+    """How one linear is stored: `form` a format's name / bf16 / None (missing), and what is wrong with it."""
 
     linear: Linear
     form: str | None
@@ -36,31 +31,23 @@ class Stored:
 
 
 def stored_form(lin: Linear, infos: Mapping[str, TensorInfo]) -> Stored:
-    """Classify the tensors stored for `lin` (`<name>.weight`, `<name>.weight_scale`)."""
+    """Classify the tensors stored for `lin` (`<name>.weight`, and its scales when stored in an element format)."""
     weight = infos.get(lin.name + ".weight")
     if weight is None:
         return Stored(lin, None)
-    scale = infos.get(lin.name + ".weight_scale")
-    if weight.dtype == "U8":
-        try:
-            w_shape, s_shape = mxfp4_shapes(lin.out_features, lin.in_features)
-        except ConfigError as e:
-            return Stored(lin, MXFP4, "U8", weight.shape, f"{weight.name} is uint8, but {e}")
-        defect = None
-        if weight.shape != w_shape:
-            defect = f"{weight.name} is uint8 {list(weight.shape)}, expected {list(w_shape)}"
-        elif scale is None:
-            defect = f"{lin.name}.weight_scale is missing (an MXFP4 weight needs its uint8 {list(s_shape)} scales)"
-        elif scale.dtype != "U8" or scale.shape != s_shape:
-            defect = f"{scale.name} is {scale.dtype} {list(scale.shape)}, expected U8 {list(s_shape)}"
-        return Stored(lin, MXFP4, "U8", weight.shape, defect)
-    defect = None
     if weight.dtype not in FLOAT_DTYPES:
-        defect = f"{weight.name} is {weight.dtype}, neither bf16 nor MXFP4's uint8"
+        pair = stored_pair(infos, weight.name, (lin.out_features, lin.in_features))
+        if pair is not None:
+            return Stored(lin, pair.format.name, weight.dtype, weight.shape, pair.defect)
+    defect = None
+    scales = [f.scale_name(weight.name) for f in FORMATS if f.scale_name(weight.name) in infos]
+    if weight.dtype not in FLOAT_DTYPES:
+        stored_as = " or ".join(f"{f.title}'s {f.codes_label}" for f in FORMATS)
+        defect = f"{weight.name} is {weight.dtype}, neither bf16 nor {stored_as}"
     elif weight.shape != (lin.out_features, lin.in_features):
         defect = f"{weight.name} is {weight.dtype} {list(weight.shape)}, expected {[lin.out_features, lin.in_features]}"
-    elif scale is not None:
-        defect = f"{scale.name} is stored beside an unquantized weight; the engine has no slot for it"
+    elif scales:
+        defect = f"{scales[0]} is stored beside an unquantized weight; the engine has no slot for it"
     return Stored(lin, BF16, weight.dtype, weight.shape, defect)
 
 
@@ -74,8 +61,9 @@ def describe_stored(items: list[Stored]) -> str:
     for (form, dtype, shape), n in groups.items():
         if form is None:
             text = "nothing"
-        elif form == MXFP4:
-            text = f"MXFP4 (uint8 {list(shape)})"
+        elif form != BF16:
+            fmt = format_named(form)
+            text = f"{fmt.title} ({fmt.codes_label} {list(shape)})"
         else:
             text = f"{'bf16' if dtype == 'BF16' else dtype.lower()} {list(shape)}"
         parts.append(text + (f" x{n}" if n > 1 else ""))

@@ -13,14 +13,14 @@ from mxforge.validation.loaded import LoadedCheckpoint, load_checkpoint
 from mxforge.validation.profiles import EngineProfile, check_engine_items, select
 from mxforge.validation.report import Problem, ValidationReport
 from mxforge.validation.serve import serving_commands
-from mxforge.validation.tensor_forms import MXFP4
+from mxforge.validation.tensor_forms import BF16
 
 
 def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict | None) -> tuple[list, dict]:
     """Problems with `qc` as the checkpoint's quantization_config: its form, missing tensors (MTP layer
     included), and per engine profile every module whose allocation disagrees with the stored tensors."""
-    has_uint8 = any(s.form == MXFP4 for s in loaded.stored.values())
-    problems = check_quant_config(qc, has_uint8)
+    quantized = frozenset(s.form for s in loaded.stored.values() if s.form is not None and s.form != BF16)
+    problems = check_quant_config(qc, quantized)
     layout_problems, forms = check_layout(loaded.layout, loaded.planned, loaded.stored, loaded.infos, loaded.unreadable)
     problems += layout_problems
     found, engines = engine_problems(loaded, profiles, exclude_entries(qc), qc)

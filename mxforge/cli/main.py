@@ -39,6 +39,7 @@ from mxforge.cli.support import (  # noqa: F401 (EXIT_* re-exported)
     open_checkpoint_arg,
 )
 from mxforge.errors import MxforgeError
+from mxforge.formats import FORMATS
 
 
 # --- fixture ---------------------------------------------------------------------------------------
@@ -136,8 +137,9 @@ def register_dequantize(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "dequantize",
         help="an MXFP4 checkpoint back to bf16 (streaming), for evaluation and debugging",
-        description="Write OUT as the bf16 checkpoint that CKPT's MXFP4 weights encode: each uint8 "
-        "X.weight with its X.weight_scale becomes a bf16 X.weight (exactly the encoded values); every "
+        description="Write OUT as the bf16 checkpoint that CKPT's MXFP4 weights encode: each "
+        + "; ".join(f"{f.title}: {f.codes_label} X.weight with its X.weight{f.scale_suffix}" for f in FORMATS)
+        + " becomes a bf16 X.weight (exactly the encoded values); every "
         "other tensor is copied byte for byte; config.json loses its quantization_config. Streaming "
         "(bounded memory), each file written under a temporary name and renamed when whole.",
     )

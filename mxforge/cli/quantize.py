@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mxforge.cli.support import EXIT_OK, add_follow_symlinks_option, add_json_option, emit, invocation
+from mxforge.formats import DEFAULT_FORMAT, FORMATS, MXFP4, format_named
 from mxforge.quantize.scale_rules import SCALE_RULES
 
 
@@ -53,8 +54,9 @@ def add_scale_rule_option(p: argparse.ArgumentParser) -> None:
         "--scale-rule",
         choices=sorted(SCALE_RULES),
         default=None,
-        help="how each 32-value block's E8M0 scale is chosen (default: the recipe's scale_rule, else quark): "
-        + "; ".join(f"{r.name}: {r.description}" for r in SCALE_RULES.values()),
+        help=f"how each {MXFP4.block}-value block's {MXFP4.scale.title} scale is chosen (formats whose kernels take "
+        "scale rules: " + ", ".join(f.title for f in FORMATS if f.scale_rules) + "; default: the recipe's scale_rule, "
+        "else quark): " + "; ".join(f"{r.name}: {r.description}" for r in SCALE_RULES.values()),
     )
 
 
@@ -81,7 +83,8 @@ def run_quantize(args) -> int:
         report.as_dict(),
         args.json,
         f"quantized {report.source} -> {report.out} with recipe {report.recipe.name}: "
-        f"{c.quantized:,} tensors MXFP4, {c.kept:,} 2-D weights kept, {c.copied:,} copied "
+        f"{c.quantized:,} tensors {format_named(report.recipe.format or DEFAULT_FORMAT.name).title}, "
+        f"{c.kept:,} 2-D weights kept, {c.copied:,} copied "
         f"(MTP layer(s) {report.mtp_layers}: {report.mtp_tensors} tensors); shards {s.quantized_now} done, "
         f"{s.skipped_complete} already complete; {(report.bytes_processed_now or 0) / 1e9:.2f} GB in "
         f"{report.seconds or 0:.1f} s\n{summary_line(report.error)}",

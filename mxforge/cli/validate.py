@@ -12,6 +12,7 @@ from mxforge.cli.support import (
     engines_arg,
     open_checkpoint_arg,
 )
+from mxforge.formats import FORMATS
 
 
 def register_validate(sub) -> argparse.ArgumentParser:
@@ -27,7 +28,9 @@ def register_validate(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--deep",
         action="store_true",
-        help="also read every MXFP4 scale (255 = NaN) and check files "
+        help="also read every block scale ("
+        + ", ".join(f"{f.title}: {f.scale.title} {f.scale.nan_code} = NaN" for f in FORMATS)
+        + ") and check files "
         "against the download's sha256 manifest (reads data: minutes on a full checkpoint)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar (--deep)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from mxforge.formats import weight_of_scale
+
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 KINDS = (
@@ -55,10 +57,10 @@ def layer_of(name: str) -> int | None:
 
 
 def kind_of(name: str, rules: tuple[tuple[str, re.Pattern], ...] = LINEAGE_KIND_RULES) -> str:
-    """The kind of a tensor under `rules` (scales such as `X.weight_scale` take their weight's kind)."""
+    """The kind of a tensor under `rules` (an element format's scales, `X.weight_scale`, take their weight's kind)."""
     m = LAYER_RE.match(name)
     local = name[m.end() :] if m else name
-    local = re.sub(r"\.weight_scale$", ".weight", local)
+    local = weight_of_scale(local) or local
     for kind, pattern in rules:
         if pattern.search(local):
             return kind

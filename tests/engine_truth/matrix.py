@@ -20,12 +20,13 @@ from helpers import BASE  # AMD's published exclusions; the MTP layer's are adde
 from quark_like import write_quark_like
 
 from mxforge.fixups.fixup import fixup_checkpoint
+from mxforge.formats import MXFP4
 from mxforge.models import Family
 from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.validation.loaded import load_checkpoint
 from mxforge.validation.matching import DRAFT, TARGET
 from mxforge.validation.profiles import EngineProfile
-from mxforge.validation.tensor_forms import BF16, MXFP4
+from mxforge.validation.tensor_forms import BF16
 
 from . import probe_io
 
@@ -210,7 +211,7 @@ def _mine(view: EngineView, module) -> str:
     verdict = decide(view, module)
     if verdict.requantized:
         return probe_io.REQUANTIZED
-    return {MXFP4: probe_io.MXFP4, BF16: probe_io.BF16, None: "error", OTHER: "other"}[verdict.form]
+    return {MXFP4.name: probe_io.MXFP4, BF16: probe_io.BF16, None: "error", OTHER: "other"}[verdict.form]
 
 
 def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:

@@ -23,11 +23,12 @@ NULL_SPEC = {"weight": None, "input_tensors": None, "output_tensors": None, "bia
 
 
 def glm_config(experts: int = 256) -> dict:
-    from mxforge.quantize.quark_ref import cached_quantization_config
+    from mxforge.formats import MXFP4
+    from mxforge.formats.quark import cached_quantization_config
 
     config = json.loads((ROOT / "manifests/models/glm-5.2.config.json").read_text())
     config["n_routed_experts"] = experts
-    config["quantization_config"] = cached_quantization_config([])
+    config["quantization_config"] = cached_quantization_config(MXFP4, [])
     return config
 
 

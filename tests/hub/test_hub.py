@@ -217,11 +217,12 @@ def downloaded(hub, tmp_path):
 
 
 def test_push_refused_when_validate_fails_before_any_network_call(hub, tmp_path, downloaded):
-    from mxforge.quantize.quark_ref import cached_quantization_config
+    from mxforge.formats import MXFP4
+    from mxforge.formats.quark import cached_quantization_config
 
     config_path = downloaded / "config.json"  # a quantization_config on bf16 weights: every engine would quantize
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = cached_quantization_config([])
+    config["quantization_config"] = cached_quantization_config(MXFP4, [])
     config_path.write_text(json.dumps(config))
     hub.requests.clear()
     line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--quiet"))
@@ -437,11 +438,12 @@ def test_quark_file_to_file_export_of_the_published_recipe_is_fixed_then_pushed(
     globs): reported per release before fixup, loads in every release after it, and push accepts it."""
     from quark.torch import ModelQuantizer
 
-    from mxforge.quantize.quark_ref import mxfp4_qconfig
+    from mxforge.formats import MXFP4
+    from mxforge.formats.quark import qconfig
 
     globs = BASE + [f"*layers.{MTP}.mlp.shared_experts*", f"*layers.{MTP}.eh_proj"]
     ckpt = tmp_path / "quark-export"
-    ModelQuantizer(mxfp4_qconfig(globs)).direct_quantize_checkpoint(str(tiny_ckpt), str(ckpt), device="cpu")
+    ModelQuantizer(qconfig(MXFP4, globs)).direct_quantize_checkpoint(str(tiny_ckpt), str(ckpt), device="cpu")
     report = validate_checkpoint(ckpt)
     # Quark's index counts whole files in total_size: a warning no engine cares about, not a failure.
     assert [w.subject for w in report.warnings] == ["model.safetensors.index.json:metadata.total_size"]

@@ -347,7 +347,7 @@ def test_mtp_comparison_sees_the_mtp_layer(default_mxfp4, reference, tmp_path):
 def test_spec_decoder_agrees_with_mxforge_dequantize(default_mxfp4):
     """Two decoders written apart (this one from the spec, mxforge's for its error figures) agree bit for
     bit on every MXFP4 tensor of the output: a disagreement means one of them misreads the format."""
-    from mxforge.quantize.mxfp4 import dequantize_mxfp4
+    from mxforge.formats import MXFP4
 
     names = quantized_weight_names(default_mxfp4)
     index = json.loads((default_mxfp4 / "model.safetensors.index.json").read_text())["weight_map"]
@@ -355,7 +355,7 @@ def test_spec_decoder_agrees_with_mxforge_dequantize(default_mxfp4):
         with safe_open(str(default_mxfp4 / index[name]), framework="pt") as f:
             codes, scales = f.get_tensor(name), f.get_tensor(name + "_scale")
         ours = decode_mxfp4(codes, scales)
-        assert torch.equal(ours, dequantize_mxfp4(codes, scales, ours.shape[1])), name
+        assert torch.equal(ours, MXFP4.dequantize(codes, scales, ours.shape[1])), name
 
 
 def test_decoder_reads_the_spec_values():

@@ -16,8 +16,9 @@ from helpers import cli, one_error_line
 from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
+from mxforge.formats import MXFP4
+from mxforge.formats.quark import quark_dequantize_weight
 from mxforge.provenance import DEQUANTIZE_NAME
-from mxforge.quantize.quark_ref import quark_dequantize_weight
 
 
 def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -59,7 +60,7 @@ def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouch
     for name, t in unpacked.items():
         if f"{name}_scale" in scales:
             assert t.dtype == torch.bfloat16 and t.shape == (packed[name].shape[0], 2 * packed[name].shape[1])
-            want = quark_dequantize_weight(packed[name], packed[f"{name}_scale"], torch.bfloat16)
+            want = quark_dequantize_weight(MXFP4, packed[name], packed[f"{name}_scale"], torch.bfloat16)
             assert torch.equal(t, want.to(torch.bfloat16)), name
         else:
             assert t.dtype == packed[name].dtype and torch.equal(t.view(torch.uint8), packed[name].view(torch.uint8)), (
@@ -156,7 +157,7 @@ def test_nan_scales_make_their_whole_block_nan_with_one_warning_line(runs, tmp_p
     for r, b in hit:
         nan_mask[r, 32 * b : 32 * (b + 1)] = True
     assert torch.isnan(out[nan_mask]).all() and not torch.isnan(out[~nan_mask]).any()
-    quark = quark_dequantize_weight(packed[weight], packed[weight + "_scale"], torch.bfloat16).float()
+    quark = quark_dequantize_weight(MXFP4, packed[weight], packed[weight + "_scale"], torch.bfloat16).float()
     assert torch.equal(out[~nan_mask], quark[~nan_mask])
     # Quark decodes 0xFF as 2^128 = inf: a zero code becomes NaN (0 * inf), every other code +-inf.
     zero_code = torch.stack([packed[weight] & 0xF, packed[weight] >> 4], dim=2).reshape(rows, -1)[:, : out.shape[1]]
@@ -164,7 +165,7 @@ def test_nan_scales_make_their_whole_block_nan_with_one_warning_line(runs, tmp_p
     assert torch.equal(torch.isnan(quark[nan_mask]), is_zero[nan_mask])
     assert torch.isinf(quark[nan_mask & ~is_zero]).all()
 
-    proc = run_cli("dequantize", str(tampered), str(tmp_path / "cli"))
+    proc = cli("dequantize", str(tampered), str(tmp_path / "cli"))
     assert proc.returncode == 0 and "RuntimeWarning" not in proc.stderr, proc.stderr
     assert [ln for ln in proc.stderr.splitlines() if "warning" in ln.lower()] == [
         f"mxforge dequantize: warning: {report['warnings'][0]}"

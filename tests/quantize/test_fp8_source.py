@@ -17,6 +17,7 @@ from helpers import cli
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
+from mxforge.formats.mxfp4.numerics import quantize_rows_cpu
 from mxforge.models import FAMILIES, family_named
 from mxforge.models.fixture import (
     CT_FP8_CHANNEL_QUANTIZATION_CONFIG,
@@ -27,7 +28,6 @@ from mxforge.models.fixture import (
 )
 from mxforge.models.layout import fp8_block_inventory, fp8_inventory
 from mxforge.quantize.fp8_source import dequantize_rows, source_precision
-from mxforge.quantize.mxfp4 import quantize_rows_cpu
 from mxforge.quantize.run import quantize_checkpoint
 
 

@@ -7,10 +7,22 @@ import pytest
 import torch
 
 from mxforge.errors import ConfigError, NonFiniteWeightError
-from mxforge.quantize import mxfp4
-from mxforge.quantize.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from mxforge.formats import MXFP4
+from mxforge.formats.mxfp4 import numerics
 
-quark_ref = pytest.importorskip("mxforge.quantize.quark_ref")
+quark = pytest.importorskip("mxforge.formats.quark")
+
+
+def quantize_mxfp4(weight, name=None, **kwargs):
+    return MXFP4.quantize(weight, name=name, **kwargs)
+
+
+def dequantize_mxfp4(codes, scales, inner):
+    return MXFP4.dequantize(codes, scales, inner)
+
+
+def quark_quantize_weight(weight):
+    return quark.quark_quantize_weight(MXFP4, weight)
 
 
 def _ties() -> torch.Tensor:
@@ -41,14 +53,14 @@ def _cases() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {name: quark_ref.quark_quantize_weight(w) for name, w in _cases().items()}
+    return {name: quark_quantize_weight(w) for name, w in _cases().items()}
 
 
 @pytest.mark.parametrize("name", list(_cases()))
 @pytest.mark.parametrize("path", ["default", "c_kernel", "numba_kernel", "torch"])
 def test_bytes_equal_quark(name, path, references):
-    from mxforge.quantize import _mxfp4_kernel
-    from mxforge.quantize._native import bf16_kernel
+    from mxforge.formats.mxfp4 import _kernel as _mxfp4_kernel
+    from mxforge.formats.mxfp4._native import bf16_kernel
 
     weight = _cases()[name]
     ref_codes, ref_scales = references[name]
@@ -79,7 +91,7 @@ def test_bytes_equal_quark(name, path, references):
         kernel = _mxfp4_kernel.quantize_bf16_rows if weight.dtype == torch.bfloat16 else _mxfp4_kernel.quantize_f32_rows
         assert kernel(rows, codes.numpy(), scales.numpy()) == 0
     else:
-        assert mxfp4._quantize_torch(weight, codes, scales, torch.device("cpu")) == 0
+        assert numerics.quantize_torch(weight, codes, scales, torch.device("cpu")) == 0
     assert codes.dtype == scales.dtype == torch.uint8
     assert codes.shape == ref_codes.shape and scales.shape == ref_scales.shape
     assert torch.equal(scales, ref_scales), f"{(scales != ref_scales).sum()} scale bytes differ"
@@ -117,7 +129,7 @@ def test_non_finite_allowed_matches_quark():
     w[1, 3] = float("nan")
     w[2, 40] = float("inf")
     codes, scales = quantize_mxfp4(w, "w", refuse_nonfinite=False)
-    ref = quark_ref.quark_quantize_weight(w)
+    ref = quark_quantize_weight(w)
     assert torch.equal(codes, ref[0]) and torch.equal(scales, ref[1])
 
 

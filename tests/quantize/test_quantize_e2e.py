@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
+from mxforge.formats import MXFP4
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
-from mxforge.quantize.mxfp4 import quantize_mxfp4
 from mxforge.quantize.result import QuantizeResult, ShardCounts
 from mxforge.quantize.run import quantize_checkpoint
 from mxforge.validation.validate import validate_checkpoint
@@ -40,12 +40,12 @@ def quark_tiny(tiny_ckpt, quantized_tiny, tmp_path_factory) -> Path:
     """Quark 0.13's own file-to-file output for the same input and the same exclusions."""
     from quark.torch import ModelQuantizer
 
-    from mxforge.quantize.quark_ref import mxfp4_qconfig
+    from mxforge.formats.quark import qconfig
 
     out, _ = quantized_tiny
     exclude = json.loads((out / "config.json").read_text())["quantization_config"]["exclude"]
     dst = tmp_path_factory.mktemp("quark") / "tiny-quark"
-    ModelQuantizer(mxfp4_qconfig(exclude)).direct_quantize_checkpoint(str(tiny_ckpt), str(dst), device="cpu")
+    ModelQuantizer(qconfig(MXFP4, exclude)).direct_quantize_checkpoint(str(tiny_ckpt), str(dst), device="cpu")
     return dst
 
 
@@ -61,14 +61,16 @@ def test_shards_and_config_byte_identical_to_quark_file_to_file(quantized_tiny, 
 
 
 def test_every_tiny_weight_bytes_equal_quark(tiny_ckpt):
-    from mxforge.quantize.quark_ref import quark_quantize_weight
+    from mxforge.formats.quark import quark_quantize_weight
 
     ckpt = Checkpoint.open(tiny_ckpt)
     checked = 0
     for shard in ckpt.shard_names:
         for name, w in load_file(tiny_ckpt / shard).items():
             if w.ndim == 2:
-                assert all(torch.equal(a, b) for a, b in zip(quantize_mxfp4(w, name), quark_quantize_weight(w))), name
+                assert all(
+                    torch.equal(a, b) for a, b in zip(MXFP4.quantize(w, name=name), quark_quantize_weight(MXFP4, w))
+                ), name
                 checked += 1
     assert checked > 200
 

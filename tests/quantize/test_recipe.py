@@ -80,6 +80,15 @@ def test_recipe_hash_and_name():
             'name="x"\nscheme="mxfp4"\nscale_rule="max"\n[[quantize]]\nkinds=["experts"]\n',
             "scale_rule 'max' is not known",
         ),
+        (
+            'name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nformat="nvfp4"\n',
+            r"\[\[quantize\]\] rule 1: unknown element format 'nvfp4'; choose one of mxfp4",
+        ),
+        ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nformat=4\n', "format must be a string"),
+        (
+            'name="x"\nscheme="mxfp4"\n[[keep]]\nkinds=["router"]\nformat="mxfp4"\n[[quantize]]\nkinds=["experts"]\n',
+            r"\[\[keep\]\] rule 1: a \[\[keep\]\] rule keeps weights as stored; `format` is for \[\[quantize\]\] rules",
+        ),
     ],
 )
 def test_bad_recipes_are_clear_errors(tmp_path, body, message):
@@ -88,6 +97,33 @@ def test_bad_recipes_are_clear_errors(tmp_path, body, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_recipe(path)
     assert str(path) in str(info.value)
+
+
+def test_a_rule_names_its_element_format_and_a_recipe_keeps_to_one(tmp_path, monkeypatch):
+    """`format` in a [[quantize]] rule selects the registry entry its weights are stored in (default MXFP4); one
+    format per recipe (quantization_config has one global scheme), and a scale rule only where the format's kernels
+    take one. A second entry is registered in-process to see both refusals."""
+    import dataclasses
+
+    import mxforge.formats
+    from mxforge.formats import MXFP4
+    from mxforge.models import family_named
+
+    other = dataclasses.replace(MXFP4, name="mxfp4_quark_scales", title="MXFP4 (Quark scales only)", scale_rules=False)
+    monkeypatch.setattr(mxforge.formats, "FORMATS", (*mxforge.formats.FORMATS, other))
+    path = tmp_path / "r.toml"
+    path.write_text('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nformat="mxfp4_quark_scales"\n')
+    recipe = load_recipe(path)
+    layout = layout_of(family_named("glm_moe_dsa").reference())
+    assert recipe.element_format is other and "format='mxfp4_quark_scales'" in recipe.rules[0].describe()
+    assert recipe.format_of("model.layers.5.mlp.experts.0.up_proj.weight", layout) is other
+    assert recipe.format_of("model.layers.5.self_attn.o_proj.weight", layout) is None  # no rule: kept
+    assert load_recipe("glm-5.2-mxfp4").element_format is MXFP4
+    with pytest.raises(ConfigError, match="scale rule 'mse' is not available for MXFP4 \\(Quark scales only\\)"):
+        recipe.with_scale_rule("mse")
+    path.write_text(path.read_text() + '[[quantize]]\nkinds=["shared_experts"]\n')
+    with pytest.raises(ConfigError, match=r"element formats \['mxfp4', 'mxfp4_quark_scales'\]; mxforge writes one"):
+        load_recipe(path)
 
 
 def test_scale_rule_from_the_recipe_is_used_and_recorded_and_the_flag_wins(tiny_ckpt, tmp_path):
@@ -132,14 +168,15 @@ def test_quantization_config_is_quarks(tiny_ckpt):
 
 
 def test_cached_quantization_config_equals_a_fresh_quark_build(tmp_path, monkeypatch):
-    from mxforge.quantize import quark_ref
+    from mxforge.formats import MXFP4
+    from mxforge.formats import quark as quark_ref
 
     monkeypatch.setenv("MXFORGE_CACHE", str(tmp_path))
     exclude = ["model.layers.7.mlp.shared_experts.up_proj", "lm_head", "model.layers.0.self_attn.q_a_proj"]
     for quantize_inputs in (True, False):
-        fresh = quark_ref.export_quantization_config(quark_ref.mxfp4_qconfig(exclude, quantize_inputs))
-        first = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # builds and stores
-        second = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # from the cache
+        fresh = quark_ref.export_quantization_config(quark_ref.qconfig(MXFP4, exclude, quantize_inputs))
+        first = quark_ref.cached_quantization_config(MXFP4, exclude, quantize_inputs)  # builds and stores
+        second = quark_ref.cached_quantization_config(MXFP4, exclude, quantize_inputs)  # from the cache
         assert json.dumps(first) == json.dumps(second) == json.dumps(fresh)
     assert len(list(tmp_path.glob("quark-config-*.json"))) == 2
 

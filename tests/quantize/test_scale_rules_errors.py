@@ -13,12 +13,22 @@ import numpy as np
 import pytest
 import torch
 
-from mxforge.quantize import mxfp4
-from mxforge.quantize._mxfp4_kernel import quantize_rows_rule
-from mxforge.quantize._native import bf16_kernel
-from mxforge.quantize.error_report import ERROR_STATS, error_report, figures, tensor_record
-from mxforge.quantize.mxfp4 import dequantize_mxfp4, quantize_mxfp4, quantize_rows_cpu
+from mxforge.formats import ERROR_STATS, MXFP4
+from mxforge.formats.mxfp4 import numerics
+from mxforge.formats.mxfp4._kernel import quantize_rows_rule
+from mxforge.formats.mxfp4._native import bf16_kernel
+from mxforge.formats.mxfp4.numerics import quantize_rows_cpu
+from mxforge.quantize.error_report import error_report, figures, tensor_record
 from mxforge.quantize.scale_rules import SCALE_RULES, get_scale_rule
+
+
+def quantize_mxfp4(weight, scale_rule=None):
+    return MXFP4.quantize(weight, offsets=get_scale_rule(scale_rule).offsets)
+
+
+def dequantize_mxfp4(codes, scales, inner):
+    return MXFP4.dequantize(codes, scales, inner)
+
 
 MSE = SCALE_RULES["mse"].offsets
 GRID = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
@@ -51,7 +61,7 @@ def _run(kernel: str, weight: torch.Tensor, offsets, stats):
     codes = np.empty((out, inner // 2), np.uint8)
     scales = np.empty((out, -(-inner // 32)), np.uint8)
     if kernel == "torch":
-        mxfp4._quantize_torch(
+        numerics.quantize_torch(
             weight, torch.from_numpy(codes), torch.from_numpy(scales), torch.device("cpu"), offsets, stats
         )
         return codes, scales

@@ -14,17 +14,17 @@ import math
 from pathlib import Path
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
-from mxforge.quantize.mxfp4 import packed_shapes
-from mxforge.quantize.quark_ref import cached_quantization_config
+from mxforge.formats import MXFP4
+from mxforge.formats.quark import cached_quantization_config
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
-PLACEHOLDER_SCALE = 127  # E8M0 byte for 2^0
+PLACEHOLDER_SCALE = MXFP4.scale.bias  # the E8M0 byte for 2^0
 
 
 def quark_quantization_config(exclude: list[str]) -> dict:
     """quantization_config as Quark 0.13 exports it for the "mxfp4" scheme: Quark's own (the quantizer's cached
     copy), with `exclude` in the order given (AMD's published exports keep their patterns' order)."""
-    return {**cached_quantization_config([]), "exclude": list(exclude)}
+    return {**cached_quantization_config(MXFP4, []), "exclude": list(exclude)}
 
 
 def quark_quantizes(module: str, shape: tuple[int, ...], patterns: list[str]) -> bool | None:
@@ -72,10 +72,10 @@ def write_quark_like(
             module = name.removesuffix(".weight")
             decision = quark_quantizes(module, info.shape, patterns) if name.endswith(".weight") else None
             if decision:
-                codes, scales = packed_shapes((info.shape[0], math.prod(info.shape[1:])))
-                planned += [PlannedTensor(name, "U8", codes), PlannedTensor(module + ".weight_scale", "U8", scales)]
-                sources[name] = (0, math.prod(codes))
-                sources[module + ".weight_scale"] = (PLACEHOLDER_SCALE, math.prod(scales))
+                stored = MXFP4.stored(name, (info.shape[0], math.prod(info.shape[1:])))
+                planned += stored
+                sources[name] = (0, math.prod(stored[0].shape))
+                sources[stored[1].name] = (PLACEHOLDER_SCALE, math.prod(stored[1].shape))
             else:
                 if decision is False:
                     excluded.append(module)

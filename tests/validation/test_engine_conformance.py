@@ -205,7 +205,7 @@ PERTURBATIONS = {
             p.draft, name_mapper=() if p.draft.name_mapper else (("model.layers.61", "model.decoder"),)
         ),
     ),
-    "weights-only MXFP4": lambda p: dataclasses.replace(p, mxfp4_needs_fp4_inputs=not p.mxfp4_needs_fp4_inputs),
+    "weights-only MXFP4": lambda p: dataclasses.replace(p, formats_needing_inputs=p.formats_needing_inputs ^ {"mxfp4"}),
     "per-expert layer configs": lambda p: dataclasses.replace(p, expert_layer_configs=not p.expert_layer_configs),
 }
 

@@ -11,21 +11,24 @@ from __future__ import annotations
 import pytest
 from helpers import BEFORE_GLM_DRAFT, EH_PROJ_LINEAR, GLM5, MTP, NO_EXPERT_CHILD_RULE
 
+from mxforge.formats import MXFP4 as MXFP4_FORMAT
+from mxforge.formats.quark import cached_quantization_config
 from mxforge.models import layout_of
 from mxforge.models.fixture import preset_config
-from mxforge.quantize.quark_ref import cached_quantization_config
 from mxforge.validation.engine_check import decide, engine_view
 from mxforge.validation.matching import ExcludeList, engine_excludes, is_glob
 from mxforge.validation.modules import checkpoint_linears
 from mxforge.validation.profiles import all_profiles
-from mxforge.validation.tensor_forms import BF16, MXFP4
+from mxforge.validation.tensor_forms import BF16
 
 PROFILES = all_profiles(GLM5)
 RAISES = None  # decide's form when the engine raises while deciding
 CONFIG, _ = preset_config("tiny", family=GLM5)
 LAYOUT = layout_of(CONFIG)
 LINEARS = checkpoint_linears(LAYOUT)
-QC = cached_quantization_config([])  # Quark's MXFP4 quantization_config: what an unexcluded module is built with
+# Quark's MXFP4 quantization_config: what an unexcluded module is built with
+QC = cached_quantization_config(MXFP4_FORMAT, [])
+MXFP4 = MXFP4_FORMAT.name  # the form validate gives a module stored (or built) in MXFP4
 EXPERT_LAYER = 3
 EXPERT_CHILDREN = [lin.name for lin in LINEARS[EXPERT_LAYER].experts]
 

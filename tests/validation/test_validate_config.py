@@ -77,20 +77,21 @@ def test_missing_mtp_tensor_and_wrong_scale_shape(tiny_ckpt, tmp_path):
 
 
 def test_stored_form_uses_the_quantizers_packed_shapes():
-    """Expected MXFP4 shapes come from quantize's packed_shapes; an odd in-dimension is a defect, not a crash."""
-    from mxforge.quantize.mxfp4 import packed_shapes
+    """Expected MXFP4 shapes come from the format registry's packed_shapes; an odd in-dimension is a defect, not a
+    crash."""
+    from mxforge.formats import MXFP4
     from mxforge.safetensors_io import TensorInfo
     from mxforge.validation.modules import Linear
-    from mxforge.validation.tensor_forms import MXFP4, stored_form
+    from mxforge.validation.tensor_forms import stored_form
 
-    codes, scales = packed_shapes((8, 96))
+    codes, scales = MXFP4.packed_shapes((8, 96))
     infos = {
         "m.weight": TensorInfo("m.weight", "U8", codes, 0, 0),
         "m.weight_scale": TensorInfo("m.weight_scale", "U8", scales, 0, 0),
     }
     assert stored_form(Linear("m", 8, 96), infos).defect is None
     odd = stored_form(Linear("m", 8, 95), infos)
-    assert odd.form == MXFP4 and "odd" in odd.defect and "m.weight" in odd.defect
+    assert odd.form == MXFP4.name and "odd" in odd.defect and "m.weight" in odd.defect
 
 
 def test_a_backtracking_re_entry_is_matched_in_bounded_time_with_the_engines_answer(tiny_ckpt, tmp_path):

@@ -1,4 +1,4 @@
-"""The C build of the bf16 kernel (`_mxfp4_bf16.c`): compiled with the system C compiler on first use,
+"""The C build of the bf16 kernel (`_bf16.c`): compiled with the system C compiler on first use,
 cached per (source, compiler, CPU flags), loaded with ctypes. Returns None where no compiler works, and
 callers fall back to the numba kernel (same bytes, about a third of the speed).
 """
@@ -14,8 +14,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("_mxfp4_bf16.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+from mxforge.formats.mxfp4.spec import BLOCK, ERROR_LANES
+
+SOURCE = Path(__file__).with_name("_bf16.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", f"-DBLOCK={BLOCK}", f"-DLANES={ERROR_LANES}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,5 @@
 /* The bf16 MXFP4 kernel: the rules are documented in mxfp4.py (codes and Quark's scale) and scale_rules.py
-   (other scale rules), and mirrored in _mxfp4_kernel.py (numba, the fallback where no C compiler is found)
+   (other scale rules, quantize/), and mirrored in _mxfp4_kernel.py (numba, the fallback where no C compiler is found)
    and mxfp4.py (torch). This C version is what makes the CPU path fast: the compiler vectorizes the 16-bit
    compares. Built with -ffp-contract=off (no fused multiply-add), so the float32 block errors that choose a
    scale are rounded exactly as the numba and torch kernels round them. Built and cached by _native.py. */
@@ -8,8 +8,10 @@
 #include <stddef.h>
 #include <string.h>
 
-#define BLOCK 32
-#define LANES 8
+/* BLOCK (elements per scale) and LANES (the scale rules' error lanes) come from mxfp4.py, as -D flags (_native.py). */
+#if !defined(BLOCK) || !defined(LANES)
+#error "build with -DBLOCK=... -DLANES=... (mxforge/formats/_native.py does)"
+#endif
 
 /* float32 bits of (1 + mantissa/2^23) * 2^exponent; subnormal below 2^-126, +inf above the range. */
 static inline int32_t boundary_bits(int32_t mantissa, int32_t exponent) {
@@ -108,7 +110,7 @@ static inline void encode_block(const int16_t *x, int64_t n, const int16_t t[7],
     *clipped += clip;
 }
 
-/* rows: bf16 bits [n_rows, inner]; codes [n_rows, inner/2]; scales [n_rows, ceil(inner/32)].
+/* rows: bf16 bits [n_rows, inner]; codes [n_rows, inner/2]; scales [n_rows, ceil(inner/BLOCK)].
    offsets[0..n_offsets): the scale rule's exponent offsets from Quark's (scale_rules.py); {0} is Quark's.
    stats: NULL, or 4 doubles the error statistics of the finite blocks are added to: sum of squared errors,
    sum of squares, max |error|, count of clipped values (encode_block); summed per row in float32 lanes.
@@ -116,14 +118,14 @@ static inline void encode_block(const int16_t *x, int64_t n, const int16_t t[7],
 int64_t mxfp4_quantize_bf16(const int16_t *rows, uint8_t *codes, uint8_t *scales, int64_t n_rows, int64_t inner,
                             const int32_t *offsets, int32_t n_offsets, double *stats) {
     int64_t nonfinite = 0;
-    int64_t nblocks = (inner + 31) / 32, clipped = 0;
+    int64_t nblocks = (inner + BLOCK - 1) / BLOCK, clipped = 0;
     float acc[3 * BLOCK] = {0};
     for (int64_t r = 0; r < n_rows; r++) {
         const int16_t *row = rows + r * inner;
         uint8_t *crow = codes + r * (inner / 2);
         uint8_t *srow = scales + r * nblocks;
         for (int64_t b = 0; b < nblocks; b++) {
-            int64_t start = b * 32, n = inner - start < 32 ? inner - start : 32;
+            int64_t start = b * BLOCK, n = inner - start < BLOCK ? inner - start : BLOCK;
             const int16_t *x = row + start;
             int16_t amax = 0;
             for (int64_t i = 0; i < n; i++) {
@@ -151,7 +153,7 @@ int64_t mxfp4_quantize_bf16(const int16_t *rows, uint8_t *codes, uint8_t *scales
             srow[b] = (uint8_t)byte;
             int16_t t[7];
             boundaries(byte - 127, t);
-            uint8_t c[32];
+            uint8_t c[BLOCK];
             int finite_stats = stats && amax < 0x7F80;
             encode_block(x, n, t, c, finite_stats, finite_stats ? pow2f(byte - 128) : 0, finite_stats ? 6.0f * pow2f(byte - 127) : 0,
                          acc, &clipped);

@@ -1,4 +1,4 @@
-"""The compiled CPU kernel behind `mxforge.quantize.mxfp4` (numba, compiled once and cached on disk).
+"""The compiled CPU kernel behind `mxforge.formats.mxfp4` (numba, compiled once and cached on disk).
 
 The rules are documented in `mxfp4.py`; this file only makes them fast. It works on float32 bit
 patterns: for non-negative floats, integer order is float order, so the block amax is an integer max,
@@ -14,14 +14,24 @@ import math
 import numba as nb
 import numpy as np
 
-BLOCK = 32
-LANES = 8  # scale_rules.ERROR_LANES
+from mxforge.formats.mxfp4.spec import BLOCK, UP_ABOVE, UP_AT_OR_ABOVE
+from mxforge.formats.mxfp4.spec import ERROR_LANES as LANES
+
 EXP_MASK = 0x7F800000
 ABS_MASK = 0x7FFFFFFF
-# E2M1 boundaries in float32 bits: 0.25 1.25 2.5 5.0 ("above" rounds up: ties to even below) and
-# 0.75 1.75 3.5 ("at or above" rounds up: ties to even above), as (mantissa bits, exponent) pairs.
-_ABOVE = np.array([(0, -2), (1 << 21, 0), (1 << 21, 1), (1 << 21, 2)], dtype=np.int32)
-_AT_OR_ABOVE = np.array([(1 << 22, -1), (3 << 21, 0), (3 << 21, 1)], dtype=np.int32)
+
+
+def _mantissa_exponent(value: float) -> tuple[int, int]:
+    """A positive float as (float32 mantissa bits, exponent): value = (1 + bits / 2^23) * 2^exponent."""
+    m, e = math.frexp(value)
+    return int((2 * m - 1) * (1 << 23)), e - 1
+
+
+# The E2M1 rounding boundaries (from the code table, mxfp4.py) in float32 bits: 0.25 1.25 2.5 5.0 ("above" rounds
+# up: ties to even below) and 0.75 1.75 3.5 ("at or above" rounds up: ties to even above), as (mantissa bits,
+# exponent) pairs.
+_ABOVE = np.array([_mantissa_exponent(b) for b in UP_ABOVE], dtype=np.int32)
+_AT_OR_ABOVE = np.array([_mantissa_exponent(b) for b in UP_AT_OR_ABOVE], dtype=np.int32)
 
 
 @nb.njit(inline="always")

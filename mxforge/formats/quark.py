@@ -1,4 +1,5 @@
-"""AMD Quark 0.13 itself, as the reference: its file-to-file per-weight routine and its config objects.
+"""AMD Quark 0.13 itself, per element format: its config objects (what `quantization_config` says) and its
+file-to-file per-weight routine and model-loading dequantizer (the reference numbers every kernel is tested against).
 
 Quark's import takes ~20 s and JIT-compiles a C++ extension, so this module is imported lazily, only
 where Quark is needed (writing `quantization_config`, tests, the benchmark, non-finite weights).
@@ -12,27 +13,33 @@ import json
 import os
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mxforge.cache_dir import cache_root
+
+if TYPE_CHECKING:
+    from mxforge.formats.element import ElementFormat
 
 os.environ.setdefault("QUARK_LOG_LEVEL", "warning")  # Quark's import logs at INFO to the terminal otherwise
 
 
 @functools.lru_cache(maxsize=None)
-def mxfp4_specs():
-    """(weight spec, input spec) of Quark's "mxfp4" scheme: static weights, dynamic activations, OCP MX."""
-    from quark.torch.quantization.config.config import OCP_MXFP4Spec
+def specs(fmt: ElementFormat):
+    """(weight spec, input spec) of Quark's scheme for `fmt`: static weights, dynamic activations, OCP MX (the
+    entry's OCP_MXSpec subclass)."""
+    from quark.torch.quantization.config import config
 
-    weight = OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
-    inputs = OCP_MXFP4Spec(ch_axis=-1, is_dynamic=True).to_quantization_spec()
+    spec_class = getattr(config, fmt.quark.spec_class)
+    weight = spec_class(ch_axis=-1, is_dynamic=False).to_quantization_spec()
+    inputs = spec_class(ch_axis=-1, is_dynamic=True).to_quantization_spec()
     return weight, inputs
 
 
-def mxfp4_qconfig(exclude: list[str], quantize_inputs: bool = True):
-    """A Quark `QConfig` for MXFP4 weights (and dynamic MXFP4 inputs), excluding `exclude` (fnmatch patterns)."""
+def qconfig(fmt: ElementFormat, exclude: list[str], quantize_inputs: bool = True):
+    """A Quark `QConfig` for `fmt` weights (and dynamic `fmt` inputs), excluding `exclude` (fnmatch patterns)."""
     from quark.torch.quantization.config.config import QConfig, QLayerConfig
 
-    weight, inputs = mxfp4_specs()
+    weight, inputs = specs(fmt)
     layer = QLayerConfig(weight=weight, input_tensors=inputs if quantize_inputs else None)
     return QConfig(global_quant_config=layer, exclude=list(exclude))
 
@@ -51,18 +58,18 @@ def export_quantization_config(qconfig) -> dict:
     return out
 
 
-def cached_quantization_config(exclude: list[str], quantize_inputs: bool = True) -> dict:
+def cached_quantization_config(fmt: ElementFormat, exclude: list[str], quantize_inputs: bool = True) -> dict:
     """`export_quantization_config` for this scheme, without importing Quark on every run.
 
-    Quark builds the config once per (Quark version, scheme, this file) and it is kept in the user's cache
+    Quark builds the config once per (Quark version, format, scheme, this file) and it is kept in the user's cache
     (MXFORGE_CACHE, else $XDG_CACHE_HOME/mxforge or ~/.cache/mxforge); `exclude` is the only part that
     varies, and Quark writes it as the sorted list, which is what is substituted here.
     """
-    path = cache_root() / f"quark-config-{_cache_key(quantize_inputs)}.json"
+    path = cache_root() / f"quark-config-{_cache_key(fmt, quantize_inputs)}.json"
     try:
         template = json.loads(path.read_text())
     except (OSError, ValueError):
-        template = export_quantization_config(mxfp4_qconfig([], quantize_inputs))
+        template = export_quantization_config(qconfig(fmt, [], quantize_inputs))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
@@ -74,29 +81,33 @@ def cached_quantization_config(exclude: list[str], quantize_inputs: bool = True)
     return template
 
 
-def _cache_key(quantize_inputs: bool) -> str:
+def _cache_key(fmt: ElementFormat, quantize_inputs: bool) -> str:
     version = metadata.version("amd-quark")
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    return f"{version}-mxfp4-{'w-a' if quantize_inputs else 'w'}-{code}"
+    code = hashlib.sha256(Path(__file__).read_bytes() + fmt.quark.spec_class.encode()).hexdigest()[:12]
+    return f"{version}-{fmt.name}-{'w-a' if quantize_inputs else 'w'}-{code}"
 
 
-def quark_quantize_weight(weight):
-    """(codes, scale bytes) from Quark's own file-to-file per-tensor routine, for a torch weight."""
+def quark_quantize_weight(fmt: ElementFormat, weight):
+    """(codes, scales) from Quark's own file-to-file per-tensor routine for a torch weight, as uint8 tensors of
+    the bytes Quark stores (codes of a float8 format viewed as their bytes)."""
+    import torch
     from quark.torch.quantization import file2file_quantization as f2f
 
-    spec, _ = mxfp4_specs()
+    spec, _ = specs(fmt)
     out: dict = {}
-    f2f._single_stage_quantize_weight(weight, "w.weight", "w", spec, out, "ref.safetensors")
-    return out["w.weight"], out["w.weight_scale"]
+    name = "w.weight"
+    f2f._single_stage_quantize_weight(weight, name, "w", spec, out, "ref.safetensors")
+    codes, scales = out[name], out[fmt.scale_name(name)]
+    return codes.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8)
 
 
-def quark_dequantize_weight(codes, scales, float_dtype):
-    """Quark's own dequantization of a real-quantized MXFP4 weight (what its model loading runs): the
-    StaticScaledRealQuantizer of the weight spec, fed the packed codes and the E8M0 scale bytes."""
+def quark_dequantize_weight(fmt: ElementFormat, codes, scales, float_dtype):
+    """Quark's own dequantization of a real-quantized weight (what its model loading runs): the
+    StaticScaledRealQuantizer of the weight spec, fed the stored codes and the scale bytes."""
     import torch
     from quark.torch.export.nn.modules.realquantizer import get_real_quantizer
 
-    spec, _ = mxfp4_specs()
+    spec, _ = specs(fmt)
     quantizer = get_real_quantizer(
         qspec=spec,
         quantizer=None,
