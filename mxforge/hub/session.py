@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import httpx
 from huggingface_hub import constants, set_client_factory
+from huggingface_hub.utils import httpx  # the HTTP module huggingface_hub uses: httpx on 1.x, httpx2 on 2.x
 
 from mxforge.errors import MxforgeError
 
