@@ -1,40 +1,69 @@
 """AMD Quark 0.13 itself, as the reference: its file-to-file per-weight routine and its config objects.
 
 Quark's import takes ~20 s and JIT-compiles a C++ extension, so this module is imported lazily, only
-where Quark is needed (writing `quantization_config`, tests, the benchmark, non-finite weights).
+where Quark is needed (writing `quantization_config`, tests, the benchmark, non-finite weights). Quark imports
+transformers, whose release mxforge leaves to the environment (an engine pins its own: docs/install.md), so
+a Quark that cannot be imported there is said in one line (`_quark`) rather than as a traceback.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 
 from mxforge.cache_dir import cache_root
+from mxforge.errors import MxforgeError
 
 os.environ.setdefault("QUARK_LOG_LEVEL", "warning")  # Quark's import logs at INFO to the terminal otherwise
+
+
+def _quark(module: str) -> ModuleType:
+    """Quark's `module`, imported on first use.
+
+    Raises:
+        MxforgeError: Quark cannot be imported in this environment (not installed, or a transformers / torch
+            it was not made for): which releases are installed, what failed, and what to do.
+    """
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # an ImportError, or whatever a transformers Quark was not made for raises on import
+        said = (str(e).strip().splitlines() or [""])[0][:200]
+        installed = ", ".join(f"{d} {_installed(d)}" for d in ("amd-quark", "transformers", "torch"))
+        raise MxforgeError(
+            f"Quark could not be imported ({type(e).__name__}: {said}; installed: {installed}): mxforge needs it to "
+            "write quantization_config. Install amd-quark==0.13 and a transformers release it imports with "
+            "(docs/install.md names those tested)"
+        ) from e
+
+
+def _installed(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 @functools.lru_cache(maxsize=None)
 def mxfp4_specs():
     """(weight spec, input spec) of Quark's "mxfp4" scheme: static weights, dynamic activations, OCP MX."""
-    from quark.torch.quantization.config.config import OCP_MXFP4Spec
-
-    weight = OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
-    inputs = OCP_MXFP4Spec(ch_axis=-1, is_dynamic=True).to_quantization_spec()
+    config = _quark("quark.torch.quantization.config.config")
+    weight = config.OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
+    inputs = config.OCP_MXFP4Spec(ch_axis=-1, is_dynamic=True).to_quantization_spec()
     return weight, inputs
 
 
 def mxfp4_qconfig(exclude: list[str], quantize_inputs: bool = True):
     """A Quark `QConfig` for MXFP4 weights (and dynamic MXFP4 inputs), excluding `exclude` (fnmatch patterns)."""
-    from quark.torch.quantization.config.config import QConfig, QLayerConfig
-
+    config = _quark("quark.torch.quantization.config.config")
     weight, inputs = mxfp4_specs()
-    layer = QLayerConfig(weight=weight, input_tensors=inputs if quantize_inputs else None)
-    return QConfig(global_quant_config=layer, exclude=list(exclude))
+    layer = config.QLayerConfig(weight=weight, input_tensors=inputs if quantize_inputs else None)
+    return config.QConfig(global_quant_config=layer, exclude=list(exclude))
 
 
 def export_quantization_config(qconfig) -> dict:
@@ -75,15 +104,14 @@ def cached_quantization_config(exclude: list[str], quantize_inputs: bool = True)
 
 
 def _cache_key(quantize_inputs: bool) -> str:
-    version = metadata.version("amd-quark")
+    version = _installed("amd-quark")
     code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
     return f"{version}-mxfp4-{'w-a' if quantize_inputs else 'w'}-{code}"
 
 
 def quark_quantize_weight(weight):
     """(codes, scale bytes) from Quark's own file-to-file per-tensor routine, for a torch weight."""
-    from quark.torch.quantization import file2file_quantization as f2f
-
+    f2f = _quark("quark.torch.quantization.file2file_quantization")
     spec, _ = mxfp4_specs()
     out: dict = {}
     f2f._single_stage_quantize_weight(weight, "w.weight", "w", spec, out, "ref.safetensors")
@@ -94,10 +122,10 @@ def quark_dequantize_weight(codes, scales, float_dtype):
     """Quark's own dequantization of a real-quantized MXFP4 weight (what its model loading runs): the
     StaticScaledRealQuantizer of the weight spec, fed the packed codes and the E8M0 scale bytes."""
     import torch
-    from quark.torch.export.nn.modules.realquantizer import get_real_quantizer
 
+    realquantizer = _quark("quark.torch.export.nn.modules.realquantizer")
     spec, _ = mxfp4_specs()
-    quantizer = get_real_quantizer(
+    quantizer = realquantizer.get_real_quantizer(
         qspec=spec,
         quantizer=None,
         reorder=True,
