@@ -182,12 +182,12 @@ def test_the_floor_check_sees_an_upward_import(tmp_path):
 
 
 def test_quantizer_and_checkers_load_without_a_hub_client():
-    """The quantizer, validate and fixup import no Hub client (huggingface_hub, httpx): their import is fast
-    and works where the Hub client is broken."""
+    """The quantizer, validate and fixup import no Hub client (huggingface_hub, its httpx or httpx2): their
+    import is fast and works where the Hub client is broken."""
     probe = (
         "import sys, mxforge.quantize.run, mxforge.validation.validate, mxforge.validation.deep_checks, "
-        "mxforge.fixups.fixup; print(sorted(m for m in ('huggingface_hub', 'httpx', 'mxforge.hub.download', "
-        "'mxforge.cli.support') if m in sys.modules))"
+        "mxforge.fixups.fixup; print(sorted(m for m in ('huggingface_hub', 'httpx', 'httpx2', "
+        "'mxforge.hub.download', 'mxforge.cli.support') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

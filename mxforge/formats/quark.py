@@ -2,20 +2,25 @@
 file-to-file per-weight routine and model-loading dequantizer (the reference numbers every kernel is tested against).
 
 Quark's import takes ~20 s and JIT-compiles a C++ extension, so this module is imported lazily, only
-where Quark is needed (writing `quantization_config`, tests, the benchmark, non-finite weights).
+where Quark is needed (writing `quantization_config`, tests, the benchmark, non-finite weights). Quark imports
+transformers, whose release mxforge leaves to the environment (an engine pins its own: docs/install.md), so
+a Quark that cannot be imported there is said in one line (`_quark`) rather than as a traceback.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from mxforge.cache_dir import cache_root
+from mxforge.errors import MxforgeError
 
 if TYPE_CHECKING:
     from mxforge.formats.element import ElementFormat
@@ -23,12 +28,37 @@ if TYPE_CHECKING:
 os.environ.setdefault("QUARK_LOG_LEVEL", "warning")  # Quark's import logs at INFO to the terminal otherwise
 
 
+def _quark(module: str) -> ModuleType:
+    """Quark's `module`, imported on first use.
+
+    Raises:
+        MxforgeError: Quark cannot be imported in this environment (not installed, or a transformers / torch
+            it was not made for): which releases are installed, what failed, and what to do.
+    """
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # an ImportError, or whatever a transformers Quark was not made for raises on import
+        said = (str(e).strip().splitlines() or [""])[0][:200]
+        installed = ", ".join(f"{d} {_installed(d)}" for d in ("amd-quark", "transformers", "torch"))
+        raise MxforgeError(
+            f"Quark could not be imported ({type(e).__name__}: {said}; installed: {installed}): mxforge needs it to "
+            "write quantization_config. Install amd-quark==0.13 and a transformers release it imports with "
+            "(docs/install.md names those tested)"
+        ) from e
+
+
+def _installed(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 @functools.lru_cache(maxsize=None)
 def specs(fmt: ElementFormat):
     """(weight spec, input spec) of Quark's scheme for `fmt`: static weights, dynamic activations, OCP MX (the
     entry's OCP_MXSpec subclass)."""
-    from quark.torch.quantization.config import config
-
+    config = _quark("quark.torch.quantization.config.config")
     spec_class = getattr(config, fmt.quark.spec_class)
     weight = spec_class(ch_axis=-1, is_dynamic=False).to_quantization_spec()
     inputs = spec_class(ch_axis=-1, is_dynamic=True).to_quantization_spec()
@@ -37,11 +67,10 @@ def specs(fmt: ElementFormat):
 
 def qconfig(fmt: ElementFormat, exclude: list[str], quantize_inputs: bool = True):
     """A Quark `QConfig` for `fmt` weights (and dynamic `fmt` inputs), excluding `exclude` (fnmatch patterns)."""
-    from quark.torch.quantization.config.config import QConfig, QLayerConfig
-
+    config = _quark("quark.torch.quantization.config.config")
     weight, inputs = specs(fmt)
-    layer = QLayerConfig(weight=weight, input_tensors=inputs if quantize_inputs else None)
-    return QConfig(global_quant_config=layer, exclude=list(exclude))
+    layer = config.QLayerConfig(weight=weight, input_tensors=inputs if quantize_inputs else None)
+    return config.QConfig(global_quant_config=layer, exclude=list(exclude))
 
 
 def export_quantization_config(qconfig) -> dict:
@@ -82,7 +111,7 @@ def cached_quantization_config(fmt: ElementFormat, exclude: list[str], quantize_
 
 
 def _cache_key(fmt: ElementFormat, quantize_inputs: bool) -> str:
-    version = metadata.version("amd-quark")
+    version = _installed("amd-quark")
     code = hashlib.sha256(Path(__file__).read_bytes() + fmt.quark.spec_class.encode()).hexdigest()[:12]
     return f"{version}-{fmt.name}-{'w-a' if quantize_inputs else 'w'}-{code}"
 
@@ -91,8 +120,8 @@ def quark_quantize_weight(fmt: ElementFormat, weight):
     """(codes, scales) from Quark's own file-to-file per-tensor routine for a torch weight, as uint8 tensors of
     the bytes Quark stores (codes of a float8 format viewed as their bytes)."""
     import torch
-    from quark.torch.quantization import file2file_quantization as f2f
 
+    f2f = _quark("quark.torch.quantization.file2file_quantization")
     spec, _ = specs(fmt)
     out: dict = {}
     name = "w.weight"
@@ -105,10 +134,10 @@ def quark_dequantize_weight(fmt: ElementFormat, codes, scales, float_dtype):
     """Quark's own dequantization of a real-quantized weight (what its model loading runs): the
     StaticScaledRealQuantizer of the weight spec, fed the stored codes and the scale bytes."""
     import torch
-    from quark.torch.export.nn.modules.realquantizer import get_real_quantizer
 
+    realquantizer = _quark("quark.torch.export.nn.modules.realquantizer")
     spec, _ = specs(fmt)
-    quantizer = get_real_quantizer(
+    quantizer = realquantizer.get_real_quantizer(
         qspec=spec,
         quantizer=None,
         reorder=True,

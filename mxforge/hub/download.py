@@ -17,9 +17,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from huggingface_hub import HfApi
-from huggingface_hub.utils import filter_repo_objects
+from huggingface_hub.utils import filter_repo_objects, httpx
 
 from mxforge.dir_lock import directory_lock
 from mxforge.disk_space import require_free_space

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
 from huggingface_hub import constants, get_token
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -15,6 +14,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import httpx  # httpx on huggingface_hub 1.x, httpx2 on 2.x
 
 from mxforge.checkpoint import repo_id_problem
 from mxforge.errors import HubError, MxforgeError

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 from urllib.parse import urlsplit
 
-import httpx
 from huggingface_hub import close_session, constants, set_client_factory
 from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import httpx  # the HTTP module huggingface_hub uses: httpx on 1.x, httpx2 on 2.x
 
 from mxforge.errors import MxforgeError
 

@@ -33,9 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 from huggingface_hub import HfApi, hf_hub_url
-from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, httpx
 
 from mxforge.cache_dir import cache_root
 from mxforge.checkpoint import CheckpointSource

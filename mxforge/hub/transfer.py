@@ -22,9 +22,8 @@ import os
 import time
 from pathlib import Path
 
-import httpx
 from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
-from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, httpx
 from huggingface_hub.utils._runtime import is_xet_available
 
 from mxforge.errors import HubError, OversizeBody

@@ -3,7 +3,8 @@
 A wheel is a zip: one request reads its central directory, then one per member read. Files land in
 `<cache>/engine-wheels/<dist>-<version>/` (the user cache dir: $MXFORGE_CACHE or ~/.cache/mxforge),
 beside `wheel.json` (which wheel, its sha256 on PyPI, and every member name), so a release is fetched
-once and later runs need no network.
+once and later runs need no network. `wheel_metadata` reads a release's METADATA (its Requires-Dist) the same
+way; `released_versions` keeps a package's list of releases there too.
 """
 
 from __future__ import annotations
@@ -64,22 +65,66 @@ def _choose_wheel(dist: str, version: str) -> dict:
     return max(wheels, key=rank)
 
 
-def available_versions(dist: str, first: str, last: str) -> list[str]:
-    """The releases of `dist` on PyPI that have a wheel, from `first` to `last` inclusive, oldest first."""
-    from packaging.version import InvalidVersion, Version
+def _wheel_versions(dist: str) -> list:
+    """Every version of `dist` with a wheel on PyPI that is not yanked, oldest first (pre-releases included)."""
+    from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+    from packaging.version import InvalidVersion
 
     index = json.loads(_get(f"{SIMPLE}/{dist}/", {"Accept": "application/vnd.pypi.simple.v1+json"}))
-    prefix = dist.replace("-", "_") + "-"
     found = set()
     for f in index["files"]:
-        name = f["filename"]
-        if name.endswith(".whl") and name.startswith(prefix) and not f.get("yanked"):
-            try:
-                found.add(Version(name[len(prefix) :].split("-", 1)[0]))
-            except InvalidVersion:
-                continue
+        if not f["filename"].endswith(".whl") or f.get("yanked"):
+            continue
+        try:
+            name, version, _, _ = parse_wheel_filename(f["filename"])
+        except (InvalidWheelFilename, InvalidVersion):
+            continue
+        if name == canonicalize_name(dist):
+            found.add(version)
+    return sorted(found)
+
+
+def available_versions(dist: str, first: str, last: str) -> list[str]:
+    """The releases of `dist` on PyPI that have a wheel, from `first` to `last` inclusive, oldest first."""
+    from packaging.version import Version
+
     lo, hi = Version(first), Version(last)
-    return [str(v) for v in sorted(found) if lo <= v <= hi and not v.is_prerelease]
+    return [str(v) for v in _wheel_versions(dist) if lo <= v <= hi and not v.is_prerelease]
+
+
+def released_versions(dist: str) -> list[str]:
+    """Every final release of `dist` that has a wheel on PyPI, oldest first. Read once, then kept in the cache
+    (`<cache>/engine-wheels/<dist>.versions.json`): what a test proves with it ("some release meets both
+    ranges") stays true of the releases it saw, so later runs need no network."""
+    path = cache_root() / f"{dist}.versions.json"
+    if not path.exists():
+        versions = [str(v) for v in _wheel_versions(dist) if not v.is_prerelease]
+        _write_atomic(path, json.dumps(versions).encode())
+    return json.loads(path.read_text())
+
+
+def wheel_metadata(dist: str, version: str) -> str:
+    """The core metadata (`*.dist-info/METADATA`: Requires-Python, Requires-Dist) of `dist`==`version`, from the
+    wheel `Release` would read; fetched once into that release's cache folder."""
+    path = cache_root() / f"{dist}-{version}" / "METADATA"
+    if not path.exists():
+        wheel = _choose_wheel(dist, version)
+        with Release._zip(wheel["url"], wheel["size"]) as z:
+            found = [n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+            if len(found) != 1:
+                raise FetchError(f"{wheel['filename']}: {len(found)} .dist-info/METADATA members, expected 1")
+            if z.getinfo(found[0]).file_size > MAX_MEMBER_BYTES:
+                raise FetchError(f"{wheel['filename']}: {found[0]} is over {MAX_MEMBER_BYTES} bytes; refusing")
+            data = z.read(found[0])
+        _write_atomic(path, data)
+    return path.read_text()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # several test runs may share the user cache
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 class _RangeFile(io.RawIOBase):

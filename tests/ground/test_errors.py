@@ -89,8 +89,8 @@ def test_raise_sites_fill_the_fields_they_name(tiny_ckpt, tmp_path):
 
 
 def test_hub_errors_carry_the_repo_the_file_and_the_status():
-    import httpx
     from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import httpx
 
     from mxforge.hub.errors import as_hub_error
 

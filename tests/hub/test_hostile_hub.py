@@ -20,11 +20,11 @@ import textwrap
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from helpers import AMD, REPO, TOKEN, hub_env, pushed_files, run_cli
 from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import httpx  # httpx on huggingface_hub 1.x, httpx2 on 2.x
 from loopback_hub import LoopbackHub
 from quark_like import write_quark_like
 from safetensors.numpy import save_file

@@ -181,6 +181,30 @@ def test_cached_quantization_config_equals_a_fresh_quark_build(tmp_path, monkeyp
     assert len(list(tmp_path.glob("quark-config-*.json"))) == 2
 
 
+def test_a_quark_that_cannot_be_imported_is_one_clear_error(tmp_path, monkeypatch):
+    """mxforge leaves the transformers release to the environment (an engine pins its own), and Quark imports
+    it: where Quark's import fails, writing quantization_config says so in one line, with the releases
+    installed and what to do, instead of a traceback from inside Quark. (A None in sys.modules is how Python
+    itself reports a module that cannot be imported.)"""
+    import sys
+
+    from mxforge.errors import MxforgeError
+    from mxforge.formats import quark as quark_ref
+
+    monkeypatch.setenv("MXFORGE_CACHE", str(tmp_path))  # no cached config: Quark is needed
+    monkeypatch.setitem(sys.modules, "quark.torch.quantization.config.config", None)
+    quark_ref.specs.cache_clear()
+    try:
+        with pytest.raises(MxforgeError) as err:
+            load_recipe("glm-5.2-mxfp4").quantization_config(["lm_head"])
+    finally:
+        quark_ref.specs.cache_clear()
+    msg = str(err.value)
+    assert msg.startswith("Quark could not be imported (ModuleNotFoundError: ") and "\n" not in msg
+    assert "installed: amd-quark 0.13, transformers " in msg and "write quantization_config" in msg
+    assert "docs/install.md" in msg
+
+
 @pytest.mark.parametrize(
     "recipe_name, quantized",
     [
