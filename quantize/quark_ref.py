@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -62,6 +64,7 @@ def cached_quantization_config(exclude: list[str], quantize_inputs: bool = True)
     try:
         template = json.loads(path.read_text())
     except (OSError, ValueError):
+        announce_quark_import(path.parent)
         template = export_quantization_config(mxfp4_qconfig([], quantize_inputs))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,9 +77,24 @@ def cached_quantization_config(exclude: list[str], quantize_inputs: bool = True)
     return template
 
 
+def announce_quark_import(cache: Path) -> None:
+    """Say on stderr, before it starts, that Quark is about to be imported: its first import compiles a C++
+    extension and the process then sits silent for up to a minute (a no-op when Quark is loaded already)."""
+    if "quark.torch" in sys.modules:
+        return
+    print(
+        f"mxforge: loading AMD Quark {metadata.version('amd-quark')} to build its quantization_config (the first "
+        f"import compiles Quark's C++ extension: about a minute); the result is cached in {cache}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _cache_key(quantize_inputs: bool) -> str:
+    """Quark's version, the scheme, and the code that builds the config (an edit elsewhere in this file keeps it)."""
     version = metadata.version("amd-quark")
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    builders = (mxfp4_specs, mxfp4_qconfig, export_quantization_config)
+    code = hashlib.sha256("".join(inspect.getsource(f) for f in builders).encode()).hexdigest()[:12]
     return f"{version}-mxfp4-{'w-a' if quantize_inputs else 'w'}-{code}"
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import ConfigError
@@ -142,6 +143,19 @@ def test_cached_quantization_config_equals_a_fresh_quark_build(tmp_path, monkeyp
         second = quark_ref.cached_quantization_config(exclude, quantize_inputs)  # from the cache
         assert json.dumps(first) == json.dumps(second) == json.dumps(fresh)
     assert len(list(tmp_path.glob("quark-config-*.json"))) == 2
+
+
+@pytest.mark.slow  # imports Quark cold in a fresh process (its first import is the stall itself)
+def test_first_use_says_quark_is_loading_before_the_stall_and_never_again(tmp_path, tiny_ckpt):
+    """Quark's first import (building quantization_config) keeps a new user's first quantize silent for up to a
+    minute: one line on stderr says what is happening; once its config is cached, nothing is said or imported."""
+    env = {"MXFORGE_CACHE": str(tmp_path / "cache")}
+    first = run_cli("quantize", str(tiny_ckpt), str(tmp_path / "a"), "--quiet", env=env, check=True)
+    said = [line for line in first.stderr.splitlines() if "loading AMD Quark" in line]
+    assert len(said) == 1 and "about a minute" in said[0] and str(tmp_path / "cache") in said[0], first.stderr
+    second = run_cli("quantize", str(tiny_ckpt), str(tmp_path / "b"), "--quiet", env=env, check=True)
+    assert "Quark" not in second.stderr, second.stderr
+    assert (tmp_path / "a" / "config.json").read_bytes() == (tmp_path / "b" / "config.json").read_bytes()
 
 
 @pytest.mark.parametrize(
