@@ -1,6 +1,7 @@
 """validate's engine-independent checks: quantization_config form, tensors config.json implies, scale shapes."""
 
 import json
+import shutil
 
 from helpers import AMD, MTP
 from quark_like import write_quark_like
@@ -8,6 +9,7 @@ from quark_like import write_quark_like
 from mxforge.checkpoint import Checkpoint
 from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.safetensors_io import PlannedTensor, ShardWriter
+from mxforge.validation.inspect import format_inspect, inspect_checkpoint
 from mxforge.validation.validate import validate_checkpoint
 
 
@@ -91,3 +93,30 @@ def test_stored_form_uses_the_quantizers_packed_shapes():
     assert stored_form(Linear("m", 8, 96), infos).defect is None
     odd = stored_form(Linear("m", 8, 95), infos)
     assert odd.form == MXFP4 and "odd" in odd.defect and "m.weight" in odd.defect
+
+
+def test_an_mtp_layer_that_config_json_does_not_declare(tiny_ckpt, tmp_path):
+    """Without num_nextn_predict_layers, layer 7 is no MTP layer to the engines, nor a decoder layer: validate and
+    inspect say so, and the serving commands leave speculative decoding out."""
+    served = validate_checkpoint(tiny_ckpt)
+    assert served.serve and all("--speculative" in s["command"] for s in served.serve)
+    assert "serve with MTP speculative decoding:" in served.format()
+
+    ckpt = tmp_path / "c"
+    shutil.copytree(tiny_ckpt, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["num_nextn_predict_layers"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    report = validate_checkpoint(ckpt)
+    [note] = [n for n in report.notes if f"model.layers.{MTP}.*" in n]
+    assert "holds an MTP layer" in note and "num_nextn_predict_layers absent" in note
+    assert "set num_nextn_predict_layers to 1" in note
+    assert report.serve and not any("--speculative" in s["command"] for s in report.serve)
+    text = report.format()
+    assert "without speculative decoding" in text and "serve with MTP speculative decoding" not in text
+
+    summary = inspect_checkpoint(ckpt)
+    assert summary["layers"]["decoder_layers"] == MTP and summary["mtp"]["orphan_layers_beyond_config"] == [MTP]
+    assert f"layers: {MTP} decoder" in format_inspect(summary) and "beyond config.json: layer(s) [7]" in format_inspect(
+        summary
+    )
