@@ -104,8 +104,10 @@ def register_push(sub) -> argparse.ArgumentParser:
 
 
 def run_push(args) -> int:
+    from mxforge.cli.support import refuse_run_dir
     from mxforge.hub.push import push
 
+    refuse_run_dir(args.ckpt, "push")
     _check_workers(args.workers)
     _quiet_hub(args.quiet)
     engines = engines_arg(args)

@@ -55,10 +55,35 @@ def add_remote_options(p: argparse.ArgumentParser) -> None:
 
 
 def open_checkpoint_arg(args):
-    """The checkpoint an argument names: a directory, or a Hub repo id at --revision (a CheckpointSource)."""
+    """The checkpoint an argument names: a directory, or a Hub repo id at --revision (a CheckpointSource).
+
+    Raises:
+        CheckpointError: it names `mxforge run`'s working directory instead of the checkpoint in it.
+    """
     from mxforge.hub.source import open_source
 
+    refuse_run_dir(args.ckpt, args.command)
     return open_source(args.ckpt, args.revision, hub_limits(args))
+
+
+def refuse_run_dir(path: str, command: str) -> None:
+    """Point at OUT/mxfp4 when CKPT is the OUT of `mxforge run` (a working directory, not a checkpoint).
+
+    Raises:
+        CheckpointError: `path` holds mxforge run's state file and no config.json.
+    """
+    from pathlib import Path
+
+    from mxforge.errors import CheckpointError
+    from mxforge.provenance import RUN_PRODUCT_DIR, RUN_STATE_NAME
+
+    root = Path(path)
+    if (root / RUN_STATE_NAME).is_file() and not (root / "config.json").exists():
+        product = root / RUN_PRODUCT_DIR
+        raise CheckpointError(
+            f"{root}: an `mxforge run` working directory, not a checkpoint; its checkpoint is {product}: "
+            f"pass that instead (mxforge {command} {shlex.quote(str(product))} ...)"
+        )
 
 
 def add_engines_option(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from mxforge.checkpoint import is_local_source
 from mxforge.errors import MxforgeError, ValidationFailed
-from mxforge.provenance import RUN_STATE_NAME, STREAM_STATE_NAME
+from mxforge.provenance import RUN_PRODUCT_DIR, RUN_SOURCE_DIR, RUN_STATE_NAME, STREAM_STATE_NAME
 from mxforge.quantize.error_report import summary_line
 from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE
 from mxforge.safetensors_io import write_json_atomic
@@ -100,8 +100,8 @@ class Pipeline:
         self.out = Path(opts.out)
         self.state_path = self.out / RUN_STATE_NAME
         self.local = is_local_source(opts.source)
-        self.bf16_dir = Path(opts.source) if self.local else self.out / "bf16"
-        self.mxfp4_dir = self.out / "mxfp4"
+        self.bf16_dir = Path(opts.source) if self.local else self.out / RUN_SOURCE_DIR
+        self.mxfp4_dir = self.out / RUN_PRODUCT_DIR
         self.state = self._load_state()
         self.reused: set[str] = set()  # stages recorded done by an earlier run and not redone
         self.validated_files: dict | None = None  # the product's file stamps when validate last read it

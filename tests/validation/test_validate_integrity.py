@@ -4,6 +4,8 @@ import shutil
 import pytest
 from helpers import MTP, run_cli
 
+from mxforge.cli.main import main
+from mxforge.provenance import RUN_STATE_NAME
 from mxforge.validation.validate import validate_checkpoint
 
 
@@ -82,6 +84,18 @@ def test_a_truncated_shard_is_one_problem_said_once(ckpt):
     assert not any("re-inject" in n or "missing" in n for n in report.notes), report.notes
     assert f"MTP layer {MTP} cannot be judged: its tensors are in {shard.name}" in " ".join(report.notes)
     assert report.format().count(shard.name) == 3  # the verdict, the MTP note and the problem itself
+
+
+def test_validate_of_a_run_directory_points_at_its_checkpoint(tiny_ckpt, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ckpt, run / "mxfp4")
+    (run / RUN_STATE_NAME).write_text("{}")
+    assert main(["validate", str(run)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"mxforge validate: error: {run}: an `mxforge run` working directory") and line.endswith(
+        f"pass that instead (mxforge validate {run / 'mxfp4'} ...)"
+    )
+    assert main(["validate", str(run / "mxfp4")]) == 0
 
 
 def test_tensor_listed_twice_in_the_index(ckpt):
