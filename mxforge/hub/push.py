@@ -1,8 +1,9 @@
 """`mxforge push`: validate, write the model card, upload, then prove the Hub holds our bytes.
 
 1. Refuse symlinks that leave CKPT (unless --follow-symlinks); stamp every file (size, mtime, inode).
-2. Validate with the configured engines; refuse before any network call when it fails (`--force` overrides,
-   loudly, and the card says so).
+2. Refuse a checkpoint without quantization_config (a bf16 source pushed by mistake) unless `--force`. Validate
+   with the configured engines; refuse before any network call when it fails (`--force` overrides, loudly, and
+   the card says so).
 3. Hash every file (cached by size and mtime under CKPT/.cache/mxforge) and write README.md, the model card.
    A README.md that mxforge did not write is kept as README.source.md (before the stamps are taken).
 4. Create the repo (and branch), upload the LFS files (the Hub skips objects it already holds, so a rerun
@@ -45,6 +46,7 @@ class PushResult:
     forced: bool
     validation: dict
     files: list[FileHash] = field(default_factory=list)
+    quantized: bool = True  # False: pushed with --force without quantization_config
 
     def as_dict(self) -> dict:
         return {
@@ -55,6 +57,7 @@ class PushResult:
             "url": f"{self.endpoint}/{self.repo_id}",
             "commit": self.commit,
             "forced": self.forced,
+            "quantized": self.quantized,
             "validation": {"ok": self.validation.get("ok"), "engines": self.validation.get("engines")},
             "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
             "remote_hashes_match": True,
@@ -86,6 +89,26 @@ def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> 
         file=sys.stderr,
     )
     return report.as_dict()
+
+
+def refuse_unquantized(ckpt: Checkpoint, force: bool) -> bool:
+    """Whether `ckpt` is quantized (has a quantization_config); refuse, before anything is written or sent, to push
+    one that is not (a bf16 source pushed by mistake, e.g. OUT/bf16 for OUT/mxfp4) unless forced.
+
+    Raises:
+        PushRefused: no quantization_config and force is False.
+    """
+    if ckpt.quantization_config is not None:
+        return True
+    root = ckpt.root
+    if not force:
+        raise PushRefused(
+            f"{root}: not quantized (config.json has no quantization_config: its weights are as the source "
+            "stores them), so nothing was pushed or written; push the checkpoint mxforge made (mxforge run's "
+            f"OUT/mxfp4, mxforge quantize's OUT), or pass --force to push this one as it is (its model card is "
+            f"then written into it as {CARD_NAME})"
+        )
+    return False
 
 
 def keep_source_card(ckpt: Path) -> bool:
@@ -191,10 +214,12 @@ def upload(
         HubError: no/invalid token, no write access, Hub unreachable or silent, upload aborted (rerun resumes:
             the Hub keeps the LFS objects it received).
     """
+    sending = False
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             ops = list(pool.map(lambda f: _operation(ckpt, f), files))
         prepare_repo(api, repo_id, branch, private)
+        sending = True
         api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=branch)
         before_commit()
         api.create_commit(
@@ -207,21 +232,23 @@ def upload(
     except MxforgeError:
         raise
     except Exception as e:
-        _raise_upload_failure(e, f"upload of {ckpt}", repo_id, branch)
+        _raise_upload_failure(e, f"upload of {ckpt}", repo_id, branch, sent=sending)
 
 
-def _raise_upload_failure(e: Exception, what: str, repo_id: str, branch: str) -> None:
-    """Raise the one-line HubError for an upload that failed with `e` (or `e` itself when it is no Hub error)."""
+def _raise_upload_failure(e: Exception, what: str, repo_id: str, branch: str, sent: bool = True) -> None:
+    """Raise the one-line HubError for an upload that failed with `e` (or `e` itself when it is no Hub error).
+    `sent`: whether file bytes may have reached the Hub (else nothing was uploaded, and there is nothing to resume).
+    """
     mapped = as_hub_error(e, repo_id=repo_id, revision=branch, action="push to")
     if mapped is None:
         raise e
     why = str(mapped).split(": rerun")[0]
-    raise HubError(
-        redact(
-            f"{what} to {repo_id}@{branch} aborted ({why}); the Hub keeps the large files "
-            "it already received: rerun the same command to resume"
-        )
-    ) from None
+    then = (
+        "the Hub keeps the large files it already received: rerun the same command to resume"
+        if sent
+        else "nothing was uploaded: fix that, then rerun"
+    )
+    raise HubError(redact(f"{what} to {repo_id}@{branch} aborted ({why}); {then}")) from None
 
 
 def prepare_repo(api: HfApi, repo_id: str, branch: str, private: bool) -> None:
@@ -317,6 +344,7 @@ def push(
         raise CheckpointError(f"{ckpt}: not a directory; pass the checkpoint directory to push")
     command = recorded_command(command)
     with directory_lock(ckpt):
+        quantized = refuse_unquantized(Checkpoint.open(ckpt, follow_symlinks), force)
         moved = keep_source_card(ckpt)
         if validation is None or not validation.get("ok") or validated_files is None:
             validated_files = snapshot(ckpt, checkpoint_files(ckpt, follow_symlinks))
@@ -344,4 +372,4 @@ def push(
             before_commit=lambda: refuse_changes(ckpt, expected, follow_symlinks, "during the upload", push_command),
         )
         commit = verify_remote(api, repo_id, branch, files)
-    return PushResult(repo_id, branch, hub_endpoint(), commit, not validation["ok"], validation, files)
+    return PushResult(repo_id, branch, hub_endpoint(), commit, not validation["ok"], validation, files, quantized)
