@@ -3,7 +3,7 @@
 1. Refuse symlinks that leave CKPT (unless --follow-symlinks); stamp every file (size, mtime, inode).
 2. Refuse a checkpoint without quantization_config (a bf16 source pushed by mistake) unless `--force`. Validate
    with the configured engines; refuse before any network call when it fails (`--force` overrides, loudly, and
-   the card says so).
+   the card says so). Then ask the Hub whether the token may push to the target (hub/target.py).
 3. Hash every file (cached by size and mtime under CKPT/.cache/mxforge) and write README.md, the model card.
    A README.md that mxforge did not write is kept as README.source.md (before the stamps are taken).
 4. Create the repo (and branch), upload the LFS files (the Hub skips objects it already holds, so a rerun
@@ -30,6 +30,7 @@ from mxforge.file_hashes import FileHash, FileStamp, checkpoint_files, file_hash
 from mxforge.hub.card import CARD_MARKER, CARD_NAME, SOURCE_CARD_NAME, render_model_card
 from mxforge.hub.errors import as_hub_error, check_repo_id, checked_commit, hub_endpoint, raise_as_hub_error
 from mxforge.hub.session import HubLimits, use_hub_limits
+from mxforge.hub.target import check_push_target
 from mxforge.provenance import recorded_command
 from mxforge.redaction import redact
 from mxforge.safetensors_io import write_text_atomic
@@ -349,6 +350,8 @@ def push(
         if validation is None or not validation.get("ok") or validated_files is None:
             validated_files = snapshot(ckpt, checkpoint_files(ckpt, follow_symlinks))
             validation = run_validation(Checkpoint.open(ckpt, follow_symlinks), engines, force)
+        # Whether this token may push there, asked before the card is written and every file hashed.
+        check_push_target(repo_id, private=private, limits=limits)
         expected = {n: s for n, s in validated_files.items() if n != CARD_NAME}
         if moved and CARD_NAME in validated_files:  # validated as README.md, moved aside since: the same file
             expected[SOURCE_CARD_NAME] = validated_files[CARD_NAME]

@@ -192,10 +192,23 @@ class Pipeline:
             from huggingface_hub.utils import disable_progress_bars
 
             disable_progress_bars()
+        self._check_push_target()
         from mxforge.dir_lock import directory_lock
 
         with directory_lock(self.out):
             return self._run_stages()
+
+    def _check_push_target(self) -> None:
+        """A push target that cannot work (bad id, no token, no write access, --private on a public repo) is
+        refused before any stage runs, not after the hours the stages before push take.
+
+        Raises:
+            HubError: as check_push_target.
+        """
+        if self.opts.push_repo and not self._done("push", None):
+            from mxforge.hub.target import check_push_target
+
+            check_push_target(self.opts.push_repo, private=self.opts.private, limits=self.opts.hub_limits)
 
     def _choose_mode(self) -> str:
         """ "stream" or "sequential": as asked, as an earlier run in OUT ran, or, for a Hub source, streamed when
