@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Literal
 
 from mxforge.errors import ConfigError
-from mxforge.manifest_io import manifest_text
+from mxforge.manifest_io import manifest_names, manifest_text
 from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
 from mxforge.models.tensor_kinds import KINDS, layer_of
 from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, get_scale_rule
@@ -148,6 +148,11 @@ class Recipe:
                 "scale_rule_description": rule.description,
             }
         return config
+
+
+def shipped_recipes() -> list[str]:
+    """The names of the recipes shipped in manifests/recipes/ (what `--recipe NAME` takes), sorted."""
+    return manifest_names(RECIPES_DIR, ".toml")
 
 
 def load_recipe(name_or_path: str | Path | None = None, config: dict | None = None) -> Recipe:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from mxforge.cli.support import EXIT_OK, add_follow_symlinks_option, add_json_option, emit, invocation
+from mxforge.cli.support import (
+    EXIT_OK,
+    add_follow_symlinks_option,
+    add_json_option,
+    default_recipes_help,
+    emit,
+    invocation,
+    recipe_help,
+)
 from mxforge.quantize.scale_rules import SCALE_RULES
 
 
@@ -21,11 +29,7 @@ def register_quantize(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("src", help="bf16 or FP8 checkpoint directory (config.json, index, shards)")
     p.add_argument("out", help="output directory: new, empty, or a previous quantize output to resume")
-    p.add_argument(
-        "--recipe",
-        default=None,
-        help="recipe TOML path or shipped name (default: glm-5.2-mxfp4; also glm-5.2-mxfp4-mtp-bf16)",
-    )
+    p.add_argument("--recipe", default=None, help=recipe_help(default_recipes_help()))
     p.add_argument(
         "--workers", type=int, default=None, help="worker processes across shards (default: one per CPU core)"
     )

@@ -11,6 +11,29 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
+def exit_codes_help(ok: str = "done", problems: str | None = None) -> str:
+    """The exit codes, for a command's --help: what 0 (and, where the command has it, 1) means for it."""
+    one = f", {EXIT_PROBLEMS} {problems}" if problems else ""
+    return (
+        f"Exit {EXIT_OK} {ok}{one}, {EXIT_ERROR} could not run (one line on stderr says why), "
+        f"{EXIT_INTERRUPTED} interrupted by Ctrl-C (rerun the same command to resume)."
+    )
+
+
+def recipe_help(default: str) -> str:
+    """--recipe's help: every shipped recipe (from manifests/recipes/), and the default."""
+    from mxforge.quantize.recipe import shipped_recipes
+
+    return f"a shipped recipe's name ({', '.join(shipped_recipes())}) or a recipe TOML's path (default: {default})"
+
+
+def default_recipes_help() -> str:
+    """Each model family's default recipe, as --recipe's default is the source family's."""
+    from mxforge.models import FAMILIES
+
+    return "the source's family's own: " + "; ".join(f"{f.default_recipe} for {f.title}" for f in FAMILIES)
+
+
 def add_json_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json",
