@@ -23,7 +23,16 @@ from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.disk_space import require_free_space
 from mxforge.errors import CheckpointError, ConfigError, MxforgeError
 from mxforge.progress import byte_progress
-from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME, recorded_command, source_hashes
+from mxforge.provenance import (
+    CONFIG_BACKUP_NAME,
+    FIXUPS_NAME,
+    INDEX_BACKUP_NAME,
+    QUANTIZE_NAME,
+    QUANTIZE_STATE_NAME,
+    read_record,
+    recorded_command,
+    source_hashes,
+)
 from mxforge.quantize.error_report import error_report
 from mxforge.quantize.plan import QuantizePlan, ShardPlan, plan_checkpoint
 from mxforge.quantize.recipe import Recipe, load_recipe
@@ -159,7 +168,9 @@ def finish_checkpoint(
     src: Path, out: Path, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str]
 ) -> dict[str, int]:
     """Once every output shard is in place: check them against the plan, then write the index, the side
-    files and config.json (what makes OUT a checkpoint); returns verify_output's counts.
+    files and config.json (what makes OUT a checkpoint); returns verify_output's counts, with
+    "fixups_dropped": the fixups an earlier `mxforge fixup` had applied to OUT, which this config.json and
+    index no longer hold (their record and backups are removed with them: nothing may claim them).
 
     Raises:
         CheckpointError: a planned tensor is missing from the output, or a file cannot be written.
@@ -169,7 +180,20 @@ def finish_checkpoint(
     for name in side_files:
         copy_atomic(src / name, out / name)
     _write_config(ckpt.config, recipe, plan, out)
+    accounted["fixups_dropped"] = 0 if FIXUPS_NAME in side_files else drop_fixup_record(out)
     return accounted
+
+
+def drop_fixup_record(out: Path) -> int:
+    """Remove the fixup record and fixup's backups from OUT, whose config.json and index quantize has just
+    written anew; returns how many fixups the record listed (0: none was there)."""
+    record = read_record(out, FIXUPS_NAME)
+    if record is None and not (out / FIXUPS_NAME).exists():
+        return 0
+    for name in (FIXUPS_NAME, CONFIG_BACKUP_NAME, INDEX_BACKUP_NAME):
+        (out / name).unlink(missing_ok=True)
+    fixups = (record or {}).get("fixups")
+    return len(fixups) if isinstance(fixups, list) else 0
 
 
 def _check_device(device: str) -> None:
@@ -425,6 +449,8 @@ def write_provenance(
         "fp8_scales_consumed": accounted["scale"],  # FP8 sources: weight and input scale tensors consumed, not written
         "mtp_layers": list(plan.layout.mtp_layers),
         "mtp_tensors": accounted["mtp_tensors"],
+        # fixups an earlier `mxforge fixup` applied to OUT, gone with the config.json and index written anew
+        "fixups_dropped": accounted.get("fixups_dropped", 0),
         "bytes_in": sum(s.source_size for s in plan.shards),
         "bytes_out": bytes_out,
         "bytes_processed_now": bytes_read,

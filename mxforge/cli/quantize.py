@@ -63,6 +63,8 @@ def add_scale_rule_option(p: argparse.ArgumentParser) -> None:
 
 
 def run_quantize(args) -> int:
+    import sys
+
     from mxforge.quantize.error_report import summary_line
     from mxforge.quantize.run import quantize_checkpoint
 
@@ -80,6 +82,14 @@ def run_quantize(args) -> int:
         measure_errors=not args.no_error_report,
     )
     c, s = report["counts"], report["shards"]
+    if report["fixups_dropped"]:
+        print(
+            f"mxforge quantize: warning: {report['out']} had been fixed up: quantize wrote its config.json and index "
+            f"anew, so the {report['fixups_dropped']} fixup(s) mxforge fixup had applied are gone (their record "
+            f"too); run `mxforge fixup {report['out']}` again before validating or pushing (mxforge run does it "
+            "itself)",
+            file=sys.stderr,
+        )
     emit(
         report,
         args.json,

@@ -10,13 +10,15 @@ what they find on disk when they run.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from mxforge.checkpoint import is_local_source
+from mxforge.checkpoint import INDEX_NAME, is_local_source
 from mxforge.errors import MxforgeError, ValidationFailed
 from mxforge.provenance import RUN_PRODUCT_DIR, RUN_SOURCE_DIR, RUN_STATE_NAME, STREAM_STATE_NAME
 from mxforge.quantize.error_report import summary_line
@@ -92,6 +94,43 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
 
 
+# The stages that write each of OUT's checkpoints, in order (download: OUT/bf16; the rest: OUT/mxfp4).
+WRITERS = {"bf16": ("download",), "mxfp4": ("quantize", "stream", "fixup")}
+
+
+def product_stamp(directory: Path) -> str | None:
+    """What a stage leaves in a checkpoint directory, in a few bytes: config.json's and the index's bytes and each
+    shard's name and size (None: no config.json). A stage records it when done; a rerun that finds another one
+    knows the directory changed under the run (say, `mxforge quantize` run again into OUT/mxfp4 after fixup)."""
+    try:
+        config = (directory / "config.json").read_bytes()
+    except OSError:
+        return None
+    digest = hashlib.sha256(config)
+    try:
+        digest.update((directory / INDEX_NAME).read_bytes())
+    except OSError:
+        digest.update(b"no index")
+    for shard in sorted(directory.glob("*.safetensors")):
+        digest.update(f"\n{shard.name} {shard.stat().st_size}".encode())
+    return digest.hexdigest()
+
+
+def changed_products(stages: dict, stamps: dict[str, str | None]) -> tuple[str, str] | None:
+    """(the first stage to redo, what changed) when a checkpoint directory no longer holds what the last stage
+    that wrote it recorded; None when each holds what was recorded. `stamps`: product_stamp of each directory.
+
+    The earliest writer whose record matches what is there is still done; the ones after it are redone."""
+    for directory, writers in WRITERS.items():
+        done = [w for w in writers if (stages.get(w) or {}).get("status") == "done" and "product" in stages[w]]
+        if not done or stages[done[-1]]["product"] == stamps.get(directory):
+            continue
+        kept = [w for w in done if stages[w]["product"] == stamps.get(directory)]
+        first = done[done.index(kept[-1]) + 1] if kept else done[0]
+        return first, f"OUT/{directory} changed since {done[-1]} finished"
+    return None
+
+
 class Pipeline:
     """Runs the stages in order, recording each in the state file as it completes."""
 
@@ -103,6 +142,8 @@ class Pipeline:
         self.bf16_dir = Path(opts.source) if self.local else self.out / RUN_SOURCE_DIR
         self.mxfp4_dir = self.out / RUN_PRODUCT_DIR
         self.state = self._load_state()
+        self.redone: str | None = None  # why stages recorded done are redone (a checkpoint changed under the run)
+        self._redo_changed_products()
         self.reused: set[str] = set()  # stages recorded done by an earlier run and not redone
         self.validated_files: dict | None = None  # the product's file stamps when validate last read it
 
@@ -131,6 +172,19 @@ class Pipeline:
         state["inputs"] = inputs
         return state
 
+    def _redo_changed_products(self) -> None:
+        """Forget the stages whose output changed since they finished, and every stage after them (a stage is done
+        only while its output is what it left)."""
+        stamps = {"bf16": None if self.local else product_stamp(self.bf16_dir), "mxfp4": product_stamp(self.mxfp4_dir)}
+        changed = changed_products(self.state["stages"], stamps)
+        if changed is None:
+            return
+        first, why = changed
+        redo = [s for s in STAGES[STAGES.index(first) :] if s in self.state["stages"]]
+        for stage in redo:
+            self.state["stages"].pop(stage)
+        self.redone = f"{why}: redoing {', '.join(redo)}"
+
     def _save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.state_path, self.state)
@@ -148,11 +202,13 @@ class Pipeline:
         out_dir: Path | None = None,
         bytes_in: Callable[[dict], int] | int = 0,
         always: bool = False,
+        product: Path | None = None,
     ) -> dict:
         """Run one stage unless recorded done (and its marker file still exists); record it in the state file.
 
         `bytes_in`: the bytes the stage processed, or a function of its report giving them (a resumed
-        download or quantize processes only what was left)."""
+        download or quantize processes only what was left). `product`: the checkpoint directory the stage writes,
+        whose product_stamp is recorded with it."""
         if not always and self._done(stage, marker):
             self.reused.add(stage)
             return self.state["stages"][stage]
@@ -176,6 +232,8 @@ class Pipeline:
             "gb_per_s": round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
             "report": report,
         }
+        if product is not None:
+            rec["product"] = product_stamp(product)
         self.state["stages"][stage] = rec
         self._save()
         return rec
@@ -264,6 +322,8 @@ class Pipeline:
 
     def _run_stages(self) -> dict:
         o = self.opts
+        if self.redone and not o.quiet:
+            print(f"mxforge run: {self.redone}", file=sys.stderr)
         self._save()
         try:
             self.state["mode"] = self._choose_mode()
@@ -281,6 +341,7 @@ class Pipeline:
                 marker=self.mxfp4_dir / "config.json",
                 out_dir=self.mxfp4_dir,
                 bytes_in=lambda report: report["bytes_processed_now"],
+                product=self.mxfp4_dir,
             )
         else:
             if self.local:
@@ -299,6 +360,7 @@ class Pipeline:
                     marker=self.bf16_dir / "config.json",
                     out_dir=self.bf16_dir,
                     bytes_in=lambda report: report["downloaded_bytes"],
+                    product=self.bf16_dir,
                 )
             self._stage(
                 "quantize",
@@ -306,8 +368,9 @@ class Pipeline:
                 marker=self.mxfp4_dir / "config.json",
                 out_dir=self.mxfp4_dir,
                 bytes_in=lambda report: report["bytes_processed_now"],
+                product=self.mxfp4_dir,
             )
-        self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json")
+        self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json", product=self.mxfp4_dir)
         # Header-only and cheap: always checked again, never taken from the state file.
         validate = self._stage("validate", self._validate, always=True)
         if not validate["report"]["ok"]:
@@ -420,6 +483,7 @@ class Pipeline:
             "pushed_to": self.opts.push_repo,
             "mode": self.state.get("mode"),
             "reused_from_earlier_run": sorted(self.reused),
+            "redone": self.redone,  # why stages an earlier run had finished were done again
             "stages": self.state["stages"],
         }
 
@@ -432,6 +496,8 @@ def format_run_summary(report: dict) -> str:
         + (" (streamed)" if report.get("mode") == "stream" else ""),
         f"  {'stage':<10}{'status':<9}{'time':>9}{'in':>12}{'out':>12}{'GB/s':>8}",
     ]
+    if report.get("redone"):
+        lines.insert(1, f"  {report['redone']}")
     for stage in STAGES:
         rec = stages.get(stage)
         if rec is None:
