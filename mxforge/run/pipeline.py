@@ -158,6 +158,8 @@ class Pipeline:
                 raise TypeError("inputs and stages must be objects")
         except (ValueError, KeyError, TypeError):
             raise MxforgeError(f"{self.state_path}: state file is corrupt; remove it to start the run over") from None
+        if any(old.get(key) != inputs[key] for key in ("source", "revision")) and self._nothing_produced(state):
+            return {"inputs": inputs, "stages": {}}  # a run that failed before making anything binds OUT to nothing
         for key in ("source", "revision"):
             if old.get(key) != inputs[key]:
                 raise MxforgeError(
@@ -171,6 +173,17 @@ class Pipeline:
                     state["stages"].pop(stage, None)
         state["inputs"] = inputs
         return state
+
+    def _nothing_produced(self, state: dict) -> bool:
+        """Whether the run recorded in `state` finished no stage and wrote nothing in OUT but its state file (and
+        the lock under .cache): e.g. `mxforge run empty OUT`, which failed before its first stage finished."""
+        if any((rec or {}).get("status") == "done" for rec in state["stages"].values()):
+            return False
+        for path in self.out.rglob("*"):
+            parts = path.relative_to(self.out).parts
+            if path.is_file() and parts != (RUN_STATE_NAME,) and parts[0] != ".cache":
+                return False
+        return True
 
     def _redo_changed_products(self) -> None:
         """Forget the stages whose output changed since they finished, and every stage after them (a stage is done
@@ -345,8 +358,8 @@ class Pipeline:
             )
         else:
             if self.local:
-                self.state["stages"]["download"] = {
-                    "status": "done",
+                self.state["stages"]["download"] = {  # nothing ran: not recorded as done
+                    "status": "skipped",
                     "skipped": f"local source {self.bf16_dir}",
                     "seconds": 0.0,
                     "bytes_in": 0,

@@ -4,11 +4,13 @@ run that has written nothing but its state is not bound to its source. In-proces
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from mxforge.cli.main import main
-from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME
+from mxforge.errors import CheckpointError, MxforgeError
+from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, RUN_STATE_NAME
 from mxforge.run.pipeline import Pipeline, RunOptions, changed_products
 
 
@@ -69,3 +71,20 @@ def test_the_first_stage_to_redo_is_the_one_after_the_last_record_that_still_hol
     assert (found and found[0]) == first
     legacy = {k: {"status": "done"} for k in stages}  # a state file from before products were recorded
     assert changed_products(legacy, now) is None
+
+
+def test_a_run_that_failed_before_making_anything_accepts_the_corrected_source(tiny_ckpt, tmp_path):
+    """`mxforge run empty OUT` fails before its first stage finishes; it used to record download as done and lock
+    OUT to 'empty', refusing the corrected command."""
+    empty, out = tmp_path / "empty", tmp_path / "out"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        _run(empty, out)
+    stages = json.loads((out / RUN_STATE_NAME).read_text())["stages"]
+    assert stages["download"]["status"] == "skipped" and stages["quantize"]["status"] == "failed"
+    report = _run(tiny_ckpt, out)  # the corrected command
+    assert report["stages"]["validate"]["report"]["ok"] and report["source"] == str(tiny_ckpt)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_ckpt, other)
+    with pytest.raises(MxforgeError, match="holds a run of source"):  # OUT now holds this run's product
+        _run(other, out)
