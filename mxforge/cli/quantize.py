@@ -96,7 +96,8 @@ def run_quantize(args) -> int:
         f"quantized {report['source']} -> {report['out']} with recipe {report['recipe']['name']}: "
         f"{c['quantized']:,} tensors MXFP4, {c['kept']:,} 2-D weights kept, {c['copied']:,} copied "
         f"(MTP layer(s) {report['mtp_layers']}: {report['mtp_tensors']} tensors); shards {s['quantized_now']} done, "
-        f"{s['skipped_complete']} already complete; {report['bytes_processed_now'] / 1e9:.2f} GB in "
-        f"{report['seconds']:.1f} s\n{summary_line(report['error'])}",
+        f"{s['skipped_complete']} already complete; this run: {report['bytes_processed_now'] / 1e9:.2f} GB read in "
+        f"{report['seconds']:.1f} s; the checkpoint: {report['bytes_in'] / 1e9:.2f} GB in, "
+        f"{report['bytes_out'] / 1e9:.2f} GB out\n{summary_line(report['error'])}",
     )
     return EXIT_OK

@@ -17,9 +17,12 @@
 from __future__ import annotations
 
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from huggingface_hub import CommitOperationAdd, HfApi
 
@@ -206,9 +209,18 @@ def _operation(ckpt: Path, f: FileHash) -> CommitOperationAdd:
 
 
 def upload(
-    api: HfApi, ckpt: Path, repo_id: str, branch: str, private: bool, files: list[FileHash], before_commit, workers: int
+    api: HfApi,
+    ckpt: Path,
+    repo_id: str,
+    branch: str,
+    private: bool,
+    files: list[FileHash],
+    before_commit,
+    workers: int,
+    preuploaded: bool = False,
 ) -> None:
     """Create the repo/branch if needed, upload the LFS objects, call `before_commit()`, then commit every file.
+    `preuploaded`: the large files are on the Hub already (huggingface_hub's bar would count zero files: off).
 
     Raises:
         CheckpointChanged: from `before_commit` or a file that no longer hashes as it did (nothing committed).
@@ -221,7 +233,8 @@ def upload(
             ops = list(pool.map(lambda f: _operation(ckpt, f), files))
         prepare_repo(api, repo_id, branch, private)
         sending = True
-        api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=branch)
+        with hub_bars_off() if preuploaded else nullcontext():
+            api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=branch)
         before_commit()
         api.create_commit(
             repo_id,
@@ -259,6 +272,42 @@ def prepare_repo(api: HfApi, repo_id: str, branch: str, private: bool) -> None:
         api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True)
 
 
+@dataclass
+class _HubBars:
+    """hub_bars_off's callers, across threads: how many are inside, and whether the first one turned the bars off."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    depth: int = 0
+    turned_off: bool = False
+
+
+_HUB_BARS = _HubBars()
+
+
+@contextmanager
+def hub_bars_off() -> Iterator[None]:
+    """huggingface_hub's progress bars off for the block (several threads at once), back as they were after.
+
+    A one-file pre-upload shows a bar only when it has nothing to send ('Upload 0 LFS files: 0it', once per
+    shard the Hub already holds on a resumed stream); the streamed run shows its own progress."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    bars = _HUB_BARS
+    with bars.lock:
+        if bars.depth == 0:
+            bars.turned_off = not are_progress_bars_disabled()
+            if bars.turned_off:
+                disable_progress_bars()
+        bars.depth += 1
+    try:
+        yield
+    finally:
+        with bars.lock:
+            bars.depth -= 1
+            if bars.depth == 0 and bars.turned_off:
+                enable_progress_bars()
+
+
 def preupload_file(api: HfApi, ckpt: Path, repo_id: str, branch: str, f: FileHash) -> None:
     """Send one file's LFS object to the Hub without committing it (the Hub skips an object it holds): a
     streamed run pre-uploads each output shard as it is made, and push's one commit later refers to it.
@@ -269,7 +318,8 @@ def preupload_file(api: HfApi, ckpt: Path, repo_id: str, branch: str, f: FileHas
         HubError: as `upload` (a rerun resumes).
     """
     try:
-        api.preupload_lfs_files(repo_id, additions=[_operation(ckpt, f)], repo_type="model", revision=branch)
+        with hub_bars_off():
+            api.preupload_lfs_files(repo_id, additions=[_operation(ckpt, f)], repo_type="model", revision=branch)
     except MxforgeError:
         raise
     except Exception as e:
@@ -325,12 +375,14 @@ def push(
     validated_files: dict[str, FileStamp] | None = None,
     follow_symlinks: bool = False,
     limits: HubLimits | None = None,
+    preuploaded: bool = False,
 ) -> PushResult:
     """Validate, card, upload and verify a checkpoint (see the module docstring). Holds CKPT's lock.
 
     `validation` with `validated_files`: a clean ValidationReport.as_dict() the caller has just made of this
     very checkpoint (mxforge run validates as its own stage) and the file stamps taken when it did; it is then
-    not computed again, and the commit is refused unless the files still have those stamps.
+    not computed again, and the commit is refused unless the files still have those stamps. `preuploaded`: a
+    streamed run has sent the large files already (no upload progress to show).
 
     Raises:
         PushRefused: validation failed without --force (before any network call).
@@ -373,6 +425,7 @@ def push(
             files,
             workers=workers,
             before_commit=lambda: refuse_changes(ckpt, expected, follow_symlinks, "during the upload", push_command),
+            preuploaded=preuploaded,
         )
         commit = verify_remote(api, repo_id, branch, files)
     return PushResult(repo_id, branch, hub_endpoint(), commit, not validation["ok"], validation, files, quantized)

@@ -94,6 +94,18 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
 
 
+def _bytes_written_since(path: Path, since_ns: int) -> int:
+    """Bytes of the files under `path` written since `since_ns` (time.time_ns(), taken to the whole second for
+    filesystems with coarse timestamps): a stage's output this run, not what an earlier run left."""
+    floor = since_ns // 1_000_000_000 * 1_000_000_000
+    total = 0
+    for p in path.rglob("*"):
+        if p.is_file() and ".cache" not in p.parts:
+            st = p.stat()
+            total += st.st_size if st.st_mtime_ns >= floor else 0
+    return total
+
+
 # The stages that write each of OUT's checkpoints, in order (download: OUT/bf16; the rest: OUT/mxfp4).
 WRITERS = {"bf16": ("download",), "mxfp4": ("quantize", "stream", "fixup")}
 
@@ -228,6 +240,7 @@ class Pipeline:
         self.state["stages"][stage] = {"status": "running"}
         self._save()
         start = time.monotonic()
+        started_at = time.time_ns()
         try:
             report = work()
         except MxforgeError as e:  # recorded for whoever reads the state file; the rerun starts this stage again
@@ -241,7 +254,8 @@ class Pipeline:
             "status": "done",
             "seconds": round(seconds, 3),
             "bytes_in": bytes_in,
-            "bytes_out": _dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,
+            # what this run wrote (a resumed stage skips what is there), as bytes_in is what it read
+            "bytes_out": _bytes_written_since(out_dir, started_at) if out_dir is not None and out_dir.is_dir() else 0,
             "gb_per_s": round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
             "report": report,
         }
@@ -485,6 +499,7 @@ class Pipeline:
             limits=self.opts.hub_limits,
             validation=self.state["stages"]["validate"]["report"],
             validated_files=self.validated_files,
+            preuploaded=self.state.get("mode") == "stream",  # the stream sent each shard as it was made
         ).as_dict()
 
     def report(self) -> dict:
@@ -493,6 +508,7 @@ class Pipeline:
             "source": self.opts.source,
             "out": str(self.out),
             "product": str(self.mxfp4_dir),
+            "product_bytes": _dir_bytes(self.mxfp4_dir) if self.mxfp4_dir.is_dir() else 0,  # all of it, on disk
             "pushed_to": self.opts.push_repo,
             "mode": self.state.get("mode"),
             "reused_from_earlier_run": sorted(self.reused),
@@ -539,6 +555,13 @@ def format_run_summary(report: dict) -> str:
             + (f"peak bf16 on disk {peak / 1e9:.3f} GB " if peak is not None else "")
             + f"(plan: {quant['disk_plan']['peak_bytes'] / 1e9:.3f} GB with the output)"
         )
+    if quant.get("bytes_in") is not None:
+        name = quant["stage"]
+        rec, when = stages[name], "an earlier run" if name in report["reused_from_earlier_run"] else "this run"
+        lines.append(
+            f"  {name}: {when} {rec.get('bytes_in', 0) / 1e9:.3f} GB in, {rec.get('bytes_out', 0) / 1e9:.3f} GB out; "
+            f"the checkpoint {quant['bytes_in'] / 1e9:.3f} GB in, {report.get('product_bytes', 0) / 1e9:.3f} GB out"
+        )
     if quant.get("counts"):
         c = quant["counts"]
         lines.append(
@@ -550,8 +573,9 @@ def format_run_summary(report: dict) -> str:
     if fix:
         lines.append(
             f"  fixups: {len(fix.get('applied') or [])} applied"
-            + (f", {len(fix['warnings'])} warning(s)" if fix.get("warnings") else "")
+            + (f", {len(fix['warnings'])} warning(s):" if fix.get("warnings") else "")
         )
+        lines += [f"    warning: {w}" for w in fix.get("warnings") or []]
     val = (stages.get("validate") or {}).get("report") or {}
     if val.get("verdict"):
         lines.append(f"  engines: {val['verdict']}")

@@ -288,7 +288,7 @@ class StreamRun:
         accounted = finish_checkpoint(o.bf16_dir, o.mxfp4_dir, recipe, ckpt, plan, to_copy)
         elapsed = time.monotonic() - started
         quantized = self.clocks["quantize"]
-        write_provenance(
+        written = write_provenance(
             o.bf16_dir,
             o.mxfp4_dir,
             recipe,
@@ -304,7 +304,10 @@ class StreamRun:
             o.command,
             self.sha256_from_download,
         )
-        return self._report(recipe, plan, shards, todo, workers, in_flight, accounted, elapsed)
+        report = self._report(recipe, plan, shards, todo, workers, in_flight, accounted, elapsed)
+        # The error measured while quantizing (mxfp4/mxforge_quantize.json has the per-tensor figures).
+        report["error"] = {k: v for k, v in written["error"].items() if k != "tensors"} if written["error"] else None
+        return report
 
     def _shard_status(self, s, remote, qstate, state) -> _Shard:
         """Where one shard stands, from the state files and the disk."""
