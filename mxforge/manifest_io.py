@@ -22,6 +22,12 @@ def manifest_text(relpath: str) -> str:
     return node.read_text()
 
 
+def manifest_names(reldir: str, suffix: str) -> list[str]:
+    """The names (without `suffix`) of the files in manifests/<reldir> that end in `suffix`, sorted."""
+    node = resources.files("mxforge.manifests").joinpath(*reldir.split("/"))
+    return sorted(p.name.removesuffix(suffix) for p in node.iterdir() if p.name.endswith(suffix))
+
+
 def load_manifest(relpath: str) -> Any:
     """Parse manifests/<relpath> as TOML or JSON by its suffix.
 

@@ -29,6 +29,7 @@ QUANTIZE_STATE_NAME = "mxforge_quantize.state.json"  # quantize: per-shard resum
 FIXUPS_NAME = "mxforge_fixups.json"  # fixup: every entry applied, per run
 DEQUANTIZE_NAME = "mxforge_dequantize.json"  # dequantize: its report
 RUN_STATE_NAME = "mxforge_run.json"  # mxforge run: the stages' state, in OUT (not a checkpoint)
+RUN_SOURCE_DIR, RUN_PRODUCT_DIR = "bf16", "mxfp4"  # mxforge run: OUT's downloaded source and its product
 STREAM_STATE_NAME = "mxforge_stream.json"  # mxforge run --stream: verified downloads and pre-uploads, in OUT
 ORIGINAL_SUFFIX = ".orig"  # what fixup / mtp_inject keep of a file before their first change
 CONFIG_BACKUP_NAME = "config.json" + ORIGINAL_SUFFIX

@@ -24,7 +24,7 @@ from typing import Iterable, Literal
 from mxforge.bounded_re import BoundedPattern, check_pattern_count, compile_bounded
 from mxforge.errors import ConfigError
 from mxforge.formats import DEFAULT_FORMAT, ElementFormat, format_named
-from mxforge.manifest_io import manifest_text
+from mxforge.manifest_io import manifest_names, manifest_text
 from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
 from mxforge.models.tensor_kinds import KINDS, layer_of
 from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, get_scale_rule
@@ -168,6 +168,11 @@ class Recipe:
                 "scale_rule_description": rule.description,
             }
         return config
+
+
+def shipped_recipes() -> list[str]:
+    """The names of the recipes shipped in manifests/recipes/ (what `--recipe NAME` takes), sorted."""
+    return manifest_names(RECIPES_DIR, ".toml")
 
 
 def load_recipe(name_or_path: str | Path | None = None, config: dict | None = None) -> Recipe:

@@ -115,6 +115,7 @@ class QuantizeResult:
     command: str | None = None
     tensors: dict[str, list[str]] | None = None  # per fate, every tensor name (only in mxforge_quantize.json)
     error: dict | None = None  # error_report.error_report(); None: not measured
+    fixups_dropped: int = 0  # fixups an earlier `mxforge fixup` applied to OUT, gone with config.json written anew
 
     def as_dict(self) -> dict:
         out = {
@@ -132,6 +133,7 @@ class QuantizeResult:
             "fp8_scales_consumed": self.fp8_scales_consumed,
             "mtp_layers": self.mtp_layers,
             "mtp_tensors": self.mtp_tensors,
+            "fixups_dropped": self.fixups_dropped,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "bytes_processed_now": self.bytes_processed_now,
@@ -171,6 +173,7 @@ class QuantizeResult:
             fp8_scales_consumed=read_int(d.get("fp8_scales_consumed")),
             mtp_layers=[i for i in mtp if read_int(i) is not None] if isinstance(mtp, list) else None,
             mtp_tensors=read_int(d.get("mtp_tensors")),
+            fixups_dropped=read_int(d.get("fixups_dropped")) or 0,
             bytes_in=read_int(d.get("bytes_in")),
             bytes_out=read_int(d.get("bytes_out")),
             bytes_processed_now=read_int(d.get("bytes_processed_now")),

@@ -20,10 +20,14 @@ from mxforge.disk_space import require_free_space
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.progress import byte_progress
 from mxforge.provenance import (
+    CONFIG_BACKUP_NAME,
+    FIXUPS_NAME,
+    INDEX_BACKUP_NAME,
     QUANTIZE_NAME,
     QUANTIZE_STATE_NAME,
     SOURCE_NAME,
     carried_from,
+    read_record,
     recorded_command,
     source_hashes,
 )
@@ -184,7 +188,9 @@ def finish_checkpoint(
     src: Path, out: Path, *, recipe: Recipe, ckpt: Checkpoint, plan: QuantizePlan, side_files: list[str]
 ) -> dict[str, int]:
     """Once every output shard is in place: check them against the plan, then write the index, the side
-    files and config.json (what makes OUT a checkpoint); returns verify_output's counts.
+    files and config.json (what makes OUT a checkpoint); returns verify_output's counts, with
+    "fixups_dropped": the fixups an earlier `mxforge fixup` had applied to OUT, which this config.json and
+    index no longer hold (their record and backups are removed with them: nothing may claim them).
 
     Raises:
         CheckpointError: a planned tensor is missing from the output, or a file cannot be written.
@@ -194,7 +200,20 @@ def finish_checkpoint(
     for name in side_files:
         copy_atomic(src / name, out / name)
     _write_config(ckpt.config, recipe, plan, out)
+    accounted["fixups_dropped"] = 0 if FIXUPS_NAME in side_files else drop_fixup_record(out)
     return accounted
+
+
+def drop_fixup_record(out: Path) -> int:
+    """Remove the fixup record and fixup's backups from OUT, whose config.json and index quantize has just
+    written anew; returns how many fixups the record listed (0: none was there)."""
+    record = read_record(out, FIXUPS_NAME)
+    if record is None and not (out / FIXUPS_NAME).exists():
+        return 0
+    for name in (FIXUPS_NAME, CONFIG_BACKUP_NAME, INDEX_BACKUP_NAME):
+        (out / name).unlink(missing_ok=True)
+    fixups = (record or {}).get("fixups")
+    return len(fixups) if isinstance(fixups, list) else 0
 
 
 def _check_device(device: str) -> None:
@@ -375,6 +394,7 @@ def write_provenance(
         fp8_scales_consumed=accounted["scale"],
         mtp_layers=list(plan.layout.mtp_layers),
         mtp_tensors=accounted["mtp_tensors"],
+        fixups_dropped=accounted.get("fixups_dropped", 0),
         bytes_in=sum(s.source_size for s in plan.shards),
         bytes_out=sum(s.output_size for s in plan.shards),
         bytes_processed_now=bytes_read,

@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     finally:
         hub.stop()
+        # The run's summary printed the pushed repo's URL: say that it does not answer any more.
+        print(
+            f"\nthe loopback Hub at {endpoint} lived only for this demo and has stopped, so the URLs above no longer "
+            f"answer; what was pushed is the checkpoint in {run_dir / 'mxfp4'}"
+        )
 
 
 if __name__ == "__main__":

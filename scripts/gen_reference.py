@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib import resources
 from pathlib import Path
 
 from mxforge.formats import FORMATS, format_named
@@ -21,7 +20,7 @@ from mxforge.formats.element import DTYPE_LABELS
 from mxforge.models import FAMILIES, Family
 from mxforge.models.tensor_kinds import KINDS
 from mxforge.quantize.fp8_source import FP8_SCHEMES
-from mxforge.quantize.recipe import LAYER_SCOPES, SCHEMES, load_recipe
+from mxforge.quantize.recipe import LAYER_SCOPES, SCHEMES, load_recipe, shipped_recipes
 from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES
 from mxforge.validation.profiles import EngineProfile, load_profile, profile_names, unsupported_reason
 
@@ -87,11 +86,6 @@ def _release_span(family: Family) -> str:
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
-
-
-def _shipped_recipes() -> list[str]:
-    files = resources.files("mxforge.manifests").joinpath("recipes")
-    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".toml"))
 
 
 def _profiles_for(family: Family) -> list[EngineProfile]:
@@ -308,7 +302,7 @@ def _recipes() -> list[str]:
     default_of = {f.default_recipe: f.name for f in FAMILIES}
     family_of = {r: f.name for f in FAMILIES for r in f.recipes}
     rows = []
-    for name in _shipped_recipes():
+    for name in shipped_recipes():
         r = load_recipe(name)
 
         def rules(action: str) -> str:

@@ -5,21 +5,17 @@ from __future__ import annotations
 from typing import Mapping
 
 from mxforge.models import MoeLayout
-from mxforge.safetensors_io import TensorInfo
+from mxforge.models.tensor_kinds import layer_of
 from mxforge.validation.config_checks import exclude_entries
+from mxforge.validation.loaded import LoadedCheckpoint
 from mxforge.validation.matching import is_glob
-from mxforge.validation.modules import LayerLinears
-from mxforge.validation.tensor_forms import BF16, Stored, form_title
+from mxforge.validation.tensor_forms import BF16, form_title
 
 
-def diagnose(
-    layout: MoeLayout,
-    linears: dict[int | None, LayerLinears],
-    stored: Mapping[str, Stored],
-    infos: Mapping[str, TensorInfo],
-    qc: Mapping | None,
-) -> list[str]:
-    """Sentences describing the export: exclude style (exact / glob / regex) and the MTP layer's state."""
+def diagnose(loaded: LoadedCheckpoint, qc: Mapping | None) -> list[str]:
+    """Sentences describing the export: exclude style (exact / glob / regex), the MTP layer's state, and layers
+    stored beyond those config.json declares."""
+    layout, linears, stored, infos = loaded.layout, loaded.linears, loaded.stored, loaded.infos
     notes = []
     if qc is None:
         notes.append("no quantization_config: every engine loads this checkpoint unquantized (bf16)")
@@ -52,7 +48,14 @@ def diagnose(
             for lin in (*group.experts, *group.others.values())
             if lin.name + ".weight" not in omitted
         ]
-        if all(f is None for f in forms):
+        unreadable = [n for n in loaded.unreadable if n.startswith(prefix)]
+        if unreadable and all(f is None for f in forms):
+            shards = sorted({loaded.ckpt.weight_map[n] for n in unreadable})
+            notes.append(
+                f"MTP layer {layer} cannot be judged: its tensors are in {', '.join(shards)}, which could not be "
+                "read (see the problem listed for it)"
+            )
+        elif all(f is None for f in forms):
             notes.append(
                 f"MTP layer {layer} is missing: the export ships no {prefix}* tensors, so MTP cannot be used; "
                 "re-inject it with mxforge fixup --mtp-from BF16_SRC --recipe RECIPE"
@@ -75,4 +78,37 @@ def diagnose(
                     else ""
                 )
             )
+    notes += undeclared_layer_notes(layout, loaded.ckpt.weight_map)
     return notes
+
+
+def undeclared_layer_notes(layout: MoeLayout, weight_map: Mapping[str, str]) -> list[str]:
+    """Layers the checkpoint stores past those config.json declares (num_hidden_layers decoder layers, then
+    num_nextn_predict_layers MTP layers): no engine builds them. When the first of them holds an MTP layer's own
+    tensors (eh_proj, enorm, hnorm), it is an MTP layer that config.json no longer declares."""
+    declared = len(layout.all_layers)
+    beyond: dict[int, int] = {}
+    for name in weight_map:
+        layer = layer_of(name)
+        if layer is not None and layer >= declared:
+            beyond[layer] = beyond.get(layer, 0) + 1
+    if not beyond:
+        return []
+    layers = sorted(beyond)
+    tensors = sum(beyond.values())
+    said = (
+        f"num_hidden_layers {layout.num_hidden_layers}, num_nextn_predict_layers "
+        f"{layout.config.get('num_nextn_predict_layers', 'absent')}"
+    )
+    first = layers[0]
+    if first == declared and layout.stores_mtp_layer(first, weight_map):
+        return [
+            f"model.layers.{first}.* holds an MTP layer ({beyond[first]} tensors, eh_proj included) that config.json "
+            f"does not declare ({said}): as declared, this checkpoint has no MTP layer, no engine builds it and it "
+            "serves without speculative decoding; if it is the model's MTP layer, set num_nextn_predict_layers to "
+            f"{len(layers)} in config.json and validate again"
+        ]
+    return [
+        f"the checkpoint stores layer(s) {layers} ({tensors} tensors) beyond the {declared} layers config.json "
+        f"declares ({said}): no engine builds them"
+    ]

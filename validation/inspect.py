@@ -50,7 +50,9 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
                 entry["experts"].add(int(name.split(".mlp.experts.")[1].split(".")[0]))
             entry["dense_mlp"] |= local_kind == "dense_mlp"
             entry["indexer"] |= local_kind == "indexer"
-    decoder = sorted(i for i in layers if i not in mtp_layers)
+    # Decoder layers are those config.json declares: a stored layer past them (an MTP layer config.json no longer
+    # declares) is listed as beyond the config, never counted as a decoder layer.
+    decoder = sorted(i for i in layers if i not in mtp_layers and (num_hidden is None or i < num_hidden))
     structure = {
         "decoder_layers": len(decoder),
         "dense_layers": [i for i in decoder if layers[i]["dense_mlp"]],
@@ -159,6 +161,11 @@ def format_inspect(report: dict) -> str:
         )
     else:
         lines.append("  MTP: none declared (num_nextn_predict_layers is 0 or absent)")
+    if m["orphan_layers_beyond_config"]:
+        lines.append(
+            f"  beyond config.json: layer(s) {m['orphan_layers_beyond_config']} are stored but not declared "
+            "(num_hidden_layers + num_nextn_predict_layers): no engine builds them"
+        )
     q = report["quantization"]
     if q and q["weight_dtype"] is None:
         lines.append(f"  quantization_config: {report['precision']}")

@@ -45,7 +45,9 @@ def check_index_and_shards(ckpt: Checkpoint) -> tuple[list[Problem], list[Proble
         try:
             headers[shard] = source.read_header(shard)
         except CheckpointError as e:
-            problems.append(Problem("integrity", shard, str(e).removeprefix(f"{source.where(shard)}: "), REDOWNLOAD))
+            # The reader's own advice ("...; re-download it") is this problem's remedy, said once.
+            what = str(e).removeprefix(f"{source.where(shard)}: ").removesuffix("; re-download it")
+            problems.append(Problem("integrity", shard, what, REDOWNLOAD))
     total = 0
     for name, shard in ckpt.weight_map.items():
         header = headers.get(shard)

@@ -89,9 +89,15 @@ class EngineProfile:
     requantized_when_excluded: tuple[str, ...]
     draft: DraftRule
     fusion: FusionRule
-    serve_command: str
+    serve_base: str  # the serving command, `{model}` and `{tp}` to fill
+    serve_speculative: str  # the options that add MTP speculative decoding to it
     serve_source: tuple[str, ...]
     anchors: tuple[Anchor, ...]
+
+    @property
+    def serve_command(self) -> str:
+        """The command that serves a checkpoint with MTP speculative decoding."""
+        return f"{self.serve_base} {self.serve_speculative}"
 
     def mtp_runtime_name(self, layer: int, local: str) -> str:
         """Where this engine builds module `local` of MTP layer `layer` (checkpoint `model.layers.{layer}.{local}`)."""
@@ -249,7 +255,8 @@ def _load(name: str, family: str) -> EngineProfile:
                 fu["server_flag"],
                 bool(fu.get("target_refusal_reaches_draft", False)),
             ),
-            serve_command=sv["command"],
+            serve_base=sv["command"],
+            serve_speculative=sv["speculative"],
             serve_source=tuple(sv["source"]),
             anchors=tuple(Anchor(a["rule"], a["file"], a["contains"]) for a in data.get("anchor", [])),
         )

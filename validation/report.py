@@ -91,22 +91,28 @@ class ValidationReport:
         """`loads: sglang 0.5.16-0.5.23, vllm 0.30.0-0.33.0; FAILS: sglang 0.5.9-0.5.15.post1 (2 modules: ...)`."""
         runs = release_runs(self.selections, lambda s: (self.engine_ok(s.profile.name), self.flags(s.profile.name)))
         loads = [label + (f" (with {' '.join(flags)})" if flags else "") for label, (ok, flags), _ in runs if ok]
+        failing = [s for s in self.selections if not self.engine_ok(s.profile.name)]
+        # Release ranges that fail alike are listed together, once: a problem every release shares (a damaged
+        # shard) is said once, not once per range.
+        grouped: dict[tuple, list[str]] = {}
+        for label, how, _ in release_runs(failing, self._failure):
+            grouped.setdefault(how, []).append(label)
         fails = []
-        for s in self.selections:
-            if self.engine_ok(s.profile.name):
-                continue
-            own = [p for p in self.problems if p.engine == s.profile.name]
-            shared = [p for p in self.problems if p.engine is None]
-            subjects = list(dict.fromkeys(p.subject for p in own + shared))
+        for (subjects, remedy), labels in grouped.items():
             shown = ", ".join(subjects[:3]) + (", ..." if len(subjects) > 3 else "")
-            remedies = list(dict.fromkeys(p.remedy for p in own + shared))
-            fails.append(f"{s.label} ({len(subjects)} problem(s): {shown}; {remedies[0]})")
+            fails.append(f"{', '.join(labels)} ({len(subjects)} problem(s): {shown}; {remedy})")
         parts = []
         if loads:
             parts.append("loads: " + ", ".join(loads))
         if fails:
             parts.append("FAILS: " + "; ".join(fails))
         return "; ".join(parts) or "no engine release selected"
+
+    def _failure(self, s: Selection) -> tuple[tuple[str, ...], str]:
+        """What fails in `s`'s releases: the subjects at fault (its own and every engine's) and the first remedy."""
+        own = [p for p in self.problems if p.engine == s.profile.name]
+        found = own + [p for p in self.problems if p.engine is None]
+        return tuple(dict.fromkeys(p.subject for p in found)), found[0].remedy
 
     def _requirement_lines(self) -> list[str]:
         """Each requirement once, with the release ranges that have it."""
@@ -133,6 +139,10 @@ class ValidationReport:
             lines.append(f"  ... and {len(self.problems) - MAX_LISTED} more (all of them in --json)")
         loadable = [s for s in self.serve if s["ok"]]
         if loadable:
-            lines.append("  serve with MTP speculative decoding:")
+            lines.append(
+                "  serve with MTP speculative decoding:"
+                if all(s.get("speculative", True) for s in loadable)
+                else "  serve (config.json declares no MTP layer, so without speculative decoding):"
+            )
             lines += [f"    {s['releases']}: {s['command']}" for s in loadable]
         return "\n".join(lines)

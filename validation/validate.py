@@ -81,8 +81,10 @@ def validate_checkpoint(
         hash_problems, hashed = check_sha256(loaded.ckpt.root, quiet)
         report.problems += scale_problems + hash_problems
         report.checked["deep"] = {"scale_bytes": scale_bytes, "sha256": hashed}
-    report.notes = diagnose(loaded.layout, loaded.linears, loaded.stored, loaded.infos, qc)
-    report.serve = serving_commands(report, loaded.ckpt.source.model_path, selections)
+    report.notes = diagnose(loaded, qc)
+    report.serve = serving_commands(
+        report, loaded.ckpt.source.model_path, selections, speculative=bool(loaded.layout.mtp_layers)
+    )
     fetched = loaded.ckpt.source.stats()
     if fetched is not None:
         report.checked["fetched"] = fetched

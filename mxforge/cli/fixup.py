@@ -11,7 +11,9 @@ from mxforge.cli.support import (
     add_json_option,
     add_remote_options,
     engines_arg,
+    exit_codes_help,
     open_checkpoint_arg,
+    recipe_help,
 )
 
 
@@ -22,8 +24,8 @@ def register_fixup(sub) -> argparse.ArgumentParser:
         description="Edit quantization_config.exclude so that each engine builds bf16 exactly the modules "
         "stored bf16: exact aliases for the MTP layer (model.decoder.*, model.eh_proj, fused names, "
         "<layer>.mlp.experts) and glob entries rewritten into exact names. Idempotent. Keeps "
-        "config.json.orig, records what it applied in mxforge_fixups.json. Exit 0 when every engine "
-        "can load the result, 1 when problems remain that the config cannot cure, 2 could not run.",
+        "config.json.orig, records what it applied in mxforge_fixups.json. "
+        + exit_codes_help("when every engine can load the result", "when problems remain that the config cannot cure"),
     )
     p.add_argument(
         "ckpt",
@@ -51,8 +53,7 @@ def register_fixup(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--recipe",
         default=None,
-        help="with --mtp-from: the quantization recipe for the MTP layer "
-        "(name in manifests/recipes/ or a TOML path; default: the quantizer's default)",
+        help="with --mtp-from: the recipe that quantizes the MTP layer: " + recipe_help("the family's default"),
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar (--mtp-from)")
     add_remote_options(p)

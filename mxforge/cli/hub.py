@@ -104,8 +104,10 @@ def register_push(sub) -> argparse.ArgumentParser:
 
 
 def run_push(args) -> int:
+    from mxforge.cli.support import refuse_run_dir
     from mxforge.hub.push import push
 
+    refuse_run_dir(args.ckpt, "push")
     _check_workers(args.workers)
     _quiet_hub(args.quiet)
     engines = engines_arg(args)
@@ -123,10 +125,11 @@ def run_push(args) -> int:
         command=invocation(),
     )
     forced = " (FORCED past failed validation)" if r.forced else ""
+    unquantized = " (NOT quantized: config.json has no quantization_config; --force)" if not r.quantized else ""
     emit(
         r.as_dict(),
         args.json,
-        f"pushed {args.ckpt} to {r.endpoint}/{r.repo_id} branch {r.branch} (commit {r.commit}){forced}: "
+        f"pushed {args.ckpt}{unquantized} to {r.endpoint}/{r.repo_id} branch {r.branch} (commit {r.commit}){forced}: "
         f"{len(r.files)} files, every remote sha256 matches the local one",
     )
     return EXIT_OK

@@ -11,6 +11,7 @@ stderr, with no traceback; 130 after Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import os
 import sys
@@ -31,12 +32,15 @@ from mxforge.cli.support import (  # noqa: F401 (EXIT_* re-exported)
     add_hub_options,
     add_json_option,
     add_remote_options,
+    default_recipes_help,
     emit,
     emit_error,
     engines_arg,
+    exit_codes_help,
     hub_limits,
     invocation,
     open_checkpoint_arg,
+    recipe_help,
 )
 from mxforge.errors import MxforgeError
 from mxforge.formats import FORMATS
@@ -49,15 +53,16 @@ def register_fixture(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "fixture",
         help="write a model family's bf16 or FP8 checkpoint (tests, benchmarks, demos)",
-        description="Write a bf16 (or, --precision fp8, FP8) checkpoint of a model family laid "
-        "out like its real one. Presets: "
+        description="Write a checkpoint of a model family (--family) laid out like its real one, in bf16 or "
+        "(--precision fp8) as the family's FP8 release stores it. Presets, per family "
+        "(manifests/models/<family>.fixtures.toml): "
         "tiny (seconds, a few MB, every layer kind and the MTP layer); bench (real expert shapes, "
         "--gib sets the size); full-layout (the real model's every tensor and shard, e.g. GLM-5.2's "
         "59,585 tensors in 282 shards, 1.5 TB apparent, as sparse files: real headers, but every "
         "weight reads as zeros; for metadata stages only).",
     )
     p.add_argument("out", help="output directory (created; must be empty or absent)")
-    p.add_argument("--preset", choices=("tiny", "bench", "full-layout"), default="tiny")
+    p.add_argument("--preset", choices=("tiny", "bench", "full-layout"), default="tiny", help="the size (default tiny)")
     p.add_argument(
         "--family",
         choices=[f.name for f in FAMILIES],
@@ -177,12 +182,12 @@ def register_run(sub) -> argparse.ArgumentParser:
         description="Run download (when SOURCE is a Hub repo id), quantize, fixup, validate and, with "
         "--push, push. OUT/bf16 holds the download, OUT/mxfp4 the product, OUT/mxforge_run.json the state: "
         "rerun the same command after a crash to continue at the first incomplete stage (and inside "
-        "quantize, at the first incomplete shard). Exit 0 done, 1 validation found problems (nothing "
-        "pushed), 2 could not run.",
+        "quantize, at the first incomplete shard). "
+        + exit_codes_help(problems="validation found problems (nothing pushed)"),
     )
-    p.add_argument("source", help="Hub repo id (owner/name) or a local bf16 checkpoint directory")
+    p.add_argument("source", help="Hub repo id (owner/name) or a local bf16 or FP8 checkpoint directory")
     p.add_argument("out", help="working directory (created; rerun with the same one to resume)")
-    p.add_argument("--recipe", default=None, help="recipe TOML path or shipped name (default glm-5.2-mxfp4)")
+    p.add_argument("--recipe", default=None, help=recipe_help(default_recipes_help()))
     quantize_cli.add_scale_rule_option(p)
     add_engines_option(p)
     p.add_argument("--push", metavar="REPO_ID", default=None, help="push the validated checkpoint to this Hub repo")
@@ -276,7 +281,9 @@ COMMANDS: dict[str, tuple[Callable, Callable]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mxforge", description="bf16 MoE checkpoints to MXFP4 that load in sglang and vLLM, MTP intact."
+        prog="mxforge",
+        description="bf16 MoE checkpoints to MXFP4 that load in sglang and vLLM, MTP intact.",
+        epilog=exit_codes_help(problems="validation found problems (validate, fixup, run)"),
     )
     parser.add_argument("--version", action="version", version=f"mxforge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -306,7 +313,22 @@ def os_error_line(e: OSError) -> str:
     return f"{where + ': ' if where else ''}{e.strerror or e}: {advice}"
 
 
+def unknown_command(argv: list[str]) -> str | None:
+    """The one-line error for a command name that is not one (with the closest commands), or None."""
+    name = next((a for a in argv if not a.startswith("-")), None)
+    if name is None or name in COMMANDS:
+        return None
+    close = difflib.get_close_matches(name, COMMANDS, n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"choose from {', '.join(COMMANDS)}"
+    return f"mxforge: error: {name!r} is not a command; {hint} (mxforge --help describes each)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    unknown = unknown_command(argv)
+    if unknown:
+        print(unknown, file=sys.stderr)
+        return EXIT_ERROR
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command][1](args)

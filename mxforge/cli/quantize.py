@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from mxforge.cli.support import EXIT_OK, add_follow_symlinks_option, add_json_option, emit, invocation
+from mxforge.cli.support import (
+    EXIT_OK,
+    add_follow_symlinks_option,
+    add_json_option,
+    default_recipes_help,
+    emit,
+    invocation,
+    recipe_help,
+)
 from mxforge.formats import DEFAULT_FORMAT, FORMATS, MXFP4, format_named
 from mxforge.quantize.scale_rules import SCALE_RULES
 
@@ -22,11 +31,7 @@ def register_quantize(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("src", help="bf16 or FP8 checkpoint directory (config.json, index, shards)")
     p.add_argument("out", help="output directory: new, empty, or a previous quantize output to resume")
-    p.add_argument(
-        "--recipe",
-        default=None,
-        help="recipe TOML path or shipped name (default: glm-5.2-mxfp4; also glm-5.2-mxfp4-mtp-bf16)",
-    )
+    p.add_argument("--recipe", default=None, help=recipe_help(default_recipes_help()))
     p.add_argument(
         "--workers", type=int, default=None, help="worker processes across shards (default: one per CPU core)"
     )
@@ -61,6 +66,7 @@ def add_scale_rule_option(p: argparse.ArgumentParser) -> None:
 
 
 def run_quantize(args) -> int:
+
     from mxforge.quantize.error_report import summary_line
     from mxforge.quantize.run import quantize_checkpoint
 
@@ -79,6 +85,14 @@ def run_quantize(args) -> int:
     )
     c, s = report.counts, report.shards
     assert c is not None and s is not None, "a report quantize just wrote has every count"
+    if report.fixups_dropped:
+        print(
+            f"mxforge quantize: warning: {report.out} had been fixed up: quantize wrote its config.json and index "
+            f"anew, so the {report.fixups_dropped} fixup(s) mxforge fixup had applied are gone (their record "
+            f"too); run `mxforge fixup {report.out}` again before validating or pushing (mxforge run does it "
+            "itself)",
+            file=sys.stderr,
+        )
     emit(
         report.as_dict(),
         args.json,
@@ -86,7 +100,8 @@ def run_quantize(args) -> int:
         f"{c.quantized:,} tensors {format_named(report.recipe.format or DEFAULT_FORMAT.name).title}, "
         f"{c.kept:,} 2-D weights kept, {c.copied:,} copied "
         f"(MTP layer(s) {report.mtp_layers}: {report.mtp_tensors} tensors); shards {s.quantized_now} done, "
-        f"{s.skipped_complete} already complete; {(report.bytes_processed_now or 0) / 1e9:.2f} GB in "
-        f"{report.seconds or 0:.1f} s\n{summary_line(report.error)}",
+        f"{s.skipped_complete} already complete; this run: {(report.bytes_processed_now or 0) / 1e9:.2f} GB read in "
+        f"{report.seconds or 0:.1f} s; the checkpoint: {(report.bytes_in or 0) / 1e9:.2f} GB in, "
+        f"{(report.bytes_out or 0) / 1e9:.2f} GB out\n{summary_line(report.error)}",
     )
     return EXIT_OK

@@ -11,6 +11,29 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
+def exit_codes_help(ok: str = "done", problems: str | None = None) -> str:
+    """The exit codes, for a command's --help: what 0 (and, where the command has it, 1) means for it."""
+    one = f", {EXIT_PROBLEMS} {problems}" if problems else ""
+    return (
+        f"Exit {EXIT_OK} {ok}{one}, {EXIT_ERROR} could not run (one line on stderr says why), "
+        f"{EXIT_INTERRUPTED} interrupted by Ctrl-C (rerun the same command to resume)."
+    )
+
+
+def recipe_help(default: str) -> str:
+    """--recipe's help: every shipped recipe (from manifests/recipes/), and the default."""
+    from mxforge.quantize.recipe import shipped_recipes
+
+    return f"a shipped recipe's name ({', '.join(shipped_recipes())}) or a recipe TOML's path (default: {default})"
+
+
+def default_recipes_help() -> str:
+    """Each model family's default recipe, as --recipe's default is the source family's."""
+    from mxforge.models import FAMILIES
+
+    return "the source's family's own: " + "; ".join(f"{f.default_recipe} for {f.title}" for f in FAMILIES)
+
+
 def add_json_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json",
@@ -56,10 +79,35 @@ def add_remote_options(p: argparse.ArgumentParser) -> None:
 
 
 def open_checkpoint_arg(args):
-    """The checkpoint an argument names: a directory, or a Hub repo id at --revision (a CheckpointSource)."""
+    """The checkpoint an argument names: a directory, or a Hub repo id at --revision (a CheckpointSource).
+
+    Raises:
+        CheckpointError: it names `mxforge run`'s working directory instead of the checkpoint in it.
+    """
     from mxforge.hub.source import open_source
 
+    refuse_run_dir(args.ckpt, args.command)
     return open_source(args.ckpt, args.revision, hub_limits(args))
+
+
+def refuse_run_dir(path: str, command: str) -> None:
+    """Point at OUT/mxfp4 when CKPT is the OUT of `mxforge run` (a working directory, not a checkpoint).
+
+    Raises:
+        CheckpointError: `path` holds mxforge run's state file and no config.json.
+    """
+    from pathlib import Path
+
+    from mxforge.errors import CheckpointError
+    from mxforge.provenance import RUN_PRODUCT_DIR, RUN_STATE_NAME
+
+    root = Path(path)
+    if (root / RUN_STATE_NAME).is_file() and not (root / "config.json").exists():
+        product = root / RUN_PRODUCT_DIR
+        raise CheckpointError(
+            f"{root}: an `mxforge run` working directory, not a checkpoint; its checkpoint is {product}: "
+            f"pass that instead (mxforge {command} {shlex.quote(str(product))} ...)"
+        )
 
 
 def add_engines_option(p: argparse.ArgumentParser) -> None:

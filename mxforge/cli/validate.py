@@ -10,6 +10,7 @@ from mxforge.cli.support import (
     add_json_option,
     add_remote_options,
     engines_arg,
+    exit_codes_help,
     open_checkpoint_arg,
 )
 from mxforge.formats import FORMATS
@@ -22,7 +23,7 @@ def register_validate(sub) -> argparse.ArgumentParser:
         description="Check index/shard integrity, quantization_config, that every tensor config.json "
         "implies is stored (MTP layer included) and, per engine profile, that every module the engine "
         "builds finds the dtype and shape it allocates. Reads headers only. "
-        "Exit 0 clean, 1 problems found, 2 could not run.",
+        + exit_codes_help("clean", "problems found"),
     )
     p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
     p.add_argument(

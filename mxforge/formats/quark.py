@@ -12,8 +12,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import inspect
 import json
 import os
+import sys
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
@@ -98,6 +100,7 @@ def cached_quantization_config(fmt: ElementFormat, exclude: list[str], quantize_
     try:
         template = json.loads(path.read_text())
     except (OSError, ValueError):
+        announce_quark_import(path.parent)
         template = export_quantization_config(qconfig(fmt, [], quantize_inputs))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,9 +113,26 @@ def cached_quantization_config(fmt: ElementFormat, exclude: list[str], quantize_
     return template
 
 
+def announce_quark_import(cache: Path) -> None:
+    """Say on stderr, before it starts, that Quark is about to be imported: its first import compiles a C++
+    extension and the process then sits silent for up to a minute (a no-op when Quark is loaded already)."""
+    if "quark.torch" in sys.modules:
+        return
+    print(
+        f"mxforge: loading AMD Quark {_installed('amd-quark')} to build its quantization_config (the first "
+        f"import compiles Quark's C++ extension: about a minute); the result is cached in {cache}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _cache_key(fmt: ElementFormat, quantize_inputs: bool) -> str:
+    """Quark's version, the format and scheme, and the code that builds the config (an edit elsewhere in this file
+    keeps the cache)."""
     version = _installed("amd-quark")
-    code = hashlib.sha256(Path(__file__).read_bytes() + fmt.quark.spec_class.encode()).hexdigest()[:12]
+    builders = (specs, qconfig, export_quantization_config)
+    source = "".join(inspect.getsource(getattr(f, "__wrapped__", f)) for f in builders) + fmt.quark.spec_class
+    code = hashlib.sha256(source.encode()).hexdigest()[:12]
     return f"{version}-{fmt.name}-{'w-a' if quantize_inputs else 'w'}-{code}"
 
 

@@ -1,8 +1,9 @@
 """`mxforge push`: validate, write the model card, upload, then prove the Hub holds our bytes.
 
 1. Refuse symlinks that leave CKPT (unless --follow-symlinks); stamp every file (size, mtime, inode).
-2. Validate with the configured engines; refuse before any network call when it fails (`--force` overrides,
-   loudly, and the card says so).
+2. Refuse a checkpoint without quantization_config (a bf16 source pushed by mistake) unless `--force`. Validate
+   with the configured engines; refuse before any network call when it fails (`--force` overrides, loudly, and
+   the card says so). Then ask the Hub whether the token may push to the target (hub/target.py).
 3. Hash every file (cached by size and mtime under CKPT/.cache/mxforge) and write README.md, the model card.
    A README.md that mxforge did not write is kept as README.source.md (before the stamps are taken).
 4. Create the repo (and branch), upload the LFS files (the Hub skips objects it already holds, so a rerun
@@ -16,9 +17,12 @@
 from __future__ import annotations
 
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from huggingface_hub import CommitOperationAdd, HfApi
 
@@ -30,6 +34,7 @@ from mxforge.hub.api import repo_info
 from mxforge.hub.card import CARD_MARKER, CARD_NAME, SOURCE_CARD_NAME, render_model_card
 from mxforge.hub.errors import as_hub_error, check_repo_id, checked_commit, hub_endpoint
 from mxforge.hub.session import CANCEL, HubLimits, fresh_connections, is_transient, retrying, use_hub_limits
+from mxforge.hub.target import check_push_target
 from mxforge.provenance import recorded_command
 from mxforge.redaction import redact
 from mxforge.safetensors_io import write_text_atomic
@@ -46,6 +51,7 @@ class PushResult:
     forced: bool
     validation: dict
     files: list[FileHash] = field(default_factory=list)
+    quantized: bool = True  # False: pushed with --force without quantization_config
 
     def as_dict(self) -> dict:
         return {
@@ -56,6 +62,7 @@ class PushResult:
             "url": self.url,
             "commit": self.commit,
             "forced": self.forced,
+            "quantized": self.quantized,
             "validation": {"ok": self.validation.get("ok"), "engines": self.validation.get("engines")},
             "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
             "remote_hashes_match": True,
@@ -77,6 +84,7 @@ class PushResult:
                 for f in d.get("files") or []
                 if isinstance(f, dict) and {"name", "size", "sha256"} <= f.keys()
             ],
+            quantized=d.get("quantized") is not False,
         )
 
     @property
@@ -110,6 +118,26 @@ def run_validation(ckpt: Checkpoint, engines: list[str] | None, force: bool) -> 
         file=sys.stderr,
     )
     return report.as_dict()
+
+
+def refuse_unquantized(ckpt: Checkpoint, force: bool) -> bool:
+    """Whether `ckpt` is quantized (has a quantization_config); refuse, before anything is written or sent, to push
+    one that is not (a bf16 source pushed by mistake, e.g. OUT/bf16 for OUT/mxfp4) unless forced.
+
+    Raises:
+        PushRefused: no quantization_config and force is False.
+    """
+    if ckpt.quantization_config is not None:
+        return True
+    root = ckpt.root
+    if not force:
+        raise PushRefused(
+            f"{root}: not quantized (config.json has no quantization_config: its weights are as the source "
+            "stores them), so nothing was pushed or written; push the checkpoint mxforge made (mxforge run's "
+            f"OUT/mxfp4, mxforge quantize's OUT), or pass --force to push this one as it is (its model card is "
+            f"then written into it as {CARD_NAME})"
+        )
+    return False
 
 
 def keep_source_card(ckpt: Path) -> bool:
@@ -219,25 +247,30 @@ def upload(
     before_commit,
     workers: int,
     limits: HubLimits,
+    preuploaded: bool = False,
 ) -> None:
     """Create the repo/branch if needed, upload the LFS objects, call `before_commit()`, then commit every file.
+    `preuploaded`: the large files are on the Hub already (huggingface_hub's bar would count zero files: off).
 
     Raises:
         CheckpointChanged: from `before_commit` or a file that no longer hashes as it did (nothing committed).
         HubError: no/invalid token, no write access, Hub unreachable or silent, upload aborted (rerun resumes:
             the Hub keeps the LFS objects it received).
     """
+    sending = False
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             ops = list(pool.map(lambda f: _operation(ckpt, f), files))
         prepare_repo(api, repo_id, branch, private, limits)
-        api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=branch)
+        sending = True
+        with hub_bars_off() if preuploaded else nullcontext():
+            api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=branch)
         before_commit()
         commit_once(api, repo_id, branch, ops, files, limits)
     except MxforgeError:
         raise
     except Exception as e:
-        _raise_upload_failure(e, f"upload of {ckpt}", repo_id, branch)
+        _raise_upload_failure(e, f"upload of {ckpt}", repo_id, branch, sent=sending)
 
 
 def commit_once(
@@ -278,18 +311,20 @@ def commit_once(
             pass  # not (all) there: commit again
 
 
-def _raise_upload_failure(e: Exception, what: str, repo_id: str, branch: str) -> None:
-    """Raise the one-line HubError for an upload that failed with `e` (or `e` itself when it is no Hub error)."""
+def _raise_upload_failure(e: Exception, what: str, repo_id: str, branch: str, sent: bool = True) -> None:
+    """Raise the one-line HubError for an upload that failed with `e` (or `e` itself when it is no Hub error).
+    `sent`: whether file bytes may have reached the Hub (else nothing was uploaded, and there is nothing to resume).
+    """
     mapped = as_hub_error(e, repo_id=repo_id, revision=branch, action="push to")
     if mapped is None:
         raise e
     why = str(mapped).split(": rerun")[0]
-    raise HubError(
-        redact(
-            f"{what} to {repo_id}@{branch} aborted ({why}); the Hub keeps the large files "
-            "it already received: rerun the same command to resume"
-        )
-    ) from None
+    then = (
+        "the Hub keeps the large files it already received: rerun the same command to resume"
+        if sent
+        else "nothing was uploaded: fix that, then rerun"
+    )
+    raise HubError(redact(f"{what} to {repo_id}@{branch} aborted ({why}); {then}")) from None
 
 
 def prepare_repo(api: HfApi, repo_id: str, branch: str, private: bool, limits: HubLimits) -> None:
@@ -298,6 +333,42 @@ def prepare_repo(api: HfApi, repo_id: str, branch: str, private: bool, limits: H
     retrying(lambda: api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True), limits)
     if branch != "main":
         retrying(lambda: api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True), limits)
+
+
+@dataclass
+class _HubBars:
+    """hub_bars_off's callers, across threads: how many are inside, and whether the first one turned the bars off."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    depth: int = 0
+    turned_off: bool = False
+
+
+_HUB_BARS = _HubBars()
+
+
+@contextmanager
+def hub_bars_off() -> Iterator[None]:
+    """huggingface_hub's progress bars off for the block (several threads at once), back as they were after.
+
+    A one-file pre-upload shows a bar only when it has nothing to send ('Upload 0 LFS files: 0it', once per
+    shard the Hub already holds on a resumed stream); the streamed run shows its own progress."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    bars = _HUB_BARS
+    with bars.lock:
+        if bars.depth == 0:
+            bars.turned_off = not are_progress_bars_disabled()
+            if bars.turned_off:
+                disable_progress_bars()
+        bars.depth += 1
+    try:
+        yield
+    finally:
+        with bars.lock:
+            bars.depth -= 1
+            if bars.depth == 0 and bars.turned_off:
+                enable_progress_bars()
 
 
 def preupload_file(api: HfApi, ckpt: Path, repo_id: str, branch: str, f: FileHash) -> None:
@@ -310,7 +381,8 @@ def preupload_file(api: HfApi, ckpt: Path, repo_id: str, branch: str, f: FileHas
         HubError: as `upload` (a rerun resumes).
     """
     try:
-        api.preupload_lfs_files(repo_id, additions=[_operation(ckpt, f)], repo_type="model", revision=branch)
+        with hub_bars_off():
+            api.preupload_lfs_files(repo_id, additions=[_operation(ckpt, f)], repo_type="model", revision=branch)
     except MxforgeError:
         raise
     except Exception as e:
@@ -363,12 +435,14 @@ def push(
     validated_files: dict[str, FileStamp] | None = None,
     follow_symlinks: bool = False,
     limits: HubLimits | None = None,
+    preuploaded: bool = False,
 ) -> PushResult:
     """Validate, card, upload and verify a checkpoint (see the module docstring). Holds CKPT's lock.
 
     `validation` with `validated_files`: a clean ValidationReport.as_dict() the caller has just made of this
     very checkpoint (mxforge run validates as its own stage) and the file stamps taken when it did; it is then
-    not computed again, and the commit is refused unless the files still have those stamps.
+    not computed again, and the commit is refused unless the files still have those stamps. `preuploaded`: a
+    streamed run has sent the large files already (no upload progress to show).
 
     Raises:
         PushRefused: validation failed without --force (before any network call).
@@ -383,10 +457,13 @@ def push(
         raise CheckpointError(f"{ckpt}: not a directory; pass the checkpoint directory to push", path=ckpt)
     command = recorded_command(command)
     with directory_lock(ckpt):
+        quantized = refuse_unquantized(Checkpoint.open(ckpt, follow_symlinks), force)
         moved = keep_source_card(ckpt)
         if validation is None or not validation.get("ok") or validated_files is None:
             validated_files = snapshot(ckpt, checkpoint_files(ckpt, follow_symlinks))
             validation = run_validation(Checkpoint.open(ckpt, follow_symlinks), engines, force)
+        # Whether this token may push there, asked before the card is written and every file hashed.
+        check_push_target(repo_id, private=private, limits=limits)
         expected = {n: s for n, s in validated_files.items() if n != CARD_NAME}
         if moved and CARD_NAME in validated_files:  # validated as README.md, moved aside since: the same file
             expected[SOURCE_CARD_NAME] = validated_files[CARD_NAME]
@@ -418,6 +495,7 @@ def push(
             workers=workers,
             before_commit=lambda: refuse_changes(ckpt, expected, follow_symlinks, "during the upload", push_command),
             limits=limits,
+            preuploaded=preuploaded,
         )
         commit = verify_remote(api, repo_id, branch, files, limits)
     return PushResult(
@@ -428,4 +506,5 @@ def push(
         forced=not validation["ok"],
         validation=validation,
         files=files,
+        quantized=quantized,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from mxforge.errors import ConfigError
 from mxforge.models.tensor_kinds import kind_of
@@ -214,6 +214,18 @@ class MoeLayout:
         """The MTP layer's own head after its block (shared_head.norm; a family may add shared_head.head,
         embed_tokens)."""
         return [("shared_head.norm.weight", (int(self.config["hidden_size"]),), "BF16")]
+
+    def stores_mtp_layer(self, layer: int, names: Iterable[str]) -> bool:
+        """Whether `names` hold, under `model.layers.{layer}.`, a tensor that only an MTP layer has (eh_proj,
+        enorm, hnorm...), as this family lays out an MTP layer at that index."""
+        try:
+            as_mtp = type(self)({**self.config, "num_hidden_layers": layer, "num_nextn_predict_layers": 1})
+            mtp = as_mtp.layer_tensors(layer)
+        except (ConfigError, IndexError, KeyError, ValueError):  # the config cannot describe one there
+            return False
+        decoder = {t.name.split(".", 3)[3] for i in range(self.num_hidden_layers) for t in self.layer_tensors(i)}
+        only = {t.name for t in mtp if t.name.split(".", 3)[3] not in decoder}
+        return not only.isdisjoint(names)
 
     def omittable(self) -> frozenset[str]:
         """Full names of the tensors config.json implies that a checkpoint may lack (OMITTABLE_MTP_TENSORS)."""

@@ -10,15 +10,17 @@ what they find on disk when they run.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from mxforge.checkpoint import is_local_source
+from mxforge.checkpoint import INDEX_NAME, is_local_source
 from mxforge.errors import MxforgeError, ValidationFailed
-from mxforge.provenance import RUN_STATE_NAME, STREAM_STATE_NAME
+from mxforge.provenance import RUN_PRODUCT_DIR, RUN_SOURCE_DIR, RUN_STATE_NAME, STREAM_STATE_NAME
 from mxforge.quantize.error_report import summary_line
 from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE
 from mxforge.safetensors_io import write_json_atomic
@@ -115,7 +117,8 @@ class StageRecord:
     bytes_out: int = 0
     gb_per_s: float | None = None
     report: Any = None
-    skipped: str | None = None  # why a stage that had nothing to do is recorded done (a local source's download)
+    skipped: str | None = None  # why a stage had nothing to do (a local source's download: status "skipped")
+    product: str | None = None  # done: product_stamp of the checkpoint directory the stage wrote
     error: str | None = None  # failed: the error's message
     error_fields: dict | None = None  # failed: the error's class and fields (MxforgeError.as_dict)
 
@@ -132,6 +135,8 @@ class StageRecord:
             out["gb_per_s"] = self.gb_per_s
         report = self.report
         out["report"] = report.as_dict() if hasattr(report, "as_dict") else report
+        if self.product is not None:
+            out["product"] = self.product
         return out
 
     @classmethod
@@ -151,6 +156,7 @@ class StageRecord:
             gb_per_s=d.get("gb_per_s"),
             report=report,
             skipped=d.get("skipped"),
+            product=d.get("product") if isinstance(d.get("product"), str) else None,
             error=d.get("error"),
             error_fields=d.get("error_fields"),
         )
@@ -168,6 +174,8 @@ class RunResult:
     mode: str | None  # "stream" | "sequential"
     reused_from_earlier_run: list[str]  # stages recorded done by an earlier run and not redone
     stages: dict[str, StageRecord]
+    product_bytes: int = 0  # all of OUT/mxfp4 on disk
+    redone: str | None = None  # why stages an earlier run had finished were done again
 
     def as_dict(self) -> dict:
         return {
@@ -175,11 +183,62 @@ class RunResult:
             "source": self.source,
             "out": self.out,
             "product": self.product,
+            "product_bytes": self.product_bytes,
             "pushed_to": self.pushed_to,
             "mode": self.mode,
             "reused_from_earlier_run": self.reused_from_earlier_run,
+            "redone": self.redone,
             "stages": {name: rec.as_dict() for name, rec in self.stages.items()},
         }
+
+
+def _bytes_written_since(path: Path, since_ns: int) -> int:
+    """Bytes of the files under `path` written since `since_ns` (time.time_ns(), taken to the whole second for
+    filesystems with coarse timestamps): a stage's output this run, not what an earlier run left."""
+    floor = since_ns // 1_000_000_000 * 1_000_000_000
+    total = 0
+    for p in path.rglob("*"):
+        if p.is_file() and ".cache" not in p.parts:
+            st = p.stat()
+            total += st.st_size if st.st_mtime_ns >= floor else 0
+    return total
+
+
+# The stages that write each of OUT's checkpoints, in order (download: OUT/bf16; the rest: OUT/mxfp4).
+WRITERS = {"bf16": ("download",), "mxfp4": ("quantize", "stream", "fixup")}
+
+
+def product_stamp(directory: Path) -> str | None:
+    """What a stage leaves in a checkpoint directory, in a few bytes: config.json's and the index's bytes and each
+    shard's name and size (None: no config.json). A stage records it when done; a rerun that finds another one
+    knows the directory changed under the run (say, `mxforge quantize` run again into OUT/mxfp4 after fixup)."""
+    try:
+        config = (directory / "config.json").read_bytes()
+    except OSError:
+        return None
+    digest = hashlib.sha256(config)
+    try:
+        digest.update((directory / INDEX_NAME).read_bytes())
+    except OSError:
+        digest.update(b"no index")
+    for shard in sorted(directory.glob("*.safetensors")):
+        digest.update(f"\n{shard.name} {shard.stat().st_size}".encode())
+    return digest.hexdigest()
+
+
+def changed_products(stages: dict[str, StageRecord], stamps: dict[str, str | None]) -> tuple[str, str] | None:
+    """(the first stage to redo, what changed) when a checkpoint directory no longer holds what the last stage
+    that wrote it recorded; None when each holds what was recorded. `stamps`: product_stamp of each directory.
+
+    The earliest writer whose record matches what is there is still done; the ones after it are redone."""
+    for directory, writers in WRITERS.items():
+        done = [w for w in writers if w in stages and stages[w].status == "done" and stages[w].product is not None]
+        if not done or stages[done[-1]].product == stamps.get(directory):
+            continue
+        kept = [w for w in done if stages[w].product == stamps.get(directory)]
+        first = done[done.index(kept[-1]) + 1] if kept else done[0]
+        return first, f"OUT/{directory} changed since {done[-1]} finished"
+    return None
 
 
 class Pipeline:
@@ -190,9 +249,11 @@ class Pipeline:
         self.out = Path(opts.out)
         self.state_path = self.out / RUN_STATE_NAME
         self.local = is_local_source(opts.source)
-        self.bf16_dir = Path(opts.source) if self.local else self.out / "bf16"
-        self.mxfp4_dir = self.out / "mxfp4"
+        self.bf16_dir = Path(opts.source) if self.local else self.out / RUN_SOURCE_DIR
+        self.mxfp4_dir = self.out / RUN_PRODUCT_DIR
         self.state = self._load_state()
+        self.redone: str | None = None  # why stages recorded done are redone (a checkpoint changed under the run)
+        self._redo_changed_products()
         self.reused: set[str] = set()  # stages recorded done by an earlier run and not redone
         self.validated_files: dict | None = None  # the product's file stamps when validate last read it
         self.validation: Any = None  # validate's ValidationReport, this run's
@@ -215,6 +276,8 @@ class Pipeline:
             raise MxforgeError(
                 f"{self.state_path}: state file is corrupt; remove it to start the run over", path=self.state_path
             ) from None
+        if any(old.get(key) != inputs[key] for key in ("source", "revision")) and self._nothing_produced(state):
+            return {"inputs": inputs, "stages": {}}  # a run that failed before making anything binds OUT to nothing
         for key in ("source", "revision"):
             if old.get(key) != inputs[key]:
                 raise MxforgeError(
@@ -231,6 +294,30 @@ class Pipeline:
         state["stages"] = {name: rec for name, rec in records.items() if rec is not None}
         state["inputs"] = inputs
         return state
+
+    def _nothing_produced(self, state: dict) -> bool:
+        """Whether the run recorded in `state` finished no stage and wrote nothing in OUT but its state file (and
+        the lock under .cache): e.g. `mxforge run empty OUT`, which failed before its first stage finished."""
+        if any(isinstance(rec, dict) and rec.get("status") == "done" for rec in state["stages"].values()):
+            return False
+        for path in self.out.rglob("*"):
+            parts = path.relative_to(self.out).parts
+            if path.is_file() and parts != (RUN_STATE_NAME,) and parts[0] != ".cache":
+                return False
+        return True
+
+    def _redo_changed_products(self) -> None:
+        """Forget the stages whose output changed since they finished, and every stage after them (a stage is done
+        only while its output is what it left)."""
+        stamps = {"bf16": None if self.local else product_stamp(self.bf16_dir), "mxfp4": product_stamp(self.mxfp4_dir)}
+        changed = changed_products(self.state["stages"], stamps)
+        if changed is None:
+            return
+        first, why = changed
+        redo = [s for s in STAGES[STAGES.index(first) :] if s in self.state["stages"]]
+        for stage in redo:
+            self.state["stages"].pop(stage)
+        self.redone = f"{why}: redoing {', '.join(redo)}"
 
     def _save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -251,17 +338,20 @@ class Pipeline:
         out_dir: Path | None = None,
         bytes_in: Callable[[Any], int] | int = 0,
         always: bool = False,
+        product: Path | None = None,
     ) -> StageRecord:
         """Run one stage unless recorded done (and its marker file still exists); record it in the state file.
 
         `bytes_in`: the bytes the stage processed, or a function of its result giving them (a resumed
-        download or quantize processes only what was left)."""
+        download or quantize processes only what was left). `product`: the checkpoint directory the stage writes,
+        whose product_stamp is recorded with it."""
         if not always and self._done(stage, marker):
             self.reused.add(stage)
             return self.state["stages"][stage]
         self.state["stages"][stage] = StageRecord(status="running")
         self._save()
         start = time.monotonic()
+        started_at = time.time_ns()
         try:
             report = work()
         except MxforgeError as e:  # recorded for whoever reads the state file; the rerun starts this stage again
@@ -275,9 +365,11 @@ class Pipeline:
             status="done",
             seconds=round(seconds, 3),
             bytes_in=bytes_in,
-            bytes_out=_dir_bytes(out_dir) if out_dir is not None and out_dir.is_dir() else 0,
+            # what this run wrote (a resumed stage skips what is there), as bytes_in is what it read
+            bytes_out=_bytes_written_since(out_dir, started_at) if out_dir is not None and out_dir.is_dir() else 0,
             gb_per_s=round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
             report=report,
+            product=product_stamp(product) if product is not None else None,
         )
         self.state["stages"][stage] = rec
         self._save()
@@ -295,6 +387,7 @@ class Pipeline:
             from huggingface_hub.utils import disable_progress_bars
 
             disable_progress_bars()
+        self._check_push_target()
         import contextlib
 
         from mxforge.dir_lock import directory_lock
@@ -304,6 +397,18 @@ class Pipeline:
             for directory in (self.out, self.mxfp4_dir) if self.local else (self.out, self.mxfp4_dir, self.bf16_dir):
                 locks.enter_context(directory_lock(directory))
             return self._run_stages()
+
+    def _check_push_target(self) -> None:
+        """A push target that cannot work (bad id, no token, no write access, --private on a public repo) is
+        refused before any stage runs, not after the hours the stages before push take.
+
+        Raises:
+            HubError: as check_push_target.
+        """
+        if self.opts.push_repo and not self._done("push", None):
+            from mxforge.hub.target import check_push_target
+
+            check_push_target(self.opts.push_repo, private=self.opts.private, limits=self.opts.hub_limits)
 
     def _choose_mode(self) -> str:
         """ "stream" or "sequential": as asked, as an earlier run in OUT ran, or, for a Hub source, streamed when
@@ -362,6 +467,8 @@ class Pipeline:
 
     def _run_stages(self) -> RunResult:
         o = self.opts
+        if self.redone and not o.quiet:
+            print(f"mxforge run: {self.redone}", file=sys.stderr)
         self._save()
         try:
             self.state["mode"] = self._choose_mode()
@@ -377,10 +484,14 @@ class Pipeline:
                 marker=self.mxfp4_dir / "config.json",
                 out_dir=self.mxfp4_dir,
                 bytes_in=lambda report: report.bytes_processed_now,
+                product=self.mxfp4_dir,
             )
         else:
             if self.local:
-                self.state["stages"]["download"] = StageRecord(status="done", skipped=f"local source {self.bf16_dir}")
+                # nothing ran: recorded as skipped, not done (a run that fails later binds OUT to nothing)
+                self.state["stages"]["download"] = StageRecord(
+                    status="skipped", skipped=f"local source {self.bf16_dir}"
+                )
             else:
                 self._stage(
                     "download",
@@ -388,6 +499,7 @@ class Pipeline:
                     marker=self.bf16_dir / "config.json",
                     out_dir=self.bf16_dir,
                     bytes_in=lambda report: report.downloaded_bytes,
+                    product=self.bf16_dir,
                 )
             self._stage(
                 "quantize",
@@ -395,8 +507,9 @@ class Pipeline:
                 marker=self.mxfp4_dir / "config.json",
                 out_dir=self.mxfp4_dir,
                 bytes_in=lambda report: report.bytes_processed_now or 0,
+                product=self.mxfp4_dir,
             )
-        self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json")
+        self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json", product=self.mxfp4_dir)
         # Header-only and cheap: always checked again, never taken from the state file.
         validate = self._stage("validate", self._validate, always=True).report
         if not validate.ok:
@@ -497,6 +610,7 @@ class Pipeline:
             limits=self.opts.hub_limits,
             validation=self.validation.as_dict(),
             validated_files=self.validated_files,
+            preuploaded=self.state.get("mode") == "stream",  # the stream sent each shard as it was made
         )
 
     def report(self) -> RunResult:
@@ -504,9 +618,11 @@ class Pipeline:
             source=self.opts.source,
             out=str(self.out),
             product=str(self.mxfp4_dir),
+            product_bytes=_dir_bytes(self.mxfp4_dir) if self.mxfp4_dir.is_dir() else 0,
             pushed_to=self.opts.push_repo,
             mode=self.state.get("mode"),
             reused_from_earlier_run=sorted(self.reused),
+            redone=self.redone,
             stages=dict(self.state["stages"]),
         )
 
@@ -524,6 +640,8 @@ def format_run_summary(result: RunResult) -> str:
         f"mxforge run {result.source} -> {result.product}" + (" (streamed)" if result.mode == "stream" else ""),
         f"  {'stage':<10}{'status':<9}{'time':>9}{'in':>12}{'out':>12}{'GB/s':>8}",
     ]
+    if result.redone:
+        lines.insert(1, f"  {result.redone}")
     for stage in STAGES:
         rec = stages.get(stage)
         if rec is None:
@@ -551,6 +669,13 @@ def format_run_summary(result: RunResult) -> str:
             + (f"peak bf16 on disk {peak / 1e9:.3f} GB " if peak is not None else "")
             + f"(plan: {quant.disk_plan.peak_bytes / 1e9:.3f} GB with the output)"
         )
+    if quant is not None and quant.bytes_in is not None:
+        name = quant.STAGE
+        rec, when = stages[name], "an earlier run" if name in result.reused_from_earlier_run else "this run"
+        lines.append(
+            f"  {name}: {when} {rec.bytes_in / 1e9:.3f} GB in, {rec.bytes_out / 1e9:.3f} GB out; "
+            f"the checkpoint {quant.bytes_in / 1e9:.3f} GB in, {result.product_bytes / 1e9:.3f} GB out"
+        )
     if quant is not None and quant.counts is not None:
         c = quant.counts
         lines.append(
@@ -563,8 +688,9 @@ def format_run_summary(result: RunResult) -> str:
     fix = report_of("fixup", FixupResult)
     if fix is not None:
         lines.append(
-            f"  fixups: {len(fix.applied)} applied" + (f", {len(fix.warnings)} warning(s)" if fix.warnings else "")
+            f"  fixups: {len(fix.applied)} applied" + (f", {len(fix.warnings)} warning(s):" if fix.warnings else "")
         )
+        lines += [f"    warning: {w}" for w in fix.warnings]
     val = report_of("validate", ValidationReport)
     if val is not None:
         lines.append(f"  engines: {val.verdict()}")

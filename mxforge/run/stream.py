@@ -212,6 +212,7 @@ class StreamResult:
     seconds: float
     tool_versions: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    error: dict | None = None  # the quantization error measured (its summary; mxfp4/mxforge_quantize.json: per tensor)
 
     def as_dict(self) -> dict:
         return {
@@ -242,6 +243,7 @@ class StreamResult:
             "seconds": self.seconds,
             "tool_versions": self.tool_versions,
             "notes": self.notes,
+            "error": self.error,
         }
 
     @classmethod
@@ -278,6 +280,7 @@ class StreamResult:
             seconds=read_num(d.get("seconds")) or 0.0,
             tool_versions={k: v for k, v in read_obj(d.get("tool_versions")).items() if isinstance(v, str)},
             notes=[n for n in d.get("notes") or [] if isinstance(n, str)],
+            error=d.get("error") if isinstance(d.get("error"), dict) else None,
         )
 
 
@@ -505,7 +508,7 @@ class StreamRun:
         accounted = finish_checkpoint(o.bf16_dir, o.mxfp4_dir, recipe=recipe, ckpt=ckpt, plan=plan, side_files=to_copy)
         elapsed = time.monotonic() - started
         quantized = self.clocks["quantize"]
-        write_provenance(
+        written = write_provenance(
             o.bf16_dir,
             o.mxfp4_dir,
             recipe=recipe,
@@ -521,7 +524,7 @@ class StreamRun:
             command=o.command,
             sha256_from_download=self.sha256_from_download,
         )
-        return self._report(
+        report = self._report(
             recipe=recipe,
             plan=plan,
             shards=shards,
@@ -531,6 +534,9 @@ class StreamRun:
             accounted=accounted,
             elapsed=elapsed,
         )
+        # The error measured while quantizing (mxfp4/mxforge_quantize.json has the per-tensor figures).
+        report.error = {k: v for k, v in written.error.items() if k != "tensors"} if written.error else None
+        return report
 
     def _shard_status(self, s, remote, qstate, state) -> _Shard:
         """Where one shard stands, from the state files and the disk."""

@@ -13,7 +13,7 @@ def test_validate_fixup_validate(tiny_ckpt, tmp_path):
 
     proc = cli("validate", str(ckpt))
     assert proc.returncode == 1
-    assert "loads: sglang 0.5.16-0.5.23, vllm 0.30.0-0.33.0; FAILS: sglang 0.5.9 (" in proc.stdout
+    assert "loads: sglang 0.5.16-0.5.23, vllm 0.30.0-0.33.0; FAILS: sglang 0.5.9-0.5.10.post1 (" in proc.stdout
     assert f"under model.layers.{MTP}.mlp.shared_experts.{{gate,up}}_proj: run mxforge fixup" in proc.stdout
     assert cli("validate", str(ckpt), "--engines", "sglang>=0.5.16 vllm").returncode == 0
 

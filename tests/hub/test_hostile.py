@@ -182,8 +182,8 @@ def test_hostile_stalls_at_every_endpoint_end_in_one_line(tmp_path, tiny_ckpt):
             {"HF_HUB_DOWNLOAD_TIMEOUT": "1", "MXFORGE_HUB_RETRIES": "1"},
             "no new byte in 2 attempt(s)",
         ),
-        "preupload": (["push", "CKPT", "alice/out"], {"MXFORGE_HUB_TIMEOUT": "1"}, "stopped answering"),
-        "commit": (["push", "CKPT", "alice/out", "--timeout", "1"], {}, "stopped answering"),
+        "preupload": (["push", "CKPT", "alice/out", "--force"], {"MXFORGE_HUB_TIMEOUT": "1"}, "stopped answering"),
+        "commit": (["push", "CKPT", "alice/out", "--force", "--timeout", "1"], {}, "stopped answering"),
     }
     hubs, procs = [], {}
     try:
@@ -244,14 +244,14 @@ def test_hostile_push_refuses_a_checkpoint_changed_during_the_upload(hub, tmp_pa
         config.write_text(edited)
 
     hub.before["preupload"] = edit
-    line = one_error_line(_mx(hub, tmp_path, "push", str(ckpt), "alice/out", "--quiet"))
+    line = one_error_line(_mx(hub, tmp_path, "push", str(ckpt), "alice/out", "--quiet", "--force"))
     assert "config.json (modified)" in line and "during the upload" in line and "nothing was committed" in line
     assert f"rerun `mxforge push {ckpt} alice/out`" in line
     repo = hub.repos["alice/out"]
     assert not repo.commits[repo.branches["main"]].files  # the repo exists, but no file was committed
 
     del hub.before["preupload"]
-    proc = _mx(hub, tmp_path, "push", str(ckpt), "alice/out", "--quiet")  # the advice, followed
+    proc = _mx(hub, tmp_path, "push", str(ckpt), "alice/out", "--quiet", "--force")  # the advice, followed
     assert proc.returncode == 0, proc.stderr
     committed = repo.commits[repo.branches["main"]].files
     assert committed["config.json"].disk_path.read_text() == edited
@@ -388,7 +388,7 @@ def test_hostile_symlinks_leaving_the_checkpoint_are_refused_by_validate_and_pus
     (ckpt / SHARD).unlink()
     shutil.move(tmp_path / "elsewhere" / SHARD, ckpt / SHARD)
     (ckpt / "passwd").symlink_to("/etc/passwd")
-    line = one_error_line(_mx(hub, tmp_path, "push", str(ckpt), "alice/out", "--quiet"))
+    line = one_error_line(_mx(hub, tmp_path, "push", str(ckpt), "alice/out", "--quiet", "--force"))
     assert f"{ckpt / 'passwd'}: symlink to /etc/passwd" in line and "refusing to upload" in line
     assert not hub.requests and "alice/out" not in hub.repos and not (ckpt / "README.md").exists()
 

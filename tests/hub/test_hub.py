@@ -237,9 +237,24 @@ def test_push_refused_when_validate_fails_before_any_network_call(hub, tmp_path,
     assert "pushed with `--force` although validation failed" in (downloaded / "README.md").read_text()
 
 
+def test_push_of_an_unquantized_checkpoint_is_refused_unless_forced(hub, tmp_path, downloaded):
+    """`mxforge push OUT/bf16 ...` by mistake: refused before any request, and the source directory is left as it
+    was (no card written, its own README.md not moved); --force pushes it and says it was not quantized."""
+    (downloaded / "README.md").write_text("# the source model's own card\n")
+    before = {p.name: p.read_bytes() for p in downloaded.iterdir() if p.is_file()}
+    hub.requests.clear()
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--quiet"))
+    assert f"{downloaded}: not quantized (config.json has no quantization_config" in line
+    assert "nothing was pushed or written" in line and "OUT/mxfp4" in line and "--force" in line
+    assert hub.requests == [] and {p.name: p.read_bytes() for p in downloaded.iterdir() if p.is_file()} == before
+    proc = _mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--quiet", "--force")
+    assert proc.returncode == 0 and "(NOT quantized: config.json has no quantization_config; --force)" in proc.stdout
+
+
 def test_push_hub_normal_with_model_card_and_remote_hashes(hub, tmp_path, downloaded):
     (downloaded / "README.md").write_text("# the source model's own card\n")
-    proc = _mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--private", "--quiet", "--json")
+    push = ("push", str(downloaded), "alice/glm-tiny-mxfp4", "--quiet")
+    proc = _mx(hub, tmp_path, *push, "--force", "--private", "--json")  # the bf16 download, pushed as it is
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     repo = hub.repos["alice/glm-tiny-mxfp4"]
@@ -264,21 +279,21 @@ def test_push_hub_normal_with_model_card_and_remote_hashes(hub, tmp_path, downlo
     assert source["command"] in card and "mxforge push " in card
 
     # A second push to a new branch: the branch is created; only the card is new there.
-    proc = _mx(hub, tmp_path, "push", str(downloaded), "alice/glm-tiny-mxfp4", "--branch", "mxfp4-v2", "--quiet")
+    proc = _mx(hub, tmp_path, *push, "--force", "--branch", "mxfp4-v2")
     assert proc.returncode == 0, proc.stderr
     assert set(repo.commits[repo.branches["mxfp4-v2"]].files) == local
 
 
 def test_push_resumes_an_interrupted_upload(hub, tmp_path, downloaded):
     hub.fail_commits = 1000  # every commit is refused, after the large files reached the Hub
-    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/resume", "--quiet"))
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/resume", "--quiet", "--force"))
     assert "aborted" in line and "injected commit failure" in line and "rerun the same command to resume" in line
     uploaded = {r[1] for r in hub.requests if r[0] == "PUT"}
     assert len(uploaded) == 3  # the three shards reached LFS storage before the commits failed
 
     hub.fail_commits = 0
     hub.requests.clear()
-    proc = _mx(hub, tmp_path, "push", str(downloaded), "alice/resume", "--quiet")
+    proc = _mx(hub, tmp_path, "push", str(downloaded), "alice/resume", "--quiet", "--force")
     assert proc.returncode == 0, proc.stderr
     assert not [r for r in hub.requests if r[0] == "PUT"]  # nothing uploaded twice
     repo = hub.repos["alice/resume"]
@@ -287,15 +302,18 @@ def test_push_resumes_an_interrupted_upload(hub, tmp_path, downloaded):
 
 def test_push_remote_hash_check_detects_mismatch(hub, tmp_path, downloaded):
     hub.misreport_sha256.add(SHARD)
-    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/out", "--quiet"))
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/out", "--quiet", "--force"))
     assert SHARD in line and "differ from the local checkpoint" in line
 
 
 def test_push_without_token_or_rights_is_one_clear_line(hub, tmp_path, downloaded):
-    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/out", "--quiet", token=None))
-    assert "HF_TOKEN" in line and "401" in line
-    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "zai/glm-tiny", "--quiet"))
-    assert "403" in line
+    """Found before the card is written or a file hashed (hub/target.py), and never 'rerun to resume': nothing
+    was uploaded."""
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "alice/out", "--quiet", "--force", token=None))
+    assert "no Hub token is configured; set HF_TOKEN" in line and "nothing was uploaded" in line
+    line = _one_line_error(_mx(hub, tmp_path, "push", str(downloaded), "zai/glm-tiny", "--quiet", "--force"))
+    assert "cannot create or write repos under 'zai'" in line and "nothing was uploaded" in line
+    assert "resume" not in line and not (downloaded / "README.md").exists()
 
 
 def test_hub_token_never_leaks(hub, tmp_path, tiny_ckpt):
@@ -305,9 +323,9 @@ def test_hub_token_never_leaks(hub, tmp_path, tiny_ckpt):
     report.mkdir()
     for args in (
         ("download", "zai/glm-gated", str(dest), "--json", str(report / "dl.json")),
-        ("push", str(dest), "alice/leak-check", "--json", str(report / "push.json")),
+        ("push", str(dest), "alice/leak-check", "--force", "--json", str(report / "push.json")),
         ("download", "zai/glm-gated", str(tmp_path / "x"), "--revision", "nope"),
-        ("push", str(dest), "zai/forbidden"),
+        ("push", str(dest), "zai/forbidden", "--force"),
     ):
         proc = _mx(hub, tmp_path, *args)
         outputs += [proc.stdout, proc.stderr]

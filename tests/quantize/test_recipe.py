@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import ConfigError
@@ -203,6 +204,19 @@ def test_a_quark_that_cannot_be_imported_is_one_clear_error(tmp_path, monkeypatc
     assert msg.startswith("Quark could not be imported (ModuleNotFoundError: ") and "\n" not in msg
     assert "installed: amd-quark 0.13, transformers " in msg and "write quantization_config" in msg
     assert "docs/install.md" in msg
+
+
+@pytest.mark.slow  # imports Quark cold in a fresh process (its first import is the stall itself)
+def test_first_use_says_quark_is_loading_before_the_stall_and_never_again(tmp_path, tiny_ckpt):
+    """Quark's first import (building quantization_config) keeps a new user's first quantize silent for up to a
+    minute: one line on stderr says what is happening; once its config is cached, nothing is said or imported."""
+    env = {"MXFORGE_CACHE": str(tmp_path / "cache")}
+    first = run_cli("quantize", str(tiny_ckpt), str(tmp_path / "a"), "--quiet", env=env, check=True)
+    said = [line for line in first.stderr.splitlines() if "loading AMD Quark" in line]
+    assert len(said) == 1 and "about a minute" in said[0] and str(tmp_path / "cache") in said[0], first.stderr
+    second = run_cli("quantize", str(tiny_ckpt), str(tmp_path / "b"), "--quiet", env=env, check=True)
+    assert "Quark" not in second.stderr, second.stderr
+    assert (tmp_path / "a" / "config.json").read_bytes() == (tmp_path / "b" / "config.json").read_bytes()
 
 
 @pytest.mark.parametrize(

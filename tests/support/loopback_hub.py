@@ -24,6 +24,9 @@ A revision is a branch, a commit sha or a pull request's `refs/pr/N` (URL-quoted
 
 It never advertises Xet (no X-Xet-* headers, no `xetHash`), so downloads use plain HTTP; uploads pick Xet
 whenever hf_xet is installed, so clients talking to this server must set `HF_HUB_DISABLE_XET=1`.
+Accounts: `tokens` (token -> user), `read_only_tokens` (whoami says role "read"; writes answer 403), `orgs`
+(user -> {organization: roleInOrg}; write and admin may create and write repos there). `auth-check` answers
+huggingface_hub's `auth_check` (read, or with `/write` write access), as the Hub does.
 Errors carry the Hub's headers (`X-Error-Code: RepoNotFound | RevisionNotFound | EntryNotFound | GatedRepo`,
 `X-Error-Message`) so the client raises its usual exception classes.
 
@@ -202,6 +205,8 @@ class LoopbackHub:
         self.blob_dir = self.root / ".loopback-hub" / "blobs"
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.tokens: dict[str, str] = dict(tokens or {})  # token -> user name
+        self.read_only_tokens: set[str] = set()  # tokens of role "read": every write is refused (403)
+        self.orgs: dict[str, dict[str, str]] = {}  # user -> {organization: roleInOrg (read, contributor, write, admin)}
         self.repos: dict[str, HubRepo] = {}
         self.lock = threading.RLock()
         # Fault injection.
@@ -323,19 +328,27 @@ class LoopbackHub:
         self._server = self._mirror = None
 
     # --- auth -------------------------------------------------------------------------------------
-    def user_for(self, headers) -> str | None:
+    def user_for(self, headers, write: bool = False) -> str | None:
         """The user a request's bearer token belongs to (None without a token).
 
         Raises:
-            HubError: a token was sent but is not known (401, as the Hub answers).
+            HubError: a token was sent but is not known (401, as the Hub answers); `write` with a read-only token.
         """
         auth = headers.get("Authorization") or ""
         if not auth.lower().startswith("bearer "):
             return None
-        user = self.tokens.get(auth.split(" ", 1)[1].strip())
+        token = auth.split(" ", 1)[1].strip()
+        user = self.tokens.get(token)
         if user is None:
             raise HubError(401, INVALID_CREDENTIALS)
+        if write and token in self.read_only_tokens:
+            raise HubError(403, "This token has read access only; it cannot write")
         return user
+
+    def may_write_under(self, user: str | None, namespace: str) -> bool:
+        """Whether `user` may create and write repos under `namespace`: its own, or an organization where its
+        role is write or admin."""
+        return user is not None and (namespace == user or self.orgs.get(user, {}).get(namespace) in ("write", "admin"))
 
     def readable_repo(self, repo_id: str, user: str | None) -> HubRepo:
         repo = self.repos.get(repo_id)
@@ -363,7 +376,7 @@ class LoopbackHub:
         repo = self.repos.get(repo_id)
         if repo is None:
             raise HubError(404, "Repository not found", "RepoNotFound")
-        if repo_id.split("/")[0] != user:
+        if not self.may_write_under(user, repo_id.split("/")[0]):
             raise HubError(403, f"You don't have the rights to write to {repo_id}")
         return repo
 
@@ -383,6 +396,7 @@ ROUTES = [
     ("GET", re.compile(rf"^/api/models/{_REPO}/revision/(?P<rev>[^/]+)$"), "repo_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}$"), "repo_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?$"), "tree"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/auth-check(?P<write>/write)?$"), "auth_check"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<rev>[^/]+)$"), "create_branch"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/commits/(?P<rev>[^/]+)$"), "list_commits"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/preupload/(?P<rev>[^/]+)$"), "preupload"),
@@ -531,23 +545,36 @@ class _HubHandler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
-    def _user(self) -> str | None:
-        return self.hub.user_for(self.headers)
+    def _user(self, write: bool = False) -> str | None:
+        return self.hub.user_for(self.headers, write)
 
     # --- read endpoints ---------------------------------------------------------------------------
     def h_whoami(self, body: bytes) -> None:
         user = self._user()
         if user is None:
             raise HubError(401, INVALID_CREDENTIALS)
+        token = (self.headers.get("Authorization") or "").split(" ", 1)[-1].strip()
+        role = "read" if token in self.hub.read_only_tokens else "write"
+        orgs = [{"type": "org", "name": org, "roleInOrg": r} for org, r in self.hub.orgs.get(user, {}).items()]
         self._send_json(
             {
                 "type": "user",
                 "name": user,
                 "fullname": user,
-                "orgs": [],
-                "auth": {"type": "access_token", "accessToken": {"displayName": "loopback", "role": "write"}},
+                "orgs": orgs,
+                "auth": {"type": "access_token", "accessToken": {"displayName": "loopback", "role": role}},
             }
         )
+
+    def h_auth_check(self, body: bytes, repo: str, write: str | None = None) -> None:
+        """huggingface_hub's auth_check: 200 when the token may read (with /write: write) the repo, else the
+        error the Hub answers."""
+        with self.hub.lock:
+            if write:
+                self.hub.writable_repo(repo, self._user(write=True))
+            else:
+                self.hub.readable_repo(repo, self._user())
+        self._send_json({})
 
     def h_repo_info(self, body: bytes, repo: str, rev: str = "main") -> None:
         hub = self.hub
@@ -710,12 +737,12 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     # --- write endpoints --------------------------------------------------------------------------
     def h_create_repo(self, body: bytes) -> None:
-        user = self._user()
+        user = self._user(write=True)
         if user is None:
             raise HubError(401, "You must be authenticated to create a repo")
         payload = json.loads(body or b"{}")
         repo_id = f"{payload.get('organization') or user}/{payload['name']}"
-        if repo_id.split("/")[0] != user:
+        if not self.hub.may_write_under(user, repo_id.split("/")[0]):
             raise HubError(403, f"You don't have the rights to create a repo under {repo_id.split('/')[0]}")
         with self.hub.lock:
             if repo_id in self.hub.repos:
@@ -749,7 +776,7 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def h_create_branch(self, body: bytes, repo: str, rev: str) -> None:
         with self.hub.lock:
-            r = self.hub.writable_repo(repo, self._user())
+            r = self.hub.writable_repo(repo, self._user(write=True))
             if rev in r.branches:
                 raise HubError(409, f"Reference already exists: refs/heads/{rev}")
             start = json.loads(body or b"{}").get("startingPoint") or "main"
@@ -764,7 +791,7 @@ class _HubHandler(BaseHTTPRequestHandler):
             if user is None:
                 raise HubError(401, "You must be authenticated to open a pull request")
             return self.hub.readable_repo(repo, user), user
-        return self.hub.writable_repo(repo, user), user
+        return self.hub.writable_repo(repo, self._user(write=True)), user
 
     def h_preupload(self, body: bytes, repo: str, rev: str) -> None:
         with self.hub.lock:
@@ -786,7 +813,7 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def h_lfs_batch(self, body: bytes, repo: str) -> None:
         with self.hub.lock:
-            self.hub.writable_repo(repo, self._user())
+            self.hub.writable_repo(repo, self._user(write=True))
         objects = []
         for obj in json.loads(body)["objects"]:
             entry = {"oid": obj["oid"], "size": obj["size"], "authenticated": True}

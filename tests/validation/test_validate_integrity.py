@@ -2,8 +2,10 @@ import json
 import shutil
 
 import pytest
-from helpers import cli
+from helpers import MTP, cli
 
+from mxforge.cli.main import main
+from mxforge.provenance import RUN_STATE_NAME
 from mxforge.validation.validate import validate_checkpoint
 
 
@@ -62,6 +64,38 @@ def test_missing_shard_orphans_and_truncation(ckpt):
 def test_cannot_run_exits_2(tmp_path):
     proc = cli("validate", str(tmp_path))
     assert proc.returncode == 2 and "no config.json" in proc.stderr
+
+
+def test_a_truncated_shard_is_one_problem_said_once(ckpt):
+    """A truncated shard is one problem with one remedy, listed once for every release it fails (not once per
+    release range), and the MTP layer it holds is not called missing: re-injecting it would be wrong advice."""
+    shard = ckpt / "model-00003-of-00003.safetensors"
+    assert any(n.startswith(f"model.layers.{MTP}.") and s == shard.name for n, s in _index(ckpt)["weight_map"].items())
+    shard.write_bytes(shard.read_bytes()[:1000])
+    report = validate_checkpoint(ckpt)
+    [problem] = report.problems
+    assert problem.subject == shard.name and "truncated" in problem.message
+    assert problem.remedy == "re-download or re-create the shard" and "re-download" not in problem.message
+    verdict = report.verdict()
+    assert verdict == (
+        "FAILS: sglang 0.5.9-0.5.23, vllm 0.30.0-0.33.0 (1 problem(s): model-00003-of-00003.safetensors; "
+        "re-download or re-create the shard)"
+    )
+    assert not any("re-inject" in n or "missing" in n for n in report.notes), report.notes
+    assert f"MTP layer {MTP} cannot be judged: its tensors are in {shard.name}" in " ".join(report.notes)
+    assert report.format().count(shard.name) == 3  # the verdict, the MTP note and the problem itself
+
+
+def test_validate_of_a_run_directory_points_at_its_checkpoint(tiny_ckpt, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_ckpt, run / "mxfp4")
+    (run / RUN_STATE_NAME).write_text("{}")
+    assert main(["validate", str(run)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"mxforge validate: error: {run}: an `mxforge run` working directory") and line.endswith(
+        f"pass that instead (mxforge validate {run / 'mxfp4'} ...)"
+    )
+    assert main(["validate", str(run / "mxfp4")]) == 0
 
 
 def test_tensor_listed_twice_in_the_index(ckpt):
