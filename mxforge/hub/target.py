@@ -19,7 +19,7 @@ from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
 from mxforge.errors import HubError
 from mxforge.hub.errors import check_repo_id, hub_endpoint, raise_as_hub_error
-from mxforge.hub.session import HubLimits, use_hub_limits
+from mxforge.hub.session import HubLimits, retrying, use_hub_limits
 from mxforge.redaction import redact
 
 
@@ -54,10 +54,11 @@ def check_push_target(repo_id: str, *, private: bool = False, limits: HubLimits 
             f"{fail}: no Hub token is configured; set HF_TOKEN (or run `hf auth login`) to a token with write "
             f"access to {namespace!r}, then rerun (nothing was uploaded)"
         )
-    use_hub_limits(limits or HubLimits.resolve())
+    limits = limits or HubLimits.resolve()
+    use_hub_limits(limits)
     api = HfApi()
-    try:
-        me = api.whoami()
+    try:  # every request here is a read: retried after a transient failure (session.retrying)
+        me = retrying(api.whoami, limits)
     except Exception as e:
         raise_as_hub_error(e, repo_id=repo_id, action="check the token for a push to")
         raise
@@ -82,7 +83,7 @@ def check_push_target(repo_id: str, *, private: bool = False, limits: HubLimits 
         )
     target = PushTarget(repo_id, user, exists=False, private=None)
     try:
-        info = api.model_info(repo_id)
+        info = retrying(lambda: api.model_info(repo_id), limits)
     except GatedRepoError:  # exists, and the token may not even read it
         raise HubError(f"{fail}: the repo exists and is gated; the token of {user!r} has no access to it") from None
     except RepositoryNotFoundError:
@@ -98,7 +99,7 @@ def check_push_target(repo_id: str, *, private: bool = False, limits: HubLimits 
         )
     if "write" in inspect.signature(api.auth_check).parameters:  # huggingface_hub versions that can ask
         try:
-            api.auth_check(repo_id, write=True)
+            retrying(lambda: api.auth_check(repo_id, write=True), limits)
         except Exception as e:
             raise_as_hub_error(e, repo_id=repo_id, action="push to")
             raise HubError(redact(f"{fail}: the Hub refused write access ({type(e).__name__})")) from None

@@ -59,7 +59,12 @@ def _check(hub, tmp_path, repo_id: str, token: str | None = TOKEN, private: bool
         ("zai/glm-tiny", TOKEN, False, "belongs to 'alice' (organizations: crew, lab, team), which cannot create or"),
         ("alice/new", OTHER_TOKEN, False, "belongs to 'bob' (no organizations)"),
         ("team/new", TOKEN, False, "'alice' may only read in the organization 'team'"),
-        ("crew/model", TOKEN, False, "forbids push to crew/model (HTTP 403)"),  # the Hub's auth_check says no
+        (
+            "crew/model",
+            TOKEN,
+            False,
+            "does not allow you to push to crew/model (HTTP 403)",
+        ),  # the Hub's auth_check says no
         ("alice/public", TOKEN, True, "alice/public exists and is public, and a push does not change that"),
     ],
 )
