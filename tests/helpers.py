@@ -5,6 +5,7 @@ from conftest.py or from each other."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import subprocess
@@ -16,6 +17,19 @@ from mxforge.models import family_named
 GLM5 = family_named("glm_moe_dsa")  # the family the shared fixtures below belong to
 
 REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+
+
+def load_script(name: str):
+    """A module of scripts/ (they import their siblings by bare name, so scripts/ goes on the path)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None, name
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 MTP = 7  # the tiny fixture's num_hidden_layers: its MTP layer
 # AMD's published GLM-5.2 MXFP4 exclusions (glm-5.2.md): attention, routers, lm_head, dense MLPs ...
@@ -87,6 +101,16 @@ def run_cli(
     if check and proc.returncode != 0:
         raise AssertionError(f"mxforge {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def push_run_args(source: str, out: Path, repo: str, *extra: str) -> list[str]:
+    """`mxforge run SOURCE OUT --push REPO --quiet` and `extra`: a run that pushes, without progress bars."""
+    return ["run", source, str(out), "--push", repo, "--quiet", *extra]
+
+
+def run_push(source: str, out: Path, repo: str, *extra: str, env: dict) -> subprocess.CompletedProcess:
+    """`mxforge run ... --push REPO` (push_run_args) in its own process, its report on stdout (--json -)."""
+    return run_cli(*push_run_args(source, out, repo, "--json", "-", *extra), env=env, timeout=600)
 
 
 # What huggingface_hub reads once, at import: a Hub command runs in its own process (run_cli with hub_env).
