@@ -62,14 +62,7 @@ OTHER_TOKEN = "hf_otherUserToken9876543210"
 def hub_env(hub, tmp_path: Path, token: str | None = TOKEN, **extra: str) -> dict:
     """The environment that points the mxforge command (huggingface_hub) at a loopback Hub, as `token`'s
     owner (None: anonymous), plus `extra` variables."""
-    return {
-        "HF_ENDPOINT": hub.endpoint,
-        "HF_HOME": str(tmp_path / "hf_home"),
-        "HF_HUB_DISABLE_XET": "1",
-        "HF_TOKEN": token or "",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        **extra,
-    }
+    return hub.client_env(tmp_path / "hf_home", token, **extra)
 
 
 def _without_root_overrides() -> None:

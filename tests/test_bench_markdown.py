@@ -40,6 +40,6 @@ def test_write_markdown_replaces_the_file_whole(tmp_path):
 @pytest.mark.parametrize("script", sorted(p.stem for p in SCRIPTS.glob("bench_*.py") if p.stem != "bench_markdown"))
 def test_every_bench_script_can_write_its_tables(script):
     source = (SCRIPTS / f"{script}.py").read_text()
-    assert "add_markdown_option(" in source and "write_markdown(args.markdown, lines)" in source, (
+    assert "add_markdown_option(" in source and "emit_report(args, lines" in source, (
         f"scripts/{script}.py: give it --markdown FILE (scripts/bench_markdown.py) for docs/benchmarks.md"
     )
