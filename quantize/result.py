@@ -47,6 +47,15 @@ class FlatRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FiguresRecord(FlatRecord):
+    """Integer figures of a report: each reads back as 0 where it is not recorded."""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Self:
+        return cls(**read_fields(cls, d, read_count))
+
+
+@dataclass(frozen=True, kw_only=True)
 class CountsRecord(FlatRecord):
     """Counts recorded together: read back whole or not at all (None: an older or damaged record)."""
 

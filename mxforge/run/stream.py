@@ -33,10 +33,10 @@ from mxforge.file_hashes import FileHash, HashCache, file_hash
 from mxforge.progress import byte_progress, format_bytes
 from mxforge.provenance import QUANTIZE_STATE_NAME, SOURCE_NAME, carried_files, carried_from, fetched_patterns
 from mxforge.quantize.result import (
+    FiguresRecord,
     FlatRecord,
     TensorCounts,
     read_count,
-    read_fields,
     read_int,
     read_num,
     read_obj,
@@ -131,7 +131,7 @@ class StageFigures(FlatRecord):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DiskPlan(FlatRecord):
+class DiskPlan(FiguresRecord):
     """What a streamed run adds to disk at its peak (plan_disk), against what is there and free."""
 
     source_bytes: int
@@ -142,21 +142,13 @@ class DiskPlan(FlatRecord):
     on_disk_bytes: int
     free_bytes: int
 
-    @classmethod
-    def from_dict(cls, d: Any) -> DiskPlan:
-        return cls(**read_fields(cls, d, read_count))
-
 
 @dataclass(frozen=True, kw_only=True)
-class StreamShards(FlatRecord):
+class StreamShards(FiguresRecord):
     total: int
     streamed_now: int
     done_earlier: int
     quantized_earlier: int
-
-    @classmethod
-    def from_dict(cls, d: Any) -> StreamShards:
-        return cls(**read_fields(cls, d, read_count))
 
 
 @dataclass(kw_only=True)
