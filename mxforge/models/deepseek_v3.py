@@ -17,20 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mxforge.models.family import Family
-from mxforge.models.layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors, mtp_own_head_tensors
+from mxforge.models.layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors
 from mxforge.models.tensor_kinds import LINEAGE_KIND_RULES, compile_rules
 
 
 @dataclass(frozen=True)
 class DeepseekV3Layout(MoeLayout):
     REQUIRED_FIELDS = LINEAGE_FIELDS + MLA_FIELDS
+    MTP_OWN_HEAD = True  # the MTP module's shared_head holds its own output head; it has its own embedding
 
     def attention_tensors(self, layer: int) -> list[Spec]:
         return mla_tensors(self.config)
-
-    def mtp_head_tensors(self) -> list[Spec]:
-        """The MTP module's shared_head (norm and its own output head) and its own copy of the embedding."""
-        return mtp_own_head_tensors(self.config)
 
 
 # The MTP layer's embedding and output head are embeddings, as the model's own are.

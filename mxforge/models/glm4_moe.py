@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from mxforge.models.deepseek_v3 import KIND_RULES
 from mxforge.models.family import Family
-from mxforge.models.layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec, mtp_own_head_tensors
+from mxforge.models.layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Glm4MoeLayout(MoeLayout):
     # lm_head.weight / model.embed_tokens.weight into them, sglang's NextN worker gives the draft the target's
     # (tests/validation/test_mtp_own_head.py runs and reads that code of every release).
     OMITTABLE_MTP_TENSORS = ("embed_tokens.weight", "shared_head.head.weight")
+    MTP_OWN_HEAD = True  # GLM-4.5's MTP layer stores its own shared_head.head and embed_tokens
 
     @property
     def head_dim(self) -> int:
@@ -60,10 +61,6 @@ class Glm4MoeLayout(MoeLayout):
         if c.get("use_qk_norm", False):
             out += [("self_attn.q_norm.weight", (d,), "BF16"), ("self_attn.k_norm.weight", (d,), "BF16")]
         return out
-
-    def mtp_head_tensors(self) -> list[Spec]:
-        """The MTP layer's shared_head (norm and its own output head) and its own copy of the embedding."""
-        return mtp_own_head_tensors(self.config)
 
 
 FAMILY = Family(
