@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mxforge.models.deepseek_v3 import FAMILY as DEEPSEEK_V3
 from mxforge.models.deepseek_v3 import KIND_RULES
 from mxforge.models.family import Family
 from mxforge.models.layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec
@@ -69,8 +70,7 @@ FAMILY = Family(
     architectures=("Glm4MoeForCausalLM",),
     model_types=("glm4_moe",),
     layout=Glm4MoeLayout,
-    reference_config="models/glm-4.5.config.json",
-    fixtures="models/glm-4.5.fixtures.toml",
+    manifest="glm-4.5",
     recipes=("glm-4.5-mxfp4", "glm-4.5-mxfp4-mtp-bf16"),
     kind_rules=KIND_RULES,
     inventory_source="zai-org/GLM-4.5 config.json; transformers' glm4_moe and sglang's Glm4MoeForCausalLMNextN for the "
@@ -83,6 +83,6 @@ FAMILY = Family(
     # #397). The release's `ignore` list could not be read here: assumed the modules DeepSeek's FP8 release keeps
     # bf16 (router, eh_proj, embeddings, heads), which compressed-tensors' Linear targets also leave out.
     fp8_format="compressed-tensors-channel",
-    fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|shared_head\.head)\.weight$",
+    fp8_bf16_weights=DEEPSEEK_V3.fp8_bf16_weights,
 )
 Glm4MoeLayout.family = FAMILY
