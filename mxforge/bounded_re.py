@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from mxforge.errors import ConfigError
 
@@ -217,25 +217,30 @@ class BoundedPattern:
                 out.append(i)
         return frozenset(out)
 
-    def _tests_from(self, core: frozenset[int]) -> tuple[int, ...]:
-        """The position tests the places in `core` can reach without consuming (all that its meaning depends on)."""
-        found = self._relevant.get(core)
-        if found is not None:
-            return found
+    def _reach(self, core: frozenset[int], context: frozenset[int] | None) -> Iterator[tuple]:
+        """Each state reachable from `core` without consuming, once: splits followed, and a position test where
+        `context` holds it (every one where `context` is None). The walk is charged to the budget when it ends."""
         seen: set[int] = set()
-        todo, tests = list(core), []
+        todo = list(core)
         while todo:
             i = todo.pop()
             if i in seen:
                 continue
             seen.add(i)
             state = self._states[i]
+            yield state
             if state[0] == _SPLIT:
                 todo += (state[1], state[2])
-            elif state[0] == _ASSERT:
-                tests.append(state[1])
+            elif state[0] == _ASSERT and (context is None or state[1] in context):
                 todo.append(state[2])
         self._spend(len(seen))
+
+    def _tests_from(self, core: frozenset[int]) -> tuple[int, ...]:
+        """The position tests the places in `core` can reach without consuming (all that its meaning depends on)."""
+        found = self._relevant.get(core)
+        if found is not None:
+            return found
+        tests = [state[1] for state in self._reach(core, None) if state[0] == _ASSERT]
         found = self._relevant[core] = tuple(sorted(tests))
         return found
 
@@ -246,27 +251,13 @@ class BoundedPattern:
         found = self._expanded.get(key)
         if found is not None:
             return found
-        seen: set[int] = set()
-        todo = list(core)
         chars: list[tuple[int, int]] = []
         accepting = False
-        while todo:
-            i = todo.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            state = self._states[i]
-            kind = state[0]
-            if kind == _CHAR:
+        for state in self._reach(core, context):
+            if state[0] == _CHAR:
                 chars.append((state[1], state[2]))
-            elif kind == _SPLIT:
-                todo += (state[1], state[2])
-            elif kind == _ASSERT:
-                if state[1] in context:
-                    todo.append(state[2])
-            else:
+            elif state[0] not in (_SPLIT, _ASSERT):
                 accepting = True
-        self._spend(len(seen))
         found = (tuple(sorted(chars)), accepting)
         self._expanded[key] = found
         return found

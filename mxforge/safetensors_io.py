@@ -13,7 +13,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Mapping
+from typing import BinaryIO, Callable, Iterable, Mapping
 
 from mxforge.errors import CheckpointError
 
@@ -108,25 +108,32 @@ class HeaderBudget:
 
     def charge_bytes(self, where, n: int) -> None:
         """Count a header of `n` bytes, before it is read."""
-        with self._lock:
-            if self.bytes + n > self.max_bytes:
-                raise CheckpointError(
-                    f"{where}: its {n:,}-byte header would bring the checkpoint's headers to "
-                    f"{self.bytes + n:,} bytes, over the {self.max_bytes:,} mxforge reads (about 10x the largest "
-                    "real checkpoint's): the checkpoint is corrupt or hostile"
-                )
-            self.bytes += n
+        self._charge(
+            "bytes",
+            n,
+            self.max_bytes,
+            lambda total: f"{where}: its {n:,}-byte header would bring the checkpoint's headers to {total:,} bytes",
+        )
 
     def charge_tensors(self, where, n: int) -> None:
         """Count `n` tensors (before their entries are parsed, `n` an upper bound)."""
+        self._charge(
+            "tensors",
+            n,
+            self.max_tensors,
+            lambda total: f"{where}: its header would bring the checkpoint to {total:,} tensors",
+        )
+
+    def _charge(self, counter: str, n: int, limit: int, over: Callable[[int], str]) -> None:
+        """Add `n` to the `counter` attribute, or raise (`over(the new total)` says what would go over `limit`)."""
         with self._lock:
-            if self.tensors + n > self.max_tensors:
+            total = getattr(self, counter) + n
+            if total > limit:
                 raise CheckpointError(
-                    f"{where}: its header would bring the checkpoint to {self.tensors + n:,} tensors, over the "
-                    f"{self.max_tensors:,} mxforge reads (about 10x the largest real checkpoint's): the "
-                    "checkpoint is corrupt or hostile"
+                    f"{over(total)}, over the {limit:,} mxforge reads (about 10x the largest real checkpoint's): "
+                    "the checkpoint is corrupt or hostile"
                 )
-            self.tensors += n
+            setattr(self, counter, total)
 
     def refund_tensors(self, n: int) -> None:
         with self._lock:

@@ -6,8 +6,8 @@ recorded"); a value of the wrong type reads as None too: a record is a descripti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Self
 
 
 # Readers of a recorded JSON value, for the from_dict of every stage result: the value if of the type, else None.
@@ -19,6 +19,11 @@ def read_int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def read_count(v: Any) -> int:
+    """A recorded count: 0 where it is missing or not an integer."""
+    return read_int(v) or 0
+
+
 def read_num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
@@ -27,8 +32,41 @@ def read_obj(v: Any) -> dict:
     return v if isinstance(v, dict) else {}
 
 
+def read_fields(cls: type, d: Any, read: Callable[[Any], Any]) -> dict[str, Any]:
+    """Each field of the dataclass `cls`, read from the recorded object `d` by `read` (a read_* above)."""
+    d = read_obj(d)
+    return {f.name: read(d.get(f.name)) for f in fields(cls)}
+
+
 @dataclass(frozen=True, kw_only=True)
-class RecipeRecord:
+class FlatRecord:
+    """A record whose JSON object is its fields, by name, in their declared order (scalars only)."""
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FiguresRecord(FlatRecord):
+    """Integer figures of a report: each reads back as 0 where it is not recorded."""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Self:
+        return cls(**read_fields(cls, d, read_count))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CountsRecord(FlatRecord):
+    """Counts recorded together: read back whole or not at all (None: an older or damaged record)."""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Self | None:
+        values = read_fields(cls, d, read_int)
+        return None if None in values.values() else cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeRecord(FlatRecord):
     """The recipe a checkpoint was quantized with (quantize/recipe.py)."""
 
     name: str | None
@@ -38,54 +76,25 @@ class RecipeRecord:
     format: str | None  # the element format's registry name (mxforge/formats)
     scale_rule: str | None
 
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "sha256": self.sha256,
-            "source": self.source,
-            "scheme": self.scheme,
-            "format": self.format,
-            "scale_rule": self.scale_rule,
-        }
-
     @classmethod
     def from_dict(cls, d: Any) -> RecipeRecord:
-        d = read_obj(d)
-        return cls(**{k: read_str(d.get(k)) for k in ("name", "sha256", "source", "scheme", "format", "scale_rule")})
+        return cls(**read_fields(cls, d, read_str))
 
 
 @dataclass(frozen=True, kw_only=True)
-class TensorCounts:
+class TensorCounts(CountsRecord):
     """Source tensors by fate: MXFP4, 2-D weights kept, others copied byte for byte."""
 
     quantized: int
     kept: int
     copied: int
 
-    def as_dict(self) -> dict:
-        return {"quantized": self.quantized, "kept": self.kept, "copied": self.copied}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> TensorCounts | None:
-        d = read_obj(d)
-        values = {k: read_int(d.get(k)) for k in ("quantized", "kept", "copied")}
-        return None if None in values.values() else cls(**values)  # type: ignore[arg-type]
-
 
 @dataclass(frozen=True, kw_only=True)
-class ShardCounts:
+class ShardCounts(CountsRecord):
     total: int
     quantized_now: int
     skipped_complete: int  # complete and still valid from an earlier run
-
-    def as_dict(self) -> dict:
-        return {"total": self.total, "quantized_now": self.quantized_now, "skipped_complete": self.skipped_complete}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> ShardCounts | None:
-        d = read_obj(d)
-        values = {k: read_int(d.get(k)) for k in ("total", "quantized_now", "skipped_complete")}
-        return None if None in values.values() else cls(**values)  # type: ignore[arg-type]
 
 
 @dataclass(kw_only=True)

@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quantize  # noqa: E402
-from bench_markdown import add_markdown_option, write_markdown  # noqa: E402
+from bench_markdown import add_markdown_option, emit_report  # noqa: E402
 from bench_quantize import run_measured, warm, weight_bytes  # noqa: E402
 
 QUARK_FP8_SNIPPET = bench_quantize.QUARK_SNIPPET  # the same file-to-file call, on the FP8 source
@@ -263,10 +263,7 @@ def main() -> None:
         f"{numerics['weights']} weights: {100 * numerics['codes_differing']:.3f}% of codes, "
         f"{100 * numerics['scales_differing']:.3f}% of scales differ"
     )
-    print("\n".join(lines))
-    write_markdown(args.markdown, lines)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    emit_report(args, lines, report)
 
 
 if __name__ == "__main__":

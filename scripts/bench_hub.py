@@ -18,7 +18,7 @@ from pathlib import Path
 
 # The loopback Hub and the Quark-style writer are test code (tests/support/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-from bench_markdown import add_markdown_option, table, write_markdown  # noqa: E402
+from bench_markdown import add_markdown_option, emit_report, table  # noqa: E402
 
 
 def main() -> int:
@@ -69,8 +69,7 @@ def main() -> int:
             ),
             f"time mxforge / huggingface_hub: {t_mx / t_hf:.2f}x",
         ]
-        print("\n".join(lines))
-        write_markdown(args.markdown, lines)
+        emit_report(args, lines)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

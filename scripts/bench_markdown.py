@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -66,3 +67,12 @@ def write_markdown(path: Path | None, lines: list[str], argv: list[str] | None =
     tmp = path.with_name(path.name + ".partial")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def emit_report(args: argparse.Namespace, lines: list[str], figures: object = None) -> None:
+    """Print the report's lines, write them as a docs block to --markdown, and `figures` as JSON to --json (for
+    scripts that have --json), each where given."""
+    print("\n".join(lines))
+    write_markdown(args.markdown, lines)
+    if getattr(args, "json", None) and figures is not None:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_markdown import add_markdown_option, write_markdown
+from bench_markdown import add_markdown_option, emit_report
 
 from mxforge.file_hashes import file_hash
 
@@ -268,10 +268,7 @@ def main() -> None:
             f"config.json {same.get('config.json')}, other files: "
             + ", ".join(f"{k} {v}" for k, v in same.items() if not k.endswith(".safetensors") and k != "config.json")
         )
-    print("\n".join(lines))
-    write_markdown(args.markdown, lines)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    emit_report(args, lines, report)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 # The loopback Hub and the Quark-style writer are test code (tests/support/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-from bench_markdown import add_markdown_option, table, write_markdown  # noqa: E402
+from bench_markdown import add_markdown_option, emit_report, table  # noqa: E402
 from bench_validate import AMD_WITH_MTP  # noqa: E402
 from loopback_hub import LoopbackHub  # noqa: E402
 from quark_like import write_quark_like  # noqa: E402
@@ -123,10 +123,7 @@ def main() -> int:
             align="rrrrrrrl",
         ),
     ]
-    print("\n".join(lines))
-    write_markdown(args.markdown, lines)
-    if args.json:
-        args.json.write_text(json.dumps({"benchmark": "remote validate", "results": rows}, indent=2) + "\n")
+    emit_report(args, lines, {"benchmark": "remote validate", "results": rows})
     return 0 if rows["same_verdict_as_local"] and rows["fraction"] < 0.02 else 1
 
 

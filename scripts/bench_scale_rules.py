@@ -19,7 +19,6 @@ constraint keeps the CPU torch); without it, its row says why.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_markdown import add_markdown_option, write_markdown
+from bench_markdown import add_markdown_option, emit_report
 from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
@@ -187,12 +186,7 @@ def main() -> None:
         else:
             line += "- | - | - | - |"
         lines.append(line)
-    print("\n".join(lines))
-    write_markdown(args.markdown, lines)
-    if args.json:
-        args.json.write_text(
-            json.dumps({"tensors": len(weights), "bytes": size, "threads": args.threads, "results": results}, indent=2)
-        )
+    emit_report(args, lines, {"tensors": len(weights), "bytes": size, "threads": args.threads, "results": results})
 
 
 if __name__ == "__main__":

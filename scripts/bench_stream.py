@@ -29,7 +29,7 @@ from mxforge.provenance import PUBLISHED_RECORDS
 
 # The loopback Hub and the Quark-style writer are test code (tests/support/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-from bench_markdown import add_markdown_option, write_markdown  # noqa: E402
+from bench_markdown import add_markdown_option, emit_report  # noqa: E402
 
 TOKEN = "hf_benchStreamToken"
 PROVENANCE = {"README.md", *PUBLISHED_RECORDS}
@@ -121,15 +121,8 @@ def main() -> int:
         write_fixture(src, "bench", seed=0, gib=args.gib, quiet=True)
     hub = LoopbackHub(work / "hub", tokens={TOKEN: "bench"})
     hub.add_repo_from_dir("zai/bench", src)
-    endpoint = hub.start()
-    env = {
-        **os.environ,
-        "HF_ENDPOINT": endpoint,
-        "HF_TOKEN": TOKEN,
-        "HF_HOME": str(work / "hf_home"),
-        "HF_HUB_DISABLE_XET": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
+    hub.start()
+    env = {**os.environ, **hub.client_env(work / "hf_home", TOKEN)}
     source_bytes = sum(f.stat().st_size for f in src.iterdir() if f.is_file())
     w = str(args.workers)
     try:
@@ -212,22 +205,15 @@ def main() -> int:
             f"{r['downloaded_bytes'] / 1e9:.2f} | {r['uploaded_bytes'] / 1e9:.2f} | "
             f"{r['same_checkpoint_as_sequential']} |"
         )
-    print("\n".join(lines))
-    write_markdown(args.markdown, lines)
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "source_bytes": source_bytes,
-                    "output_bytes": output_bytes,
-                    "link": {"down_mbps": args.down_mbps, "up_mbps": args.up_mbps},
-                    "workers": args.workers,
-                    "stages_alone_s": stages,
-                    "modes": rows,
-                },
-                indent=2,
-            )
-        )
+    figures = {
+        "source_bytes": source_bytes,
+        "output_bytes": output_bytes,
+        "link": {"down_mbps": args.down_mbps, "up_mbps": args.up_mbps},
+        "workers": args.workers,
+        "stages_alone_s": stages,
+        "modes": rows,
+    }
+    emit_report(args, lines, figures)
     return 0
 
 

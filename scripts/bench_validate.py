@@ -17,7 +17,6 @@ restored between runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_markdown import add_markdown_option, table, write_markdown
+from bench_markdown import add_markdown_option, emit_report, table
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.fixups.fixup import fixup_checkpoint
@@ -142,12 +141,7 @@ def main() -> int:
         f"{rows['fixup_globs']['exclude_entries_after']:,} exact entries (names + aliases): {fixup_s:.3f} s "
         "(every engine release range)",
     ]
-    print("\n".join(lines))
-    write_markdown(args.markdown, lines)
-    if args.json:
-        args.json.write_text(
-            json.dumps({"benchmark": "validate", "repeat": args.repeat, "results": rows}, indent=2) + "\n"
-        )
+    emit_report(args, lines, {"benchmark": "validate", "repeat": args.repeat, "results": rows})
     return 0 if all(r.get("under_target", True) for r in rows.values()) else 1
 
 

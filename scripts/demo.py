@@ -55,13 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_repo_from_dir(SOURCE_REPO, source_dir)
     endpoint = hub.start()
     print(f"loopback Hub at {endpoint} serving {SOURCE_REPO}", flush=True)
-    env = {
-        "HF_ENDPOINT": endpoint,
-        "HF_TOKEN": DEMO_TOKEN,
-        "HF_HOME": str(out / "hf_home"),
-        "HF_HUB_DISABLE_XET": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
+    env = hub.client_env(out / "hf_home", DEMO_TOKEN)
     try:
         rc = mxforge("run", SOURCE_REPO, str(run_dir), "--push", TARGET_REPO, "--quiet", env=env)
         if rc == 0:

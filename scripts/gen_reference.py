@@ -98,15 +98,19 @@ def _mtp_layers(family: Family) -> str:
     return ", ".join(f"`model.layers.{first + i}`" for i in range(count)) or "none"
 
 
+def _section(title: str, intro: str) -> list[str]:
+    """A section's opening lines: its `##` title, then the paragraph that says what its tables hold."""
+    return [f"## {title}", "", intro, ""]
+
+
 def _engine_releases() -> list[str]:
-    out = ["## Engine releases", ""]
-    out.append(
+    out = _section(
+        "Engine releases",
         "One profile per range of releases that decide alike (`manifests/engines/<profile>.toml`; later profiles "
         "`extends` an earlier one and state only what changed). `read` lists the releases whose wheels were "
         "executed by the conformance suite; `--engines` accepts an engine, a profile name or a version "
-        "specifier within these ranges, and a release outside them is refused."
+        "specifier within these ranges, and a release outside them is refused.",
     )
-    out.append("")
     rows = []
     for name in profile_names():
         built = [load_profile(name, f) for f in FAMILIES if not unsupported_reason(name, f)]
@@ -129,12 +133,11 @@ def _engine_releases() -> list[str]:
 
 
 def _families() -> list[str]:
-    out = ["## Model families", ""]
-    out.append(
+    out = _section(
+        "Model families",
         "A checkpoint's family is chosen from `config.json` (`architectures[0]`, else `model_type`); "
-        "`mxforge fixture --family` takes the family name. The first recipe is the family's default."
+        "`mxforge fixture --family` takes the family name. The first recipe is the family's default.",
     )
-    out.append("")
     rows = []
     for f in FAMILIES:
         rows.append(
@@ -204,16 +207,15 @@ def _fusion(p: EngineProfile) -> str:
 
 
 def _per_family_rules() -> list[str]:
-    out = ["## How each release builds each family", ""]
-    out.append(
+    out = _section(
+        "How each release builds each family",
         "The profile fields validate and fixup act on, per family (what they mean: "
         "[engines.md](engines.md)). *exclude read*: `raw` (quantization_config's list as written) or `mapped` "
         "(after the draft's name mapper); *MTP entries remapped*: `model.layers.N.X` entries also reach the draft "
         "under its names; *whole-draft switch*: excluding `model.layers.N` itself builds the whole draft "
         "unquantized; *fused name first*: an entry naming a fused module excludes it (else only its shards' "
-        "entries decide); *expert child entries*: any `<layer>.mlp.experts.*` entry excludes the experts."
+        "entries decide); *expert child entries*: any `<layer>.mlp.experts.*` entry excludes the experts.",
     )
-    out.append("")
     for f in FAMILIES:
         out.append(f"### `{f.name}` ({f.title})")
         out.append("")
@@ -276,12 +278,11 @@ def _per_family_rules() -> list[str]:
 
 
 def _serving() -> list[str]:
-    out = ["## Serving commands", ""]
-    out.append(
+    out = _section(
+        "Serving commands",
         "What validate prints to serve a checkpoint with MTP speculative decoding (`{model}` and `{tp}` filled "
-        "in; a release that needs it gets the fusion flag appended)."
+        "in; a release that needs it gets the fusion flag appended).",
     )
-    out.append("")
     rows = []
     for name in profile_names():
         builds = [f for f in FAMILIES if not unsupported_reason(name, f)]
@@ -292,13 +293,12 @@ def _serving() -> list[str]:
 
 
 def _recipes() -> list[str]:
-    out = ["## Recipes", ""]
-    out.append(
+    out = _section(
+        "Recipes",
         "Shipped recipes (`manifests/recipes/<name>.toml`; `--recipe NAME`, or any recipe TOML by its path). "
         "`[[keep]]` rules win over `[[quantize]]` rules; a weight no rule selects stays bf16, and so does "
-        f"every tensor that is not a 2-D linear weight. Layer scopes: {', '.join(_code(s) for s in LAYER_SCOPES)}."
+        f"every tensor that is not a 2-D linear weight. Layer scopes: {', '.join(_code(s) for s in LAYER_SCOPES)}.",
     )
-    out.append("")
     default_of = {f.default_recipe: f.name for f in FAMILIES}
     family_of = {r: f.name for f in FAMILIES for r in f.recipes}
     rows = []

@@ -5,6 +5,7 @@ from conftest.py or from each other."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import subprocess
@@ -16,6 +17,19 @@ from mxforge.models import family_named
 GLM5 = family_named("glm_moe_dsa")  # the family the shared fixtures below belong to
 
 REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+
+
+def load_script(name: str):
+    """A module of scripts/ (they import their siblings by bare name, so scripts/ goes on the path)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None, name
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 MTP = 7  # the tiny fixture's num_hidden_layers: its MTP layer
 # AMD's published GLM-5.2 MXFP4 exclusions (glm-5.2.md): attention, routers, lm_head, dense MLPs ...
@@ -48,14 +62,7 @@ OTHER_TOKEN = "hf_otherUserToken9876543210"
 def hub_env(hub, tmp_path: Path, token: str | None = TOKEN, **extra: str) -> dict:
     """The environment that points the mxforge command (huggingface_hub) at a loopback Hub, as `token`'s
     owner (None: anonymous), plus `extra` variables."""
-    return {
-        "HF_ENDPOINT": hub.endpoint,
-        "HF_HOME": str(tmp_path / "hf_home"),
-        "HF_HUB_DISABLE_XET": "1",
-        "HF_TOKEN": token or "",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        **extra,
-    }
+    return hub.client_env(tmp_path / "hf_home", token, **extra)
 
 
 def _without_root_overrides() -> None:
@@ -87,6 +94,16 @@ def run_cli(
     if check and proc.returncode != 0:
         raise AssertionError(f"mxforge {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def push_run_args(source: str, out: Path, repo: str, *extra: str) -> list[str]:
+    """`mxforge run SOURCE OUT --push REPO --quiet` and `extra`: a run that pushes, without progress bars."""
+    return ["run", source, str(out), "--push", repo, "--quiet", *extra]
+
+
+def run_push(source: str, out: Path, repo: str, *extra: str, env: dict) -> subprocess.CompletedProcess:
+    """`mxforge run ... --push REPO` (push_run_args) in its own process, its report on stdout (--json -)."""
+    return run_cli(*push_run_args(source, out, repo, "--json", "-", *extra), env=env, timeout=600)
 
 
 # What huggingface_hub reads once, at import: a Hub command runs in its own process (run_cli with hub_env).

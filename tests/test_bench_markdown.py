@@ -3,22 +3,8 @@ that produced the figures, then their tables, so that a figure in the docs is pa
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def load_script(name: str):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import SCRIPTS, load_script
 
 
 def test_bench_markdown_block():
@@ -54,6 +40,6 @@ def test_write_markdown_replaces_the_file_whole(tmp_path):
 @pytest.mark.parametrize("script", sorted(p.stem for p in SCRIPTS.glob("bench_*.py") if p.stem != "bench_markdown"))
 def test_every_bench_script_can_write_its_tables(script):
     source = (SCRIPTS / f"{script}.py").read_text()
-    assert "add_markdown_option(" in source and "write_markdown(args.markdown, lines)" in source, (
+    assert "add_markdown_option(" in source and "emit_report(args, lines" in source, (
         f"scripts/{script}.py: give it --markdown FILE (scripts/bench_markdown.py) for docs/benchmarks.md"
     )

@@ -6,14 +6,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-SCRIPTS = ROOT / "scripts"
 README = ROOT / "README.md"
 SCREEN = 50  # lines a newcomer sees without scrolling
 README_MAX_LINES = 200
@@ -56,16 +55,6 @@ def anchors(path: Path) -> set[str]:
             seen[base] = n + 1
             out.add(base if n == 0 else f"{base}-{n}")
     return out
-
-
-def load_script(name: str):
-    """A module of scripts/ (they import their siblings by bare name, so scripts/ goes on the path)."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_readme_fits_and_leads_with_install_quickstart_and_the_command():

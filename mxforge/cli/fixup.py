@@ -7,9 +7,8 @@ import argparse
 # mxforge.cli.main imports this module to build its COMMANDS table, so its helpers are imported inside the
 # functions below (at call time), never at import time.
 from mxforge.cli.support import (
-    add_engines_option,
-    add_json_option,
-    add_remote_options,
+    add_shared_options,
+    emit_exit,
     engines_arg,
     exit_codes_help,
     open_checkpoint_arg,
@@ -55,15 +54,11 @@ def register_fixup(sub) -> argparse.ArgumentParser:
         default=None,
         help="with --mtp-from: the recipe that quantizes the MTP layer: " + recipe_help("the family's default"),
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar (--mtp-from)")
-    add_remote_options(p)
-    add_engines_option(p)
-    add_json_option(p)
-    return p
+    return add_shared_options(p, quiet="no progress bar (--mtp-from)", remote=True, engines=True)
 
 
 def run_fixup(args) -> int:
-    from mxforge.cli.support import EXIT_OK, EXIT_PROBLEMS, emit, invocation
+    from mxforge.cli.support import invocation
     from mxforge.errors import ConfigError
     from mxforge.fixups.fixup import fixup_checkpoint
 
@@ -81,14 +76,13 @@ def run_fixup(args) -> int:
         quiet=args.quiet,
         command=invocation(),
     )
-    emit(result.as_dict(), args.json, result.format())
-    return EXIT_OK if not result.remaining else EXIT_PROBLEMS
+    return _emit_fixup(args, result)
 
 
 def _run_remote_fixup(args, source) -> int:
     """fixup of a Hub repo: --create-pr (or --dry-run) only; a repo cannot be edited in place."""
     from mxforge.checkpoint import is_local_source
-    from mxforge.cli.support import EXIT_OK, EXIT_PROBLEMS, emit, hub_limits, invocation
+    from mxforge.cli.support import hub_limits, invocation
     from mxforge.errors import MxforgeError
     from mxforge.fixups.fixup import fixup_checkpoint
 
@@ -107,13 +101,15 @@ def _run_remote_fixup(args, source) -> int:
             limits=hub_limits(args),
             command=invocation(),
         )
-        emit(pr.as_dict(), args.json, pr.format())
-        return EXIT_OK if not pr.fixup.remaining else EXIT_PROBLEMS
+        return emit_exit(pr.as_dict(), args.json, pr.format(), ok=not pr.fixup.remaining)
     if not args.dry_run:
         raise MxforgeError(
             f"{args.ckpt}: a Hub repo cannot be edited in place: pass --create-pr to propose the fix "
             "as a pull request, or --dry-run to see it"
         )
     result = fixup_checkpoint(source, engines_arg(args), dry_run=True, command=invocation())
-    emit(result.as_dict(), args.json, result.format())
-    return EXIT_OK if not result.remaining else EXIT_PROBLEMS
+    return _emit_fixup(args, result)
+
+
+def _emit_fixup(args, result) -> int:
+    return emit_exit(result.as_dict(), args.json, result.format(), ok=not result.remaining)

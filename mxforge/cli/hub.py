@@ -5,17 +5,7 @@ from __future__ import annotations
 import argparse
 
 # cli_support is light; heavy modules (huggingface_hub, hub I/O) are imported inside the functions, at call time.
-from mxforge.cli.support import (
-    EXIT_OK,
-    add_engines_option,
-    add_follow_symlinks_option,
-    add_hub_options,
-    add_json_option,
-    emit,
-    engines_arg,
-    hub_limits,
-    invocation,
-)
+from mxforge.cli.support import add_shared_options, emit_exit, engines_arg, hub_limits, invocation
 
 
 def _check_workers(workers: int) -> None:
@@ -32,11 +22,8 @@ def _quiet_hub(quiet: bool) -> None:
         disable_progress_bars()
 
 
-def _add_common_options(p: argparse.ArgumentParser, workers_help: str) -> None:
+def _add_workers_option(p: argparse.ArgumentParser, workers_help: str) -> None:
     p.add_argument("--workers", type=int, default=8, help=f"{workers_help} (default 8)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_hub_options(p)
-    add_json_option(p)
 
 
 def register_download(sub) -> argparse.ArgumentParser:
@@ -53,8 +40,8 @@ def register_download(sub) -> argparse.ArgumentParser:
     p.add_argument("--revision", default="main", help="branch, tag or commit sha (default main)")
     p.add_argument("--include", action="append", metavar="GLOB", help="download only files matching GLOB (repeatable)")
     p.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB (repeatable)")
-    _add_common_options(p, "parallel file downloads and hash threads")
-    return p
+    _add_workers_option(p, "parallel file downloads and hash threads")
+    return add_shared_options(p, quiet="no progress bars", hub=True)
 
 
 def run_download(args) -> int:
@@ -74,13 +61,12 @@ def run_download(args) -> int:
         command=invocation(),
     )
     report = r.as_dict()
-    emit(
+    return emit_exit(
         report,
         args.json,
         f"downloaded {r.repo_id}@{r.revision} (commit {r.commit}) to {r.dest}: {report['files']} files, "
         f"{report['bytes']:,} bytes, every hash verified against the Hub",
     )
-    return EXIT_OK
 
 
 def register_push(sub) -> argparse.ArgumentParser:
@@ -97,10 +83,10 @@ def register_push(sub) -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--branch", default=None, help="push to this branch (created from main if missing; default main)")
     p.add_argument("--force", action="store_true", help="push even though validate fails (the card says so)")
-    add_engines_option(p)
-    add_follow_symlinks_option(p, "and upload files of CKPT")
-    _add_common_options(p, "hash threads")
-    return p
+    _add_workers_option(p, "hash threads")
+    return add_shared_options(
+        p, quiet="no progress bars", follow_symlinks="and upload files of CKPT", hub=True, engines=True
+    )
 
 
 def run_push(args) -> int:
@@ -126,10 +112,9 @@ def run_push(args) -> int:
     )
     forced = " (FORCED past failed validation)" if r.forced else ""
     unquantized = " (NOT quantized: config.json has no quantization_config; --force)" if not r.quantized else ""
-    emit(
+    return emit_exit(
         r.as_dict(),
         args.json,
         f"pushed {args.ckpt}{unquantized} to {r.endpoint}/{r.repo_id} branch {r.branch} (commit {r.commit}){forced}: "
         f"{len(r.files)} files, every remote sha256 matches the local one",
     )
-    return EXIT_OK

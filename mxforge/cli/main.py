@@ -28,13 +28,11 @@ from mxforge.cli.support import (  # noqa: F401 (EXIT_* re-exported)
     EXIT_OK,
     EXIT_PROBLEMS,
     add_engines_option,
-    add_follow_symlinks_option,
-    add_hub_options,
-    add_json_option,
-    add_remote_options,
+    add_shared_options,
     default_recipes_help,
     emit,
     emit_error,
+    emit_exit,
     engines_arg,
     exit_codes_help,
     hub_limits,
@@ -87,9 +85,7 @@ def register_fixture(sub) -> argparse.ArgumentParser:
         default=None,
         help="bench only: approximate size in GiB of the bf16 layout (default 2; FP8 is about 0.6x)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_json_option(p)
-    return p
+    return add_shared_options(p, quiet="no progress bar")
 
 
 def run_fixture(args) -> int:
@@ -106,14 +102,13 @@ def run_fixture(args) -> int:
         family=args.family,
         precision=args.precision,
     )
-    emit(
+    return emit_exit(
         result.as_dict(),
         args.json,
         f"wrote {result.family} {result.precision} {result.preset} fixture to {result.out}: "
         f"{result.tensors:,} tensors, {result.shards} shards, total_size {result.total_size:,} bytes "
         f"(seed {result.seed})",
     )
-    return EXIT_OK
 
 
 # --- inspect ---------------------------------------------------------------------------------------
@@ -124,17 +119,14 @@ def register_inspect(sub) -> argparse.ArgumentParser:
         description="Summarize a checkpoint from its headers alone (no tensor data is read).",
     )
     p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
-    add_remote_options(p)
-    add_json_option(p)
-    return p
+    return add_shared_options(p, remote=True)
 
 
 def run_inspect(args) -> int:
     from mxforge.validation.inspect import format_inspect, inspect_checkpoint
 
     report = inspect_checkpoint(open_checkpoint_arg(args))
-    emit(report, args.json, format_inspect(report))
-    return EXIT_OK
+    return emit_exit(report, args.json, format_inspect(report))
 
 
 # --- dequantize ------------------------------------------------------------------------------------
@@ -150,10 +142,7 @@ def register_dequantize(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("ckpt", help="MXFP4 checkpoint directory (e.g. mxforge quantize's OUT)")
     p.add_argument("out", help="output directory: new, empty, or an earlier dequantize output (redone)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_follow_symlinks_option(p, "CKPT")
-    add_json_option(p)
-    return p
+    return add_shared_options(p, quiet="no progress bar", follow_symlinks="CKPT")
 
 
 def run_dequantize(args) -> int:
@@ -164,14 +153,13 @@ def run_dequantize(args) -> int:
     )
     for warning in r["warnings"]:
         print(f"mxforge dequantize: warning: {warning}", file=sys.stderr)
-    emit(
+    return emit_exit(
         r,
         args.json,
         f"dequantized {r['source']} -> {r['out']}: {r['dequantized']:,} MXFP4 weights to bf16, "
         f"{r['copied']:,} tensors copied, {r['shards']} shards; {r['bytes_out'] / 1e9:.2f} GB written in "
         f"{r['seconds']:.1f} s",
     )
-    return EXIT_OK
 
 
 # --- run -------------------------------------------------------------------------------------------
@@ -223,11 +211,7 @@ def register_run(sub) -> argparse.ArgumentParser:
         help="with --executor ray: the cluster to join (e.g. ray://head:10001 or auto; default: start a "
         "local Ray with --workers CPUs)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_follow_symlinks_option(p, "a local SOURCE")
-    add_hub_options(p)
-    add_json_option(p)
-    return p
+    return add_shared_options(p, quiet="no progress bars", follow_symlinks="a local SOURCE", hub=True)
 
 
 def run_run(args) -> int:
@@ -262,8 +246,7 @@ def run_run(args) -> int:
         emit(pipeline.report().as_dict(), args.json, format_run_summary(pipeline.report()))
         print(f"mxforge run: {e}", file=sys.stderr)
         return EXIT_PROBLEMS
-    emit(report.as_dict(), args.json, format_run_summary(report))
-    return EXIT_OK
+    return emit_exit(report.as_dict(), args.json, format_run_summary(report))
 
 
 COMMANDS: dict[str, tuple[Callable, Callable]] = {

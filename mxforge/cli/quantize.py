@@ -5,15 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mxforge.cli.support import (
-    EXIT_OK,
-    add_follow_symlinks_option,
-    add_json_option,
-    default_recipes_help,
-    emit,
-    invocation,
-    recipe_help,
-)
+from mxforge.cli.support import add_shared_options, default_recipes_help, emit_exit, invocation, recipe_help
 from mxforge.formats import DEFAULT_FORMAT, FORMATS, MXFP4, format_named
 from mxforge.quantize.scale_rules import SCALE_RULES
 
@@ -48,10 +40,7 @@ def register_quantize(sub) -> argparse.ArgumentParser:
         help="do not measure the quantization error while quantizing (its cost is measured in "
         "scripts/bench_quantize.py; the report, summary and model card then say 'not measured')",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_follow_symlinks_option(p, "SRC")
-    add_json_option(p)
-    return p
+    return add_shared_options(p, quiet="no progress bar", follow_symlinks="SRC")
 
 
 def add_scale_rule_option(p: argparse.ArgumentParser) -> None:
@@ -93,7 +82,7 @@ def run_quantize(args) -> int:
             "itself)",
             file=sys.stderr,
         )
-    emit(
+    return emit_exit(
         report.as_dict(),
         args.json,
         f"quantized {report.source} -> {report.out} with recipe {report.recipe.name}: "
@@ -104,4 +93,3 @@ def run_quantize(args) -> int:
         f"{report.seconds or 0:.1f} s; the checkpoint: {(report.bytes_in or 0) / 1e9:.2f} GB in, "
         f"{(report.bytes_out or 0) / 1e9:.2f} GB out\n{summary_line(report.error)}",
     )
-    return EXIT_OK

@@ -135,11 +135,43 @@ def add_follow_symlinks_option(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def add_shared_options(
+    p: argparse.ArgumentParser,
+    *,
+    quiet: str | None = None,
+    follow_symlinks: str | None = None,
+    remote: bool = False,
+    hub: bool = False,
+    engines: bool = False,
+) -> argparse.ArgumentParser:
+    """The options stages share, last in their --help and in this order: --quiet (its help), --follow-symlinks
+    (what it reads through them), --revision and the Hub limits (`remote`) or the Hub limits alone (`hub`),
+    --engines, and --json, which every stage has."""
+    if quiet is not None:
+        p.add_argument("--quiet", action="store_true", help=quiet)
+    if follow_symlinks is not None:
+        add_follow_symlinks_option(p, follow_symlinks)
+    if remote:
+        add_remote_options(p)
+    elif hub:
+        add_hub_options(p)
+    if engines:
+        add_engines_option(p)
+    add_json_option(p)
+    return p
+
+
 def hub_limits(args):
     """The HubLimits for --timeout / --retries (env and defaults where not given)."""
     from mxforge.hub.session import HubLimits
 
     return HubLimits.resolve(args.timeout, args.retries)
+
+
+def emit_exit(report: dict, json_target: str | None, human: str, *, ok: bool = True) -> int:
+    """Emit the report (as emit does) and return the exit code its verdict means: EXIT_OK, or EXIT_PROBLEMS."""
+    emit(report, json_target, human)
+    return EXIT_OK if ok else EXIT_PROBLEMS
 
 
 def emit(report: dict, json_target: str | None, human: str) -> None:

@@ -5,14 +5,7 @@ from __future__ import annotations
 import argparse
 
 # mxforge.cli.main imports this module to build its COMMANDS table: what a run needs is imported at call time.
-from mxforge.cli.support import (
-    add_engines_option,
-    add_json_option,
-    add_remote_options,
-    engines_arg,
-    exit_codes_help,
-    open_checkpoint_arg,
-)
+from mxforge.cli.support import add_shared_options, engines_arg, exit_codes_help, open_checkpoint_arg
 from mxforge.formats import FORMATS
 
 
@@ -34,15 +27,11 @@ def register_validate(sub) -> argparse.ArgumentParser:
         + ") and check files "
         "against the download's sha256 manifest (reads data: minutes on a full checkpoint)",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar (--deep)")
-    add_remote_options(p)
-    add_engines_option(p)
-    add_json_option(p)
-    return p
+    return add_shared_options(p, quiet="no progress bar (--deep)", remote=True, engines=True)
 
 
 def run_validate(args) -> int:
-    from mxforge.cli.support import EXIT_OK, EXIT_PROBLEMS, emit
+    from mxforge.cli.support import emit_exit
     from mxforge.errors import MxforgeError
     from mxforge.validation.validate import validate_checkpoint
 
@@ -53,5 +42,4 @@ def run_validate(args) -> int:
             "checkpoint: mxforge download it first, then validate the directory with --deep"
         )
     report = validate_checkpoint(source, engines_arg(args), deep=args.deep, quiet=args.quiet)
-    emit(report.as_dict(), args.json, report.format())
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return emit_exit(report.as_dict(), args.json, report.format(), ok=report.ok)

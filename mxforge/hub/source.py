@@ -31,7 +31,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from huggingface_hub import HfApi, hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status, httpx
@@ -46,6 +46,8 @@ from mxforge.json_input import MAX_JSON_BYTES, loads
 from mxforge.progress import format_bytes
 from mxforge.safe_paths import remote_path
 from mxforge.safetensors_io import ShardHeader, header_length, parse_header, write_bytes_atomic
+
+E = TypeVar("E", bound=MxforgeError)
 
 CHUNK = 64 << 10  # read granularity: what a Range-ignoring server can make us read past the wanted bytes
 PARALLEL_READS = 8  # header reads in flight at once (each is two round trips, more behind a CDN redirect)
@@ -93,6 +95,10 @@ class HubSource(CheckpointSource):
     # --- CheckpointSource ---------------------------------------------------------------------------
     def where(self, name: str) -> str:
         return f"{self.label}:{name}"
+
+    def _error(self, cls: type[E], name: str, message: str) -> E:
+        """`cls` (HubError or CheckpointError) about file `name` at this commit: "<repo>@<commit>:<name>: message"."""
+        return cls(f"{self.where(name)}: {message}", filename=name, repo_id=self.repo_id, revision=self.commit)
 
     def exists(self, name: str) -> bool:
         return name in self.names
@@ -221,12 +227,11 @@ class HubSource(CheckpointSource):
                 why = failed_attempt(e)
             failures += 1
             if failures > self.limits.retries or time.monotonic() > deadline:
-                raise HubError(
-                    f"{self.where(name)}: could not read bytes {start}-{end - 1} in {failures} attempt(s) "
+                raise self._error(
+                    HubError,
+                    name,
+                    f"could not read bytes {start}-{end - 1} in {failures} attempt(s) "
                     f"(last: {why}); rerun later, or raise --timeout / --retries on a slow link",
-                    filename=name,
-                    repo_id=self.repo_id,
-                    revision=self.commit,
                 )
             time.sleep(self.limits.backoff(failures))
 
@@ -241,12 +246,11 @@ class HubSource(CheckpointSource):
             hf_raise_for_status(response)
             offset, size = self._answered(name, response, start)
             if whole and size > end:
-                raise CheckpointError(
-                    f"{self.where(name)}: is {format_bytes(size)}, more than the {format_bytes(end)} "
+                raise self._error(
+                    CheckpointError,
+                    name,
+                    f"is {format_bytes(size)}, more than the {format_bytes(end)} "
                     "mxforge reads for it; the repo is broken or hostile",
-                    filename=name,
-                    repo_id=self.repo_id,
-                    revision=self.commit,
                 )
             want = max(0, min(end, size) - start)  # a file may be shorter than the bytes asked for
             skip, out = start - offset, bytearray()  # a server that ignored Range starts at byte 0: read past it
@@ -274,23 +278,21 @@ class HubSource(CheckpointSource):
         if response.status_code == 206:
             m = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
             if not m or int(m.group(1)) != start:
-                raise CheckpointError(
-                    f"{self.where(name)}: asked for bytes from {start}, the Hub answered "
+                raise self._error(
+                    CheckpointError,
+                    name,
+                    f"asked for bytes from {start}, the Hub answered "
                     f"{response.headers.get('Content-Range') or 'no Content-Range'}; check HF_ENDPOINT",
-                    filename=name,
-                    repo_id=self.repo_id,
-                    revision=self.commit,
                 )
             return start, int(m.group(3))
         length = response.headers.get("Content-Length", "")
         if response.status_code == 200 and length.isdigit():
             return 0, int(length)
-        raise CheckpointError(
-            f"{self.where(name)}: the Hub ignored the byte range and sent no Content-Length "
+        raise self._error(
+            CheckpointError,
+            name,
+            f"the Hub ignored the byte range and sent no Content-Length "
             f"(HTTP {response.status_code}); nothing more is read. Check HF_ENDPOINT",
-            filename=name,
-            repo_id=self.repo_id,
-            revision=self.commit,
         )
 
 

@@ -17,20 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mxforge.models.family import Family
-from mxforge.models.layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors, mtp_own_head_tensors
+from mxforge.models.layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors
 from mxforge.models.tensor_kinds import LINEAGE_KIND_RULES, compile_rules
 
 
 @dataclass(frozen=True)
 class DeepseekV3Layout(MoeLayout):
     REQUIRED_FIELDS = LINEAGE_FIELDS + MLA_FIELDS
+    MTP_OWN_HEAD = True  # the MTP module's shared_head holds its own output head; it has its own embedding
 
     def attention_tensors(self, layer: int) -> list[Spec]:
         return mla_tensors(self.config)
-
-    def mtp_head_tensors(self) -> list[Spec]:
-        """The MTP module's shared_head (norm and its own output head) and its own copy of the embedding."""
-        return mtp_own_head_tensors(self.config)
 
 
 # The MTP layer's embedding and output head are embeddings, as the model's own are.
@@ -42,8 +39,7 @@ FAMILY = Family(
     architectures=("DeepseekV3ForCausalLM",),
     model_types=("deepseek_v3",),
     layout=DeepseekV3Layout,
-    reference_config="models/deepseek-v3.config.json",
-    fixtures="models/deepseek-v3.fixtures.toml",
+    manifest="deepseek-v3",
     recipes=("deepseek-v3-mxfp4", "deepseek-v3-mxfp4-mtp-bf16"),
     kind_rules=KIND_RULES,
     inventory_source="deepseek-ai/DeepSeek-V3 config.json; shard headers of the FP8 release (deepseek-ai/DeepSeek-R1 "

@@ -19,8 +19,9 @@ class Family:
     architectures: tuple[str, ...]  # config.json `architectures[0]` values
     model_types: tuple[str, ...]  # config.json `model_type` values
     layout: type  # a MoeLayout subclass, built from config.json alone
-    reference_config: str  # manifests path of the real published config.json
-    fixtures: str  # manifests path of the fixture presets
+    # The stem of the family's data in manifests/models/: <manifest>.config.json (the real published config.json of
+    # its reference model) and <manifest>.fixtures.toml (the fixture presets).
+    manifest: str
     recipes: tuple[str, ...]  # shipped recipes for this family; the first is the default
     kind_rules: tuple[tuple[str, re.Pattern], ...]  # tensor kinds, first match wins (mxforge.models.tensor_kinds)
     inventory_source: str = ""  # where the published inventory figures come from
@@ -38,6 +39,16 @@ class Family:
     @property
     def has_fp8_release(self) -> bool:
         return bool(self.fp8_format)
+
+    @property
+    def reference_config(self) -> str:
+        """The manifests path of the reference model's published config.json."""
+        return f"models/{self.manifest}.config.json"
+
+    @property
+    def fixtures(self) -> str:
+        """The manifests path of the fixture presets."""
+        return f"models/{self.manifest}.fixtures.toml"
 
     @property
     def default_recipe(self) -> str:

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mxforge.models.deepseek_v3 import FAMILY as DEEPSEEK_V3
 from mxforge.models.deepseek_v3 import KIND_RULES
 from mxforge.models.family import Family
-from mxforge.models.layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec, mtp_own_head_tensors
+from mxforge.models.layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Glm4MoeLayout(MoeLayout):
     # lm_head.weight / model.embed_tokens.weight into them, sglang's NextN worker gives the draft the target's
     # (tests/validation/test_mtp_own_head.py runs and reads that code of every release).
     OMITTABLE_MTP_TENSORS = ("embed_tokens.weight", "shared_head.head.weight")
+    MTP_OWN_HEAD = True  # GLM-4.5's MTP layer stores its own shared_head.head and embed_tokens
 
     @property
     def head_dim(self) -> int:
@@ -61,10 +63,6 @@ class Glm4MoeLayout(MoeLayout):
             out += [("self_attn.q_norm.weight", (d,), "BF16"), ("self_attn.k_norm.weight", (d,), "BF16")]
         return out
 
-    def mtp_head_tensors(self) -> list[Spec]:
-        """The MTP layer's shared_head (norm and its own output head) and its own copy of the embedding."""
-        return mtp_own_head_tensors(self.config)
-
 
 FAMILY = Family(
     name="glm4_moe",
@@ -72,8 +70,7 @@ FAMILY = Family(
     architectures=("Glm4MoeForCausalLM",),
     model_types=("glm4_moe",),
     layout=Glm4MoeLayout,
-    reference_config="models/glm-4.5.config.json",
-    fixtures="models/glm-4.5.fixtures.toml",
+    manifest="glm-4.5",
     recipes=("glm-4.5-mxfp4", "glm-4.5-mxfp4-mtp-bf16"),
     kind_rules=KIND_RULES,
     inventory_source="zai-org/GLM-4.5 config.json; transformers' glm4_moe and sglang's Glm4MoeForCausalLMNextN for the "
@@ -86,6 +83,6 @@ FAMILY = Family(
     # #397). The release's `ignore` list could not be read here: assumed the modules DeepSeek's FP8 release keeps
     # bf16 (router, eh_proj, embeddings, heads), which compressed-tensors' Linear targets also leave out.
     fp8_format="compressed-tensors-channel",
-    fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|shared_head\.head)\.weight$",
+    fp8_bf16_weights=DEEPSEEK_V3.fp8_bf16_weights,
 )
 Glm4MoeLayout.family = FAMILY

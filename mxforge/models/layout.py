@@ -80,6 +80,9 @@ class MoeLayout:
     # Layer-relative names of MTP-layer tensors a release may leave out because every engine loads them from
     # elsewhere (GLM-4.6's MTP layer has no embed_tokens / shared_head.head: engines use the model's).
     OMITTABLE_MTP_TENSORS: ClassVar[tuple[str, ...]] = ()
+    # Whether each MTP layer stores its own output head and embedding (shared_head.head, embed_tokens: DeepSeek-V3,
+    # GLM-4.5) besides its shared_head.norm.
+    MTP_OWN_HEAD: ClassVar[bool] = False
 
     def __post_init__(self):
         missing = [k for k in self.REQUIRED_FIELDS if k not in self.config]
@@ -211,9 +214,14 @@ class MoeLayout:
         return self.NORM_DTYPE if NORM_RE.search(name) else dtype
 
     def mtp_head_tensors(self) -> list[Spec]:
-        """The MTP layer's own head after its block (shared_head.norm; a family may add shared_head.head,
-        embed_tokens)."""
-        return [("shared_head.norm.weight", (int(self.config["hidden_size"]),), "BF16")]
+        """The MTP layer's own head after its block: shared_head.norm, and with MTP_OWN_HEAD shared_head.head and
+        embed_tokens."""
+        h = int(self.config["hidden_size"])
+        norm: list[Spec] = [("shared_head.norm.weight", (h,), "BF16")]
+        if not self.MTP_OWN_HEAD:
+            return norm
+        v = int(self.config["vocab_size"])
+        return norm + [("shared_head.head.weight", (v, h), "BF16"), ("embed_tokens.weight", (v, h), "BF16")]
 
     def stores_mtp_layer(self, layer: int, names: Iterable[str]) -> bool:
         """Whether `names` hold, under `model.layers.{layer}.`, a tensor that only an MTP layer has (eh_proj,
@@ -243,17 +251,6 @@ class MoeLayout:
         for layer in self.mtp_layers:
             out += self.layer_tensors(layer)
         return out
-
-
-def mtp_own_head_tensors(c: Mapping[str, Any]) -> list[Spec]:
-    """An MTP layer with its own output head and embedding (DeepSeek-V3, GLM-4.5): shared_head.norm, shared_head.head
-    and embed_tokens, after its block."""
-    h, v = int(c["hidden_size"]), int(c["vocab_size"])
-    return [
-        ("shared_head.norm.weight", (h,), "BF16"),
-        ("shared_head.head.weight", (v, h), "BF16"),
-        ("embed_tokens.weight", (v, h), "BF16"),
-    ]
 
 
 def mlp_tensors(prefix: str, hidden: int, inter: int) -> list[Spec]:

@@ -334,18 +334,18 @@ class Pipeline:
         stage: str,
         work: Callable[[], Any],
         *,
-        marker: Path | None = None,
-        out_dir: Path | None = None,
+        writes: Path | None = None,
+        bytes_out: bool = True,
         bytes_in: Callable[[Any], int] | int = 0,
         always: bool = False,
-        product: Path | None = None,
     ) -> StageRecord:
-        """Run one stage unless recorded done (and its marker file still exists); record it in the state file.
+        """Run one stage unless recorded done (and the checkpoint it writes still has its config.json); record it
+        in the state file.
 
-        `bytes_in`: the bytes the stage processed, or a function of its result giving them (a resumed
-        download or quantize processes only what was left). `product`: the checkpoint directory the stage writes,
-        whose product_stamp is recorded with it."""
-        if not always and self._done(stage, marker):
+        `writes`: the checkpoint directory the stage writes, whose product_stamp is recorded with it and, with
+        `bytes_out`, whose bytes written this run are. `bytes_in`: the bytes the stage processed, or a function of
+        its result giving them (a resumed download or quantize processes only what was left)."""
+        if not always and self._done(stage, writes / "config.json" if writes is not None else None):
             self.reused.add(stage)
             return self.state["stages"][stage]
         self.state["stages"][stage] = StageRecord(status="running")
@@ -366,10 +366,12 @@ class Pipeline:
             seconds=round(seconds, 3),
             bytes_in=bytes_in,
             # what this run wrote (a resumed stage skips what is there), as bytes_in is what it read
-            bytes_out=_bytes_written_since(out_dir, started_at) if out_dir is not None and out_dir.is_dir() else 0,
+            bytes_out=_bytes_written_since(writes, started_at)
+            if bytes_out and writes is not None and writes.is_dir()
+            else 0,
             gb_per_s=round(bytes_in / seconds / 1e9, 4) if seconds > 0 and bytes_in else None,
             report=report,
-            product=product_stamp(product) if product is not None else None,
+            product=product_stamp(writes) if writes is not None else None,
         )
         self.state["stages"][stage] = rec
         self._save()
@@ -481,10 +483,8 @@ class Pipeline:
             self._stage(
                 "stream",
                 self._stream,
-                marker=self.mxfp4_dir / "config.json",
-                out_dir=self.mxfp4_dir,
+                writes=self.mxfp4_dir,
                 bytes_in=lambda report: report.bytes_processed_now,
-                product=self.mxfp4_dir,
             )
         else:
             if self.local:
@@ -496,20 +496,16 @@ class Pipeline:
                 self._stage(
                     "download",
                     self._download,
-                    marker=self.bf16_dir / "config.json",
-                    out_dir=self.bf16_dir,
+                    writes=self.bf16_dir,
                     bytes_in=lambda report: report.downloaded_bytes,
-                    product=self.bf16_dir,
                 )
             self._stage(
                 "quantize",
                 self._quantize,
-                marker=self.mxfp4_dir / "config.json",
-                out_dir=self.mxfp4_dir,
+                writes=self.mxfp4_dir,
                 bytes_in=lambda report: report.bytes_processed_now or 0,
-                product=self.mxfp4_dir,
             )
-        self._stage("fixup", self._fixup, marker=self.mxfp4_dir / "config.json", product=self.mxfp4_dir)
+        self._stage("fixup", self._fixup, writes=self.mxfp4_dir, bytes_out=False)
         # Header-only and cheap: always checked again, never taken from the state file.
         validate = self._stage("validate", self._validate, always=True).report
         if not validate.ok:

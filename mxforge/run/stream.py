@@ -32,7 +32,16 @@ from mxforge.errors import CheckpointError, MxforgeError
 from mxforge.file_hashes import FileHash, HashCache, file_hash
 from mxforge.progress import byte_progress, format_bytes
 from mxforge.provenance import QUANTIZE_STATE_NAME, SOURCE_NAME, carried_files, carried_from, fetched_patterns
-from mxforge.quantize.result import TensorCounts, read_int, read_num, read_obj, read_str
+from mxforge.quantize.result import (
+    FiguresRecord,
+    FlatRecord,
+    TensorCounts,
+    read_count,
+    read_int,
+    read_num,
+    read_obj,
+    read_str,
+)
 from mxforge.safetensors_io import read_header, write_json_atomic
 
 if TYPE_CHECKING:  # annotations only: the Hub and the quantizer are imported when a run needs them
@@ -100,7 +109,7 @@ class StageClock:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageFigures:
+class StageFigures(FlatRecord):
     """One stage of a streamed run as reported: shards, bytes, busy time, wall-clock span and throughput."""
 
     shards: int
@@ -109,21 +118,12 @@ class StageFigures:
     span_seconds: float
     gb_per_s: float | None
 
-    def as_dict(self) -> dict:
-        return {
-            "shards": self.shards,
-            "bytes": self.bytes,
-            "busy_seconds": self.busy_seconds,
-            "span_seconds": self.span_seconds,
-            "gb_per_s": self.gb_per_s,
-        }
-
     @classmethod
     def from_dict(cls, d: Any) -> StageFigures:
         d = read_obj(d)
         return cls(
-            shards=read_int(d.get("shards")) or 0,
-            bytes=read_int(d.get("bytes")) or 0,
+            shards=read_count(d.get("shards")),
+            bytes=read_count(d.get("bytes")),
             busy_seconds=read_num(d.get("busy_seconds")) or 0.0,
             span_seconds=read_num(d.get("span_seconds")) or 0.0,
             gb_per_s=read_num(d.get("gb_per_s")),
@@ -131,7 +131,7 @@ class StageFigures:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DiskPlan:
+class DiskPlan(FiguresRecord):
     """What a streamed run adds to disk at its peak (plan_disk), against what is there and free."""
 
     source_bytes: int
@@ -142,42 +142,13 @@ class DiskPlan:
     on_disk_bytes: int
     free_bytes: int
 
-    def as_dict(self) -> dict:
-        return {
-            "source_bytes": self.source_bytes,
-            "output_bytes": self.output_bytes,
-            "in_flight_source_shards": self.in_flight_source_shards,
-            "side_file_bytes": self.side_file_bytes,
-            "peak_bytes": self.peak_bytes,
-            "on_disk_bytes": self.on_disk_bytes,
-            "free_bytes": self.free_bytes,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Any) -> DiskPlan:
-        d = read_obj(d)
-        return cls(**{k: read_int(d.get(k)) or 0 for k in cls.__dataclass_fields__})
-
 
 @dataclass(frozen=True, kw_only=True)
-class StreamShards:
+class StreamShards(FiguresRecord):
     total: int
     streamed_now: int
     done_earlier: int
     quantized_earlier: int
-
-    def as_dict(self) -> dict:
-        return {
-            "total": self.total,
-            "streamed_now": self.streamed_now,
-            "done_earlier": self.done_earlier,
-            "quantized_earlier": self.quantized_earlier,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Any) -> StreamShards:
-        d = read_obj(d)
-        return cls(**{k: read_int(d.get(k)) or 0 for k in cls.__dataclass_fields__})
 
 
 @dataclass(kw_only=True)
@@ -260,10 +231,10 @@ class StreamResult:
             recipe_name=read_str(recipe.get("name")),
             recipe_sha256=read_str(recipe.get("sha256")),
             source_precision=read_str(d.get("source_precision")),
-            workers=read_int(d.get("workers")) or 0,
-            downloads=read_int(d.get("downloads")) or 0,
-            uploads=read_int(d.get("uploads")) or 0,
-            in_flight=read_int(d.get("in_flight")) or 0,
+            workers=read_count(d.get("workers")),
+            downloads=read_count(d.get("downloads")),
+            uploads=read_count(d.get("uploads")),
+            in_flight=read_count(d.get("in_flight")),
             shards=StreamShards.from_dict(d.get("shards")),
             disk_plan=DiskPlan.from_dict(d.get("disk_plan")),
             executor=read_str(d.get("executor")) or "local",
@@ -272,11 +243,11 @@ class StreamResult:
             counts=TensorCounts.from_dict(d.get("counts")),
             mtp_layers=[i for i in mtp if read_int(i) is not None] if isinstance(mtp, list) else [],
             mtp_tensors=read_int(d.get("mtp_tensors")),
-            bytes_in=read_int(d.get("bytes_in")) or 0,
-            bytes_out=read_int(d.get("bytes_out")) or 0,
-            bytes_processed_now=read_int(d.get("bytes_processed_now")) or 0,
-            downloaded_bytes=read_int(d.get("downloaded_bytes")) or 0,
-            uploaded_bytes=read_int(d.get("uploaded_bytes")) or 0,
+            bytes_in=read_count(d.get("bytes_in")),
+            bytes_out=read_count(d.get("bytes_out")),
+            bytes_processed_now=read_count(d.get("bytes_processed_now")),
+            downloaded_bytes=read_count(d.get("downloaded_bytes")),
+            uploaded_bytes=read_count(d.get("uploaded_bytes")),
             seconds=read_num(d.get("seconds")) or 0.0,
             tool_versions={k: v for k, v in read_obj(d.get("tool_versions")).items() if isinstance(v, str)},
             notes=[n for n in d.get("notes") or [] if isinstance(n, str)],

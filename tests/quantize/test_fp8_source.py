@@ -85,17 +85,21 @@ def test_dequantize_equals_sglang_block_quant_dequant(shape):
     assert np.array_equal(_bf16_bits(fn(q, s, [128, 128], torch.bfloat16)), _ours(q, s))
 
 
-def test_dequantize_equals_vllm_scaled_dequantize():
-    """vLLM's `scaled_dequantize` (its wheel's source) on whole blocks (its broadcast needs them), to bf16:
-    bit-equal."""
-    q, s = _random_fp8(384, 256, seed=3)
-    fns = _engine_functions(
+def _vllm_scaled_dequantize():
+    """vLLM's `scaled_dequantize` (its wheel's source), with the broadcast helpers it calls."""
+    return _engine_functions(
         "vllm",
         "0.33.0",
         "vllm.model_executor.layers.quantization.utils.quant_utils",
         ("scaled_dequantize", "group_broadcast", "prep_scale_for_group_broadcast"),
-    )
-    assert np.array_equal(_bf16_bits(fns["scaled_dequantize"](q, s, None, torch.bfloat16)), _ours(q, s))
+    )["scaled_dequantize"]
+
+
+def test_dequantize_equals_vllm_scaled_dequantize():
+    """vLLM's `scaled_dequantize` (its wheel's source) on whole blocks (its broadcast needs them), to bf16:
+    bit-equal."""
+    q, s = _random_fp8(384, 256, seed=3)
+    assert np.array_equal(_bf16_bits(_vllm_scaled_dequantize()(q, s, None, torch.bfloat16)), _ours(q, s))
 
 
 def test_dequantize_equals_transformers_fine_grained_fp8():
@@ -151,13 +155,7 @@ def test_dequantize_equals_compressed_tensors_dequantize(scale_dtype, per_tensor
 def test_channel_dequantize_equals_vllm_scaled_dequantize():
     """vLLM's `scaled_dequantize` (its wheel's source) with a per-channel [out, 1] scale, to bf16: bit-equal."""
     q, scale = _random_channel_fp8(256, 384, seed=5, scale_dtype=torch.float32)
-    fns = _engine_functions(
-        "vllm",
-        "0.33.0",
-        "vllm.model_executor.layers.quantization.utils.quant_utils",
-        ("scaled_dequantize", "group_broadcast", "prep_scale_for_group_broadcast"),
-    )
-    assert np.array_equal(_bf16_bits(fns["scaled_dequantize"](q, scale, None, torch.bfloat16)), _ours_ct(q, scale))
+    assert np.array_equal(_bf16_bits(_vllm_scaled_dequantize()(q, scale, None, torch.bfloat16)), _ours_ct(q, scale))
 
 
 def _ct_config(**weights) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import hub_env, pushed_files, run_cli
+from helpers import hub_env, pushed_files, run_push
 
 from mxforge.models import FAMILIES, family_named
 from mxforge.quantize.fp8_source import source_precision
@@ -34,19 +34,7 @@ def fp8_hub(tmp_path, fixture_ckpt):
 
 
 def _run(hub, tmp_path, family: str, out, repo: str, *extra):
-    proc = run_cli(
-        "run",
-        f"zai/{family}-fp8",
-        str(out),
-        "--push",
-        repo,
-        "--quiet",
-        "--json",
-        "-",
-        *extra,
-        env=hub_env(hub, tmp_path, TOKEN),
-        timeout=600,
-    )
+    proc = run_push(f"zai/{family}-fp8", out, repo, *extra, env=hub_env(hub, tmp_path, TOKEN))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout)
 

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import TOKEN, hub_env, run_cli
+from helpers import TOKEN, hub_env, run_push
 
 pytestmark = pytest.mark.slow  # Ray runs end to end
 
@@ -40,31 +40,22 @@ def _files_holding(token: str, *roots: Path) -> list[str]:
     return found
 
 
+def _gated_ray_run(out, repo: str, *extra: str, env: dict):
+    """A Ray run of the gated repo that pushes to `repo`: it succeeds, every shard downloaded and uploaded."""
+    proc = run_push("zai/glm-gated", out, repo, "--executor", "ray", *extra, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)["stages"]["stream"]["report"]
+    assert report["stages"]["download"]["shards"] == 3 and report["stages"]["upload"]["shards"] == 3
+    return proc
+
+
 def test_a_ray_run_writes_the_token_to_no_file(hub, tmp_path, ray_tmp):
     """A gated source and a push: every task needs alice's token, and none may find it in Ray's runtime
     environment (which Ray logs in clear to session_*/logs/runtime_env_agent.log), its arguments or results."""
     pytest.importorskip("ray")
     out = tmp_path / "ray"
     env = hub_env(hub, tmp_path, RAY_TMPDIR=str(ray_tmp))
-    proc = run_cli(
-        "run",
-        "zai/glm-gated",
-        str(out),
-        "--push",
-        "alice/ray",
-        "--executor",
-        "ray",
-        "--workers",
-        "2",
-        "--quiet",
-        "--json",
-        "-",
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout)["stages"]["stream"]["report"]
-    assert report["stages"]["download"]["shards"] == 3 and report["stages"]["upload"]["shards"] == 3
+    proc = _gated_ray_run(out, "alice/ray", "--workers", "2", env=env)
     assert list(ray_tmp.rglob("runtime_env_agent*.log")), "Ray wrote no runtime env log where the test looks"
     assert _files_holding(TOKEN, ray_tmp, out) == []
     assert TOKEN not in proc.stdout + proc.stderr
@@ -230,25 +221,7 @@ def test_a_ray_cluster_uses_its_nodes_credentials_and_stages_privately(hub, tmp_
     address, node_home, node_tmp = ray_cluster
     out = tmp_path / "ray"
     env = hub_env(hub, tmp_path, RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="disabled")
-    proc = run_cli(
-        "run",
-        "zai/glm-gated",
-        str(out),
-        "--push",
-        "alice/ray-cluster",
-        "--executor",
-        "ray",
-        "--ray-address",
-        address,
-        "--quiet",
-        "--json",
-        "-",
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout)["stages"]["stream"]["report"]
-    assert report["stages"]["download"]["shards"] == 3 and report["stages"]["upload"]["shards"] == 3
+    proc = _gated_ray_run(out, "alice/ray-cluster", "--ray-address", address, env=env)
     assert _files_holding(TOKEN, ray_tmp, out, node_tmp) == []
     assert TOKEN not in proc.stdout + proc.stderr
     staged = node_tmp / f"mxforge-ray-{os.getuid()}"

@@ -12,7 +12,7 @@ import sys
 import threading
 
 import pytest
-from helpers import cli, hub_env, pushed_files, run_cli, start_cli
+from helpers import cli, hub_env, push_run_args, pushed_files, run_cli, run_push, start_cli
 
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME, STREAM_STATE_NAME
 from mxforge.run.stream import choose_stream, plan_disk
@@ -25,19 +25,7 @@ PROVENANCE = {*PUBLISHED_RECORDS, "README.md"}
 
 
 def _run(hub, tmp_path, out, repo, *extra):
-    return run_cli(
-        "run",
-        "zai/glm-tiny",
-        str(out),
-        "--push",
-        repo,
-        "--quiet",
-        "--json",
-        "-",
-        *extra,
-        env=hub_env(hub, tmp_path),
-        timeout=600,
-    )
+    return run_push("zai/glm-tiny", out, repo, *extra, env=hub_env(hub, tmp_path))
 
 
 def _same_checkpoint(a: dict[str, bytes], b: dict[str, bytes]) -> None:
@@ -114,18 +102,7 @@ def _killed_run(hub, tmp_path, out, repo: str, route: str, condition, *extra: st
             box["proc"].wait()
 
     hub.before[route] = hook
-    args = [
-        sys.executable,
-        "-m",
-        "mxforge.cli",
-        "run",
-        "zai/glm-tiny",
-        str(out),
-        "--push",
-        repo,
-        "--quiet",
-        *extra,
-    ]
+    args = [sys.executable, "-m", "mxforge.cli", *push_run_args("zai/glm-tiny", out, repo, *extra)]
     box["proc"] = subprocess.Popen(
         args,
         env={**os.environ, **hub_env(hub, tmp_path)},

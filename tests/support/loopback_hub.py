@@ -314,6 +314,18 @@ class LoopbackHub:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
+    def client_env(self, hf_home: Path, token: str | None, **extra: str) -> dict[str, str]:
+        """The environment that points huggingface_hub (and so the mxforge command) at this Hub, with its cache
+        in `hf_home`, as `token`'s owner (None: anonymous), plus `extra` variables."""
+        return {
+            "HF_ENDPOINT": self.endpoint,
+            "HF_HOME": str(hf_home),
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_TOKEN": token or "",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            **extra,
+        }
+
     @property
     def mirror_endpoint(self) -> str:
         host, port = self._mirror.server_address[:2]
