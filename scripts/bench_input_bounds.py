@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_markdown import add_markdown_option, emit_report, table
+
 
 def _best(fn, repeat: int = 5) -> float:
     best = float("inf")
@@ -140,13 +142,15 @@ def bench_json() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None)
+    add_markdown_option(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {"regex": bench_regex(), "json": bench_json(), "headers": bench_headers(Path(tmp))}
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    rows = [
+        [section, name, json.dumps(value)] for section, figures in results.items() for name, value in figures.items()
+    ]
+    lines = table(["bound", "case", "measured"], rows)
+    emit_report(args, lines, results)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def test_exit_0_done(tiny_ckpt):
 
 def test_exit_1_validation_found_problems(export):
     proc = run_cli("validate", str(export))
-    assert proc.returncode == 1 and "FAILS: sglang 0.5.9 (" in proc.stdout and not proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "FAILS: sglang 0.5.9-0.5.10.post1 (" in proc.stdout and not proc.stderr, proc.stderr
     same = cli("validate", str(export))
     assert (same.returncode, same.stdout, same.stderr) == (1, proc.stdout, "")
 

@@ -192,10 +192,15 @@ class RunResult:
         }
 
 
+FILE_CLOCK_LAG_NS = 20_000_000  # 20 ms: Linux stamps files with its coarse clock (one tick, up to 10 ms, behind)
+
+
 def _bytes_written_since(path: Path, since_ns: int) -> int:
-    """Bytes of the files under `path` written since `since_ns` (time.time_ns(), taken to the whole second for
-    filesystems with coarse timestamps): a stage's output this run, not what an earlier run left."""
-    floor = since_ns // 1_000_000_000 * 1_000_000_000
+    """Bytes of the files under `path` written since `since_ns` (time.time_ns()): a stage's output this run, not
+    what an earlier run left. File times come from the kernel's coarse clock, a few milliseconds behind
+    time.time_ns(), hence the FILE_CLOCK_LAG allowance (a whole second would count an earlier run's files when two
+    runs follow within one second)."""
+    floor = since_ns - FILE_CLOCK_LAG_NS
     total = 0
     for p in path.rglob("*"):
         if p.is_file() and ".cache" not in p.parts:
@@ -297,12 +302,12 @@ class Pipeline:
 
     def _nothing_produced(self, state: dict) -> bool:
         """Whether the run recorded in `state` finished no stage and wrote nothing in OUT but its state file (and
-        the lock under .cache): e.g. `mxforge run empty OUT`, which failed before its first stage finished."""
+        the locks under .cache): e.g. `mxforge run empty OUT`, which failed before its first stage finished."""
         if any(isinstance(rec, dict) and rec.get("status") == "done" for rec in state["stages"].values()):
             return False
         for path in self.out.rglob("*"):
             parts = path.relative_to(self.out).parts
-            if path.is_file() and parts != (RUN_STATE_NAME,) and parts[0] != ".cache":
+            if path.is_file() and parts != (RUN_STATE_NAME,) and ".cache" not in parts:  # .cache: the locks
                 return False
         return True
 

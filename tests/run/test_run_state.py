@@ -11,11 +11,11 @@ import pytest
 from mxforge.cli.main import main
 from mxforge.errors import CheckpointError, MxforgeError
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, RUN_STATE_NAME
-from mxforge.run.pipeline import Pipeline, RunOptions, changed_products
+from mxforge.run.pipeline import Pipeline, RunOptions, StageRecord, changed_products
 
 
 def _run(source, out) -> dict:
-    return Pipeline(RunOptions(source=str(source), out=out, recipe=None, quiet=True)).run()
+    return Pipeline(RunOptions(source=str(source), out=out, recipe=None, quiet=True)).run().as_dict()  # as --json
 
 
 def _exclude(ckpt) -> list[str]:
@@ -63,13 +63,13 @@ def test_quantize_again_after_fixup_says_so_and_the_run_redoes_fixup(tiny_ckpt, 
 )
 def test_the_first_stage_to_redo_is_the_one_after_the_last_record_that_still_holds(now, first):
     stages = {
-        "quantize": {"status": "done", "product": "after-quantize"},
-        "fixup": {"status": "done", "product": "after-fixup"},
-        "validate": {"status": "done"},
+        "quantize": StageRecord(status="done", product="after-quantize"),
+        "fixup": StageRecord(status="done", product="after-fixup"),
+        "validate": StageRecord(status="done"),
     }
     found = changed_products(stages, now)
     assert (found and found[0]) == first
-    legacy = {k: {"status": "done"} for k in stages}  # a state file from before products were recorded
+    legacy = {k: StageRecord(status="done") for k in stages}  # a state file from before products were recorded
     assert changed_products(legacy, now) is None
 
 

@@ -6,29 +6,31 @@ from __future__ import annotations
 import pytest
 from helpers import hub_env, run_cli
 
-from mxforge.run.pipeline import Pipeline, RunOptions, format_run_summary
+from mxforge.run.pipeline import Pipeline, RunOptions, RunResult, StageRecord, format_run_summary
 
 
-def _run(source, out, **options) -> dict:
+def _run(source, out, **options) -> RunResult:
     return Pipeline(RunOptions(source=str(source), out=out, recipe=None, quiet=True, **options)).run()
 
 
 def test_a_streamed_run_reports_the_error_it_measured(tiny_ckpt, tmp_path):
-    report = _run(tiny_ckpt, tmp_path / "run", stream=True)
+    result = _run(tiny_ckpt, tmp_path / "run", stream=True)
+    report = result.as_dict()  # as --json writes it
     assert report["mode"] == "stream"
     error = report["stages"]["stream"]["report"]["error"]
     assert error["tensors_measured"] == 132 and "tensors" not in error  # per-tensor figures stay in mxfp4/
-    summary = format_run_summary(report)
+    summary = format_run_summary(result)
     assert "error (quark scale rule, 132 tensors): relative RMSE" in summary and "not measured" not in summary
 
 
 def test_a_resumed_quantize_says_this_runs_bytes_and_the_checkpoints(tiny_ckpt, tmp_path):
     """A resumed quantize printed this run's input beside the whole output ("1.03 GB in, 1.21 GB out")."""
     out = tmp_path / "run"
-    first = _run(tiny_ckpt, out)
+    first = _run(tiny_ckpt, out).as_dict()
     shard = "model-00002-of-00003.safetensors"
     (out / "mxfp4" / shard).unlink()  # quantize has one shard to redo
-    report = _run(tiny_ckpt, out)
+    result = _run(tiny_ckpt, out)
+    report = result.as_dict()
     assert "quantize" not in report["reused_from_earlier_run"]
     quantize = report["stages"]["quantize"]
     redone = quantize["report"]["bytes_processed_now"]
@@ -40,21 +42,22 @@ def test_a_resumed_quantize_says_this_runs_bytes_and_the_checkpoints(tiny_ckpt, 
     assert (
         f"  quantize: this run {redone / 1e9:.3f} GB in, {written / 1e9:.3f} GB out; the checkpoint "
         f"{whole_in / 1e9:.3f} GB in, {whole_out / 1e9:.3f} GB out"
-    ) in format_run_summary(report)
+    ) in format_run_summary(result)
 
 
 def test_fixups_warnings_are_printed_not_only_counted():
     warning = "sglang-0.5.22: serve with --disable-shared-experts-fusion (model.decoder.mlp.experts: no exclude entry)"
-    report = {
-        "source": "src",
-        "product": "out/mxfp4",
-        "mode": "sequential",
-        "reused_from_earlier_run": [],
-        "stages": {
-            "fixup": {"status": "done", "seconds": 1.0, "report": {"applied": [{}] * 19, "warnings": [warning]}}
-        },
-    }
-    lines = format_run_summary(report).splitlines()
+    fixup = {"status": "done", "seconds": 1.0, "report": {"applied": [{}] * 19, "warnings": [warning]}}
+    result = RunResult(
+        source="src",
+        out="out",
+        product="out/mxfp4",
+        pushed_to=None,
+        mode="sequential",
+        reused_from_earlier_run=[],
+        stages={"fixup": StageRecord.from_dict("fixup", fixup)},
+    )
+    lines = format_run_summary(result).splitlines()
     i = lines.index("  fixups: 19 applied, 1 warning(s):")
     assert lines[i + 1] == f"    warning: {warning}"
 
