@@ -683,9 +683,7 @@ def format_run_summary(result: RunResult) -> str:
             f"  tensors: {c.quantized:,} MXFP4, {c.kept:,} 2-D weights kept bf16, {c.copied:,} copied; "
             f"MTP layer(s) {quant.mtp_layers} ({quant.mtp_tensors} tensors) carried"
         )
-        # the streamed run's error report is in mxfp4/mxforge_quantize.json (write_provenance)
-        error = quant.error if isinstance(quant, QuantizeResult) else _recorded_error(Path(result.product))
-        lines.append(f"  {summary_line(error)}")
+        lines.append(f"  {summary_line(quant.error)}")  # a stream's report carries the error it measured too
     fix = report_of("fixup", FixupResult)
     if fix is not None:
         lines.append(
@@ -699,12 +697,3 @@ def format_run_summary(result: RunResult) -> str:
     if push is not None:
         lines.append(f"  pushed: {push.url} @ {push.commit[:12]} (remote hashes checked)")
     return "\n".join(lines)
-
-
-def _recorded_error(product: Path) -> dict | None:
-    """The error report mxforge_quantize.json holds (a streamed run's quantize record)."""
-    from mxforge.provenance import QUANTIZE_NAME, read_record
-    from mxforge.quantize.result import QuantizeResult
-
-    record = read_record(product, QUANTIZE_NAME)
-    return QuantizeResult.from_dict(record).error if record is not None else None
