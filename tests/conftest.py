@@ -16,17 +16,25 @@ sys.path.insert(0, str(REPO / "tests" / "support"))  # the test Hub (loopback_hu
 
 @pytest.fixture(scope="session")
 def fixture_ckpt(tmp_path_factory):
-    """fixture_ckpt(preset, family=None, precision="bf16", **overrides) -> (path, FixtureResult): `mxforge fixture`'s
-    checkpoint (seed 0), written once per session for each set of arguments and shared by every test that asks
-    for the same. Treat as read-only; copy it before changing anything."""
+    """fixture_ckpt(preset, family=None, precision="bf16", shard_count=None, **overrides) -> (path, FixtureResult):
+    `mxforge fixture`'s checkpoint (seed 0), written once per session for each set of arguments and shared by
+    every test that asks for the same. Treat as read-only; copy it before changing anything."""
     built: dict[tuple, tuple[Path, FixtureResult]] = {}
 
-    def get(preset: str, family: str | None = None, precision: str = "bf16", **overrides) -> tuple[Path, FixtureResult]:
-        key = (preset, family or GLM5.name, precision, tuple(sorted(overrides.items())))
+    def get(
+        preset: str, family: str | None = None, precision: str = "bf16", shard_count: int | None = None, **overrides
+    ) -> tuple[Path, FixtureResult]:
+        key = (preset, family or GLM5.name, precision, shard_count, tuple(sorted(overrides.items())))
         if key not in built:
             out = tmp_path_factory.mktemp(f"fixture-{preset}-{key[1]}-{precision}") / "ckpt"
             result = write_fixture(
-                out, preset, quiet=True, overrides=overrides or None, family=key[1], precision=precision
+                out,
+                preset,
+                quiet=True,
+                overrides=overrides or None,
+                family=key[1],
+                precision=precision,
+                shard_count=shard_count,
             )
             built[key] = out, result
         return built[key]
@@ -76,7 +84,7 @@ def hub(tmp_path, tiny_ckpt):
 def family_cases(tmp_path_factory, fixture_ckpt):
     """The engine-conformance matrix of one model family, built on first use and once per session for every
     suite that judges it (engine truth, local-vs-remote): tests/engine_truth/matrix.py's export styles at 6
-    routed experts and at the family's real layout, before and after fixup, plus the real pipeline's output
+    routed experts and at the family's real layout (matrix.SIZES), before and after fixup, plus the real pipeline's output
     per recipe (and the mse scale rule, whose record in quantization_config every release must accept), and the
     real pipeline's output from the same replica as the family's FP8 release stores it (--precision fp8).
     Returns get(family_name) -> {case name: Case}."""

@@ -327,10 +327,12 @@ def write_fixture(
     overrides: dict | None = None,
     family: Family | str | None = None,
     precision: str = "bf16",
+    shard_count: int | None = None,
 ) -> FixtureResult:
     """Write a bf16 (or `precision="fp8"`: FP8, in the layout of the family's FP8 release) checkpoint of `family`
     (default: DEFAULT_FAMILY) to `out` (created; must be empty or absent); `overrides` change config fields after the
-    preset's (e.g. `n_routed_experts`).
+    preset's (e.g. `n_routed_experts`). `shard_count` splits it into that many shards instead of the preset's count (a
+    replica with fewer layers than the release cannot fill the release's exact shard count).
 
     Raises:
         ConfigError: unknown family, preset or precision, or bad size.
@@ -358,7 +360,7 @@ def write_fixture(
         tensors = fp8_inventory(tensors, family.fp8_format, family.fp8_bf16_weights)
         data = _fp8_data(seed, bf16_shapes, family.fp8_format, tensors)
         config["quantization_config"] = FP8_WRITERS[family.fp8_format][1](fp8_ignore(tensors))
-    shards = plan_shards(tensors, settings.get("shards"), settings.get("shard_bytes"))
+    shards = plan_shards(tensors, shard_count or settings.get("shards"), settings.get("shard_bytes"))
     sparse = bool(settings.get("sparse", False))
     out.mkdir(parents=True, exist_ok=True)
     total = sum(t.nbytes for t in tensors)

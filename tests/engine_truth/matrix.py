@@ -32,12 +32,18 @@ from . import probe_io
 
 # A layer config that quantizes nothing (Quark's QLayerConfig() as exported).
 NULL_LAYER_CONFIG = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
-# The bf16 checkpoints of a family the exports are made from (`mxforge fixture` preset, config overrides): a
-# 6-expert replica and the family's real layout (conftest.py's `family_cases` builds them).
+# The bf16 checkpoints of a family the exports are made from (`mxforge fixture` preset, its keyword arguments:
+# config overrides and shard count; conftest.py's `family_cases` builds them): a 6-expert replica, and the
+# family's real layout (real shapes and routed-expert count, which sglang's shared-expert fusion gate reads)
+# cut to 11 decoder layers in 16 shards. The cut keeps what the engines decide by: dense and MoE layers (and
+# GLM-5.2's full and shared indexers), an MTP layer with a two-digit index whose prefix `layers.1` is a real
+# layer, as `layers.78` has `layers.7`; all 78 layers would cost 12x the headers and change no decision
+# (validate, fixup and quantize's plan are tested on every family's whole layout: `full_layout_ckpt`).
+REAL_LAYOUT_LAYERS = 11
 SIZES = {
     "e6": ("tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}),  # a small replica
-    "e256": ("full-layout", {}),
-}  # the family's real layout
+    "e256": ("full-layout", {"num_hidden_layers": REAL_LAYOUT_LAYERS, "shard_count": 16}),
+}
 
 
 @dataclass

@@ -62,10 +62,13 @@ def write_quark_like(
     excluded: list[str] = []
     weight_map: dict[str, str] = {}
     total = 0
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in src_ckpt.weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
     for shard in src_ckpt.shard_names:
         planned: list[PlannedTensor] = []
         sources: dict[str, TensorInfo | tuple[int, int]] = {}
-        for name in sorted(n for n, s in src_ckpt.weight_map.items() if s == shard):
+        for name in sorted(by_shard.get(shard, ())):
             if name.startswith(dropped):
                 continue
             info = infos[name]
