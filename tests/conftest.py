@@ -84,9 +84,9 @@ def hub(tmp_path, tiny_ckpt):
 def family_cases(tmp_path_factory, fixture_ckpt):
     """The engine-conformance matrix of one model family, built on first use and once per session for every
     suite that judges it (engine truth, local-vs-remote): tests/engine_truth/matrix.py's export styles at 6
-    routed experts and at the family's real layout (matrix.SIZES), before and after fixup, plus the real pipeline's output
-    per recipe (and the mse scale rule, whose record in quantization_config every release must accept), and the
-    real pipeline's output from the same replica as the family's FP8 release stores it (--precision fp8).
+    routed experts and at the family's real layout (matrix.SIZES), before and after fixup, plus the real pipeline's
+    output per recipe (and the mse scale rule, whose record in quantization_config every release must accept),
+    and the real pipeline's output from the same replica as the family's FP8 release stores it (--precision fp8).
     Returns get(family_name) -> {case name: Case}."""
     from engine_truth import matrix
 
