@@ -98,10 +98,10 @@ def family_cases(tmp_path_factory, fixture_ckpt):
         if family_name not in built:
             family = family_named(family_name)
             root = tmp_path_factory.mktemp(f"conformance-{family_name}")
-            srcs = {
-                size: fixture_ckpt(preset, family.name, **overrides)[0]
-                for size, (preset, overrides) in matrix.SIZES.items()
-            }
+            srcs = {}
+            for size in matrix.SIZES:
+                preset, kwargs = matrix.fixture_args(size, family)
+                srcs[size] = fixture_ckpt(preset, family.name, **kwargs)[0]
             out = {c.name: c for c in matrix.export_cases(root, srcs, family)}
             runs = [(recipe, "quark") for recipe in family.recipes] + [(family.recipes[0], "mse")]
             for recipe, rule in runs:
@@ -122,7 +122,8 @@ def family_cases(tmp_path_factory, fixture_ckpt):
                 out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
             if family.has_fp8_release:
                 name = f"run-fp8-{family.recipes[0]}"
-                fp8 = fixture_ckpt(matrix.SIZES["e6"][0], family.name, "fp8", **matrix.SIZES["e6"][1])[0]
+                preset, kwargs = matrix.fixture_args("e6", family)
+                fp8 = fixture_ckpt(preset, family.name, "fp8", **kwargs)[0]
                 cli("run", str(fp8), str(root / name), "--workers", "1", "--quiet", check=True)
                 out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
             built[family_name] = out

@@ -22,6 +22,7 @@ from quark_like import write_quark_like
 from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.formats import MXFP4
 from mxforge.models import Family
+from mxforge.models.fixture import preset_config
 from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.validation.loaded import load_checkpoint
 from mxforge.validation.matching import DRAFT, TARGET
@@ -32,18 +33,29 @@ from . import probe_io
 
 # A layer config that quantizes nothing (Quark's QLayerConfig() as exported).
 NULL_LAYER_CONFIG = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
-# The bf16 checkpoints of a family the exports are made from (`mxforge fixture` preset, its keyword arguments:
-# config overrides and shard count; conftest.py's `family_cases` builds them): a 6-expert replica, and the
-# family's real layout (real shapes and routed-expert count, which sglang's shared-expert fusion gate reads)
-# cut to 11 decoder layers in 16 shards. The cut keeps what the engines decide by: dense and MoE layers (and
-# GLM-5.2's full and shared indexers), an MTP layer with a two-digit index whose prefix `layers.1` is a real
-# layer, as `layers.78` has `layers.7`; all 78 layers would cost 12x the headers and change no decision
-# (validate, fixup and quantize's plan are tested on every family's whole layout: `full_layout_ckpt`).
-REAL_LAYOUT_LAYERS = 11
-SIZES = {
-    "e6": ("tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}),  # a small replica
-    "e256": ("full-layout", {"num_hidden_layers": REAL_LAYOUT_LAYERS, "shard_count": 16}),
-}
+# The bf16 checkpoints of a family the exports are made from, by size: a 6-expert replica, and the family's real
+# layout (conftest.py's `family_cases` builds them with `mxforge fixture`; `fixture_args` gives the arguments).
+SIZES = ("e6", "e256")
+
+
+def fixture_args(size: str, family: Family) -> tuple[str, dict]:
+    """(`mxforge fixture` preset, keyword arguments: config overrides and shard count) of a size of the matrix.
+
+    e256 is the family's real layout: real shapes, routed-expert count (sglang's shared-expert fusion gate reads
+    it), decoder layer count and so MTP layer index (sglang's DeepSeek draft maps `model.layers.61` by that literal
+    name; `layers.78` has the real layer `layers.7` as its prefix), with all but the last two decoder layers dense
+    (`first_k_dense_replace`), in 16 shards. The engines decide each layer alike whatever its neighbours, and
+    its 20x fewer tensors than all MoE layers make the matrix build in seconds; validate, fixup and quantize's plan
+    are tested on every family's whole layout (`full_layout_ckpt`)."""
+    if size == "e6":
+        return "tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}
+    layers = int(preset_config("full-layout", family=family)[0]["num_hidden_layers"])
+    return "full-layout", {"first_k_dense_replace": layers - 2, "shard_count": 16}
+
+
+def first_moe_layer(src: Path) -> int:
+    """The first MoE decoder layer of a checkpoint (the styles that keep one layer's experts bf16 use it)."""
+    return int(json.loads((src / "config.json").read_text())["first_k_dense_replace"])
 
 
 @dataclass
@@ -93,7 +105,9 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
             # Hand-written exports: fused modules named by their fused names (each engine's), not their shards.
             "fused-names": lambda out: _fused_names(src, out),
             # One decoder layer's routed experts kept bf16, excluded expert by expert (Quark's exact names).
-            "experts-bf16": lambda out: write_quark_like(src, out, BASE + [mtp + "*", "*layers.3.mlp.experts.*"]),
+            "experts-bf16": lambda out: write_quark_like(
+                src, out, BASE + [mtp + "*", f"*layers.{first_moe_layer(src)}.mlp.experts.*"]
+            ),
             # Layer 3's experts pinned to MXFP4 expert by expert in layer_quant_config; the global config weights-only.
             "lqc-experts": lambda out: _pinned_experts(src, out, default),
             # The MTP layer excluded by its bare layer name as well.
@@ -170,11 +184,12 @@ def _layer_entry(src: Path, out: Path, n: int) -> None:
 def _pinned_experts(src: Path, out: Path, recipe: str) -> None:
     recipe_export(src, out, recipe)
     experts = int(json.loads((src / "config.json").read_text())["n_routed_experts"])
+    layer = first_moe_layer(src)
 
     def edit(qc: dict) -> None:
         spec = json.loads(json.dumps(qc["global_quant_config"]))
         qc["layer_quant_config"] = {
-            f"model.layers.3.mlp.experts.{k}.{p}": spec
+            f"model.layers.{layer}.mlp.experts.{k}.{p}": spec
             for k in range(experts)
             for p in ("gate_proj", "up_proj", "down_proj")
         }
