@@ -223,14 +223,21 @@ def emit_exit(report: dict, json_target: str | None, human: str, *, ok: bool = T
 
 def emit(report: dict, json_target: str | None, human: str) -> None:
     """Print the human summary, and the JSON report where asked (stdout for '-')."""
+    if json_target != "-":
+        print(human)
+    if json_target:
+        write_report(report, json_target)
+
+
+def write_report(report: dict, json_target: str) -> None:
+    """A --json report: to stdout for '-' (in place of the human summary), else to that file, atomically; values
+    JSON has no type for (paths, ...) as their str."""
     if json_target == "-":
         print(json.dumps(report, indent=2, default=str))
         return
-    print(human)
-    if json_target:
-        from mxforge.safetensors_io import write_json_atomic
+    from mxforge.safetensors_io import write_json_atomic
 
-        write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
+    write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
 
 
 def emit_error(e, json_target: str | None, command: str) -> None:
@@ -239,15 +246,10 @@ def emit_error(e, json_target: str | None, command: str) -> None:
     status)}. A report that cannot be written is not a second error: the message is on stderr already."""
     if json_target is None:
         return
-    report = {"stage": command, "ok": False, "exit_code": EXIT_ERROR, **e.as_dict()}
-    if json_target == "-":
-        print(json.dumps(report, indent=2, default=str))
-        return
     from mxforge.errors import MxforgeError
-    from mxforge.safetensors_io import write_json_atomic
 
     try:
-        write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
+        write_report({"stage": command, "ok": False, "exit_code": EXIT_ERROR, **e.as_dict()}, json_target)
     except MxforgeError:
         pass
 
