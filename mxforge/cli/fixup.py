@@ -7,29 +7,16 @@ import argparse
 # mxforge.cli.main imports this module to build its COMMANDS table, so its helpers are imported inside the
 # functions below (at call time), never at import time.
 from mxforge.cli.support import (
-    add_shared_options,
+    Command,
+    add_recipe_option,
     emit_exit,
     engines_arg,
     exit_codes_help,
     open_checkpoint_arg,
-    recipe_help,
 )
 
 
-def register_fixup(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "fixup",
-        help="write the MTP exclusion aliases each engine needs; rewrite glob exclusions",
-        description="Edit quantization_config.exclude so that each engine builds bf16 exactly the modules "
-        "stored bf16: exact aliases for the MTP layer (model.decoder.*, model.eh_proj, fused names, "
-        "<layer>.mlp.experts) and glob entries rewritten into exact names. Idempotent. Keeps "
-        "config.json.orig, records what it applied in mxforge_fixups.json. "
-        + exit_codes_help("when every engine can load the result", "when problems remain that the config cannot cure"),
-    )
-    p.add_argument(
-        "ckpt",
-        help="checkpoint directory (config.json is edited in place), or a Hub repo id with --create-pr or --dry-run",
-    )
+def _fixup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -49,12 +36,9 @@ def register_fixup(sub) -> argparse.ArgumentParser:
         default=None,
         help="first re-inject a missing MTP layer from this bf16 checkpoint (a new shard; index and config updated)",
     )
-    p.add_argument(
-        "--recipe",
-        default=None,
-        help="with --mtp-from: the recipe that quantizes the MTP layer: " + recipe_help("the family's default"),
+    add_recipe_option(
+        p, when="with --mtp-from: the recipe that quantizes the MTP layer: ", default="the family's default"
     )
-    return add_shared_options(p, quiet="no progress bar (--mtp-from)", remote=True, engines=True)
 
 
 def run_fixup(args) -> int:
@@ -113,3 +97,25 @@ def _run_remote_fixup(args, source) -> int:
 
 def _emit_fixup(args, result) -> int:
     return emit_exit(result.as_dict(), args.json, result.format(), ok=not result.remaining)
+
+
+FIXUP = Command(
+    "fixup",
+    help="write the MTP exclusion aliases each engine needs; rewrite glob exclusions",
+    description="Edit quantization_config.exclude so that each engine builds bf16 exactly the modules "
+    "stored bf16: exact aliases for the MTP layer (model.decoder.*, model.eh_proj, fused names, "
+    "<layer>.mlp.experts) and glob entries rewritten into exact names. Idempotent. Keeps "
+    "config.json.orig, records what it applied in mxforge_fixups.json. "
+    + exit_codes_help("when every engine can load the result", "when problems remain that the config cannot cure"),
+    positionals=(
+        (
+            "ckpt",
+            "checkpoint directory (config.json is edited in place), or a Hub repo id with --create-pr or --dry-run",
+        ),
+    ),
+    options=_fixup_options,
+    quiet="no progress bar (--mtp-from)",
+    remote=True,
+    engines=True,
+    run=run_fixup,
+)

@@ -5,60 +5,50 @@ from __future__ import annotations
 import argparse
 
 # cli_support is light; heavy modules (huggingface_hub, hub I/O) are imported inside the functions, at call time.
-from mxforge.cli.support import add_shared_options, emit_exit, engines_arg, hub_limits, invocation
-
-
-def _check_workers(workers: int) -> None:
-    from mxforge.errors import MxforgeError
-
-    if workers < 1:
-        raise MxforgeError(f"--workers must be at least 1, got {workers}", entry="--workers")
-
-
-def _quiet_hub(quiet: bool) -> None:
-    if quiet:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
+from mxforge.cli.support import Command, emit_exit, engines_arg, hub_limits, invocation, require_at_least
 
 
 def _add_workers_option(p: argparse.ArgumentParser, workers_help: str) -> None:
     p.add_argument("--workers", type=int, default=8, help=f"{workers_help} (default 8)")
 
 
-def register_download(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "download",
-        help="download a Hub repo at one commit, resumably, verifying every file's hash",
-        description="Download REPO_ID into DEST through huggingface_hub: resolves the revision to a commit, "
-        "checks free disk space first, resumes interrupted files on rerun, verifies every file against the "
-        "Hub's sha256 / git hash, and records DEST/mxforge_source.json. Honours HF_TOKEN, HF_ENDPOINT, HF_HOME, "
-        "HF_HUB_OFFLINE and the Hub's other usual variables.",
-    )
-    p.add_argument("repo_id", help="Hub repo, e.g. zai-org/GLM-5.2")
-    p.add_argument("dest", help="destination directory (created; rerun into the same one to resume)")
+def _start_transfer(args) -> None:
+    """Before download or push reads anything else: refuse a --workers below 1 and, with --quiet, silence
+    huggingface_hub's own progress bars."""
+    require_at_least(args.workers, 1, "--workers")
+    if args.quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def _transfer_args(args) -> dict:
+    """What download and push take alike from their options: --workers, --quiet, the Hub limits, the command line.
+
+    Raises:
+        MxforgeError: --timeout / --retries (or their variables) out of range.
+    """
+    return {"workers": args.workers, "quiet": args.quiet, "limits": hub_limits(args), "command": invocation()}
+
+
+def _download_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default="main", help="branch, tag or commit sha (default main)")
     p.add_argument("--include", action="append", metavar="GLOB", help="download only files matching GLOB (repeatable)")
     p.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB (repeatable)")
     _add_workers_option(p, "parallel file downloads and hash threads")
-    return add_shared_options(p, quiet="no progress bars", hub=True)
 
 
 def run_download(args) -> int:
     from mxforge.hub.download import download
 
-    _check_workers(args.workers)
-    _quiet_hub(args.quiet)
+    _start_transfer(args)
     r = download(
         args.repo_id,
         args.dest,
         revision=args.revision,
         include=args.include,
         exclude=args.exclude,
-        workers=args.workers,
-        quiet=args.quiet,
-        limits=hub_limits(args),
-        command=invocation(),
+        **_transfer_args(args),
     )
     report = r.as_dict()
     return emit_exit(
@@ -69,24 +59,29 @@ def run_download(args) -> int:
     )
 
 
-def register_push(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "push",
-        help="validate, write the model card, upload resumably and verify the remote hashes",
-        description="Validate CKPT (refusing, before any network call, when it fails), write its model card "
-        "README.md, upload the large files (the Hub keeps what it received: rerun to resume), commit in one commit "
-        "only if no file changed since validation, then compare the Hub's sha256 of every file with the "
-        "local one. Needs HF_TOKEN (or `hf auth login`) with write access.",
-    )
-    p.add_argument("ckpt", help="checkpoint directory")
-    p.add_argument("repo_id", help="target Hub repo, e.g. me/GLM-5.2-MXFP4 (created if missing)")
+DOWNLOAD = Command(
+    "download",
+    help="download a Hub repo at one commit, resumably, verifying every file's hash",
+    description="Download REPO_ID into DEST through huggingface_hub: resolves the revision to a commit, "
+    "checks free disk space first, resumes interrupted files on rerun, verifies every file against the "
+    "Hub's sha256 / git hash, and records DEST/mxforge_source.json. Honours HF_TOKEN, HF_ENDPOINT, HF_HOME, "
+    "HF_HUB_OFFLINE and the Hub's other usual variables.",
+    positionals=(
+        ("repo_id", "Hub repo, e.g. zai-org/GLM-5.2"),
+        ("dest", "destination directory (created; rerun into the same one to resume)"),
+    ),
+    options=_download_options,
+    quiet="no progress bars",
+    hub=True,
+    run=run_download,
+)
+
+
+def _push_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--private", action="store_true", help="create the repo private")
     p.add_argument("--branch", default=None, help="push to this branch (created from main if missing; default main)")
     p.add_argument("--force", action="store_true", help="push even though validate fails (the card says so)")
     _add_workers_option(p, "hash threads")
-    return add_shared_options(
-        p, quiet="no progress bars", follow_symlinks="and upload files of CKPT", hub=True, engines=True
-    )
 
 
 def run_push(args) -> int:
@@ -94,8 +89,7 @@ def run_push(args) -> int:
     from mxforge.hub.push import push
 
     refuse_run_dir(args.ckpt, "push")
-    _check_workers(args.workers)
-    _quiet_hub(args.quiet)
+    _start_transfer(args)
     engines = engines_arg(args)
     r = push(
         args.ckpt,
@@ -104,11 +98,8 @@ def run_push(args) -> int:
         branch=args.branch,
         force=args.force,
         engines=engines,
-        workers=args.workers,
-        quiet=args.quiet,
         follow_symlinks=args.follow_symlinks,
-        limits=hub_limits(args),
-        command=invocation(),
+        **_transfer_args(args),
     )
     forced = " (FORCED past failed validation)" if r.forced else ""
     unquantized = " (NOT quantized: config.json has no quantization_config; --force)" if not r.quantized else ""
@@ -118,3 +109,23 @@ def run_push(args) -> int:
         f"pushed {args.ckpt}{unquantized} to {r.endpoint}/{r.repo_id} branch {r.branch} (commit {r.commit}){forced}: "
         f"{len(r.files)} files, every remote sha256 matches the local one",
     )
+
+
+PUSH = Command(
+    "push",
+    help="validate, write the model card, upload resumably and verify the remote hashes",
+    description="Validate CKPT (refusing, before any network call, when it fails), write its model card "
+    "README.md, upload the large files (the Hub keeps what it received: rerun to resume), commit in one commit "
+    "only if no file changed since validation, then compare the Hub's sha256 of every file with the "
+    "local one. Needs HF_TOKEN (or `hf auth login`) with write access.",
+    positionals=(
+        ("ckpt", "checkpoint directory"),
+        ("repo_id", "target Hub repo, e.g. me/GLM-5.2-MXFP4 (created if missing)"),
+    ),
+    options=_push_options,
+    quiet="no progress bars",
+    follow_symlinks="and upload files of CKPT",
+    hub=True,
+    engines=True,
+    run=run_push,
+)

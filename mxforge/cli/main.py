@@ -1,8 +1,8 @@
 """The `mxforge` command: one subcommand per pipeline stage.
 
-Each subcommand is a (register, run) pair: `register` adds its arguments, `run` does the work and returns
-the exit code. Stage subcommands live beside their engines (hub_cli, quantize/cli, fixups/cli) and share
-the helpers in cli_support.
+Each subcommand is one `Command` entry (cli/support.py): its --help prose, positionals, own options, the
+shared options it takes, and `run`, which does the work and returns the exit code. The stages' entries live
+in cli/hub.py, cli/quantize.py, cli/fixup.py and cli/validate.py, the others here; COMMANDS lists them all.
 Exit codes: 0 done, 1 validation found problems, 2 could not run: expected failures (MxforgeError) and
 every operating-system failure (read-only or full disk, permissions, names too long) print one line to
 stderr, with no traceback; 130 after Ctrl-C.
@@ -15,7 +15,6 @@ import difflib
 import errno
 import os
 import sys
-from typing import Callable
 
 from mxforge import __version__
 from mxforge.cli import fixup as fixups_cli
@@ -23,13 +22,14 @@ from mxforge.cli import hub as hub_cli
 from mxforge.cli import quantize as quantize_cli
 from mxforge.cli import validate as validation_cli
 from mxforge.cli.support import (  # noqa: F401 (EXIT_* re-exported)
+    CKPT_OR_REPO,
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_PROBLEMS,
+    Command,
     add_engines_option,
-    add_shared_options,
-    default_recipes_help,
+    add_recipe_option,
     emit,
     emit_error,
     emit_exit,
@@ -38,28 +38,16 @@ from mxforge.cli.support import (  # noqa: F401 (EXIT_* re-exported)
     hub_limits,
     invocation,
     open_checkpoint_arg,
-    recipe_help,
+    require_at_least,
 )
 from mxforge.errors import MxforgeError
 from mxforge.formats import FORMATS
 
 
 # --- fixture ---------------------------------------------------------------------------------------
-def register_fixture(sub) -> argparse.ArgumentParser:
+def fixture_options(p: argparse.ArgumentParser) -> None:
     from mxforge.models import DEFAULT_FAMILY, FAMILIES
 
-    p = sub.add_parser(
-        "fixture",
-        help="write a model family's bf16 or FP8 checkpoint (tests, benchmarks, demos)",
-        description="Write a checkpoint of a model family (--family) laid out like its real one, in bf16 or "
-        "(--precision fp8) as the family's FP8 release stores it. Presets, per family "
-        "(manifests/models/<family>.fixtures.toml): "
-        "tiny (seconds, a few MB, every layer kind and the MTP layer); bench (real expert shapes, "
-        "--gib sets the size); full-layout (the real model's every tensor and shard, e.g. GLM-5.2's "
-        "59,585 tensors in 282 shards, 1.5 TB apparent, as sparse files: real headers, but every "
-        "weight reads as zeros; for metadata stages only).",
-    )
-    p.add_argument("out", help="output directory (created; must be empty or absent)")
     p.add_argument("--preset", choices=("tiny", "bench", "full-layout"), default="tiny", help="the size (default tiny)")
     p.add_argument(
         "--family",
@@ -85,7 +73,6 @@ def register_fixture(sub) -> argparse.ArgumentParser:
         default=None,
         help="bench only: approximate size in GiB of the bf16 layout (default 2; FP8 is about 0.6x)",
     )
-    return add_shared_options(p, quiet="no progress bar")
 
 
 def run_fixture(args) -> int:
@@ -111,17 +98,24 @@ def run_fixture(args) -> int:
     )
 
 
+FIXTURE = Command(
+    "fixture",
+    help="write a model family's bf16 or FP8 checkpoint (tests, benchmarks, demos)",
+    description="Write a checkpoint of a model family (--family) laid out like its real one, in bf16 or "
+    "(--precision fp8) as the family's FP8 release stores it. Presets, per family "
+    "(manifests/models/<family>.fixtures.toml): "
+    "tiny (seconds, a few MB, every layer kind and the MTP layer); bench (real expert shapes, "
+    "--gib sets the size); full-layout (the real model's every tensor and shard, e.g. GLM-5.2's "
+    "59,585 tensors in 282 shards, 1.5 TB apparent, as sparse files: real headers, but every "
+    "weight reads as zeros; for metadata stages only).",
+    positionals=(("out", "output directory (created; must be empty or absent)"),),
+    options=fixture_options,
+    quiet="no progress bar",
+    run=run_fixture,
+)
+
+
 # --- inspect ---------------------------------------------------------------------------------------
-def register_inspect(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "inspect",
-        help="summarize a checkpoint: tensor kinds, dtypes, layers, MTP, quantization_config",
-        description="Summarize a checkpoint from its headers alone (no tensor data is read).",
-    )
-    p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
-    return add_shared_options(p, remote=True)
-
-
 def run_inspect(args) -> int:
     from mxforge.validation.inspect import format_inspect, inspect_checkpoint
 
@@ -129,22 +123,17 @@ def run_inspect(args) -> int:
     return emit_exit(report, args.json, format_inspect(report))
 
 
+INSPECT = Command(
+    "inspect",
+    help="summarize a checkpoint: tensor kinds, dtypes, layers, MTP, quantization_config",
+    description="Summarize a checkpoint from its headers alone (no tensor data is read).",
+    positionals=(CKPT_OR_REPO,),
+    remote=True,
+    run=run_inspect,
+)
+
+
 # --- dequantize ------------------------------------------------------------------------------------
-def register_dequantize(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "dequantize",
-        help="an MXFP4 checkpoint back to bf16 (streaming), for evaluation and debugging",
-        description="Write OUT as the bf16 checkpoint that CKPT's MXFP4 weights encode: each "
-        + "; ".join(f"{f.title}: {f.codes_label} X.weight with its X.weight{f.scale_suffix}" for f in FORMATS)
-        + " becomes a bf16 X.weight (exactly the encoded values); every "
-        "other tensor is copied byte for byte; config.json loses its quantization_config. Streaming "
-        "(bounded memory), each file written under a temporary name and renamed when whole.",
-    )
-    p.add_argument("ckpt", help="MXFP4 checkpoint directory (e.g. mxforge quantize's OUT)")
-    p.add_argument("out", help="output directory: new, empty, or an earlier dequantize output (redone)")
-    return add_shared_options(p, quiet="no progress bar", follow_symlinks="CKPT")
-
-
 def run_dequantize(args) -> int:
     from mxforge.quantize.dequantize import dequantize_checkpoint
 
@@ -162,20 +151,27 @@ def run_dequantize(args) -> int:
     )
 
 
+DEQUANTIZE = Command(
+    "dequantize",
+    help="an MXFP4 checkpoint back to bf16 (streaming), for evaluation and debugging",
+    description="Write OUT as the bf16 checkpoint that CKPT's MXFP4 weights encode: each "
+    + "; ".join(f"{f.title}: {f.codes_label} X.weight with its X.weight{f.scale_suffix}" for f in FORMATS)
+    + " becomes a bf16 X.weight (exactly the encoded values); every "
+    "other tensor is copied byte for byte; config.json loses its quantization_config. Streaming "
+    "(bounded memory), each file written under a temporary name and renamed when whole.",
+    positionals=(
+        ("ckpt", "MXFP4 checkpoint directory (e.g. mxforge quantize's OUT)"),
+        ("out", "output directory: new, empty, or an earlier dequantize output (redone)"),
+    ),
+    quiet="no progress bar",
+    follow_symlinks="CKPT",
+    run=run_dequantize,
+)
+
+
 # --- run -------------------------------------------------------------------------------------------
-def register_run(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "run",
-        help="the whole pipeline: download, quantize, fixup, validate, push; resumable",
-        description="Run download (when SOURCE is a Hub repo id), quantize, fixup, validate and, with "
-        "--push, push. OUT/bf16 holds the download, OUT/mxfp4 the product, OUT/mxforge_run.json the state: "
-        "rerun the same command after a crash to continue at the first incomplete stage (and inside "
-        "quantize, at the first incomplete shard). "
-        + exit_codes_help(problems="validation found problems (nothing pushed)"),
-    )
-    p.add_argument("source", help="Hub repo id (owner/name) or a local bf16 or FP8 checkpoint directory")
-    p.add_argument("out", help="working directory (created; rerun with the same one to resume)")
-    p.add_argument("--recipe", default=None, help=recipe_help(default_recipes_help()))
+def run_options(p: argparse.ArgumentParser) -> None:
+    add_recipe_option(p)
     quantize_cli.add_scale_rule_option(p)
     add_engines_option(p)
     p.add_argument("--push", metavar="REPO_ID", default=None, help="push the validated checkpoint to this Hub repo")
@@ -211,7 +207,6 @@ def register_run(sub) -> argparse.ArgumentParser:
         help="with --executor ray: the cluster to join (e.g. ray://head:10001 or auto; default: start a "
         "local Ray with --workers CPUs)",
     )
-    return add_shared_options(p, quiet="no progress bars", follow_symlinks="a local SOURCE", hub=True)
 
 
 def run_run(args) -> int:
@@ -237,8 +232,7 @@ def run_run(args) -> int:
         executor=args.executor,
         ray_address=args.ray_address,
     )
-    if args.in_flight is not None and args.in_flight < 1:
-        raise MxforgeError(f"--in-flight must be at least 1, got {args.in_flight}", entry="--in-flight")
+    require_at_least(args.in_flight, 1, "--in-flight")
     pipeline = Pipeline(opts)
     try:
         report = pipeline.run()
@@ -249,16 +243,39 @@ def run_run(args) -> int:
     return emit_exit(report.as_dict(), args.json, format_run_summary(report))
 
 
-COMMANDS: dict[str, tuple[Callable, Callable]] = {
-    "fixture": (register_fixture, run_fixture),
-    "inspect": (register_inspect, run_inspect),
-    "download": (hub_cli.register_download, hub_cli.run_download),
-    "quantize": (quantize_cli.register_quantize, quantize_cli.run_quantize),
-    "dequantize": (register_dequantize, run_dequantize),
-    "fixup": (fixups_cli.register_fixup, fixups_cli.run_fixup),
-    "validate": (validation_cli.register_validate, validation_cli.run_validate),
-    "push": (hub_cli.register_push, hub_cli.run_push),
-    "run": (register_run, run_run),
+RUN = Command(
+    "run",
+    help="the whole pipeline: download, quantize, fixup, validate, push; resumable",
+    description="Run download (when SOURCE is a Hub repo id), quantize, fixup, validate and, with "
+    "--push, push. OUT/bf16 holds the download, OUT/mxfp4 the product, OUT/mxforge_run.json the state: "
+    "rerun the same command after a crash to continue at the first incomplete stage (and inside "
+    "quantize, at the first incomplete shard). "
+    + exit_codes_help(problems="validation found problems (nothing pushed)"),
+    positionals=(
+        ("source", "Hub repo id (owner/name) or a local bf16 or FP8 checkpoint directory"),
+        ("out", "working directory (created; rerun with the same one to resume)"),
+    ),
+    options=run_options,
+    quiet="no progress bars",
+    follow_symlinks="a local SOURCE",
+    hub=True,
+    run=run_run,
+)
+
+# Every subcommand, in the order mxforge --help lists them.
+COMMANDS: dict[str, Command] = {
+    c.name: c
+    for c in (
+        FIXTURE,
+        INSPECT,
+        hub_cli.DOWNLOAD,
+        quantize_cli.QUANTIZE,
+        DEQUANTIZE,
+        fixups_cli.FIXUP,
+        validation_cli.VALIDATE,
+        hub_cli.PUSH,
+        RUN,
+    )
 }
 
 
@@ -270,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mxforge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (register, _) in COMMANDS.items():
-        register(sub)
+    for command in COMMANDS.values():
+        command.register(sub)
     return parser
 
 
@@ -314,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command][1](args)
+        return COMMANDS[args.command].run(args)
     except MxforgeError as e:
         print(f"mxforge {args.command}: error: {e}", file=sys.stderr)
         emit_error(e, getattr(args, "json", None), args.command)

@@ -5,25 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mxforge.cli.support import add_shared_options, default_recipes_help, emit_exit, invocation, recipe_help
+from mxforge.cli.support import Command, add_recipe_option, emit_exit, invocation
 from mxforge.formats import DEFAULT_FORMAT, FORMATS, MXFP4, format_named
 from mxforge.quantize.scale_rules import SCALE_RULES
 
 
-def register_quantize(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "quantize",
-        help="quantize a bf16 or FP8 checkpoint to MXFP4 in Quark's format (streaming, parallel, resumable)",
-        description="Quantize SRC into OUT as AMD Quark 0.13's file-to-file mode would, bit for bit, "
-        "with the weights a recipe selects. Rerun with the same OUT to resume after a crash: finished "
-        "shards that still match their source, recipe and tool versions are skipped. An FP8 source (F8_E4M3 "
-        "weights with block weight_scale_inv, as the DeepSeek-V3/R1/V3.2 and GLM-5.x FP8 releases, or compressed-"
-        "tensors per-channel/per-tensor weight_scale, as GLM-4.5/4.6/4.7-FP8) is read as the bf16 it stands for "
-        "(DeepSeek's weight_dequant, compressed-tensors' dequantize); its scales are not written.",
-    )
-    p.add_argument("src", help="bf16 or FP8 checkpoint directory (config.json, index, shards)")
-    p.add_argument("out", help="output directory: new, empty, or a previous quantize output to resume")
-    p.add_argument("--recipe", default=None, help=recipe_help(default_recipes_help()))
+def _quantize_options(p: argparse.ArgumentParser) -> None:
+    add_recipe_option(p)
     p.add_argument(
         "--workers", type=int, default=None, help="worker processes across shards (default: one per CPU core)"
     )
@@ -40,7 +28,6 @@ def register_quantize(sub) -> argparse.ArgumentParser:
         help="do not measure the quantization error while quantizing (its cost is measured in "
         "scripts/bench_quantize.py; the report, summary and model card then say 'not measured')",
     )
-    return add_shared_options(p, quiet="no progress bar", follow_symlinks="SRC")
 
 
 def add_scale_rule_option(p: argparse.ArgumentParser) -> None:
@@ -93,3 +80,23 @@ def run_quantize(args) -> int:
         f"{report.seconds or 0:.1f} s; the checkpoint: {(report.bytes_in or 0) / 1e9:.2f} GB in, "
         f"{(report.bytes_out or 0) / 1e9:.2f} GB out\n{summary_line(report.error)}",
     )
+
+
+QUANTIZE = Command(
+    "quantize",
+    help="quantize a bf16 or FP8 checkpoint to MXFP4 in Quark's format (streaming, parallel, resumable)",
+    description="Quantize SRC into OUT as AMD Quark 0.13's file-to-file mode would, bit for bit, "
+    "with the weights a recipe selects. Rerun with the same OUT to resume after a crash: finished "
+    "shards that still match their source, recipe and tool versions are skipped. An FP8 source (F8_E4M3 "
+    "weights with block weight_scale_inv, as the DeepSeek-V3/R1/V3.2 and GLM-5.x FP8 releases, or compressed-"
+    "tensors per-channel/per-tensor weight_scale, as GLM-4.5/4.6/4.7-FP8) is read as the bf16 it stands for "
+    "(DeepSeek's weight_dequant, compressed-tensors' dequantize); its scales are not written.",
+    positionals=(
+        ("src", "bf16 or FP8 checkpoint directory (config.json, index, shards)"),
+        ("out", "output directory: new, empty, or a previous quantize output to resume"),
+    ),
+    options=_quantize_options,
+    quiet="no progress bar",
+    follow_symlinks="SRC",
+    run=run_quantize,
+)

@@ -1,4 +1,4 @@
-"""Helpers shared by every subcommand: exit codes, shared options and report output."""
+"""Helpers shared by every subcommand: the Command table entry, exit codes, shared options and report output."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
@@ -135,30 +137,75 @@ def add_follow_symlinks_option(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def add_shared_options(
-    p: argparse.ArgumentParser,
-    *,
-    quiet: str | None = None,
-    follow_symlinks: str | None = None,
-    remote: bool = False,
-    hub: bool = False,
-    engines: bool = False,
-) -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class Command:
+    """One subcommand, declared once: what `mxforge --help` says of it (`help`), its own --help prose
+    (`description`), its positional arguments as (name, help) pairs, `options` (adds the options only it has),
+    the options stages share (see `add_shared_options`) and `run`, which does the work and returns the exit code.
+    `register` builds its parser; a new command is one more entry, never a copy of a register function."""
+
+    name: str
+    help: str
+    description: str
+    run: Callable[[argparse.Namespace], int]
+    positionals: tuple[tuple[str, str], ...] = ()
+    options: Callable[[argparse.ArgumentParser], None] | None = None
+    quiet: str | None = None
+    follow_symlinks: str | None = None
+    remote: bool = False
+    hub: bool = False
+    engines: bool = False
+
+    def register(self, sub) -> argparse.ArgumentParser:
+        """Add this command's parser to `sub` (an add_subparsers action): positionals, own options, shared ones."""
+        p = sub.add_parser(self.name, help=self.help, description=self.description)
+        for name, text in self.positionals:
+            p.add_argument(name, help=text)
+        if self.options is not None:
+            self.options(p)
+        add_shared_options(p, self)
+        return p
+
+
+# The positional argument of the commands that read a checkpoint's headers, locally or from the Hub.
+CKPT_OR_REPO = ("ckpt", "checkpoint directory, or a Hub repo id (owner/name)")
+
+
+def add_shared_options(p: argparse.ArgumentParser, command: Command) -> None:
     """The options stages share, last in their --help and in this order: --quiet (its help), --follow-symlinks
     (what it reads through them), --revision and the Hub limits (`remote`) or the Hub limits alone (`hub`),
     --engines, and --json, which every stage has."""
-    if quiet is not None:
-        p.add_argument("--quiet", action="store_true", help=quiet)
-    if follow_symlinks is not None:
-        add_follow_symlinks_option(p, follow_symlinks)
-    if remote:
+    if command.quiet is not None:
+        p.add_argument("--quiet", action="store_true", help=command.quiet)
+    if command.follow_symlinks is not None:
+        add_follow_symlinks_option(p, command.follow_symlinks)
+    if command.remote:
         add_remote_options(p)
-    elif hub:
+    elif command.hub:
         add_hub_options(p)
-    if engines:
+    if command.engines:
         add_engines_option(p)
     add_json_option(p)
-    return p
+
+
+def add_recipe_option(p: argparse.ArgumentParser, *, when: str = "", default: str | None = None) -> None:
+    """--recipe: `when` prefixes its help (the condition it applies under), `default` names what it defaults to
+    (default: each family's own recipe)."""
+    p.add_argument(
+        "--recipe", default=None, help=when + recipe_help(default_recipes_help() if default is None else default)
+    )
+
+
+def require_at_least(value: int | None, least: int, option: str) -> None:
+    """Refuse an integer option below `least` (None: not given) with one line naming the option.
+
+    Raises:
+        MxforgeError: `value` < `least`.
+    """
+    from mxforge.errors import MxforgeError
+
+    if value is not None and value < least:
+        raise MxforgeError(f"{option} must be at least {least}, got {value}", entry=option)
 
 
 def hub_limits(args):
@@ -176,14 +223,21 @@ def emit_exit(report: dict, json_target: str | None, human: str, *, ok: bool = T
 
 def emit(report: dict, json_target: str | None, human: str) -> None:
     """Print the human summary, and the JSON report where asked (stdout for '-')."""
+    if json_target != "-":
+        print(human)
+    if json_target:
+        write_report(report, json_target)
+
+
+def write_report(report: dict, json_target: str) -> None:
+    """A --json report: to stdout for '-' (in place of the human summary), else to that file, atomically; values
+    JSON has no type for (paths, ...) as their str."""
     if json_target == "-":
         print(json.dumps(report, indent=2, default=str))
         return
-    print(human)
-    if json_target:
-        from mxforge.safetensors_io import write_json_atomic
+    from mxforge.safetensors_io import write_json_atomic
 
-        write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
+    write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
 
 
 def emit_error(e, json_target: str | None, command: str) -> None:
@@ -192,15 +246,10 @@ def emit_error(e, json_target: str | None, command: str) -> None:
     status)}. A report that cannot be written is not a second error: the message is on stderr already."""
     if json_target is None:
         return
-    report = {"stage": command, "ok": False, "exit_code": EXIT_ERROR, **e.as_dict()}
-    if json_target == "-":
-        print(json.dumps(report, indent=2, default=str))
-        return
     from mxforge.errors import MxforgeError
-    from mxforge.safetensors_io import write_json_atomic
 
     try:
-        write_json_atomic(json_target, json.loads(json.dumps(report, default=str)))
+        write_report({"stage": command, "ok": False, "exit_code": EXIT_ERROR, **e.as_dict()}, json_target)
     except MxforgeError:
         pass
 

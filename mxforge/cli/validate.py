@@ -5,20 +5,11 @@ from __future__ import annotations
 import argparse
 
 # mxforge.cli.main imports this module to build its COMMANDS table: what a run needs is imported at call time.
-from mxforge.cli.support import add_shared_options, engines_arg, exit_codes_help, open_checkpoint_arg
+from mxforge.cli.support import CKPT_OR_REPO, Command, engines_arg, exit_codes_help, open_checkpoint_arg
 from mxforge.formats import FORMATS
 
 
-def register_validate(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "validate",
-        help="check, before upload, that the checkpoint is intact and loads in each engine",
-        description="Check index/shard integrity, quantization_config, that every tensor config.json "
-        "implies is stored (MTP layer included) and, per engine profile, that every module the engine "
-        "builds finds the dtype and shape it allocates. Reads headers only. "
-        + exit_codes_help("clean", "problems found"),
-    )
-    p.add_argument("ckpt", help="checkpoint directory, or a Hub repo id (owner/name)")
+def _validate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--deep",
         action="store_true",
@@ -27,7 +18,6 @@ def register_validate(sub) -> argparse.ArgumentParser:
         + ") and check files "
         "against the download's sha256 manifest (reads data: minutes on a full checkpoint)",
     )
-    return add_shared_options(p, quiet="no progress bar (--deep)", remote=True, engines=True)
 
 
 def run_validate(args) -> int:
@@ -43,3 +33,18 @@ def run_validate(args) -> int:
         )
     report = validate_checkpoint(source, engines_arg(args), deep=args.deep, quiet=args.quiet)
     return emit_exit(report.as_dict(), args.json, report.format(), ok=report.ok)
+
+
+VALIDATE = Command(
+    "validate",
+    help="check, before upload, that the checkpoint is intact and loads in each engine",
+    description="Check index/shard integrity, quantization_config, that every tensor config.json "
+    "implies is stored (MTP layer included) and, per engine profile, that every module the engine "
+    "builds finds the dtype and shape it allocates. Reads headers only. " + exit_codes_help("clean", "problems found"),
+    positionals=(CKPT_OR_REPO,),
+    options=_validate_options,
+    quiet="no progress bar (--deep)",
+    remote=True,
+    engines=True,
+    run=run_validate,
+)
