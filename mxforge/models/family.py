@@ -75,6 +75,16 @@ class Family:
 
 CODE_FIELDS = ("layout", "kind_rules", "manifest")  # what the family's module supplies, not its manifest
 REQUIRED_KEYS = ("name", "title", "architectures", "model_types", "recipes")
+# The published inventory's figures and their types ("parameters_b": the Hub's rounded count, in billions), and
+# the precisions a published checkpoint can have ("fp8-block": 128x128 block-scaled e4m3).
+PUBLISHED_FIGURES: dict[str, type] = {
+    "tensors": int,
+    "parameters": int,
+    "parameters_b": float,
+    "shards": int,
+    "precision": str,
+}
+PRECISIONS = ("bf16", "fp8-block")
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")  # a manifest key: engine profiles' [family.<name>], fixture presets
 
 
@@ -131,10 +141,15 @@ def parse_family(
                 raise bad(key, "must be a non-empty list of non-empty strings")
             value = tuple(value)
         elif key == "published":
-            if not isinstance(value, dict) or not all(
-                isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in value.values()
-            ):
-                raise bad(key, "must be a table of numbers and strings")
+            if not isinstance(value, dict):
+                raise bad(key, "must be a table")
+            for figure, v in value.items():
+                kind = PUBLISHED_FIGURES.get(figure)
+                if kind is None:
+                    raise bad(f"published.{figure}", f"is not a figure (known: {', '.join(PUBLISHED_FIGURES)})")
+                if not isinstance(v, kind) or isinstance(v, bool) or (kind is str and v not in PRECISIONS):
+                    what = f"one of {', '.join(PRECISIONS)}" if kind is str else f"a number ({kind.__name__})"
+                    raise bad(f"published.{figure}", f"must be {what}, not {v!r}")
             value = tuple(value.items())
         elif not isinstance(value, str) or (key in REQUIRED_KEYS and not value):
             raise bad(key, "must be a non-empty string" if key in REQUIRED_KEYS else "must be a string")

@@ -55,6 +55,14 @@ def test_every_family_file_is_a_registered_family():
     assert manifest_names("models", ".family.toml") == sorted(f.manifest for f in FAMILIES)
 
 
+def test_families_do_not_overlap():
+    """family_of takes the first family that claims an architecture or model_type: two claiming one would hide
+    the second, and two with one name would share their manifest tables."""
+    for attr in ("name", "manifest", "architectures", "model_types"):
+        claimed = [v for f in FAMILIES for v in (getattr(f, attr) if attr.endswith("s") else (getattr(f, attr),))]
+        assert len(claimed) == len(set(claimed)), (attr, claimed)
+
+
 @pytest.mark.parametrize(
     ("change", "entry", "message"),
     [
@@ -63,7 +71,11 @@ def test_every_family_file_is_a_registered_family():
         ({"architectures": "GlmMoeDsaForCausalLM"}, "architectures", "must be a non-empty list"),
         ({"recipes": []}, "recipes", "must be a non-empty list"),
         ({"name": "Glm-5"}, "name", "'Glm-5' must be lower-case"),
-        ({"published": {"shards": True}}, "published", "must be a table of numbers and strings"),
+        ({"published": [163]}, "published", "must be a table"),
+        ({"published": {"tensor": 5}}, "published.tensor", "is not a figure"),
+        ({"published": {"shards": True}}, "published.shards", "must be a number (int), not True"),
+        ({"published": {"shards": "163"}}, "published.shards", "must be a number (int), not '163'"),
+        ({"published": {"precision": "fp8"}}, "published.precision", "must be one of bf16, fp8-block, not 'fp8'"),
         ({"fp8_format": "blocky"}, "fp8_format", "'blocky' is not an FP8 layout"),
         ({"fp8_bf16_weights": None}, "fp8_bf16_weights", "must be given with the other FP8 entry"),
         ({"fp8_bf16_weights": "(lm_head"}, "fp8_bf16_weights", "is not a regular expression"),
