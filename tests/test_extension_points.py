@@ -109,16 +109,26 @@ def test_a_new_engine_release_is_one_profile_file(copy, pristine, export):
     assert refused.returncode == 2 and "sglang==0.5.99" in refused.stderr
 
 
-def test_a_new_model_family_is_a_module_a_registration_and_its_tables(copy, pristine, export, tmp_path):
-    """A family: its module in mxforge/models/, one line in mxforge/models/__init__.py, a [family.<name>] table
-    in each engine profile that builds it (and its data: reference config, fixture presets, recipes; this
-    throwaway family borrows GLM-5.2's)."""
+def test_a_new_model_family_is_a_module_a_registration_its_data_and_its_tables(copy, pristine, export, tmp_path):
+    """A family: its module in mxforge/models/ (layout, tensor kinds, joined to its data), one line in
+    mxforge/models/__init__.py, its data in manifests/models/ (<manifest>.family.toml, reference config, fixture
+    presets; recipes are named there) and a [family.<name>] table in each engine profile that builds it. The
+    throwaway family borrows GLM-5.2's layout, data and recipes under another name."""
     (copy / "mxforge/models/toy_moe.py").write_text(
         '"""A throwaway family (tests/test_extension_points.py): GLM-5.2\'s layout under another name."""\n\n'
-        "from dataclasses import replace\n\nfrom .glm_moe_dsa import FAMILY as GLM\n\n"
-        'FAMILY = replace(GLM, name="toy_moe", title="Toy MoE", architectures=("ToyMoeForCausalLM",), '
-        'model_types=("toy_moe",))\n'
+        "from mxforge.models.family import load_family\nfrom mxforge.models.glm_moe_dsa import GlmMoeDsaLayout\n"
+        "from mxforge.models.tensor_kinds import LINEAGE_KIND_RULES\n\n\n"
+        "class ToyMoeLayout(GlmMoeDsaLayout):\n    pass\n\n\n"
+        'FAMILY = load_family("toy-moe", layout=ToyMoeLayout, kind_rules=LINEAGE_KIND_RULES)\n'
+        "ToyMoeLayout.family = FAMILY\n"
     )
+    models = copy / "mxforge/manifests/models"
+    renamed = {"glm_moe_dsa": "toy_moe", "GlmMoeDsaForCausalLM": "ToyMoeForCausalLM", "GLM-5 / 5.1 / 5.2": "Toy MoE"}
+    for suffix in ("family.toml", "config.json", "fixtures.toml"):
+        text = (models / f"glm-5.2.{suffix}").read_text()
+        for old, new in renamed.items():
+            text = text.replace(f'"{old}"', f'"{new}"')
+        (models / f"toy-moe.{suffix}").write_text(text)
     init = copy / "mxforge/models/__init__.py"
     text = init.read_text()
     text, n = re.subn(
@@ -136,10 +146,14 @@ def test_a_new_model_family_is_a_module_a_registration_and_its_tables(copy, pris
         if ours:
             profile.write_text(text.rstrip() + "\n\n" + ours)
     touched = changed_files(copy, pristine)
-    assert {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} <= touched
-    assert touched - {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} <= {
-        p.relative_to(copy).as_posix() for p in profiles
+    added = {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} | {
+        f"mxforge/manifests/models/toy-moe.{suffix}" for suffix in ("family.toml", "config.json", "fixtures.toml")
     }
+    assert added <= touched
+    assert touched - added <= {p.relative_to(copy).as_posix() for p in profiles}
+    made = run_copy(copy, "fixture", str(tmp_path / "toy-fixture"), "--family", "toy_moe", "--preset", "tiny")
+    assert made.returncode == 0, made.stderr
+    assert json.loads((tmp_path / "toy-fixture/config.json").read_text())["architectures"] == ["ToyMoeForCausalLM"]
 
     toy = tmp_path / "toy"
     shutil.copytree(export, toy, copy_function=os.link)

@@ -219,3 +219,35 @@ def test_torch_range_admits_the_engine_torch_in_every_build(engine, version):
     assert pinned and pinned[0], f"{engine}=={version} no longer pins torch: update this test"
     refused = [pinned[0] + b for b in TORCH_BUILDS if not admits(torch.specifier, pinned[0] + b)]
     assert not refused, f"mxforge's {torch} refuses {engine}=={version}'s torch as {', '.join(refused)}"
+
+
+def test_the_wheel_ships_every_manifest(tmp_path):
+    """manifests/ is package data (pyproject.toml's package-data globs): the wheel built from this tree holds every
+    file under it (the family, config and fixture files of each family, recipes, engine profiles), where
+    importlib.resources finds it as mxforge.manifests. Built from a copy, so that nothing is written in the tree."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    pytest.importorskip("setuptools", reason="the wheel is built with the project's own backend, offline")
+    src = tmp_path / "src"
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for folder in {*package_dir.values()}:
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
+        cwd=src,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("mxforge-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    manifests = REPO / "manifests"
+    expected = {f"mxforge/manifests/{p.relative_to(manifests).as_posix()}" for p in manifests.rglob("*") if p.is_file()}
+    expected = {name for name in expected if "__pycache__" not in name}
+    assert any(name.endswith(".family.toml") for name in expected)
+    assert expected <= shipped, sorted(expected - shipped)

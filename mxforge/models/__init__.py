@@ -1,8 +1,9 @@
 """Model families: one module per family, chosen from config.json (`architectures`, then `model_type`).
 
 Everything outside this package asks the family (`family_of`, `layout_of`); no other module names an
-architecture. Adding a family = one module here + its recipe(s), reference config and fixture presets
-in manifests/ + its `[family.<name>]` tables in the engine profiles (manifests/engines/).
+architecture. Adding a family = one module here (its layout and tensor kinds, joined to its data by
+`load_family`) + its data in manifests/ (`models/<manifest>.family.toml`, reference config, fixture presets,
+recipes) + its `[family.<name>]` tables in the engine profiles (manifests/engines/).
 """
 
 from __future__ import annotations

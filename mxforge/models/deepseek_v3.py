@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mxforge.models.family import Family
+from mxforge.models.family import load_family
 from mxforge.models.layout import LINEAGE_FIELDS, MLA_FIELDS, MoeLayout, Spec, mla_tensors
 from mxforge.models.tensor_kinds import LINEAGE_KIND_RULES, compile_rules
 
@@ -33,19 +33,5 @@ class DeepseekV3Layout(MoeLayout):
 # The MTP layer's embedding and output head are embeddings, as the model's own are.
 KIND_RULES = compile_rules((("embeddings", r"^(embed_tokens|shared_head\.head)\."),)) + LINEAGE_KIND_RULES
 
-FAMILY = Family(
-    name="deepseek_v3",
-    title="DeepSeek-V3 / R1 / V3.1",
-    architectures=("DeepseekV3ForCausalLM",),
-    model_types=("deepseek_v3",),
-    layout=DeepseekV3Layout,
-    manifest="deepseek-v3",
-    recipes=("deepseek-v3-mxfp4", "deepseek-v3-mxfp4-mtp-bf16"),
-    kind_rules=KIND_RULES,
-    inventory_source="deepseek-ai/DeepSeek-V3 config.json; shard headers of the FP8 release (deepseek-ai/DeepSeek-R1 "
-    "dump); README_WEIGHTS.md",
-    published=(("tensors", 91991), ("parameters", 684531386000), ("shards", 163), ("precision", "fp8-block")),
-    fp8_format="block",
-    fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|shared_head\.head)\.weight$",
-)
+FAMILY = load_family("deepseek-v3", layout=DeepseekV3Layout, kind_rules=KIND_RULES)
 DeepseekV3Layout.family = FAMILY

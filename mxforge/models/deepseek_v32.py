@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mxforge.models.deepseek_v3 import KIND_RULES, DeepseekV3Layout
-from mxforge.models.family import Family
+from mxforge.models.family import load_family
 from mxforge.models.layout import DSA_FIELDS, LINEAGE_FIELDS, MLA_FIELDS, Spec, dsa_indexer_tensors, mla_tensors
 
 
@@ -31,18 +31,5 @@ class DeepseekV32Layout(DeepseekV3Layout):
         return mla_tensors(self.config) + dsa_indexer_tensors(self.config)
 
 
-FAMILY = Family(
-    name="deepseek_v32",
-    title="DeepSeek-V3.2",
-    architectures=("DeepseekV32ForCausalLM",),
-    model_types=("deepseek_v32",),
-    layout=DeepseekV32Layout,
-    manifest="deepseek-v3.2",
-    recipes=("deepseek-v3.2-mxfp4", "deepseek-v3.2-mxfp4-mtp-bf16"),
-    kind_rules=KIND_RULES,
-    inventory_source="deepseek-ai/DeepSeek-V3.2 config.json; shard headers of its FP8 release (public dump)",
-    published=(("tensors", 92425), ("parameters", 685396921376), ("shards", 163), ("precision", "fp8-block")),
-    fp8_format="block",
-    fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|shared_head\.head|indexer\.weights_proj)\.weight$",
-)
+FAMILY = load_family("deepseek-v3.2", layout=DeepseekV32Layout, kind_rules=KIND_RULES)
 DeepseekV32Layout.family = FAMILY

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mxforge.models.deepseek_v3 import FAMILY as DEEPSEEK_V3
 from mxforge.models.deepseek_v3 import KIND_RULES
-from mxforge.models.family import Family
+from mxforge.models.family import load_family
 from mxforge.models.layout import LINEAGE_FIELDS, LINEAGE_OPTIONAL_INT_FIELDS, MoeLayout, Spec
 
 
@@ -64,25 +63,5 @@ class Glm4MoeLayout(MoeLayout):
         return out
 
 
-FAMILY = Family(
-    name="glm4_moe",
-    title="GLM-4.5 / 4.6 / 4.7, GLM-4.5-Air",
-    architectures=("Glm4MoeForCausalLM",),
-    model_types=("glm4_moe",),
-    layout=Glm4MoeLayout,
-    manifest="glm-4.5",
-    recipes=("glm-4.5-mxfp4", "glm-4.5-mxfp4-mtp-bf16"),
-    kind_rules=KIND_RULES,
-    inventory_source="zai-org/GLM-4.5 config.json; transformers' glm4_moe and sglang's Glm4MoeForCausalLMNextN for the "
-    "names; checked against the Hub's published parameter count (358.34 B) and shard count (93)",
-    # The Hub gives zai-org/GLM-4.5's safetensors parameter count to 0.01 B ("parameters_b"): the derived count
-    # must round to it; no published tensor count or index total_size could be read here.
-    published=(("parameters_b", 358.34), ("shards", 93), ("precision", "bf16")),
-    # zai-org/GLM-4.5-FP8 (and 4.6 / 4.7-FP8) are compressed-tensors FP8: e4m3 weights with one `weight_scale` per
-    # output channel ([out, 1]) and static per-tensor input scales (HabanaAI/vllm-hpu-extension PRs #350, #353,
-    # #397). The release's `ignore` list could not be read here: assumed the modules DeepSeek's FP8 release keeps
-    # bf16 (router, eh_proj, embeddings, heads), which compressed-tensors' Linear targets also leave out.
-    fp8_format="compressed-tensors-channel",
-    fp8_bf16_weights=DEEPSEEK_V3.fp8_bf16_weights,
-)
+FAMILY = load_family("glm-4.5", layout=Glm4MoeLayout, kind_rules=KIND_RULES)
 Glm4MoeLayout.family = FAMILY

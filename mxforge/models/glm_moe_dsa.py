@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mxforge.models.family import Family
+from mxforge.models.family import load_family
 from mxforge.models.layout import (
     DSA_FIELDS,
     LAYER_LISTS,
@@ -69,17 +69,5 @@ class GlmMoeDsaLayout(MoeLayout):
         return mla_tensors(self.config) + (dsa_indexer_tensors(self.config) if self.has_indexer(layer) else [])
 
 
-FAMILY = Family(
-    name="glm_moe_dsa",
-    title="GLM-5 / 5.1 / 5.2",
-    architectures=("GlmMoeDsaForCausalLM",),
-    model_types=("glm_moe_dsa",),
-    layout=GlmMoeDsaLayout,
-    manifest="glm-5.2",
-    recipes=("glm-5.2-mxfp4", "glm-5.2-mxfp4-mtp-bf16"),
-    kind_rules=LINEAGE_KIND_RULES,
-    inventory_source="zai-org/GLM-5.2 config.json and model.safetensors.index.json (59,585 tensors, 282 shards)",
-    fp8_format="block",
-    fp8_bf16_weights=r"(\.mlp\.gate|\.eh_proj|embed_tokens|lm_head|indexer\.weights_proj)\.weight$",
-)
+FAMILY = load_family("glm-5.2", layout=GlmMoeDsaLayout, kind_rules=LINEAGE_KIND_RULES)
 GlmMoeDsaLayout.family = FAMILY

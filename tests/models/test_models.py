@@ -48,6 +48,54 @@ def test_family_is_chosen_by_architecture_then_model_type(family):
     assert family_named(family.name) is family
 
 
+def test_every_family_file_is_a_registered_family():
+    """manifests/models/<manifest>.family.toml holds each family's data: one file per registered family, no orphan."""
+    from mxforge.manifest_io import manifest_names
+
+    assert manifest_names("models", ".family.toml") == sorted(f.manifest for f in FAMILIES)
+
+
+def test_families_do_not_overlap():
+    """family_of takes the first family that claims an architecture or model_type: two claiming one would hide
+    the second, and two with one name would share their manifest tables."""
+    for attr in ("name", "manifest", "architectures", "model_types"):
+        claimed = [v for f in FAMILIES for v in (getattr(f, attr) if attr.endswith("s") else (getattr(f, attr),))]
+        assert len(claimed) == len(set(claimed)), (attr, claimed)
+
+
+@pytest.mark.parametrize(
+    ("change", "entry", "message"),
+    [
+        ({"architecture": ["X"]}, "architecture", "is not a family entry"),
+        ({"title": None}, "title", "is missing"),
+        ({"architectures": "GlmMoeDsaForCausalLM"}, "architectures", "must be a non-empty list"),
+        ({"recipes": []}, "recipes", "must be a non-empty list"),
+        ({"name": "Glm-5"}, "name", "'Glm-5' must be lower-case"),
+        ({"published": [163]}, "published", "must be a table"),
+        ({"published": {"tensor": 5}}, "published.tensor", "is not a figure"),
+        ({"published": {"shards": True}}, "published.shards", "must be a number (int), not True"),
+        ({"published": {"shards": "163"}}, "published.shards", "must be a number (int), not '163'"),
+        ({"published": {"precision": "fp8"}}, "published.precision", "must be one of bf16, fp8-block, not 'fp8'"),
+        ({"fp8_format": "blocky"}, "fp8_format", "'blocky' is not an FP8 layout"),
+        ({"fp8_bf16_weights": None}, "fp8_bf16_weights", "must be given with the other FP8 entry"),
+        ({"fp8_bf16_weights": "(lm_head"}, "fp8_bf16_weights", "is not a regular expression"),
+    ],
+)
+def test_a_bad_family_file_is_one_clear_error_naming_the_file_and_entry(change, entry, message):
+    from mxforge.manifest_io import load_manifest
+    from mxforge.models.family import family_manifest, parse_family
+
+    glm = family_named("glm_moe_dsa")
+    relpath = family_manifest(glm.manifest)
+    data = {**load_manifest(relpath), **change}
+    data = {k: v for k, v in data.items() if v is not None}
+    with pytest.raises(ConfigError, match=re.escape(f"manifests/{relpath}: {entry} {message}")) as e:
+        parse_family(data, relpath=relpath, manifest=glm.manifest, layout=glm.layout, kind_rules=glm.kind_rules)
+    assert e.value.entry == entry and e.value.filename == f"manifests/{relpath}"
+    ok = load_manifest(relpath)
+    assert parse_family(ok, relpath=relpath, manifest=glm.manifest, layout=glm.layout, kind_rules=glm.kind_rules) == glm
+
+
 def test_an_unknown_architecture_is_one_clear_error():
     with pytest.raises(ConfigError, match=r"'LlamaForCausalLM' \(model_type 'llama'\) is not a model family"):
         family_of({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
