@@ -23,6 +23,7 @@ from mxforge.dir_lock import directory_lock
 from mxforge.errors import ConfigError
 from mxforge.models import layout_of
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, keep_original, read_fixups_record, recorded_command
+from mxforge.records import fields_of
 from mxforge.safetensors_io import write_json_atomic
 from mxforge.validation.config_checks import exclude_entries
 from mxforge.validation.engine_check import OTHER, check_engine, decide, engine_view, without_fusion
@@ -54,12 +55,7 @@ class FixupResult:
     def as_dict(self) -> dict:
         return {
             "stage": "fixup",
-            "path": self.path,
-            "engines": self.engines,
-            "dry_run": self.dry_run,
-            "changed": self.changed,
-            "applied": self.applied,
-            "warnings": self.warnings,
+            **fields_of(self, "path", "engines", "dry_run", "changed", "applied", "warnings"),
             "remaining": [p.__dict__ for p in self.remaining],
             "ok": not self.remaining,
         }

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Self
 
+from mxforge.records import fields_of
+
 
 # Readers of a recorded JSON value, for the from_dict of every stage result: the value if of the type, else None.
 def read_str(v: Any) -> str | None:
@@ -32,10 +34,15 @@ def read_obj(v: Any) -> dict:
     return v if isinstance(v, dict) else {}
 
 
-def read_fields(cls: type, d: Any, read: Callable[[Any], Any]) -> dict[str, Any]:
-    """Each field of the dataclass `cls`, read from the recorded object `d` by `read` (a read_* above)."""
+def read_named(d: Any, read: Callable[[Any], Any], *names: str) -> dict[str, Any]:
+    """Each of `names`, read from the recorded object `d` by `read` (a read_* above)."""
     d = read_obj(d)
-    return {f.name: read(d.get(f.name)) for f in fields(cls)}
+    return {name: read(d.get(name)) for name in names}
+
+
+def read_fields(cls: type, d: Any, read: Callable[[Any], Any]) -> dict[str, Any]:
+    """Each field of the dataclass `cls`, read from the recorded object `d` by `read`."""
+    return read_named(d, read, *(f.name for f in fields(cls)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +50,7 @@ class FlatRecord:
     """A record whose JSON object is its fields, by name, in their declared order (scalars only)."""
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return fields_of(self, *(f.name for f in fields(self)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -211,26 +211,16 @@ def run_options(p: argparse.ArgumentParser) -> None:
 
 def run_run(args) -> int:
     from mxforge.errors import ValidationFailed
+    from mxforge.records import fields_of
     from mxforge.run.pipeline import Pipeline, RunOptions, format_run_summary
 
+    same_names = ("source", "out", "recipe", "scale_rule", "revision", "private", "workers", "quiet")
     opts = RunOptions(
-        source=args.source,
-        out=args.out,
-        recipe=args.recipe,
-        scale_rule=args.scale_rule,
+        **fields_of(args, *same_names, "follow_symlinks", "stream", "in_flight", "executor", "ray_address"),
         engines=engines_arg(args),
         push_repo=args.push,
-        revision=args.revision,
-        private=args.private,
-        workers=args.workers,
-        quiet=args.quiet,
         command=invocation(),
-        follow_symlinks=args.follow_symlinks,
         hub_limits=hub_limits(args),
-        stream=args.stream,
-        in_flight=args.in_flight,
-        executor=args.executor,
-        ray_address=args.ray_address,
     )
     require_at_least(args.in_flight, 1, "--in-flight")
     pipeline = Pipeline(opts)

@@ -30,6 +30,7 @@ from mxforge.hub.session import HubLimits, fresh_connections, use_hub_limits
 from mxforge.hub.transfer import CANCEL, PARTIAL_DIR, fetch_file, kept_partial_bytes
 from mxforge.progress import byte_progress, format_bytes
 from mxforge.provenance import SOURCE_NAME, recorded_command
+from mxforge.records import fields_of
 from mxforge.redaction import redact
 from mxforge.safe_paths import check_remote_name, remote_path
 from mxforge.safetensors_io import write_json_atomic
@@ -62,11 +63,7 @@ class DownloadResult:
     def as_dict(self) -> dict:
         return {
             "stage": "download",
-            "dest": str(self.dest),
-            "repo_id": self.repo_id,
-            "revision": self.revision,
-            "commit": self.commit,
-            "endpoint": self.endpoint,
+            **fields_of(self, "dest", "repo_id", "revision", "commit", "endpoint"),
             "files": len(self.files),
             "bytes": sum(f["size"] for f in self.files),
             "downloaded_bytes": self.downloaded_bytes,

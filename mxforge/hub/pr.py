@@ -25,6 +25,7 @@ from mxforge.hub.session import CANCEL, HubLimits, fresh_connections, is_transie
 from mxforge.hub.source import HubSource
 from mxforge.models import layout_of
 from mxforge.provenance import FIXUPS_NAME, read_fixups_record, recorded_command
+from mxforge.records import fields_of
 from mxforge.validation.profiles import select
 from mxforge.validation.validate import validate_checkpoint
 
@@ -50,11 +51,7 @@ class PrResult:
         return {
             "stage": "fixup",
             "repo": self.repo_id,
-            "revision": self.revision,
-            "commit": self.commit,
-            "status": self.status,
-            "pr_num": self.pr_num,
-            "pr_url": self.pr_url,
+            **fields_of(self, "revision", "commit", "status", "pr_num", "pr_url"),
             "verdict_before": self.before["verdict"],
             "verdict_after": self.after["verdict"] if self.after else None,
             "fixup": self.fixup.as_dict(),

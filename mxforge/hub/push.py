@@ -36,6 +36,7 @@ from mxforge.hub.errors import as_hub_error, check_repo_id, checked_commit, hub_
 from mxforge.hub.session import CANCEL, HubLimits, fresh_connections, is_transient, retrying, use_hub_limits
 from mxforge.hub.target import check_push_target
 from mxforge.provenance import recorded_command
+from mxforge.records import fields_of
 from mxforge.redaction import redact
 from mxforge.safetensors_io import write_text_atomic
 
@@ -56,13 +57,7 @@ class PushResult:
     def as_dict(self) -> dict:
         return {
             "stage": "push",
-            "repo_id": self.repo_id,
-            "branch": self.branch,
-            "endpoint": self.endpoint,
-            "url": self.url,
-            "commit": self.commit,
-            "forced": self.forced,
-            "quantized": self.quantized,
+            **fields_of(self, "repo_id", "branch", "endpoint", "url", "commit", "forced", "quantized"),
             "validation": {"ok": self.validation.get("ok"), "engines": self.validation.get("engines")},
             "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
             "remote_hashes_match": True,

@@ -24,6 +24,7 @@ from mxforge.errors import ConfigError, MxforgeError
 from mxforge.models import DEFAULT_FAMILY, Family, family_named, layout_of
 from mxforge.models.layout import FP8_BLOCK, FP8_LAYOUTS, fp8_inventory
 from mxforge.progress import byte_progress
+from mxforge.records import fields_of
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
 
 PRESETS = ("tiny", "bench", "full-layout")
@@ -83,14 +84,7 @@ class FixtureResult:
     def as_dict(self) -> dict:
         return {
             "stage": "fixture",
-            "out": str(self.out),
-            "preset": self.preset,
-            "family": self.family,
-            "precision": self.precision,
-            "tensors": self.tensors,
-            "shards": self.shards,
-            "total_size": self.total_size,
-            "seed": self.seed,
+            **fields_of(self, "out", "preset", "family", "precision", "tensors", "shards", "total_size", "seed"),
         }
 
 

@@ -23,6 +23,7 @@ from mxforge.errors import MxforgeError, ValidationFailed
 from mxforge.provenance import RUN_PRODUCT_DIR, RUN_SOURCE_DIR, RUN_STATE_NAME, STREAM_STATE_NAME
 from mxforge.quantize.error_report import summary_line
 from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE
+from mxforge.records import fields_of
 from mxforge.safetensors_io import write_json_atomic
 
 if TYPE_CHECKING:  # hub_session imports huggingface_hub: only when a stage talks to the Hub
@@ -180,14 +181,8 @@ class RunResult:
     def as_dict(self) -> dict:
         return {
             "stage": self.STAGE,
-            "source": self.source,
-            "out": self.out,
-            "product": self.product,
-            "product_bytes": self.product_bytes,
-            "pushed_to": self.pushed_to,
-            "mode": self.mode,
-            "reused_from_earlier_run": self.reused_from_earlier_run,
-            "redone": self.redone,
+            **fields_of(self, "source", "out", "product", "product_bytes", "pushed_to", "mode"),
+            **fields_of(self, "reused_from_earlier_run", "redone"),
             "stages": {name: rec.as_dict() for name, rec in self.stages.items()},
         }
 

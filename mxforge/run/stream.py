@@ -38,10 +38,12 @@ from mxforge.quantize.result import (
     TensorCounts,
     read_count,
     read_int,
+    read_named,
     read_num,
     read_obj,
     read_str,
 )
+from mxforge.records import fields_of
 from mxforge.safetensors_io import read_header, write_json_atomic
 
 if TYPE_CHECKING:  # annotations only: the Hub and the quantizer are imported when a run needs them
@@ -156,6 +158,18 @@ class StreamResult:
     """What a streamed (or Ray) run returns and `mxforge run` records as its stream stage's report."""
 
     STAGE: ClassVar[str] = "stream"
+    # The integer figures, each recorded under its field's name (0 where a record lacks it).
+    COUNTS: ClassVar[tuple[str, ...]] = (
+        "workers",
+        "downloads",
+        "uploads",
+        "in_flight",
+        "bytes_in",
+        "bytes_out",
+        "bytes_processed_now",
+        "downloaded_bytes",
+        "uploaded_bytes",
+    )
     source: str
     commit: str | None  # the Hub source's commit (None: a local source)
     out: str
@@ -188,33 +202,16 @@ class StreamResult:
     def as_dict(self) -> dict:
         return {
             "stage": self.STAGE,
-            "source": self.source,
-            "commit": self.commit,
-            "out": self.out,
-            "push_target": self.push_target,
+            **fields_of(self, "source", "commit", "out", "push_target"),
             "recipe": {"name": self.recipe_name, "sha256": self.recipe_sha256},
-            "source_precision": self.source_precision,
-            "workers": self.workers,
-            "downloads": self.downloads,
-            "uploads": self.uploads,
-            "in_flight": self.in_flight,
+            **fields_of(self, "source_precision", "workers", "downloads", "uploads", "in_flight"),
             "shards": self.shards.as_dict(),
             "disk_plan": self.disk_plan.as_dict(),
-            "executor": self.executor,
-            "peak_source_bytes_on_disk": self.peak_source_bytes_on_disk,
+            **fields_of(self, "executor", "peak_source_bytes_on_disk"),
             "stages": {k: v.as_dict() for k, v in self.stages.items()},
             "counts": self.counts.as_dict() if self.counts else None,
-            "mtp_layers": self.mtp_layers,
-            "mtp_tensors": self.mtp_tensors,
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
-            "bytes_processed_now": self.bytes_processed_now,
-            "downloaded_bytes": self.downloaded_bytes,
-            "uploaded_bytes": self.uploaded_bytes,
-            "seconds": self.seconds,
-            "tool_versions": self.tool_versions,
-            "notes": self.notes,
-            "error": self.error,
+            **fields_of(self, "mtp_layers", "mtp_tensors", "bytes_in", "bytes_out", "bytes_processed_now"),
+            **fields_of(self, "downloaded_bytes", "uploaded_bytes", "seconds", "tool_versions", "notes", "error"),
         }
 
     @classmethod
@@ -231,10 +228,6 @@ class StreamResult:
             recipe_name=read_str(recipe.get("name")),
             recipe_sha256=read_str(recipe.get("sha256")),
             source_precision=read_str(d.get("source_precision")),
-            workers=read_count(d.get("workers")),
-            downloads=read_count(d.get("downloads")),
-            uploads=read_count(d.get("uploads")),
-            in_flight=read_count(d.get("in_flight")),
             shards=StreamShards.from_dict(d.get("shards")),
             disk_plan=DiskPlan.from_dict(d.get("disk_plan")),
             executor=read_str(d.get("executor")) or "local",
@@ -243,11 +236,7 @@ class StreamResult:
             counts=TensorCounts.from_dict(d.get("counts")),
             mtp_layers=[i for i in mtp if read_int(i) is not None] if isinstance(mtp, list) else [],
             mtp_tensors=read_int(d.get("mtp_tensors")),
-            bytes_in=read_count(d.get("bytes_in")),
-            bytes_out=read_count(d.get("bytes_out")),
-            bytes_processed_now=read_count(d.get("bytes_processed_now")),
-            downloaded_bytes=read_count(d.get("downloaded_bytes")),
-            uploaded_bytes=read_count(d.get("uploaded_bytes")),
+            **read_named(d, read_count, *cls.COUNTS),
             seconds=read_num(d.get("seconds")) or 0.0,
             tool_versions={k: v for k, v in read_obj(d.get("tool_versions")).items() if isinstance(v, str)},
             notes=[n for n in d.get("notes") or [] if isinstance(n, str)],
