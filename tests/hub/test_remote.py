@@ -255,27 +255,14 @@ def _comparable(report: dict) -> dict:
     }
 
 
-# Through the Hub, every case at 6 routed experts and the pipeline's outputs; at the family's real layout two
-# styles (exact names, globs), before and after fixup. The Hub path differs from the local one only in how the
-# config, index and headers are read (mxforge.hub.source), which every case exercises alike; the verdicts on every
-# real-layout case are the engine conformance suite's (tests/validation/test_engine_conformance.py, local).
-REMOTE_REAL_LAYOUT_STYLES = ("recipe-default", "amd-globs")
-
-
-def _remote_case(name: str) -> bool:
-    size, style = name.split("/")[:2]
-    return size != "e256" or style in REMOTE_REAL_LAYOUT_STYLES
-
-
 @pytest.mark.slow  # builds the conformance matrix of each family
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_remote_and_local_agree_on_the_conformance_cases(family, family_cases, hub, tmp_path):
-    """validate and fixup through the Hub give the very verdicts, problems and fixes of the local path, for the
-    cases of the engine conformance suite of each model family (tests/engine_truth/matrix.py) that _remote_case
-    selects; the session builds the cases once for both suites."""
-    every = family_cases(family)
-    cases = [case for name, case in every.items() if _remote_case(name)]
-    assert any(c.name.startswith("e256/") for c in cases) and len(cases) < len(every)
+    """validate and fixup through the Hub give the very verdicts, problems and fixes of the local path, for every
+    case of the engine conformance suite of each model family (tests/engine_truth/matrix.py); the session builds
+    the cases once for both suites."""
+    cases = list(family_cases(family).values())
+    assert any(c.name.startswith("e256/") for c in cases)
     repos = {}
     for case in cases:
         repo = f"m/{family}-" + case.name.replace("/", "-")
