@@ -3,6 +3,7 @@ Shared constants and helpers are in helpers.py."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,6 +41,22 @@ def fixture_ckpt(tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory):
+    """module_tmp(name) -> a new directory for a test module's shared files, removed when the module's tests are
+    done: a passed test's own tmp_path goes as it ends, and a module's GB-sized checkpoints need not wait for
+    the session's end (CI's disk is shared)."""
+    made: list[Path] = []
+
+    def make(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield make
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

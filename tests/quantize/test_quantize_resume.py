@@ -22,16 +22,16 @@ pytestmark = pytest.mark.slow  # quantize runs killed and resumed
 
 
 @pytest.fixture(scope="module")
-def multi_shard_ckpt(tmp_path_factory) -> Path:
+def multi_shard_ckpt(module_tmp) -> Path:
     """Real GLM-5.2 expert shapes, 2 shards of up to 512 MiB: long enough for a kill to land mid-run."""
-    out = tmp_path_factory.mktemp("resume") / "bench"
+    out = module_tmp("resume") / "bench"
     write_fixture(out, "bench", seed=1, gib=0.75, quiet=True)
     return out
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(multi_shard_ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("resume-ref") / "out"
+def uninterrupted(multi_shard_ckpt, module_tmp) -> Path:
+    out = module_tmp("resume-ref") / "out"
     cli("quantize", str(multi_shard_ckpt), str(out), "--quiet", "--workers", "1", check=True)
     return out
 

@@ -141,8 +141,8 @@ def test_run_stops_before_push_when_validation_fails(hub, tmp_path, tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def bench_src(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("run-bench") / "bf16"
+def bench_src(module_tmp) -> Path:
+    out = module_tmp("run-bench") / "bf16"
     write_fixture(out, "bench", seed=2, gib=0.75, quiet=True)
     return out
 
