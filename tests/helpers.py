@@ -166,6 +166,38 @@ def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     )
 
 
+def kill_group(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGKILL the process group `proc` leads (started with start_new_session) and wait until none of its processes
+    still runs. `proc.wait()` reaps the leader only; a forked worker still dying shares the leader's flock on
+    OUT/.cache/mxforge/lock until it has exited, so a rerun at that moment is rightly told OUT is in use (for
+    milliseconds; seconds on a loaded machine). Zombies waiting for init hold nothing and do not count."""
+    import signal
+    import time
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    end = time.monotonic() + timeout
+    while _running_in_group(proc.pid):
+        assert time.monotonic() < end, f"process group {proc.pid} still runs {timeout} s after SIGKILL"
+        time.sleep(0.01)
+
+
+def _running_in_group(pgid: int) -> list[int]:
+    """Pids of the processes of group `pgid` that are not zombies (Linux: /proc/PID/stat)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            found.append(int(entry))
+    return found
+
+
 def one_error_line(proc, code: int = 2) -> str:
     """The single `mxforge ...` line of a run that failed with `code` and no traceback."""
     assert proc.returncode == code, proc.stdout + proc.stderr

@@ -4,15 +4,13 @@ and a SIGKILL during quantize followed by a rerun that ends byte-identical to an
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TOKEN, cli, hub_env, run_cli
+from helpers import REPO, TOKEN, cli, hub_env, kill_group, run_cli
 
 from mxforge.models.fixture import write_fixture
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME
@@ -163,8 +161,7 @@ def test_sigkill_during_quantize_then_rerun_is_byte_identical(bench_src, tmp_pat
         assert proc.poll() is None, "the run ended before quantize wrote anything"
         assert time.monotonic() < deadline, "quantize made no progress"
         time.sleep(0.002)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_group(proc)
     state = json.loads((out / RUN_STATE_NAME).read_text())
     assert state["stages"]["quantize"]["status"] == "running"
     assert not (mxfp4 / "config.json").exists()
