@@ -263,7 +263,8 @@ def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:
     if "error" in answer:
         return [f"the probe failed: {answer['error'].strip().splitlines()[-1]}"]
     out = []
-    view = views(profile, loaded)[0]
+    every_view = views(profile, loaded)
+    view = every_view[0]
     t, d = answer[TARGET], answer[DRAFT]
     layer = loaded.layout.mtp_layers[0] if loaded.layout.mtp_layers else None
     stand_in = stand_ins(loaded.layout)
@@ -286,7 +287,7 @@ def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:
         if eh is not None:
             expect("eh_proj prefix", eh.runtime, d["eh_proj"]["prefix"] or eh.runtime)
             expect("eh_proj decision", _mine(view, eh), _form(d["eh_proj"]["decision"]))
-    for v in views(profile, loaded):
+    for v in every_view:
         for m in v.modules:
             if not compared(m, stand_in):
                 continue
