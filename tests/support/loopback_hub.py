@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import hashlib
 import io
 import json
@@ -79,6 +80,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.onnx", "*.ckpt")
 LFS_MIN_SIZE = 10 * 1024 * 1024
 CHUNK = 1 << 20
+POLL_S = 0.02  # how often a server checks for stop() (socketserver.serve_forever poll_interval)
 INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
 
 
@@ -306,7 +308,10 @@ class LoopbackHub:
         self._mirror = ThreadingHTTPServer(("127.0.0.1", 0), Mirror)
         for server in (self._server, self._mirror):
             server.daemon_threads = True
-            threading.Thread(target=server.serve_forever, name="loopback-hub", daemon=True).start()
+            # stop() waits for serve_forever to see the shutdown flag, which it checks once a poll interval
+            # (socketserver's default 0.5 s: half a second of every Hub test's teardown, per server).
+            loop = functools.partial(server.serve_forever, poll_interval=POLL_S)
+            threading.Thread(target=loop, name="loopback-hub", daemon=True).start()
         return self.endpoint
 
     @property
