@@ -14,6 +14,21 @@ from mxforge.models.fixture import FixtureResult, write_fixture
 
 sys.path.insert(0, str(REPO / "tests" / "support"))  # the test Hub (loopback_hub), the Quark-style writer (quark_like)
 
+# The suite runs under pytest-xdist with --dist loadgroup (pyproject.toml). What is costly to build once in a
+# process, or what two processes must not hold at once, keeps its tests on one worker: the engine-conformance
+# matrices (`family_cases`, minutes of exports per family, shared by the engine and local-vs-remote suites),
+# AMD Quark's import (marker `quark`: about 25 s a process), a Ray cluster (marker `ray`).
+ONE_WORKER_FIXTURES = {"family_cases": "engine-matrix"}
+ONE_WORKER_MARKERS = ("quark", "ray")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = next((g for f, g in ONE_WORKER_FIXTURES.items() if f in item.fixturenames), None)
+        group = group or next((m for m in ONE_WORKER_MARKERS if item.get_closest_marker(m)), None)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session")
 def fixture_ckpt(tmp_path_factory):

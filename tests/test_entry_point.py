@@ -89,6 +89,7 @@ def _process_state() -> dict:
     }
 
 
+@pytest.mark.quark
 def test_in_process_cli_leaves_nothing_behind(tiny_ckpt, tmp_path):
     """helpers.cli runs one command after another in the test process: a run (with its progress bars, a worker
     pool, its environment) leaves the next one the process it found."""

@@ -398,6 +398,7 @@ def _tensors(root: Path) -> dict:
     return {n: t for shard in sorted(root.glob("*.safetensors")) for n, t in load_file(shard).items()}
 
 
+@pytest.mark.quark
 def test_a_new_element_format_is_one_entry_and_its_kernel(copy, pristine, tiny_ckpt, tmp_path):
     """An element format is one registry entry with its kernel (mxforge/formats/<name>.py and its line in
     FORMATS): a recipe rule's `format` selects it, and quantize (bytes and quantization_config Quark 0.13's own for

@@ -129,6 +129,7 @@ def test_mxfp4_is_the_ocp_mx_specification():
         MXFP4.packed_shapes((2, 33))
 
 
+@pytest.mark.quark
 def test_every_entry_is_quarks_own_spec():
     """What an entry says Quark writes (dtype, qscheme, group size, scale format) is what its Quark spec class
     writes, and the registry recognizes that spec as the entry (and nothing else as it)."""

@@ -451,6 +451,7 @@ def test_loopback_hub_serves_snapshot_download(hub, tmp_path, tiny_ckpt):
     assert str(out) == str((tmp_path / "snap").resolve())
 
 
+@pytest.mark.quark
 def test_quark_file_to_file_export_of_the_published_recipe_is_fixed_then_pushed(hub, tmp_path, tiny_ckpt):
     """Quark 0.13's own file-to-file export with the write-up's recipe (MTP shared expert and eh_proj kept, as
     globs): reported per release before fixup, loads in every release after it, and push accepts it."""

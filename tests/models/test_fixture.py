@@ -1,6 +1,7 @@
 import json
 import os
 
+import pytest
 import torch
 from helpers import cli
 from safetensors import safe_open
@@ -131,6 +132,7 @@ def test_full_layout_counts_and_sparse_disk_use(full_layout_ckpt):
     assert used < 200 * 2**20, f"full-layout should be sparse, uses {used} bytes"
 
 
+@pytest.mark.slow
 def test_bench_preset_has_real_expert_shapes(tmp_path):
     write_fixture(tmp_path / "b", "bench", gib=0.75, quiet=True)
     ckpt, infos = _headers(tmp_path / "b")

@@ -376,6 +376,7 @@ def test_decoder_reads_the_spec_values():
         decode_mxfp4(codes, torch.tensor([[128]], dtype=torch.uint8))
 
 
+@pytest.mark.quark
 def test_transformers_quark_path_cannot_run_routed_experts(default_mxfp4):
     """Why the consumer decodes the weights itself. transformers loads a `quant_method: quark` checkpoint
     through QuarkHfQuantizer, which calls Quark's `_map_to_quark`: it replaces nn.Linear modules with

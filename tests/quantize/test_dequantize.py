@@ -51,6 +51,7 @@ def runs(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path, Path, dict]:
     return request.param, mxfp4, bf16, json.loads((work / "q.json").read_text())
 
 
+@pytest.mark.quark
 def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouched(runs):
     rule, mxfp4, bf16, _ = runs
     packed, unpacked = _tensors(mxfp4), _tensors(bf16)
@@ -117,6 +118,7 @@ def test_refuses_a_foreign_out_and_a_checkpoint_without_mxfp4(runs, tiny_ckpt, t
     assert "no MXFP4 weight" in one_error_line(cli("dequantize", str(tiny_ckpt), str(tmp_path / "o")))
 
 
+@pytest.mark.quark
 def test_nan_scales_make_their_whole_block_nan_with_one_warning_line(runs, tmp_path):
     """E8M0 0xFF is NaN (OCP MX v1.0, 5.3.1), and a block with a NaN scale is NaN in all 32 elements: the
     dequantized weight holds NaN there (not a mix of +-inf and NaN), numpy prints nothing, and the report and the

@@ -494,6 +494,7 @@ FP8_RELEASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FP8_RELEASES))
 def test_full_layout_fp8_fixture_reproduces_the_fp8_release(family, tmp_path):
     tensors, nbytes, shards = FP8_RELEASES[family]

@@ -56,6 +56,7 @@ def references() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return {name: quark_quantize_weight(w) for name, w in _cases().items()}
 
 
+@pytest.mark.quark
 @pytest.mark.parametrize("name", list(_cases()))
 @pytest.mark.parametrize("path", ["default", "c_kernel", "numba_kernel", "torch"])
 def test_bytes_equal_quark(name, path, references):
@@ -124,6 +125,7 @@ def test_refuses_non_finite_naming_tensor_and_count():
         quantize_mxfp4(w, "layers.3.w.weight")
 
 
+@pytest.mark.quark
 def test_non_finite_allowed_matches_quark():
     w = torch.randn(4, 64)
     w[1, 3] = float("nan")

@@ -154,6 +154,7 @@ def test_index_names_missing_shard(src, tmp_path):
     _fails(src, tmp_path / "out", match="model-00009-of-00009.safetensors")
 
 
+@pytest.mark.quark
 @pytest.mark.slow
 def test_nan_in_a_weight_to_quantize_is_refused_with_count(src, tmp_path):
     name = "model.layers.7.mlp.experts.3.down_proj.weight"  # the MTP layer's routed expert

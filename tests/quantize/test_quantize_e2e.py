@@ -49,6 +49,7 @@ def quark_tiny(tiny_ckpt, quantized_tiny, tmp_path_factory) -> Path:
     return dst
 
 
+@pytest.mark.quark
 def test_shards_and_config_byte_identical_to_quark_file_to_file(quantized_tiny, quark_tiny):
     ours, theirs = _files(quantized_tiny[0]), _files(quark_tiny)
     assert set(theirs) <= set(ours)
@@ -60,6 +61,7 @@ def test_shards_and_config_byte_identical_to_quark_file_to_file(quantized_tiny, 
     assert ours_map == json.loads(theirs[INDEX_NAME])["weight_map"]
 
 
+@pytest.mark.quark
 def test_every_tiny_weight_bytes_equal_quark(tiny_ckpt):
     from mxforge.formats.quark import quark_quantize_weight
 

@@ -84,6 +84,19 @@ def _finished_shards(out: Path) -> int:
         return 0
 
 
+def _state_and_outputs(out: Path) -> dict:
+    """The state file's shard entries (size and mtime of each output as recorded) beside each output's stat."""
+    try:
+        shards = json.loads((out / QUANTIZE_STATE_NAME).read_text())["shards"]
+    except (OSError, ValueError, KeyError) as e:
+        return {"state": repr(e)}
+    stats = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in out.iterdir() if p.is_file()}
+    return {
+        name: {"recorded": (e.get("output_size"), e.get("output_mtime_ns")), "on disk": stats.get(name)}
+        for name, e in shards.items()
+    } | {"files": sorted(stats)}
+
+
 @pytest.mark.parametrize("moment", ["mid_shard", "after_first_shard"])
 def test_sigkill_then_rerun_is_byte_identical(multi_shard_ckpt, uninterrupted, tmp_path, moment):
     # After the first shard, one worker: with two, both shards run at once and may finish within one poll. Even
@@ -105,10 +118,11 @@ def test_sigkill_then_rerun_is_byte_identical(multi_shard_ckpt, uninterrupted, t
         if moment == "mid_shard" or _finished_shards(out) < 2:
             break
     assert not (out / "config.json").exists() and not (out / QUANTIZE_NAME).exists()
+    killed_state = _state_and_outputs(out)  # what the rerun judges, for the message if it redoes a finished shard
     rerun = cli("quantize", str(multi_shard_ckpt), str(out), "--quiet", "--json", "-", check=True)
     report = json.loads(rerun.stdout)
     if moment == "after_first_shard":
-        assert report["shards"]["skipped_complete"] >= 1
+        assert report["shards"]["skipped_complete"] >= 1, (attempt, killed_state, report["shards"])
     assert report["shards"]["quantized_now"] >= 1
     assert not list(out.glob("*.partial"))
     assert _outputs(out) == _outputs(uninterrupted)

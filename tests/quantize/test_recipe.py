@@ -168,6 +168,7 @@ def test_quantization_config_is_quarks(tiny_ckpt):
     assert qc["export"]["pack_method"] == "reorder"
 
 
+@pytest.mark.quark
 def test_cached_quantization_config_equals_a_fresh_quark_build(tmp_path, monkeypatch):
     from mxforge.formats import MXFP4
     from mxforge.formats import quark as quark_ref

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import TOKEN, hub_env, run_push
 
-pytestmark = pytest.mark.slow  # Ray runs end to end
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # Ray runs end to end
 
 
 @pytest.fixture

@@ -254,6 +254,7 @@ def test_layer_configs_that_quantize_nothing_need_exclusions(export):
     assert fixup_checkpoint(ckpt).remaining == [] and not failing(ckpt)
 
 
+@pytest.mark.slow
 def test_shared_expert_fusion_at_256_experts(full_layout_ckpt, tmp_path):
     """GLM-5.2's 256 experts open the fusion gate: the bf16 MTP shared expert cannot join an MXFP4 bank."""
     ckpt = tmp_path / "q"
@@ -281,6 +282,7 @@ def test_shared_expert_fusion_at_256_experts(full_layout_ckpt, tmp_path):
     assert "--disable-shared-experts-fusion" not in serve["sglang 0.5.16-0.5.23"]["command"]
 
 
+@pytest.mark.slow
 def test_deepseek_v32_draft_decides_its_own_fusion_from_sglang_0_5_18(fixture_ckpt, tmp_path):
     """DeepSeek-V3.2's target never fuses its shared expert. Up to sglang 0.5.17 that refusal reaches its draft (built
     next, in the same process); from 0.5.18 the draft's own gate decides, and at 256 experts it appends the MTP shared
