@@ -103,8 +103,7 @@ FIXTURE = Command(
     help="write a model family's bf16 or FP8 checkpoint (tests, benchmarks, demos)",
     description="Write a checkpoint of a model family (--family) laid out like its real one, in bf16 or "
     "(--precision fp8) as the family's FP8 release stores it. Presets, per family "
-    "(manifests/models/<manifest>.fixtures.toml, the family's manifest name: glm-5.2.fixtures.toml for "
-    "glm_moe_dsa): "
+    "(manifests/models/<manifest>.fixtures.toml, named by the family's manifest, not by its --family name): "
     "tiny (seconds, a few MB, every layer kind and the MTP layer); bench (real expert shapes, "
     "--gib sets the size); full-layout (the real model's every tensor and shard, e.g. GLM-5.2's "
     "59,585 tensors in 282 shards, 1.5 TB apparent, as sparse files: real headers, but every "

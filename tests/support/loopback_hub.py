@@ -467,7 +467,7 @@ class _HubHandler(BaseHTTPRequestHandler):
                     keys = (name, f"{method} {name}")
                     hooks = [hub.before[k] for k in keys if k in hub.before]
                     if any([hook(self) for hook in hooks]):
-                        return self._held_after(keys)  # a callback answered the request itself
+                        return self._held_after(self._take_hold(keys))  # a callback answered the request itself
                     if any(k in hub.stall for k in keys):
                         return self._hold()
                     if self._injected_failure(keys):
@@ -483,8 +483,11 @@ class _HubHandler(BaseHTTPRequestHandler):
                             self.wfile = sent
                         self.close_connection = True
                         return self.connection.shutdown(socket.SHUT_RDWR)
+                    # Taken before the answer is sent: a client that reads this answer and then sets hold_after
+                    # must not find this answer counted by a handler thread still finishing it.
+                    taken = self._take_hold(keys)
                     getattr(self, f"h_{name}")(body=body, **params)
-                    return self._held_after(keys)
+                    return self._held_after(taken)
             raise HubError(404, f"no route for {method} {url.path}")
         except HubError as e:
             self._send_json({"error": e.message}, e.status, {"X-Error-Code": e.code, "X-Error-Message": e.message})
@@ -512,16 +515,27 @@ class _HubHandler(BaseHTTPRequestHandler):
         self._send_json({"error": f"injected HTTP {status}"}, status)
         return True
 
-    def _held_after(self, keys: tuple[str, ...]) -> None:
-        """After an answer to a route in `hold_after`: the connection stays open and its next request is never
-        answered (a server holding a keep-alive connection)."""
+    def _take_hold(self, keys: tuple[str, ...]) -> str | None:
+        """One answer of a route in `hold_after`, taken from its count (None: the route is not held)."""
         with self.hub.lock:
             for k in keys:
                 left = self.hub.hold_after.get(k, 0)
-                if left and not self.close_connection:
+                if left:
                     self.hub.hold_after[k] = left - 1
-                    self._hold_next = True
-                    return
+                    return k
+        return None
+
+    def _held_after(self, taken: str | None) -> None:
+        """After an answer that took a `hold_after` count (_take_hold): the connection stays open and its next
+        request is never answered (a server holding a keep-alive connection). An answer that closed the
+        connection holds nothing, and its count is given back."""
+        if taken is None:
+            return
+        if self.close_connection:
+            with self.hub.lock:
+                self.hub.hold_after[taken] = self.hub.hold_after.get(taken, 0) + 1
+            return
+        self._hold_next = True
 
     def handle_one_request(self) -> None:
         if getattr(self, "_hold_next", False):  # see _held_after: whatever comes next on this connection waits
