@@ -467,7 +467,8 @@ class _HubHandler(BaseHTTPRequestHandler):
                     keys = (name, f"{method} {name}")
                     hooks = [hub.before[k] for k in keys if k in hub.before]
                     if any([hook(self) for hook in hooks]):
-                        return self._held_after(self._take_hold(keys))  # a callback answered the request itself
+                        # a callback answered the request itself
+                        return self._held_after(self._take(hub.hold_after, keys))
                     if any(k in hub.stall for k in keys):
                         return self._hold()
                     if self._injected_failure(keys):
@@ -485,7 +486,7 @@ class _HubHandler(BaseHTTPRequestHandler):
                         return self.connection.shutdown(socket.SHUT_RDWR)
                     # Taken before the answer is sent: a client that reads this answer and then sets hold_after
                     # must not find this answer counted by a handler thread still finishing it.
-                    taken = self._take_hold(keys)
+                    taken = self._take(hub.hold_after, keys)
                     getattr(self, f"h_{name}")(body=body, **params)
                     return self._held_after(taken)
             raise HubError(404, f"no route for {method} {url.path}")
@@ -496,13 +497,14 @@ class _HubHandler(BaseHTTPRequestHandler):
         except Exception as e:  # a bug here must answer 500, not hang the client
             self._send_json({"error": f"loopback hub: {type(e).__name__}: {e}"}, 500)
 
-    def _take(self, switch: dict[str, int], keys: tuple[str, ...]) -> bool:
-        """Whether a per-route countdown switch (-1: always) applies to this request; counts it down."""
+    def _take(self, switch: dict[str, int], keys: tuple[str, ...]) -> str | None:
+        """The key under which a per-route countdown switch (-1: always) applies to this request, counted down
+        (None: it does not apply)."""
         with self.hub.lock:
             key = next((k for k in keys if switch.get(k)), None)
             if key is not None and switch[key] > 0:
                 switch[key] -= 1
-        return key is not None
+        return key
 
     def _injected_failure(self, keys: tuple[str, ...]) -> bool:
         """Answer the HTTP error `fail` holds for this route (counting it down); False when there is none."""
@@ -515,25 +517,16 @@ class _HubHandler(BaseHTTPRequestHandler):
         self._send_json({"error": f"injected HTTP {status}"}, status)
         return True
 
-    def _take_hold(self, keys: tuple[str, ...]) -> str | None:
-        """One answer of a route in `hold_after`, taken from its count (None: the route is not held)."""
-        with self.hub.lock:
-            for k in keys:
-                left = self.hub.hold_after.get(k, 0)
-                if left:
-                    self.hub.hold_after[k] = left - 1
-                    return k
-        return None
-
     def _held_after(self, taken: str | None) -> None:
-        """After an answer that took a `hold_after` count (_take_hold): the connection stays open and its next
-        request is never answered (a server holding a keep-alive connection). An answer that closed the
-        connection holds nothing, and its count is given back."""
+        """After an answer that took a `hold_after` count (`_take(hub.hold_after, keys)`, None: none): the
+        connection stays open and its next request is never answered (a server holding a keep-alive
+        connection). An answer that closed the connection holds nothing, and its count is given back."""
         if taken is None:
             return
         if self.close_connection:
             with self.hub.lock:
-                self.hub.hold_after[taken] = self.hub.hold_after.get(taken, 0) + 1
+                if self.hub.hold_after[taken] >= 0:
+                    self.hub.hold_after[taken] += 1
             return
         self._hold_next = True
 
