@@ -168,13 +168,13 @@ def _dequantized(fin, pair: StoredPair, nan_blocks: dict[str, int]):
     codes, scales, fmt = pair.weight, pair.scale, pair.format
     assert scales is not None, f"{codes.name}: a quantized weight without scales is refused by quantized_pairs"
     rows, inner = pair.shape
-    packed, nblocks = codes.shape[1], scales.shape[1]
+    packed, nblocks = codes.shape[1], fmt.scale_row_bytes(inner)  # bytes per row (a float scale: 4)
     step = max(1, CHUNK_BYTES // (2 * inner))  # inner bf16 values a row
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
         c = np.frombuffer(_pread(fin, codes.start + r0 * packed, n * packed), dtype=np.uint8).reshape(n, packed)
         s = np.frombuffer(_pread(fin, scales.start + r0 * nblocks, n * nblocks), dtype=np.uint8).reshape(n, nblocks)
-        nan = int((s == fmt.scale.nan_code).sum())
+        nan = int((s == fmt.scale.nan_code).sum()) if fmt.scale.nan_code is not None else 0
         if nan:
             nan_blocks[codes.name] = nan_blocks.get(codes.name, 0) + nan
         with np.errstate(invalid="ignore"):  # 0 * NaN in a NaN-scale block: NaN, as the OCP MX spec says

@@ -368,7 +368,7 @@ def _quantize_tensor(
     itemsize = s.nbytes // max(1, s.numel)
     row_bytes = inner * itemsize
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes))
-    packed, nblocks = fmt.packed_inner(inner), fmt.blocks(inner)
+    packed, nblocks = fmt.packed_inner(inner), fmt.scale_row_bytes(inner)
     codes_at, scales_at = job.plan.offsets[s.name], job.plan.offsets[fmt.scale_name(s.name)]
     codes_buf = np.empty(min(rows, rows_per_chunk) * packed, dtype=np.uint8)
     scales_buf = np.empty(min(rows, rows_per_chunk) * nblocks, dtype=np.uint8)
@@ -397,8 +397,8 @@ def _quantize_tensor(
 def _as_rows(raw: bytes | memoryview, dtype: str, n: int, inner: int) -> np.ndarray:
     if dtype == "BF16":
         return np.frombuffer(raw, dtype="<i2").reshape(n, inner)
-    if dtype == "F16":
-        return np.frombuffer(raw, dtype="<f2").reshape(n, inner).astype(np.float32)
+    if dtype == "F16":  # as float16: a format whose numerics run in the weight's dtype (FP8 PTPC) needs it
+        return np.frombuffer(raw, dtype="<f2").reshape(n, inner)
     return np.frombuffer(raw, dtype="<f4").reshape(n, inner)
 
 
@@ -407,15 +407,21 @@ def _quantize_rows(
 ) -> int:
     kernels = t.format.kernels if t.format is not None else None
     assert kernels is not None, f"{t.source.name}: planned for quantization without its element format"
+    offsets = _offsets(t, job)
     if job.device == "cpu":
-        return kernels.encode_cpu(x, codes, scales, job.scale_offsets, stats)
+        return kernels.encode_cpu(x, codes, scales, offsets, stats)
     import torch
 
     w = torch.from_numpy(x.copy())
     if t.read_dtype == "BF16":
         w = w.view(torch.bfloat16)
     codes_t, scales_t = torch.from_numpy(codes), torch.from_numpy(scales)
-    return kernels.encode_torch(w, codes_t, scales_t, torch.device(job.device), job.scale_offsets, stats)
+    return kernels.encode_torch(w, codes_t, scales_t, torch.device(job.device), offsets, stats)
+
+
+def _offsets(t: TensorPlan, job: ShardJob) -> tuple[int, ...]:
+    """The scale rule's offsets for this tensor: the job's where its format takes scale rules, else Quark's (0,)."""
+    return job.scale_offsets if t.format is not None and t.format.scale_rules else (0,)
 
 
 def _handle_nonfinite(
@@ -443,7 +449,7 @@ def _handle_nonfinite(
             path=Path(job.src_dir) / job.plan.name,
             tensor=s.name,
         )
-    if job.scale_offsets != (0,):
+    if _offsets(t, job) != (0,):
         raise NonFiniteWeightError(
             f"{Path(job.src_dir) / job.plan.name}: tensor {s.name!r} holds {count} NaN/Inf value(s); only the quark "
             "scale rule can encode them (as Quark does): fix the source, keep the tensor, or use --scale-rule quark",

@@ -12,6 +12,7 @@ tests/test_docs.py regenerates the page and compares, so the page cannot drift f
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -342,16 +343,30 @@ def _formats() -> list[str]:
     out.append("")
     rows = []
     for f in FORMATS:
-        grid = ", ".join(f"{v:g}" for v in sorted({abs(v) for v in f.values}))
+        magnitudes = sorted({abs(v) for v in f.values if math.isfinite(v)})
+        if len(magnitudes) <= 16:
+            grid = "±{" + ", ".join(f"{v:g}" for v in magnitudes) + "}"
+        else:  # an 8-bit table: its range
+            grid = f"±[{magnitudes[1]:g} .. {magnitudes[-1]:g}] and 0 ({len(magnitudes)} magnitudes)"
+        if any(not math.isfinite(v) for v in f.values):
+            grid += f"; NaN {', '.join(f'0x{c:02X}' for c, v in enumerate(f.values) if not math.isfinite(v))}"
+        scale = (
+            f"{f.scale.title}: 2^(code-{f.scale.bias}); {f.scale.nan_code} = NaN"
+            if f.scale.nan_code is not None
+            else f"{f.scale.title}: the value itself"
+        )
+        per_row = "[out]" if f.block is None else f"[out, ceil(in/{f.block})]"
         rows.append(
             [
                 f"{f.title} (`{f.name}`)",
                 f"{f.element} ({f.element_bits} bits)",
-                f"±{{{grid}}}",
-                f"{f.block} values along the input dimension (the last block may be shorter)",
-                f"{f.scale.title}: 2^(code-{f.scale.bias}); {f.scale.nan_code} = NaN",
+                grid,
+                "one output channel (row)"
+                if f.block is None
+                else f"{f.block} values along the input dimension (the last block may be shorter)",
+                scale,
                 f"`X.weight` {f.codes_label} [out, in*{f.element_bits}/8] + `X.weight{f.scale_suffix}` "
-                f"{DTYPE_LABELS.get(f.scale.dtype, f.scale.dtype)} [out, ceil(in/{f.block})]",
+                f"{DTYPE_LABELS.get(f.scale.dtype, f.scale.dtype)} {per_row}",
             ]
         )
     out += _table(["format", "element", "values", "block", "scale", "stored as"], rows)

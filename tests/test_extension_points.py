@@ -349,13 +349,13 @@ def add_mxfp6_e2m3(root: Path, entry: str = MXFP6_E2M3) -> None:
     (root / "mxforge/formats/mxfp6_e2m3.py").write_text(entry)
     init = root / "mxforge/formats/__init__.py"
     text, n = re.subn(
-        r"^from mxforge\.formats import mxfp4$",
-        "from mxforge.formats import mxfp4, mxfp6_e2m3",
+        r"^from mxforge\.formats import (.*)$",
+        r"from mxforge.formats import \1, mxfp6_e2m3",
         init.read_text(),
         flags=re.M,
     )
     text, m = re.subn(
-        r"^(FORMATS: tuple\[ElementFormat, \.\.\.\] = \(mxfp4\.FORMAT,)\)", r"\1 mxfp6_e2m3.FORMAT)", text, flags=re.M
+        r"^(FORMATS: tuple\[ElementFormat, \.\.\.\] = \(.*)\)$", r"\1, mxfp6_e2m3.FORMAT)", text, flags=re.M
     )
     assert n == m == 1
     init.write_text(text)

@@ -21,15 +21,19 @@ CHUNK = 16 << 20
 def scan_scales(
     root: Path, weight_map: Mapping[str, str], infos: Mapping[str, TensorInfo], quiet: bool = False
 ) -> tuple[list[Problem], int]:
-    """Every quantized weight's scale tensor read in full; its format's NaN code (E8M0 0xFF) is a NaN block.
-    Returns problems, bytes read."""
-    pairs = [p for p in stored_pairs(infos).values() if p.scale is not None and p.scale.dtype == p.format.scale.dtype]
+    """Every quantized weight's scale tensor read in full, for formats whose scale has a NaN code (E8M0 0xFF: a NaN
+    block). Returns problems, bytes read."""
+    pairs = [
+        p
+        for p in stored_pairs(infos).values()
+        if p.scale is not None and p.scale.dtype == p.format.scale.dtype and p.format.scale.nan_code is not None
+    ]
     total = sum(p.scale.nbytes for p in pairs if p.scale is not None)
     problems = []
     with byte_progress(total, "validate: scales", disable=quiet) as bar:
         for pair in pairs:
             info, scale = pair.scale, pair.format.scale
-            assert info is not None  # pairs without scales are left out above
+            assert info is not None and scale.nan_code is not None  # such pairs are left out above
             nan_code = bytes([scale.nan_code])
             with open(root / weight_map[info.name], "rb") as f:
                 f.seek(info.start)

@@ -15,22 +15,32 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from mxforge.errors import ConfigError
-from mxforge.formats import mxfp4
+from mxforge.formats import fp8_ptpc, mxfp4
 from mxforge.formats.element import ERROR_STATS, ElementFormat
 from mxforge.safetensors_io import TensorInfo
 
-FORMATS: tuple[ElementFormat, ...] = (mxfp4.FORMAT,)
+FORMATS: tuple[ElementFormat, ...] = (mxfp4.FORMAT, fp8_ptpc.FORMAT)
 DEFAULT_FORMAT = FORMATS[0]  # what a recipe rule quantizes to unless it names a `format`
 MXFP4 = mxfp4.FORMAT  # for the few release behaviours that are MXFP4's own (vLLM 0.30's re-quantization)
+# Quark schemes a recipe may name that mxforge does not write, and why (a recipe naming one is refused with it).
+REFUSED_FORMATS = {
+    "fp8": "Quark's fp8 scheme declares static per-tensor FP8 activation scales, which need calibration data; "
+    "mxforge quantizes weights only (use 'fp8_ptpc': per-channel FP8 weights with dynamic per-token activations)",
+    "mxfp4_fp8": "W4A8 (MXFP4 weights with static FP8 activations) needs calibrated activation scales; mxforge "
+    "quantizes weights only (use 'mxfp4')",
+    "int4_fp8": "W4A8 needs calibrated activation scales; mxforge quantizes weights only",
+}
 
 __all__ = [
     "DEFAULT_FORMAT",
     "ERROR_STATS",
     "FORMATS",
     "MXFP4",
+    "REFUSED_FORMATS",
     "ElementFormat",
     "StoredPair",
     "format_named",
+    "formats_title",
     "format_of_spec",
     "stored_pair",
     "stored_pairs",
@@ -49,6 +59,18 @@ def format_named(name: str) -> ElementFormat:
         if fmt.name == name:
             return fmt
     raise ConfigError(f"unknown element format {name!r}; choose one of {', '.join(f.name for f in FORMATS)}")
+
+
+def formats_title(record: str) -> str:
+    """The titles of a recorded '+'-joined list of registry names ("mxfp4+fp8_ptpc" -> "MXFP4 + FP8 PTPC"; a name
+    the registry does not know is shown as it is)."""
+    titles = []
+    for name in record.split("+"):
+        try:
+            titles.append(format_named(name).title)
+        except ConfigError:
+            titles.append(name)
+    return " + ".join(titles)
 
 
 def format_of_spec(spec: Mapping | None) -> ElementFormat | None:

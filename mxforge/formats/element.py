@@ -1,5 +1,9 @@
 """What one entry of the format registry (`mxforge/formats/__init__.py`) holds: an element format, completely.
 
+Two families of formats fit one entry. OCP MX formats (below) share a scale per block of consecutive elements;
+per-channel formats (FP8 E4M3 with one float32 scale per output row, Quark's `FP8E4M3PerChannelSpec`: the
+weight half of PTPC FP8) have `block` None, store one code per byte and their scales `[out]`.
+
 An OCP MX format (OCP Microscaling Formats v1.0; in Quark, `OCP_MXSpec` and a subclass per element type) stores a
 2-D weight `[out, in]` as blocks of `block` consecutive elements along `in` that share one power-of-two scale:
 - `X.weight`: each element's code (`element_bits` wide, its value in the code table `values`), packed along `in`
@@ -28,24 +32,33 @@ if TYPE_CHECKING:  # numpy and torch are imported where used: the CLI starts wit
 # The error statistics every kernel adds up while encoding (quantize/error_report.py turns them into figures):
 # sum of squared errors, sum of squares, max |error|, count of clipped values (|x| above its block's largest value).
 ERROR_STATS = 4
-DTYPE_LABELS = {"U8": "uint8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # safetensors -> torch names
+DTYPE_LABELS = {"U8": "uint8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F32": "float32"}  # -> torch
+ITEMSIZES = {"U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F32": 4}  # bytes per element of the dtypes stored here
 _COUNT_WORDS = {1: "one", 2: "two", 4: "four", 8: "eight"}  # codes per byte, for people
 
 
 @dataclass(frozen=True)
 class ScaleFormat:
-    """The block scale: a biased power-of-two exponent, one code per block."""
+    """The block scale: a biased power-of-two exponent, one code per block (E8M0); or a plain float32 (FP32)."""
 
-    name: str  # Quark's `scale_format`: "e8m0"
+    name: str | None  # Quark's `scale_format`: "e8m0"; None for a float scale (Quark writes null)
     title: str  # for people: "E8M0"
     dtype: str  # safetensors dtype of the stored codes: "U8"
-    bias: int  # a code's value is 2 ** (code - bias)
-    nan_code: int  # the code that means NaN: every element of its block decodes to NaN
+    bias: int = 0  # a code's value is 2 ** (code - bias) (exponent scales)
+    nan_code: int | None = None  # the code that means NaN: every element of its block decodes to NaN
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per stored scale."""
+        return ITEMSIZES[self.dtype]
 
     def values(self, codes: np.ndarray) -> np.ndarray:
-        """float32 scale values of integer `codes` (2^-127 is a float32 subnormal: exact; the NaN code is NaN)."""
+        """float32 scale values `[rows, scales]` of the stored scales: integer exponent `codes` (2^-127 is a float32
+        subnormal: exact; the NaN code is NaN), or a float scale's bytes (uint8 `[rows, scales * 4]`) as float32."""
         import numpy as np
 
+        if self.dtype == "F32":
+            return np.ascontiguousarray(codes).view("<f4").astype(np.float32)
         exponent = codes.astype(np.int32) - self.bias
         with np.errstate(over="ignore"):
             out = np.ldexp(np.float32(1), exponent).astype(np.float32)
@@ -55,15 +68,20 @@ class ScaleFormat:
 
 # OCP MX's shared scale, every MX format's: value 2^(byte - 127); byte 0xFF is NaN. Quark writes bytes 1..254.
 E8M0 = ScaleFormat("e8m0", "E8M0", "U8", bias=127, nan_code=0xFF)
+# A float32 scale (Quark's per-channel and per-tensor FP8 weights: `scale_format` null, `scale_type` float32).
+FP32 = ScaleFormat(None, "FP32", "F32")
 
 
 @dataclass(frozen=True)
 class QuarkSpec:
-    """How Quark describes the format in `quantization_config` (quark.torch.quantization.config.config)."""
+    """How Quark describes the format in `quantization_config` (quark.torch.quantization.config.config): the spec
+    class and constructor arguments of its static weights and of its dynamic activations (formats/quark.py)."""
 
-    spec_class: str  # the OCP_MXSpec subclass that builds its QuantizationSpec: "OCP_MXFP4Spec"
+    spec_class: str  # the DataTypeSpec subclass that builds its QuantizationSpec: "OCP_MXFP4Spec"
     dtype: str  # the spec's `dtype`: "fp4"
     qscheme: str = "per_group"  # the spec's `qscheme` (OCP_MXSpec's, for every MX format)
+    ch_axis: int = -1  # the weight spec's `ch_axis` (-1: along `in`, MX blocks; 0: one scale per output channel)
+    input_ch_axis: int = -1  # the dynamic activations' `ch_axis` (PTPC: 1, one scale per token)
 
 
 @dataclass(frozen=True)
@@ -93,7 +111,7 @@ class ElementFormat:
     element: str  # the element type: "E2M1"
     element_bits: int  # bits per element code
     values: tuple[float, ...]  # the code table: the value of code 0 .. 2**element_bits - 1 (sign in the top bit)
-    block: int  # elements per scale, consecutive along the in-dimension
+    block: int | None  # elements per scale, consecutive along the in-dimension (None: a scale per output row)
     scale: ScaleFormat
     codes_dtype: str  # safetensors dtype the packed codes are stored as
     quark: QuarkSpec
@@ -140,15 +158,26 @@ class ElementFormat:
         return inner * self.element_bits // 8
 
     def blocks(self, inner: int) -> int:
-        """Scales per row for `inner` elements (the last block shorter when `inner` is not a multiple)."""
-        return -(-inner // self.block)
+        """Scales per row for `inner` elements (the last block shorter when `inner` is not a multiple; one for a
+        per-channel format)."""
+        return 1 if self.block is None else -(-inner // self.block)
+
+    def scale_row_bytes(self, inner: int) -> int:
+        """Bytes of scales per row for `inner` elements (what a kernel's `scales` buffer holds per row)."""
+        return self.blocks(inner) * self.scale.itemsize
+
+    @property
+    def granularity(self) -> str:
+        """What one scale covers, for people: "32 weights" or "output channel"."""
+        return "output channel" if self.block is None else f"{self.block} weights"
 
     def unpacked_inner(self, packed: int) -> int:
         """Elements per row that `packed` bytes of codes hold."""
         return packed * 8 // self.element_bits
 
-    def packed_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(codes shape, scales shape) for a 2-D weight shape `[out, in]`.
+    def packed_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, ...]]:
+        """(codes shape, scales shape) for a 2-D weight shape `[out, in]` (a per-channel format's scales: `[out]`,
+        as Quark writes them).
 
         Raises:
             ConfigError: not 2-D, or an in-dimension that does not pack into whole bytes.
@@ -159,7 +188,8 @@ class ElementFormat:
         reason = self.unpackable(inner)
         if reason:
             raise ConfigError(f"{reason} (shape {list(shape)})")
-        return (out, self.packed_inner(inner)), (out, self.blocks(inner))
+        scales = (out,) if self.block is None else (out, self.blocks(inner))
+        return (out, self.packed_inner(inner)), scales
 
     def scale_name(self, weight_name: str) -> str:
         """The name of a quantized weight's scale tensor: `X.weight` -> `X.weight_scale`."""
@@ -208,9 +238,10 @@ class ElementFormat:
         else:
             g = math.gcd(8, self.element_bits)
             packing = f"{8 // g} per {self.element_bits // g} bytes"
+        unit = "byte" if self.scale.itemsize == 1 else "value"
         return (
             f"{self.codes_label} {self.element} codes, {packing}, with one {self.scale.title} "
-            f"`weight{self.scale_suffix}` byte per {self.block} weights"
+            f"`weight{self.scale_suffix}` {unit} per {self.granularity}"
         )
 
     # --- quantization_config -----------------------------------------------------------------------------
@@ -239,7 +270,8 @@ class ElementFormat:
         offsets: tuple[int, ...] = (0,),
         stats: np.ndarray | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A 2-D float weight `[out, in]` as (codes, scales): uint8 tensors of the stored bytes, on the CPU.
+        """A 2-D float weight `[out, in]` as (codes, scales): uint8 tensors of the stored bytes, on the CPU (scales
+        `[out, scale_row_bytes(in)]`: for MX formats the stored shape, for a float scale its bytes per row).
 
         Bit-identical to Quark 0.13's file-to-file output with Quark's `offsets` (0,). `device` (default: the
         weight's) selects where the numerics run: the CPU kernel, or the torch one on any other device.
@@ -255,15 +287,21 @@ class ElementFormat:
             raise ConfigError(f"{name or 'weight'}: {self.title} needs a floating-point weight, got {weight.dtype}")
         if offsets != (0,) and not self.scale_rules:
             raise ConfigError(f"{self.title} has no kernel for scale rules other than Quark's")
-        codes_shape, scales_shape = self.packed_shapes(tuple(weight.shape))
+        codes_shape, _ = self.packed_shapes(tuple(weight.shape))
         device = torch.device(device) if device is not None else weight.device
         codes = torch.empty(codes_shape, dtype=torch.uint8)
-        scales = torch.empty(scales_shape, dtype=torch.uint8)
+        scales = torch.empty((codes_shape[0], self.scale_row_bytes(weight.shape[1])), dtype=torch.uint8)
         if weight.numel() == 0:
             return codes, scales
         if device.type == "cpu":
             src = weight.detach().cpu().contiguous()
-            arr = src.view(torch.int16).numpy() if src.dtype == torch.bfloat16 else src.to(torch.float32).numpy()
+            arr = (
+                src.view(torch.int16).numpy()
+                if src.dtype == torch.bfloat16
+                else src.numpy()
+                if src.dtype == torch.float16
+                else src.to(torch.float32).numpy()
+            )
             nonfinite = self.kernels.encode_cpu(arr, codes.numpy(), scales.numpy(), offsets, stats)
         else:
             nonfinite = self.kernels.encode_torch(weight, codes, scales, device, offsets, stats)
@@ -289,7 +327,11 @@ class ElementFormat:
         """float32 `[out, inner]`: the values that uint8 `codes` / `scales` (the stored bytes) encode."""
         import torch
 
-        return torch.from_numpy(self.kernels.decode(codes.numpy(), scales.numpy(), inner))
+        rows = codes.shape[0]
+        scale_bytes = scales.contiguous().view(torch.uint8).reshape(rows, -1)
+        return torch.from_numpy(
+            self.kernels.decode(codes.contiguous().view(torch.uint8).numpy(), scale_bytes.numpy(), inner)
+        )
 
 
 def decode_table(

@@ -58,12 +58,12 @@ def _installed(dist: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def specs(fmt: ElementFormat):
-    """(weight spec, input spec) of Quark's scheme for `fmt`: static weights, dynamic activations, OCP MX (the
-    entry's OCP_MXSpec subclass)."""
+    """(weight spec, input spec) of Quark's scheme for `fmt`: static weights, dynamic activations (the entry's spec
+    class: an OCP_MXSpec subclass, or FP8E4M3PerChannelSpec for PTPC)."""
     config = _quark("quark.torch.quantization.config.config")
     spec_class = getattr(config, fmt.quark.spec_class)
-    weight = spec_class(ch_axis=-1, is_dynamic=False).to_quantization_spec()
-    inputs = spec_class(ch_axis=-1, is_dynamic=True).to_quantization_spec()
+    weight = spec_class(ch_axis=fmt.quark.ch_axis, is_dynamic=False).to_quantization_spec()
+    inputs = spec_class(ch_axis=fmt.quark.input_ch_axis, is_dynamic=True).to_quantization_spec()
     return weight, inputs
 
 
@@ -113,6 +113,12 @@ def cached_quantization_config(fmt: ElementFormat, exclude: list[str], quantize_
     return template
 
 
+def cached_layer_config(fmt: ElementFormat, quantize_inputs: bool = True) -> dict:
+    """The layer config (`QLayerConfig.to_dict()`) of `fmt`'s scheme, as Quark writes it into `layer_quant_config`:
+    the global scheme's entry of `cached_quantization_config` for that format."""
+    return cached_quantization_config(fmt, [], quantize_inputs)["global_quant_config"]
+
+
 def announce_quark_import(cache: Path) -> None:
     """Say on stderr, before it starts, that Quark is about to be imported: its first import compiles a C++
     extension and the process then sits silent for up to a minute (a no-op when Quark is loaded already)."""
@@ -147,7 +153,7 @@ def quark_quantize_weight(fmt: ElementFormat, weight):
     name = "w.weight"
     f2f._single_stage_quantize_weight(weight, name, "w", spec, out, "ref.safetensors")
     codes, scales = out[name], out[fmt.scale_name(name)]
-    return codes.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8)
+    return codes.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8).reshape(codes.shape[0], -1)
 
 
 def quark_dequantize_weight(fmt: ElementFormat, codes, scales, float_dtype):

@@ -140,7 +140,7 @@ def test_every_entry_is_quarks_own_spec():
         assert {k: weight[k] for k in fmt.spec_fields} == fmt.spec_fields
         assert weight["is_dynamic"] is False and inputs["is_dynamic"] is True
         assert format_of_spec(weight) is fmt and format_of_spec(inputs) is fmt
-        assert format_of_spec({**weight, "group_size": fmt.block // 2}) is None
+        assert format_of_spec({**weight, "group_size": (fmt.block or 2) // 2}) is None
 
 
 def test_codes_pack_little_endian_along_the_row():

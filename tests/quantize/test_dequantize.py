@@ -115,7 +115,7 @@ def test_refuses_a_foreign_out_and_a_checkpoint_without_mxfp4(runs, tiny_ckpt, t
     (foreign / "notes.txt").write_text("mine")
     assert "not a previous `mxforge dequantize` output" in one_error_line(cli("dequantize", str(mxfp4), str(foreign)))
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"] and (foreign / "notes.txt").read_text() == "mine"
-    assert "no MXFP4 weight" in one_error_line(cli("dequantize", str(tiny_ckpt), str(tmp_path / "o")))
+    assert "holds no MXFP4 or FP8 PTPC weight" in one_error_line(cli("dequantize", str(tiny_ckpt), str(tmp_path / "o")))
 
 
 @pytest.mark.quark

@@ -59,7 +59,7 @@ def quantize_rows_cpu(
     offsets: tuple[int, ...] = (0,),
     stats: np.ndarray | None = None,
 ) -> int:
-    """Quantize rows (bf16 bits as int16, or float32) into preallocated `codes`/`scales`, on the CPU kernel.
+    """Quantize rows (bf16 bits as int16, float16 or float32) into preallocated `codes`/`scales`, on the CPU kernel.
 
     `offsets`: the scale rule's exponent offsets (quantize/scale_rules.py; (0,) is Quark's). `stats`: None, or a
     float64 array of ERROR_STATS zeros or running sums the rows' error statistics are added to. Returns the number
@@ -67,6 +67,8 @@ def quantize_rows_cpu(
     """
     import numpy as np
 
+    if rows.dtype == np.float16:
+        rows = rows.astype(np.float32)  # exact: MXFP4's numerics are float32's
     if rows.dtype == np.int16:
         from mxforge.formats.mxfp4._native import bf16_kernel
 
