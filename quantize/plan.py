@@ -127,6 +127,14 @@ class QuantizePlan:
         """Kept 2-D linear weights as module names: Quark's resolved `exclude` list."""
         return sorted(n.removesuffix(".weight") for n in self.names("kept"))
 
+    def module_formats(self) -> dict[str, ElementFormat]:
+        """Every quantized weight's module name -> the element format it is stored in."""
+        return {
+            t.source.name.removesuffix(".weight"): t.format
+            for t in self.tensors()
+            if t.fate == "quantized" and t.format is not None
+        }
+
 
 def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
     """Decide every tensor's fate and lay out every output shard.

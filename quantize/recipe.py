@@ -6,14 +6,17 @@ shared_experts, router, dense_mlp, attention, indexer, mtp_proj, embeddings, oth
 (`all`, `decoder` = layers 0..num_hidden_layers-1, `mtp` = the MTP layers after them, from config.json)
 and optionally by `names`, regular expressions that must match the whole module name. Every rule must
 match something in the checkpoint it is applied to. A `[[quantize]]` rule may name the element `format` its
-weights are stored in (mxforge/formats/, default "mxfp4"); every `[[quantize]]` rule of a recipe names the same one
-(a checkpoint's quantization_config has one global scheme). `scale_rule` (optional, default "quark") names how
-each block's scale is chosen (scale_rules.py); `--scale-rule` overrides it.
+weights are stored in (mxforge/formats/, default "mxfp4"); rules may name different ones (mixed precision): the
+first `[[quantize]]` rule's format is quantization_config's global scheme and every module stored in another is
+given its scheme in Quark's `layer_quant_config` (`layer_config_patterns`). `scale_rule` (optional, default
+"quark") names how each block's scale is chosen (scale_rules.py) in the formats whose kernels take one;
+`--scale-rule` overrides it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import re
 import tomllib
@@ -23,7 +26,7 @@ from typing import Iterable, Literal
 
 from mxforge.bounded_re import BoundedPattern, check_pattern_count, compile_bounded
 from mxforge.errors import ConfigError
-from mxforge.formats import DEFAULT_FORMAT, ElementFormat, format_named
+from mxforge.formats import DEFAULT_FORMAT, REFUSED_FORMATS, ElementFormat, format_named
 from mxforge.manifest_io import manifest_names, manifest_text
 from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
 from mxforge.models.tensor_kinds import KINDS, layer_of
@@ -125,9 +128,19 @@ class Recipe:
         return SCHEMES[self.scheme]
 
     @property
-    def element_format(self) -> ElementFormat:
-        """The element format its [[quantize]] rules store weights in (one per recipe: parse_recipe checks it)."""
-        return next(r.format for r in self.rules if r.format is not None)
+    def formats(self) -> tuple[ElementFormat, ...]:
+        """The element formats its [[quantize]] rules store weights in, in rule order: the first is the global one."""
+        return tuple(dict.fromkeys(r.format for r in self.rules if r.format is not None))
+
+    @property
+    def global_format(self) -> ElementFormat:
+        """The format of quantization_config's global scheme: the first [[quantize]] rule's."""
+        return self.formats[0]
+
+    @property
+    def format_record(self) -> str:
+        """The formats as mxforge_quantize.json records them: registry names joined by '+', the global first."""
+        return "+".join(f.name for f in self.formats)
 
     def format_of(self, tensor_name: str, layout: MoeLayout) -> ElementFormat | None:
         """The format a tensor the recipe quantizes is stored in (None: the recipe keeps it)."""
@@ -148,17 +161,25 @@ class Recipe:
         if scale_rule is None:
             return self
         rule = get_scale_rule(scale_rule)
-        _check_scale_rule(rule.name, self.element_format, f"recipe {self.source}")
+        _check_scale_rule(rule.name, self.formats, f"recipe {self.source}")
         return dataclasses.replace(self, scale_rule=rule.name)
 
-    def quantization_config(self, excluded_modules: list[str]) -> dict:
-        """`quantization_config` for config.json, built with Quark's own config objects (cached per Quark version).
+    def quantization_config(
+        self, excluded_modules: list[str], module_formats: dict[str, ElementFormat] | None = None
+    ) -> dict:
+        """`quantization_config` for config.json, built with Quark's own config objects (cached per Quark version):
+        the global scheme is `global_format`'s, `exclude` the kept modules and `layer_quant_config` gives every
+        module of `module_formats` (quantized module -> its format) stored in another format its scheme.
 
         With Quark's scale rule it is exactly Quark's; another rule is recorded under METADATA_KEY (the recipe
         and the rule), a key Quark's reader and the engines ignore: the tensors' format is the same."""
-        from mxforge.formats.quark import cached_quantization_config
+        from mxforge.formats.quark import cached_layer_config, cached_quantization_config
 
-        config = cached_quantization_config(self.element_format, sorted(excluded_modules), self.quantize_inputs)
+        config = cached_quantization_config(self.global_format, sorted(excluded_modules), self.quantize_inputs)
+        patterns = layer_config_patterns(module_formats or {}, self.global_format)
+        config["layer_quant_config"] = {
+            pattern: cached_layer_config(fmt, self.quantize_inputs) for pattern, fmt in patterns.items()
+        }
         rule = get_scale_rule(self.scale_rule)
         if not rule.is_quark:
             config[METADATA_KEY] = {
@@ -168,6 +189,39 @@ class Recipe:
                 "scale_rule_description": rule.description,
             }
         return config
+
+
+def layer_config_patterns(
+    module_formats: dict[str, ElementFormat], global_format: ElementFormat
+) -> dict[str, ElementFormat]:
+    """`layer_quant_config` keys (fnmatch patterns, Quark's and the engines' matching) for every module of
+    `module_formats` not stored in `global_format`, sorted. A module's pattern is its name with its numeric parts
+    (layer, expert) made `*` where that pattern matches no quantized module of another format, else with fewer of
+    them made `*` (the layer number kept first), down to the exact name: `model.layers.*.self_attn.q_a_proj` for
+    every decoder layer's, `model.layers.78.mlp.experts.*.up_proj` for one layer's experts. Modules a recipe keeps
+    are in `exclude`, which the engines and Quark test first, so a pattern may match them."""
+    others = [m for m, f in module_formats.items() if f != global_format]
+    matched: dict[str, list[str]] = {}  # candidate pattern -> the quantized modules it matches
+    out: dict[str, ElementFormat] = {}
+    for module in others:
+        fmt = module_formats[module]
+        if any(fnmatch.fnmatchcase(module, p) and f == fmt for p, f in out.items()):
+            continue  # an earlier module's pattern covers it
+        parts = _glob_escaped(module).split(".")
+        numeric = [i for i, p in enumerate(parts) if p.isdigit()]
+        for keep in range(len(numeric) + 1):
+            candidate = ".".join("*" if i in numeric[keep:] else p for i, p in enumerate(parts))
+            if candidate not in matched:
+                matched[candidate] = [m for m in module_formats if fnmatch.fnmatchcase(m, candidate)]
+            if all(module_formats[m] == fmt for m in matched[candidate]):
+                out[candidate] = fmt
+                break
+    return dict(sorted(out.items()))
+
+
+def _glob_escaped(name: str) -> str:
+    """`name` with fnmatch's special characters made literal (a checkpoint's module names are not trusted)."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def shipped_recipes() -> list[str]:
@@ -235,35 +289,30 @@ def parse_recipe(data: dict, source: str, sha256: str) -> Recipe:
     quantize = [_parse_rule(r, "quantize", i, source) for i, r in enumerate(quantize_rules)]
     if not quantize:
         raise ConfigError(f"recipe {source}: no [[quantize]] rule, so it would quantize nothing")
-    formats = sorted({r.format.name for r in quantize if r.format is not None})
-    if len(formats) > 1:
-        raise ConfigError(
-            f"recipe {source}: its [[quantize]] rules name the element formats {formats}; mxforge writes one "
-            "element format per checkpoint (quantization_config's global scheme): give every [[quantize]] rule "
-            "the same format"
-        )
     rule = data.get("scale_rule", DEFAULT_SCALE_RULE)
     if rule not in SCALE_RULES:
         raise ConfigError(
             f"recipe {source}: scale_rule {rule!r} is not known; choose one of {sorted(SCALE_RULES)}",
             entry="scale_rule",
         )
-    _check_scale_rule(rule, quantize[0].format or DEFAULT_FORMAT, f"recipe {source}")
+    _check_scale_rule(rule, tuple(dict.fromkeys(r.format or DEFAULT_FORMAT for r in quantize)), f"recipe {source}")
     return Recipe(
         data["name"], str(data.get("description", "")), data["scheme"], tuple(rules + quantize), source, sha256, rule
     )
 
 
-def _check_scale_rule(name: str, fmt: ElementFormat, where: str) -> None:
-    """A scale rule other than Quark's needs a format whose kernels take one.
+def _check_scale_rule(name: str, formats: tuple[ElementFormat, ...], where: str) -> None:
+    """A scale rule other than Quark's needs a format whose kernels take one (it applies to those; the others are
+    encoded with Quark's scale).
 
     Raises:
-        ConfigError: names the format and the rule.
+        ConfigError: none of `formats` takes it; names them and the rule.
     """
-    if not get_scale_rule(name).is_quark and not fmt.scale_rules:
+    if not get_scale_rule(name).is_quark and not any(f.scale_rules for f in formats):
+        titles = " and ".join(f.title for f in formats)
         raise ConfigError(
-            f"{where}: scale rule {name!r} is not available for {fmt.title} (its kernels encode Quark's scale only); "
-            f"use scale_rule 'quark' with format {fmt.name!r}"
+            f"{where}: scale rule {name!r} is not available for {titles} (its kernels encode Quark's scale only); "
+            f"use scale_rule 'quark' with format(s) {', '.join(repr(f.name) for f in formats)}"
         )
 
 
@@ -308,6 +357,8 @@ def _parse_rule(raw: dict, action: Decision, index: int, source: str) -> Rule:
     name = raw.get("format", DEFAULT_FORMAT.name)
     if not isinstance(name, str):
         raise ConfigError(f"{where}: format must be a string, the name of an element format")
+    if name in REFUSED_FORMATS:
+        raise ConfigError(f"{where}: format {name!r} is not written by mxforge: {REFUSED_FORMATS[name]}", entry=rule)
     try:
         fmt = format_named(name)
     except ConfigError as e:

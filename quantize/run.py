@@ -336,7 +336,7 @@ def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -
     """config.json with quantization_config as Quark's file-to-file writes it (same JSON layout)."""
     config = copy.deepcopy(config)
     drop_quantization_config(config)
-    config["quantization_config"] = recipe.quantization_config(plan.excluded_modules())
+    config["quantization_config"] = recipe.quantization_config(plan.excluded_modules(), plan.module_formats())
     # Quark's layout exactly: indent 4, UTF-8 as is, no trailing newline.
     write_json_atomic(out / "config.json", config, indent=4, ensure_ascii=False, trailing_newline=False)
 
@@ -381,7 +381,7 @@ def write_provenance(
             sha256=recipe.sha256,
             source=recipe.source,
             scheme=recipe.scheme,
-            format=recipe.element_format.name,
+            format=recipe.format_record,
             scale_rule=recipe.scale_rule,
         ),
         source_precision=plan.precision.describe(),

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from mxforge.cli.support import Command, add_recipe_option, emit_exit, invocation
-from mxforge.formats import DEFAULT_FORMAT, FORMATS, MXFP4, format_named
+from mxforge.formats import DEFAULT_FORMAT, FORMATS, MXFP4, formats_title
 from mxforge.quantize.scale_rules import SCALE_RULES
 
 
@@ -73,7 +73,7 @@ def run_quantize(args) -> int:
         report.as_dict(),
         args.json,
         f"quantized {report.source} -> {report.out} with recipe {report.recipe.name}: "
-        f"{c.quantized:,} tensors {format_named(report.recipe.format or DEFAULT_FORMAT.name).title}, "
+        f"{c.quantized:,} tensors {formats_title(report.recipe.format or DEFAULT_FORMAT.name)}, "
         f"{c.kept:,} 2-D weights kept, {c.copied:,} copied "
         f"(MTP layer(s) {report.mtp_layers}: {report.mtp_tensors} tensors); shards {s.quantized_now} done, "
         f"{s.skipped_complete} already complete; this run: {(report.bytes_processed_now or 0) / 1e9:.2f} GB read in "

@@ -15,7 +15,14 @@ from pathlib import Path
 from mxforge.checkpoint import Checkpoint
 from mxforge.errors import ConfigError
 from mxforge.file_hashes import FileHash
-from mxforge.formats import DEFAULT_FORMAT, FORMATS, ElementFormat, declared_format, format_named, stored_pairs
+from mxforge.formats import (
+    DEFAULT_FORMAT,
+    FORMATS,
+    ElementFormat,
+    declared_format,
+    formats_title,
+    stored_pairs,
+)
 from mxforge.models import family_of, layout_of
 from mxforge.models.tensor_kinds import module_class
 from mxforge.provenance import PUBLISHED_RECORDS, read_record
@@ -99,12 +106,8 @@ def exclusions_summary(config: dict) -> list[str]:
 
 
 def _recorded_format(recipe: RecipeRecord) -> str:
-    """The title of the element format mxforge_quantize.json's recipe names (older records: the default)."""
-    name = recipe.format or DEFAULT_FORMAT.name
-    try:
-        return format_named(name).title
-    except ConfigError:
-        return name
+    """The titles of the element formats mxforge_quantize.json's recipe names (older records: the default)."""
+    return formats_title(recipe.format or DEFAULT_FORMAT.name)
 
 
 def source_card_metadata(root: Path) -> dict[str, str]:

@@ -100,14 +100,14 @@ def test_bad_recipes_are_clear_errors(tmp_path, body, message):
     assert str(path) in str(info.value)
 
 
-def test_a_rule_names_its_element_format_and_a_recipe_keeps_to_one(tmp_path, monkeypatch):
-    """`format` in a [[quantize]] rule selects the registry entry its weights are stored in (default MXFP4); one
-    format per recipe (quantization_config has one global scheme), and a scale rule only where the format's kernels
-    take one. A second entry is registered in-process to see both refusals."""
+def test_a_rule_names_its_element_format_and_rules_may_mix_them(tmp_path, monkeypatch):
+    """`format` in a [[quantize]] rule selects the registry entry its weights are stored in (default MXFP4); rules
+    may name different ones (the first rule's is the global scheme), and a scale rule is refused only where no
+    format of the recipe has kernels that take one. A second entry is registered in-process to see that."""
     import dataclasses
 
     import mxforge.formats
-    from mxforge.formats import MXFP4
+    from mxforge.formats import MXFP4, format_named
     from mxforge.models import family_named
 
     other = dataclasses.replace(MXFP4, name="mxfp4_quark_scales", title="MXFP4 (Quark scales only)", scale_rules=False)
@@ -116,15 +116,56 @@ def test_a_rule_names_its_element_format_and_a_recipe_keeps_to_one(tmp_path, mon
     path.write_text('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nformat="mxfp4_quark_scales"\n')
     recipe = load_recipe(path)
     layout = layout_of(family_named("glm_moe_dsa").reference())
-    assert recipe.element_format is other and "format='mxfp4_quark_scales'" in recipe.rules[0].describe()
+    assert recipe.global_format is other and "format='mxfp4_quark_scales'" in recipe.rules[0].describe()
     assert recipe.format_of("model.layers.5.mlp.experts.0.up_proj.weight", layout) is other
     assert recipe.format_of("model.layers.5.self_attn.o_proj.weight", layout) is None  # no rule: kept
-    assert load_recipe("glm-5.2-mxfp4").element_format is MXFP4
+    assert load_recipe("glm-5.2-mxfp4").formats == (MXFP4,)
     with pytest.raises(ConfigError, match="scale rule 'mse' is not available for MXFP4 \\(Quark scales only\\)"):
         recipe.with_scale_rule("mse")
+    path.write_text(path.read_text() + '[[quantize]]\nkinds=["attention"]\nformat="fp8_ptpc"\n')
+    mixed = load_recipe(path)
+    ptpc = format_named("fp8_ptpc")
+    assert mixed.formats == (other, ptpc) and mixed.format_record == "mxfp4_quark_scales+fp8_ptpc"
+    assert mixed.format_of("model.layers.5.self_attn.o_proj.weight", layout) is ptpc
     path.write_text(path.read_text() + '[[quantize]]\nkinds=["shared_experts"]\n')
-    with pytest.raises(ConfigError, match=r"element formats \['mxfp4', 'mxfp4_quark_scales'\]; mxforge writes one"):
-        load_recipe(path)
+    assert load_recipe(path).with_scale_rule("mse").scale_rule == "mse"  # MXFP4 takes it, FP8 PTPC is Quark's
+
+
+def test_a_format_that_needs_calibration_is_refused_with_the_reason(tmp_path):
+    """Quark schemes whose activations need calibration (static FP8 activation scales, W4A8) are not written."""
+    path = tmp_path / "r.toml"
+    for name, why in (("fp8", "static per-tensor FP8 activation scales"), ("mxfp4_fp8", "W4A8")):
+        path.write_text(f'name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nformat="{name}"\n')
+        with pytest.raises(ConfigError, match=f"format '{name}' is not written by mxforge: .*{why}.*calibrat"):
+            load_recipe(path)
+
+
+def test_layer_config_patterns_wildcard_what_they_can_and_no_more():
+    """Modules of another format than the global one get the shortest exact pattern: the layer and expert numbers
+    made `*` where no quantized module of another format matches, else fewer of them, down to the exact name."""
+    from mxforge.formats import MXFP4, format_named
+    from mxforge.quantize.recipe import layer_config_patterns
+
+    ptpc = format_named("fp8_ptpc")
+    modules = {f"model.layers.{n}.self_attn.o_proj": ptpc for n in range(3)}
+    modules |= {f"model.layers.{n}.mlp.experts.{e}.up_proj": MXFP4 for n in range(3) for e in range(4)}
+    modules |= {f"model.layers.3.mlp.experts.{e}.up_proj": ptpc for e in range(4)}  # the MTP layer's in FP8
+    modules |= {"model.layers.3.self_attn.o_proj": MXFP4, "lm_[head]*?": ptpc}
+    patterns = layer_config_patterns(modules, MXFP4)
+    assert patterns == {
+        "lm_[[]head][*][?]": ptpc,
+        "model.layers.0.self_attn.o_proj": ptpc,
+        "model.layers.1.self_attn.o_proj": ptpc,
+        "model.layers.2.self_attn.o_proj": ptpc,
+        "model.layers.3.mlp.experts.*.up_proj": ptpc,
+    }
+    del modules["model.layers.3.self_attn.o_proj"]
+    assert "model.layers.*.self_attn.o_proj" in layer_config_patterns(modules, MXFP4)
+    import fnmatch
+
+    for module, fmt in modules.items():  # Quark's reading: the first matching pattern, else the global scheme
+        found = next((f for p, f in layer_config_patterns(modules, MXFP4).items() if fnmatch.fnmatch(module, p)), MXFP4)
+        assert found is fmt, module
 
 
 def test_scale_rule_from_the_recipe_is_used_and_recorded_and_the_flag_wins(tiny_ckpt, tmp_path):

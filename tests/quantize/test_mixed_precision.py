@@ -1,0 +1,120 @@
+"""Mixed precision: recipes whose rules name different element formats (MXFP4 experts, FP8 PTPC attention or an FP8
+MTP layer), checked against Quark 0.13's own mixed file-to-file output: every shard and config.json byte for byte."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import cli
+from safetensors import safe_open
+
+from mxforge.checkpoint import INDEX_NAME
+from mxforge.formats import MXFP4, format_named
+from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
+
+PTPC = format_named("fp8_ptpc")
+RECIPES = {
+    # AMD's GLM-5.2-Quark-MXFP4-AttnFP8 layout: attention (and the indexer's projections) in PTPC FP8
+    "attn-fp8": """
+name = "attn-fp8"
+scheme = "mxfp4"
+[[keep]]
+names = ["model\\\\.layers\\\\.\\\\d+\\\\.self_attn\\\\.indexer\\\\.weights_proj"]
+[[quantize]]
+kinds = ["experts"]
+[[quantize]]
+kinds = ["shared_experts"]
+layers = "decoder"
+[[quantize]]
+kinds = ["attention", "indexer"]
+format = "fp8_ptpc"
+""",
+    # the MTP layer's modules other than its routed experts in PTPC FP8 (AMD's GLM-5.3-Flash keeps them FP8)
+    "mtp-fp8": """
+name = "mtp-fp8"
+scheme = "mxfp4"
+[[quantize]]
+kinds = ["experts"]
+[[quantize]]
+kinds = ["shared_experts"]
+layers = "decoder"
+[[quantize]]
+kinds = ["attention", "shared_experts", "mtp_proj"]
+layers = "mtp"
+format = "fp8_ptpc"
+""",
+}
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    skip = {QUANTIZE_NAME, QUANTIZE_STATE_NAME}
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file() and p.name not in skip}
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def mixed(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path]:
+    """`mxforge quantize` of the tiny fixture with a mixed recipe."""
+    root = tmp_path_factory.mktemp(f"mixed-{request.param}")
+    recipe = root / f"{request.param}.toml"
+    recipe.write_text(RECIPES[request.param])
+    out = root / "out"
+    cli("quantize", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--quiet", check=True)
+    return request.param, out
+
+
+def test_each_rule_writes_its_format_and_the_config_names_it_per_layer(mixed):
+    """The global scheme is the first rule's format; every module stored in another format has a layer_quant_config
+    pattern that matches it and no module of another format."""
+    import fnmatch
+
+    name, out = mixed
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["global_quant_config"]["weight"]["dtype"] == MXFP4.quark.dtype
+    layers = qc["layer_quant_config"]
+    assert layers and all(
+        c["weight"]["dtype"] == "fp8_e4m3" and c["weight"]["qscheme"] == "per_channel" for c in layers.values()
+    )
+    index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+    dtypes = {}
+    for shard in sorted(set(index.values())):
+        with safe_open(out / shard, "pt") as f:
+            for t in f.keys():
+                dtypes[t] = str(f.get_slice(t).get_dtype())
+    fp8 = {t.removesuffix(".weight") for t, d in dtypes.items() if d == "F8_E4M3"}
+    mx = {t.removesuffix(".weight") for t, d in dtypes.items() if d == "U8" and t.endswith(".weight")}
+    assert fp8 and mx
+    for module in fp8 | mx:
+        configured = next((p for p in layers if fnmatch.fnmatch(module, p)), None)
+        assert (configured is not None) == (module in fp8), module
+    if name == "attn-fp8":
+        assert any(".self_attn.q_a_proj" in m for m in fp8) and not any(".mlp." in m for m in fp8)
+        assert "model.layers.*.self_attn.q_a_proj" in layers  # every layer's, one pattern
+    else:
+        mtp = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+        assert all(m.startswith(f"model.layers.{mtp}.") for m in fp8) and f"model.layers.{mtp}.eh_proj" in fp8
+
+
+@pytest.mark.quark
+def test_mixed_output_is_byte_identical_to_quarks_mixed_file_to_file(mixed, tiny_ckpt, tmp_path):
+    """Quark's file-to-file with its own schemes (MXFP4Scheme global, PTPCFP8Scheme per pattern) and the same
+    patterns and exclusions writes the same shards and the same config.json."""
+    from quark.torch import ModelQuantizer
+    from quark.torch.quantization.config.config import QConfig
+    from quark.torch.quantization.config.template import MXFP4Scheme, PTPCFP8Scheme
+
+    _, out = mixed
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    config = QConfig(
+        global_quant_config=MXFP4Scheme().config,
+        layer_quant_config={pattern: PTPCFP8Scheme().config for pattern in qc["layer_quant_config"]},
+        exclude=list(qc["exclude"]),
+    )
+    dst = tmp_path / "quark"
+    ModelQuantizer(config).direct_quantize_checkpoint(str(tiny_ckpt), str(dst), device="cpu")
+    ours, theirs = _files(out), _files(dst)
+    assert set(theirs) <= set(ours)
+    # the index differs by design (test_quantize_e2e): Quark's total_size counts whole files; the maps agree
+    assert [n for n in theirs if ours[n] != theirs[n]] == [INDEX_NAME]
+    assert json.loads(ours[INDEX_NAME])["weight_map"] == json.loads(theirs[INDEX_NAME])["weight_map"]
