@@ -75,4 +75,7 @@ def test_stored_form_and_error_sums():
     err = x - PTPC.dequantize(codes, scales, w.shape[1]).double()
     assert stats[0] == pytest.approx(float((err**2).sum()), rel=1e-9)
     assert stats[1] == pytest.approx(float((x**2).sum()), rel=1e-9)
+    on_torch = np.zeros(ERROR_STATS)
+    PTPC.kernels.encode_torch(w, torch.empty_like(codes), torch.empty_like(scales), torch.device("cpu"), (0,), on_torch)
+    assert np.allclose(on_torch, stats, rtol=1e-9)  # the torch kernel (--device) adds the same sums
     assert "one FP32 `weight_scale` value per output channel" in PTPC.describe()

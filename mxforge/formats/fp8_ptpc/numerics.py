@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mxforge.formats.element import add_error_stats
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -139,14 +141,9 @@ def quantize_torch(
     fp8 = q.to(torch.float8_e4m3fn)
     codes.copy_(fp8.view(torch.uint8).cpu())
     scales.copy_(scale.cpu().contiguous().view(torch.uint8).reshape(-1, 4))
-    if stats is not None:
-        x = w.to(torch.float64)
-        finite = torch.isfinite(w).all(dim=1)
-        err = (x - fp8.to(torch.float64) * scale.to(torch.float64)[:, None])[finite]
-        stats[0] += float((err * err).sum())
-        stats[1] += float((x[finite] ** 2).sum())
-        stats[2] = max(stats[2], float(err.abs().max()) if err.numel() else 0.0)
-        stats[3] += int((q[finite].abs() > MAX_VALUE).sum())
+    if stats is not None:  # rows are the units measured (a non-finite row is left out)
+        reconstructed = fp8.to(torch.float32) * scale[:, None]
+        add_error_stats(w, reconstructed, q.abs() > MAX_VALUE, torch.isfinite(w).all(dim=1), stats)
     return nonfinite
 
 
