@@ -195,11 +195,13 @@ def layer_config_patterns(
     module_formats: dict[str, ElementFormat], global_format: ElementFormat
 ) -> dict[str, ElementFormat]:
     """`layer_quant_config` keys (fnmatch patterns, Quark's and the engines' matching) for every module of
-    `module_formats` not stored in `global_format`, sorted. A module's pattern is its name with its numeric parts
-    (layer, expert) made `*` where that pattern matches no quantized module of another format, else with fewer of
-    them made `*` (the layer number kept first), down to the exact name: `model.layers.*.self_attn.q_a_proj` for
-    every decoder layer's, `model.layers.78.mlp.experts.*.up_proj` for one layer's experts. Modules a recipe keeps
-    are in `exclude`, which the engines and Quark test first, so a pattern may match them."""
+    `module_formats` not stored in `global_format`, sorted. A module's pattern is the first of these that matches no
+    quantized module of another format: its name from its layer number on, the layer's prefix and the other
+    numbers made `*` (`*.self_attn.q_a_proj`, which also matches the names an engine's MTP draft builds the layer
+    under, `model.decoder.self_attn.q_a_proj`); its whole name with its numeric parts (layer, expert) made `*`;
+    with fewer of them made `*` (the layer number kept first: `model.layers.78.mlp.experts.*.up_proj`), down to
+    the exact name. Modules a recipe keeps are in `exclude`, which the engines and Quark test first, so a pattern
+    may match them."""
     others = [m for m, f in module_formats.items() if f != global_format]
     matched: dict[str, list[str]] = {}  # candidate pattern -> the quantized modules it matches
     out: dict[str, ElementFormat] = {}
@@ -209,8 +211,13 @@ def layer_config_patterns(
             continue  # an earlier module's pattern covers it
         parts = _glob_escaped(module).split(".")
         numeric = [i for i, p in enumerate(parts) if p.isdigit()]
-        for keep in range(len(numeric) + 1):
-            candidate = ".".join("*" if i in numeric[keep:] else p for i, p in enumerate(parts))
+        candidates = [
+            ".".join("*" if i in numeric[keep:] else p for i, p in enumerate(parts)) for keep in range(len(numeric) + 1)
+        ]
+        if numeric:  # from the layer number on, whatever prefix the layer has in an engine's model
+            tail = ["*" if i in numeric else p for i, p in enumerate(parts) if i > numeric[0]]
+            candidates.insert(0, ".".join(["*", *tail]))
+        for candidate in candidates:
             if candidate not in matched:
                 matched[candidate] = [m for m in module_formats if fnmatch.fnmatchcase(m, candidate)]
             if all(module_formats[m] == fmt for m in matched[candidate]):

@@ -141,8 +141,8 @@ def test_a_format_that_needs_calibration_is_refused_with_the_reason(tmp_path):
 
 
 def test_layer_config_patterns_wildcard_what_they_can_and_no_more():
-    """Modules of another format than the global one get the shortest exact pattern: the layer and expert numbers
-    made `*` where no quantized module of another format matches, else fewer of them, down to the exact name."""
+    """Modules of another format than the global one get the widest pattern that matches no quantized module of
+    another format: the layer's prefix and numbers made `*`, else the numbers only, else fewer, down to the name."""
     from mxforge.formats import MXFP4, format_named
     from mxforge.quantize.recipe import layer_config_patterns
 
@@ -160,6 +160,8 @@ def test_layer_config_patterns_wildcard_what_they_can_and_no_more():
         "model.layers.3.mlp.experts.*.up_proj": ptpc,
     }
     del modules["model.layers.3.self_attn.o_proj"]
+    assert "*.self_attn.o_proj" in layer_config_patterns(modules, MXFP4)  # the draft's model.decoder.* too
+    modules["visual.blocks.0.self_attn.o_proj"] = MXFP4  # another model part's module of the global format
     assert "model.layers.*.self_attn.o_proj" in layer_config_patterns(modules, MXFP4)
     import fnmatch
 
