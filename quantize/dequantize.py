@@ -24,6 +24,7 @@ from mxforge.checkpoint import Checkpoint, write_index
 from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.errors import CheckpointError
 from mxforge.formats import FORMATS, ElementFormat, StoredPair, declared_format, stored_pairs
+from mxforge.formats.element import f32_to_bf16_bits
 from mxforge.progress import byte_progress
 from mxforge.provenance import DEQUANTIZE_NAME, carried_from, recorded_command
 from mxforge.quantize.run import drop_quantization_config
@@ -179,14 +180,7 @@ def _dequantized(fin, pair: StoredPair, nan_blocks: dict[str, int]):
             nan_blocks[codes.name] = nan_blocks.get(codes.name, 0) + nan
         with np.errstate(invalid="ignore"):  # 0 * NaN in a NaN-scale block: NaN, as the OCP MX spec says
             values = fmt.kernels.decode(c, s, inner)
-        yield _bf16_bits(values)
-
-
-def _bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 values as bf16 bit patterns, rounded to nearest even (exact for every MXFP4 value; NaN stays NaN)."""
-    bits = values.view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    return np.where(np.isnan(values), bits >> np.uint32(16), rounded).astype("<u2")
+        yield f32_to_bf16_bits(values)  # exact for every MXFP4 value; NaN stays NaN
 
 
 def _counted(parts, bar, nbytes: int):

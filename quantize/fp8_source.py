@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from mxforge.errors import ConfigError
+from mxforge.formats.element import f32_to_bf16_bits
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16")
@@ -285,13 +286,3 @@ def dequantize_rows(codes, scales: np.ndarray, first_row: int, cols: int, block:
         np.take(table, index, out=out[r:end], mode="clip")
         r = end
     return out
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit patterns (int16), round to nearest even, as torch's `.to(torch.bfloat16)`."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
-    nan = np.isnan(x)
-    if nan.any():
-        rounded = np.where(nan, (u >> 16) | 0x40, rounded)
-    return rounded.astype(np.uint16).view(np.int16)

@@ -177,9 +177,8 @@ class Recipe:
 
         config = cached_quantization_config(self.global_format, sorted(excluded_modules), self.quantize_inputs)
         patterns = layer_config_patterns(module_formats or {}, self.global_format)
-        config["layer_quant_config"] = {
-            pattern: cached_layer_config(fmt, self.quantize_inputs) for pattern, fmt in patterns.items()
-        }
+        layer_configs = {fmt: cached_layer_config(fmt, self.quantize_inputs) for fmt in set(patterns.values())}
+        config["layer_quant_config"] = {pattern: layer_configs[fmt] for pattern, fmt in patterns.items()}
         rule = get_scale_rule(self.scale_rule)
         if not rule.is_quark:
             config[METADATA_KEY] = {

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from mxforge.errors import ConfigError, NonFiniteWeightError
-from mxforge.safetensors_io import PlannedTensor, TensorInfo
+from mxforge.safetensors_io import DTYPE_SIZE, PlannedTensor, TensorInfo
 
 if TYPE_CHECKING:  # numpy and torch are imported where used: the CLI starts without them, CPU workers without torch
     import numpy as np
@@ -33,7 +33,6 @@ if TYPE_CHECKING:  # numpy and torch are imported where used: the CLI starts wit
 # sum of squared errors, sum of squares, max |error|, count of clipped values (|x| above its block's largest value).
 ERROR_STATS = 4
 DTYPE_LABELS = {"U8": "uint8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F32": "float32"}  # -> torch
-ITEMSIZES = {"U8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F32": 4}  # bytes per element of the dtypes stored here
 _COUNT_WORDS = {1: "one", 2: "two", 4: "four", 8: "eight"}  # codes per byte, for people
 
 
@@ -50,7 +49,7 @@ class ScaleFormat:
     @property
     def itemsize(self) -> int:
         """Bytes per stored scale."""
-        return ITEMSIZES[self.dtype]
+        return DTYPE_SIZE[self.dtype]
 
     def values(self, codes: np.ndarray) -> np.ndarray:
         """float32 scale values `[rows, scales]` of the stored scales: integer exponent `codes` (2^-127 is a float32
@@ -344,6 +343,26 @@ def decode_table(
     table = np.asarray(values, dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         return table[codes[:, :inner]] * np.repeat(scale.values(scales), block, axis=1)[:, :inner]
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bf16 bit patterns (int16 or uint16), exactly."""
+    import numpy as np
+
+    return (bits.astype(np.int32) << 16).view(np.float32)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns (int16), round to nearest even, as torch's `.to(torch.bfloat16)` (a NaN stays a
+    quiet NaN)."""
+    import numpy as np
+
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+    nan = np.isnan(x)
+    if nan.any():
+        rounded = np.where(nan, (u >> 16) | 0x40, rounded)
+    return rounded.astype(np.uint16).view(np.int16)
 
 
 def rounding_boundaries(values: tuple[float, ...]) -> tuple[tuple[float, bool], ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mxforge.formats.element import add_error_stats
+from mxforge.formats.element import add_error_stats, bf16_to_float32, f32_to_bf16_bits
 
 if TYPE_CHECKING:
     import numpy as np
@@ -48,7 +48,7 @@ def _as_float32(rows: np.ndarray) -> np.ndarray:
     import numpy as np
 
     if rows.dtype == np.int16:
-        return (rows.astype(np.int32) << 16).view(np.float32)
+        return bf16_to_float32(rows)
     return rows.astype(np.float32, copy=False)
 
 
@@ -58,9 +58,7 @@ def _round_to(values: np.ndarray, like) -> np.ndarray:
     import numpy as np
 
     if like == np.int16:
-        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-        return rounded.view(np.float32)
+        return bf16_to_float32(f32_to_bf16_bits(values))
     if like == np.float16:
         return values.astype(np.float16).astype(np.float32)
     return values

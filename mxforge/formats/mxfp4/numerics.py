@@ -29,6 +29,7 @@ from mxforge.formats.element import (
     E8M0,
     ERROR_STATS,
     add_error_stats,
+    bf16_to_float32,
     decode_table,
     even_scale_codes,
     magnitude_codes,
@@ -93,11 +94,7 @@ def quantize_rows_cpu(
     if tuple(offsets) == (0,) and stats is None:
         kernel = quantize_bf16_rows if rows.dtype == np.int16 else quantize_f32_rows
         return int(kernel(rows, codes, scales))
-    bits = (
-        (rows.astype(np.int32) << 16)
-        if rows.dtype == np.int16
-        else np.ascontiguousarray(rows, np.float32).view(np.int32)
-    )
+    bits = (bf16_to_float32(rows) if rows.dtype == np.int16 else np.ascontiguousarray(rows, np.float32)).view(np.int32)
     with_stats = stats is not None
     stats = stats if with_stats else np.zeros(ERROR_STATS, dtype=np.float64)
     return int(
