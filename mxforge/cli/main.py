@@ -28,6 +28,7 @@ from mxforge.cli.support import (  # noqa: F401 (EXIT_* re-exported)
     EXIT_OK,
     EXIT_PROBLEMS,
     Command,
+    HelpFormatter,
     add_engines_option,
     add_recipe_option,
     emit,
@@ -274,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mxforge",
         description="bf16 MoE checkpoints to MXFP4 that load in sglang and vLLM, MTP intact.",
         epilog=exit_codes_help(problems="validation found problems (validate, fixup, run)"),
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"mxforge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

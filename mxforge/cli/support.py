@@ -13,6 +13,22 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, but a line never breaks inside a hyphenated name (a recipe, a flag): names are copied from
+    --help as they are printed."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        flat = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.fill(flat, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+
+
 def exit_codes_help(ok: str = "done", problems: str | None = None) -> str:
     """The exit codes, for a command's --help: what 0 (and, where the command has it, 1) means for it."""
     one = f", {EXIT_PROBLEMS} {problems}" if problems else ""
@@ -158,7 +174,7 @@ class Command:
 
     def register(self, sub) -> argparse.ArgumentParser:
         """Add this command's parser to `sub` (an add_subparsers action): positionals, own options, shared ones."""
-        p = sub.add_parser(self.name, help=self.help, description=self.description)
+        p = sub.add_parser(self.name, help=self.help, description=self.description, formatter_class=HelpFormatter)
         for name, text in self.positionals:
             p.add_argument(name, help=text)
         if self.options is not None:
