@@ -1,11 +1,14 @@
 """`mxforge fixup`: make `quantization_config.exclude` say, in every engine's terms, what the checkpoint stores.
 
-Two edits, both derived from the tensors on disk and the engine profiles:
+Three edits, all derived from the tensors on disk and the engine profiles:
 - glob entries (Quark's syntax, which no engine understands) become the exact names of the modules they
   cover that are stored bf16;
 - every module stored bf16 that an engine would otherwise build as MXFP4 (or cannot decide on, because
   its fused shards disagree), and every bf16 module of the MTP layer, gets its exact runtime name in that
-  engine: `model.decoder.X`, `model.eh_proj`, the fused names, `<layer>.mlp.experts`.
+  engine: `model.decoder.X`, `model.eh_proj`, the fused names, `<layer>.mlp.experts`;
+- every module stored in an element format that an engine would build in another one (its `layer_quant_config`
+  pattern names `model.layers.N.*`, the draft builds `model.decoder.*`) gets a `layer_quant_config` entry under its
+  runtime names in that engine, with the config its pattern gives it.
 Nothing else is touched. A second run finds nothing to add and writes nothing.
 """
 
@@ -21,6 +24,7 @@ from pathlib import Path
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, CheckpointSource, LocalDir, load_json
 from mxforge.dir_lock import directory_lock
 from mxforge.errors import ConfigError
+from mxforge.formats import format_named
 from mxforge.models import layout_of
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, keep_original, read_fixups_record, recorded_command
 from mxforge.records import fields_of
@@ -29,7 +33,7 @@ from mxforge.validation.config_checks import exclude_entries
 from mxforge.validation.engine_check import OTHER, check_engine, decide, engine_view, without_fusion
 from mxforge.validation.integrity import TOTAL_SIZE
 from mxforge.validation.loaded import LoadedCheckpoint, load_checkpoint
-from mxforge.validation.matching import DRAFT, is_glob
+from mxforge.validation.matching import DRAFT, is_glob, scheme_format
 from mxforge.validation.modules import EngineModule
 from mxforge.validation.profiles import EngineProfile, check_engine_items, select
 from mxforge.validation.report import MAX_LISTED, Problem
@@ -89,6 +93,15 @@ class FixupResult:
         lines += [f"  + {a['entry']} (for {', '.join(a['engines'])}: {a['why']})" for a in aliases[:MAX_LISTED]]
         if len(aliases) > MAX_LISTED:
             lines.append(f"  ... and {len(aliases) - MAX_LISTED} more aliases (all of them in --json)")
+        configs = [a for a in self.applied if a["fixup"] == "layer_config_alias"]
+        lines += [
+            f"  + layer_quant_config {a['entry']} (for {', '.join(a['engines'])}: {a['why']})"
+            for a in configs[:MAX_LISTED]
+        ]
+        if len(configs) > MAX_LISTED:
+            lines.append(
+                f"  ... and {len(configs) - MAX_LISTED} more layer_quant_config aliases (all of them in --json)"
+            )
         if self.remaining:
             lines.append(f"  {len(self.remaining)} problem(s) that editing quantization_config cannot cure:")
             lines += [f"  - {p.format()}" for p in self.remaining[:MAX_LISTED]]
@@ -179,20 +192,120 @@ def needed_aliases(
     return list(added.values())
 
 
+def layer_config_of(qc: dict, checkpoint_name: str) -> dict | None:
+    """The layer config Quark's export gives a checkpoint module (its `_find_matched_config`: the first
+    `layer_quant_config` pattern that fnmatches the name, else the global config)."""
+    layers = qc.get("layer_quant_config")
+    for pattern, config in (layers if isinstance(layers, dict) else {}).items():
+        if fnmatch.fnmatchcase(checkpoint_name, pattern):
+            return config
+    return qc.get("global_quant_config")
+
+
+def needed_layer_configs(loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict) -> list[dict]:
+    """`layer_quant_config` entries under each release's runtime names for every module stored in an element
+    format the release would build in another one (a draft that names the MTP layer `model.decoder.*` or
+    `model.eh_proj`, where the checkpoint's patterns name `model.layers.N.*`): the module's runtime name, or a
+    fused module's shards' (the releases decide those by their shards), given the config the checkpoint's own
+    patterns give its checkpoint name. Exact names, so each matches its module alone."""
+    added: dict[str, dict] = {}
+    layout, linears = loaded.layout, loaded.linears
+    for profile in profiles:
+        for _ in range(3):  # the entries added can change what a fused module's shards decide: look again
+            layers = {**{a["entry"]: a["config"] for a in added.values()}, **(qc.get("layer_quant_config") or {})}
+            view = engine_view(profile, layout, linears, exclude_entries(qc), {**qc, "layer_quant_config": layers})
+            new = 0
+            for v in [view, without_fusion(view, layout, linears)] if view.fused else [view]:
+                for module in v.modules:
+                    forms = {loaded.stored[lin.name].form for lin in module.shards}
+                    form = forms.pop() if len(forms) == 1 else None
+                    if form is None or form == BF16 or not module.quantizable:
+                        continue
+                    verdict = decide(v, module)
+                    if verdict.form in (form, BF16):  # bf16: excluded or never quantized, which no config changes
+                        continue
+                    config = layer_config_of(qc, module.shards[0].name)
+                    if scheme_format(profile, config) != format_named(form):
+                        continue  # the release would not load the module's own config as stored: validate says why
+                    head, _, proj = module.runtime.rpartition(".")
+                    shards = profile.fused.get(proj, ()) if not module.is_experts and proj in profile.packed else ()
+                    for entry in [f"{head}.{s}" for s in shards] or [module.runtime]:
+                        if entry in (qc.get("layer_quant_config") or {}):
+                            continue
+                        record = added.setdefault(
+                            entry,
+                            {
+                                "fixup": "layer_config_alias",
+                                "entry": entry,
+                                "module": module.checkpoint,
+                                "format": form,
+                                "config": config,
+                                "engines": [],
+                                "why": f"stored {form_title(form)}; the engine would build it "
+                                + (
+                                    form_title(verdict.form)
+                                    if verdict.form
+                                    else f"only with an error ({verdict.reason})"
+                                ),
+                            },
+                        )
+                        if profile.name not in record["engines"]:
+                            record["engines"].append(profile.name)
+                            new += 1
+            if not new:
+                break
+    return list(added.values())
+
+
 def harmed_modules(
-    loaded: LoadedCheckpoint, profiles: list[EngineProfile], before: list[str], after: list[str], qc: dict | None = None
+    loaded: LoadedCheckpoint,
+    profiles: list[EngineProfile],
+    before: list[str],
+    after: list[str],
+    qc: dict | None = None,
+    after_qc: dict | None = None,
 ) -> list[tuple[str, str]]:
-    """(profile, module) pairs that load under `before` but not under `after`: an added entry must never
-    change a decision that was right."""
+    """(profile, module) pairs that load under `before` (and `qc`) but not under `after` (and `after_qc`, default
+    `qc`): an added entry must never change a decision that was right."""
     harmed = []
     for profile in profiles:
         loading = []
-        for entries in (before, after):
-            view = engine_view(profile, loaded.layout, loaded.linears, entries, qc)
+        for entries, config in ((before, qc), (after, qc if after_qc is None else after_qc)):
+            view = engine_view(profile, loaded.layout, loaded.linears, entries, config)
             failing = {p.subject for p in check_engine(view, loaded.stored, True)}
             loading.append({m.runtime for m in view.modules} - failing)
         harmed += [(profile.name, m) for m in sorted(loading[0] - loading[1])]
     return harmed
+
+
+def fixed_quantization_config(
+    loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict, *, where: str
+) -> tuple[dict, list[dict], list[dict], list[dict], list[str]]:
+    """The quantization_config fixup makes of `qc` for `profiles`, and what it applied: (the new config, the glob
+    rewrites, the exclude aliases, the layer-config aliases, warnings). `where` names the config in an error.
+
+    Raises:
+        ConfigError: an alias would change a decision that was right (never expected: nothing is written).
+    """
+    entries, applied, warnings = rewrite_globs(exclude_entries(qc), loaded)
+    aliases = needed_aliases(entries, loaded, profiles, qc)
+    fixed_qc = {**qc, "exclude": entries + [a["entry"] for a in aliases]}
+    layer_aliases = needed_layer_configs(loaded, profiles, fixed_qc)
+    if layer_aliases:  # first: Quark's and the engines' matching take the first pattern that matches
+        fixed_qc["layer_quant_config"] = {
+            **{a["entry"]: a["config"] for a in layer_aliases},
+            **(qc.get("layer_quant_config") or {}),
+        }
+    harmed = harmed_modules(loaded, profiles, entries, fixed_qc["exclude"], qc, fixed_qc)
+    if harmed:  # never expected: every alias names a module in one release's terms; refuse rather than harm
+        raise ConfigError(
+            f"{where}: the aliases fixup computed would change how {harmed[0][0]} builds {harmed[0][1]} (and "
+            f"{len(harmed) - 1} more); nothing was written. Please report this checkpoint's config.json to the "
+            "mxforge maintainers",
+            filename="config.json",
+        )
+    layer_records = [{k: v for k, v in a.items() if k != "config"} for a in layer_aliases]
+    return fixed_qc, applied, aliases, layer_records, warnings
 
 
 def fixup_checkpoint(
@@ -265,20 +378,12 @@ def _fixup_checkpoint(
     if qc is None:
         result.warnings.append("no quantization_config: every engine loads this checkpoint as bf16; nothing to fix")
     else:
-        entries, applied, warnings = rewrite_globs(exclude_entries(qc), loaded)
-        aliases = needed_aliases(entries, loaded, profiles, qc)
-        harmed = harmed_modules(loaded, profiles, entries, entries + [a["entry"] for a in aliases], qc)
-        if harmed:  # never expected: every alias names a bf16 module in one release's terms; refuse rather than harm
-            raise ConfigError(
-                f"{loaded.ckpt.source.where('config.json')}: the aliases fixup computed would change how "
-                f"{harmed[0][0]} builds {harmed[0][1]} (and {len(harmed) - 1} more); nothing was written. "
-                "Please report this checkpoint's config.json to the mxforge maintainers",
-                filename="config.json",
-            )
-        entries += [a["entry"] for a in aliases]
-        result.applied += applied + aliases
+        fixed_qc, applied, aliases, layer_aliases, warnings = fixed_quantization_config(
+            loaded, profiles, qc, where=loaded.ckpt.source.where("config.json")
+        )
+        result.applied += applied + aliases + layer_aliases
         result.warnings += warnings
-        found, _ = loadability_problems(loaded, profiles, {**qc, "exclude": entries})
+        found, _ = loadability_problems(loaded, profiles, fixed_qc)
         result.remaining = [p for p in found if not p.server_flag]
         needs: dict[tuple[str, str], list[str]] = {}
         for p in found:
@@ -291,8 +396,8 @@ def _fixup_checkpoint(
         ]
         if dry_run and injected:
             result.remaining = [p for p in result.remaining if p.check != "mtp"]
-        if applied or aliases:
-            new_config = result.new_config = {**config, "quantization_config": {**qc, "exclude": entries}}
+        if applied or aliases or layer_aliases:
+            new_config = result.new_config = {**config, "quantization_config": fixed_qc}
             old_text, new_text = (json.dumps(c, indent=2) + "\n" for c in (config, new_config))
             result.diff = "".join(
                 difflib.unified_diff(

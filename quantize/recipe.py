@@ -176,7 +176,7 @@ class Recipe:
         from mxforge.formats.quark import cached_layer_config, cached_quantization_config
 
         config = cached_quantization_config(self.global_format, sorted(excluded_modules), self.quantize_inputs)
-        patterns = layer_config_patterns(module_formats or {}, self.global_format)
+        patterns = layer_config_patterns(module_formats or {}, self.global_format, excluded_modules)
         layer_configs = {fmt: cached_layer_config(fmt, self.quantize_inputs) for fmt in set(patterns.values())}
         config["layer_quant_config"] = {pattern: layer_configs[fmt] for pattern, fmt in patterns.items()}
         rule = get_scale_rule(self.scale_rule)
@@ -191,16 +191,18 @@ class Recipe:
 
 
 def layer_config_patterns(
-    module_formats: dict[str, ElementFormat], global_format: ElementFormat
+    module_formats: dict[str, ElementFormat], global_format: ElementFormat, kept: Iterable[str] = ()
 ) -> dict[str, ElementFormat]:
     """`layer_quant_config` keys (fnmatch patterns, Quark's and the engines' matching) for every module of
     `module_formats` not stored in `global_format`, sorted. A module's pattern is the first of these that matches no
-    quantized module of another format: its name from its layer number on, the layer's prefix and the other
-    numbers made `*` (`*.self_attn.q_a_proj`, which also matches the names an engine's MTP draft builds the layer
-    under, `model.decoder.self_attn.q_a_proj`); its whole name with its numeric parts (layer, expert) made `*`;
-    with fewer of them made `*` (the layer number kept first: `model.layers.78.mlp.experts.*.up_proj`), down to
-    the exact name. Modules a recipe keeps are in `exclude`, which the engines and Quark test first, so a pattern
-    may match them."""
+    module stored otherwise (quantized in another format, or `kept` bf16): its name from its layer number on, the
+    layer's prefix and the other numbers made `*` (`*.self_attn.q_a_proj`, which also matches the names an engine's
+    MTP draft builds the layer under, `model.decoder.self_attn.q_a_proj`); its whole name with its numeric parts
+    (layer, expert) made `*`; with fewer of them made `*` (the layer number kept first:
+    `model.layers.78.mlp.experts.*.up_proj`), down to the exact name. A kept module is in `exclude`, which Quark and
+    the engines test first, yet a pattern must not match it either: vLLM 0.30.0 re-quantizes excluded DeepSeek
+    attention with the layer config that matches it, which must then be MXFP4."""
+    stored: dict[str, ElementFormat | None] = {**dict.fromkeys(kept), **module_formats}
     others = [m for m, f in module_formats.items() if f != global_format]
     matched: dict[str, list[str]] = {}  # candidate pattern -> the quantized modules it matches
     out: dict[str, ElementFormat] = {}
@@ -218,8 +220,8 @@ def layer_config_patterns(
             candidates.insert(0, ".".join(["*", *tail]))
         for candidate in candidates:
             if candidate not in matched:
-                matched[candidate] = [m for m in module_formats if fnmatch.fnmatchcase(m, candidate)]
-            if all(module_formats[m] == fmt for m in matched[candidate]):
+                matched[candidate] = [m for m in stored if fnmatch.fnmatchcase(m, candidate)]
+            if all(stored[m] == fmt for m in matched[candidate]):
                 out[candidate] = fmt
                 break
     return dict(sorted(out.items()))

@@ -204,7 +204,13 @@ def _fusion(p: EngineProfile) -> str:
     verb = " fuses" if len(who) == 1 else " fuse"
     veto = "" if f.veto == "none" else f"; vetoed by {VETO_WORDS[f.veto]}"
     reach = "; a target's refusal reaches the draft" if f.target_refusal_reaches_draft else ""
-    return " and ".join(who) + verb + where + veto + reach
+    configs = (
+        "; refused unless `layer_quant_config` gives the shared expert the routed experts' config at "
+        + ", ".join(_code(b) for b in f.layer_config_bases)
+        if f.layer_config_bases
+        else ""
+    )
+    return " and ".join(who) + verb + where + veto + reach + configs
 
 
 def _per_family_rules() -> list[str]:
@@ -263,7 +269,8 @@ def _per_family_rules() -> list[str]:
                 + (" (with dynamic activations of it declared)" if n in p.formats_needing_inputs else "")
                 for n in sorted(p.formats)
             )
-            rows.append([_code(p.name), fused, never, requant, formats or "none", p.layer_config_match])
+            match = p.layer_config_match + ("; keys through the draft's name mapper" if p.layer_configs_mapped else "")
+            rows.append([_code(p.name), fused, never, requant, formats or "none", match])
         out += _table(
             [
                 "profiles",

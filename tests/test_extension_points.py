@@ -340,7 +340,7 @@ MUTANTS = {
 THROWAWAY_VLLM = (
     'extends = "vllm-0.31.0"\nreleases = ">=0.99,<0.100"\nread = ["0.99"]\n'
     'summary = "a throwaway release that loads MXFP6 E2M3 (tests/test_extension_points.py)"\n\n'
-    '[schemes]\nformats = ["mxfp4", "mxfp6_e2m3"]\n'
+    '[schemes]\nformats = ["mxfp4", "fp8_ptpc", "mxfp6_e2m3"]\n'
 )
 
 

@@ -64,7 +64,7 @@ def engine_view(
 ) -> EngineView:
     """`profile`'s release reading `exclude` (and the per-layer configs of `qc`, the quantization_config)."""
     roles = role_views(profile, exclude, layout, qc)
-    fused = frozenset(r for r in (TARGET, DRAFT) if fuses_shared_experts(profile, r, layout, roles[r].gate_entries))
+    fused = frozenset(r for r in (TARGET, DRAFT) if fuses_shared_experts(profile, r, layout, roles[r]))
     if TARGET not in fused and profile.fusion.target_refusal_reaches_draft:
         fused -= {DRAFT}  # the target's refusal, written into the server's setting, is what the draft's gate reads
     return EngineView(profile, roles, fused, engine_modules(profile, layout, linears, fused))

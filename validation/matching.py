@@ -9,6 +9,7 @@ the profile; conformance with each release's own code is tested in tests/validat
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class RoleView:
     unquantized: bool = False  # the whole model is built without a quantization config
     layer_configs: dict = field(default_factory=dict)  # layer_quant_config: fnmatch pattern -> layer config
     global_config: dict | None = None
+    gate_layer_configs: dict = field(default_factory=dict)  # those its fusion gate reads (before any draft remap)
 
 
 def role_views(
@@ -137,22 +139,24 @@ def role_views(
     layer_configs: dict = raw_layers if isinstance(raw_layers, dict) else {}
     global_config: dict | None = raw_global if isinstance(raw_global, dict) else None
     main = ExcludeList(tuple(exclude))
-    views = {TARGET: RoleView(main, main, False, layer_configs, global_config)}
-    mapped = main
+    views = {TARGET: RoleView(main, main, False, layer_configs, global_config, layer_configs)}
+    mapped, mapped_configs = main, layer_configs
     if profile.exclude_source == "mapped" and profile.draft.name_mapper:
         mapped = ExcludeList(tuple(dict.fromkeys(map_name(profile, e) for e in main.entries)))
+    if profile.layer_configs_mapped and profile.draft.name_mapper:  # WeightsMapper.apply_dict: keys replaced
+        mapped_configs = {map_name(profile, k): v for k, v in layer_configs.items()}
     mtp = layout.mtp_layers
     if not mtp:
-        views[DRAFT] = RoleView(mapped, mapped, False, layer_configs, global_config)
+        views[DRAFT] = RoleView(mapped, mapped, False, mapped_configs, global_config, mapped_configs)
         return views
     layer = mtp[0]
     layer_prefix = f"model.layers.{layer}"
     whole = profile.draft.whole_draft_switch and bool(mapped.matching_entry(map_name(profile, layer_prefix)))
-    entries, configs = mapped, layer_configs
+    entries, configs = mapped, mapped_configs
     if profile.draft.remap_mtp_entries:
         entries = _with_mtp_remap(profile, mapped, layer)
-        configs = {_draft_name(profile, k, layer): v for k, v in layer_configs.items()}
-    views[DRAFT] = RoleView(entries, mapped, whole, configs, global_config)
+        configs = {_draft_name(profile, k, layer): v for k, v in mapped_configs.items()}
+    views[DRAFT] = RoleView(entries, mapped, whole, configs, global_config, mapped_configs)
     return views
 
 
@@ -234,9 +238,11 @@ def _draft_name(profile: EngineProfile, name: str, layer: int) -> str:
     return profile.mtp_runtime_name(layer, name[len(prefix) :]) if name.startswith(prefix) else name
 
 
-def fuses_shared_experts(profile: EngineProfile, role: str, layout: MoeLayout, gate_entries: ExcludeList) -> bool:
+def fuses_shared_experts(profile: EngineProfile, role: str, layout: MoeLayout, view: RoleView) -> bool:
     """Whether `profile`'s release appends the shared expert to the routed-expert bank in `role`'s model
-    (AMD gfx950, default server flags)."""
+    (AMD gfx950, default server flags), as its gate reads `view` (the exclude list and layer configs it sees before
+    any draft remap)."""
+    gate_entries = view.gate_entries
     rule = profile.fusion
     if not (rule.target if role == TARGET else rule.draft):
         return False
@@ -244,6 +250,8 @@ def fuses_shared_experts(profile: EngineProfile, role: str, layout: MoeLayout, g
     if (rule.n_routed_experts and experts not in rule.n_routed_experts) or int(
         layout.config.get("n_shared_experts", 1) or 0
     ) != 1:
+        return False
+    if not _same_layer_configs(profile, dataclasses.replace(view, layer_configs=view.gate_layer_configs)):
         return False
     if rule.veto == "none":
         return True
@@ -255,3 +263,26 @@ def fuses_shared_experts(profile: EngineProfile, role: str, layout: MoeLayout, g
         return not (rule.veto == "shared-expert-entry-outside-draft" and entry.startswith(draft_layers))
 
     return not any(vetoes(e) for e in gate_entries.entries)
+
+
+SHARED_EXPERT_PROJS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+
+
+def _same_layer_configs(profile: EngineProfile, view: RoleView) -> bool:
+    """sglang's `can_fuse_shared_expert` (0.5.22 on) for a checkpoint with a layer_quant_config: at each of the
+    rule's bases the routed experts and every shared-expert projection must be given the same config (shards that
+    disagree count as different). The shared expert is named `shared_experts` when a key holds ".shared_experts.",
+    else `shared_expert`."""
+    bases = profile.fusion.layer_config_bases
+    if not bases or not view.layer_configs:
+        return True
+    shared = "shared_experts" if any(".shared_experts." in k for k in view.layer_configs) else "shared_expert"
+    try:
+        for base in bases:
+            routed = module_config(profile, view, f"{base}.mlp.experts", False)
+            for proj in SHARED_EXPERT_PROJS:
+                if module_config(profile, view, f"{base}.mlp.{shared}.{proj}", False) != routed:
+                    return False
+    except SchemeError:
+        return False
+    return True

@@ -57,6 +57,9 @@ class FusionRule:
     # The target model, built first in the same process, refusing fusion switches it off for the draft too (the
     # refusal is written where the draft's gate reads the server's setting, not kept to the target's own build).
     target_refusal_reaches_draft: bool = False
+    # With a layer_quant_config, fusion is refused unless the config matched for `<base>.mlp.experts` equals the one
+    # matched for each `<base>.mlp.<shared>.{gate,up,gate_up,down}_proj`, for every base (empty: not compared).
+    layer_config_bases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class EngineProfile:
     formats_needing_inputs: frozenset[str]  # ... whose weights load only with dynamic same-format inputs declared
     expert_layer_configs: bool  # per-expert layer_quant_config entries configure the experts
     layer_config_match: str  # how layer_quant_config keys match: "fnmatch", "substring-or-fnmatch"
+    # The draft's name mapper rewrites layer_quant_config keys too (as it rewrites a "mapped" exclude list)
+    layer_configs_mapped: bool
     fused: dict[str, tuple[str, ...]]  # fused module -> the checkpoint linears it is built from
     never_quantized: frozenset[str]  # layer-relative or global module names built unquantized
     # Excluded linears whose name contains one of these are loaded bf16, then re-quantized to MXFP4 after
@@ -234,6 +239,7 @@ def _load(name: str, family: str) -> EngineProfile:
             formats_needing_inputs=frozenset(sc["formats_needing_inputs"]),
             expert_layer_configs=bool(sc["expert_layer_configs"]),
             layer_config_match=sc.get("layer_config_match", "fnmatch"),
+            layer_configs_mapped=bool(sc.get("layer_configs_mapped", False)),
             fused={k: tuple(v) for k, v in mod["fused"].items()},
             never_quantized=frozenset(mod["never_quantized"]),
             requantized_when_excluded=tuple(mod.get("requantized_when_excluded", ())),
@@ -254,6 +260,7 @@ def _load(name: str, family: str) -> EngineProfile:
                 fu["veto"],
                 fu["server_flag"],
                 bool(fu.get("target_refusal_reaches_draft", False)),
+                tuple(fu.get("layer_config_bases", ())),
             ),
             serve_base=sv["command"],
             serve_speculative=sv["speculative"],

@@ -20,7 +20,6 @@ from helpers import BASE  # AMD's published exclusions; the MTP layer's are adde
 from quark_like import write_quark_like
 
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.formats import MXFP4
 from mxforge.models import Family
 from mxforge.models.fixture import preset_config
 from mxforge.models.layout import MoeLayout
@@ -71,13 +70,16 @@ class Case:
 
 
 def recipe_export(src: Path, out: Path, recipe: str) -> None:
-    """What `mxforge quantize --recipe R` writes, as headers: the same names, dtypes, shapes and exclude list."""
+    """What `mxforge quantize --recipe R` writes, as headers: the same names, dtypes, shapes and quantization_config
+    (exclude list, and for a recipe that mixes formats its layer_quant_config)."""
     from mxforge.checkpoint import Checkpoint
     from mxforge.quantize.plan import plan_checkpoint
     from mxforge.quantize.recipe import load_recipe
 
-    kept = plan_checkpoint(Checkpoint.open(src), load_recipe(recipe)).excluded_modules()
-    write_quark_like(src, out, kept)
+    loaded = load_recipe(recipe)
+    plan = plan_checkpoint(Checkpoint.open(src), loaded)
+    kept, formats = plan.excluded_modules(), plan.module_formats()
+    write_quark_like(src, out, kept, formats=formats, quantization_config=loaded.quantization_config(kept, formats))
 
 
 def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case]:
@@ -115,6 +117,11 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
             # The MTP layer excluded by its bare layer name as well.
             "layer-entry": lambda out: _layer_entry(src, out, n),
         }
+        for recipe in family.recipes[2:]:  # the mixed-precision recipes (attention, MTP layer in FP8 PTPC)
+            styles[f"recipe-{recipe}"] = lambda out, recipe=recipe: recipe_export(src, out, recipe)
+        if len(family.recipes) > 2:
+            # The first mixed recipe's output with its FP8 layer configs declaring no activations (weights only).
+            styles["weights-only-layers"] = lambda out: _weights_only_layers(src, out, family.recipes[2])
         for style, make in styles.items():
             before = root / f"{size}-{style}"
             make(before)
@@ -205,6 +212,16 @@ def _weights_only(src: Path, out: Path, recipe: str) -> None:
     _edit_qc(out, lambda qc: qc["global_quant_config"].update(input_tensors=None))
 
 
+def _weights_only_layers(src: Path, out: Path, recipe: str) -> None:
+    recipe_export(src, out, recipe)
+
+    def edit(qc: dict) -> None:
+        for config in qc["layer_quant_config"].values():
+            config["input_tensors"] = None
+
+    _edit_qc(out, edit)
+
+
 def views(profile: EngineProfile, loaded) -> list[EngineView]:
     """The release as served by default, and, where it fuses shared experts, with fusion switched off."""
     qc = loaded.ckpt.quantization_config or {}
@@ -248,14 +265,15 @@ def request(profile: EngineProfile, case: Case, loaded) -> dict:
 
 
 def _form(decision: str) -> str:
-    return decision if decision in (probe_io.MXFP4, probe_io.BF16, probe_io.REQUANTIZED) else decision.split(":", 1)[0]
+    found = probe_io.form(decision)
+    return found if found in (probe_io.MXFP4, probe_io.BF16, probe_io.REQUANTIZED, "error") else found.split(":")[0]
 
 
 def _mine(view: EngineView, module) -> str:
     verdict = decide(view, module)
     if verdict.requantized:
         return probe_io.REQUANTIZED
-    return {MXFP4.name: probe_io.MXFP4, BF16: probe_io.BF16, None: "error", OTHER: "other"}[verdict.form]
+    return {BF16: probe_io.BF16, None: "error", OTHER: "other"}.get(verdict.form, verdict.form)
 
 
 def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:

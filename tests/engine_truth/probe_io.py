@@ -5,7 +5,7 @@ Request (JSON on stdin): {"version": V, "cases": [{"name", "config": config.json
 "experts"; a case may add "env": {name: value}, the server's environment variables (probes that model
 none ignore it). Answer (JSON written to the path given as argv[2]): {"version", "cases": {name: answer or
 {"error": traceback}}}. A decision is "mxfp4", "bf16", "bf16>mxfp4" (loaded bf16, re-quantized to MXFP4 after
-loading), "other:<scheme class>" or "error:<message>".
+loading), "other:<scheme class>[:<weight dtype>][:<weight qscheme>]" (`other`) or "error:<message>".
 A probe may add keys of its own to an answer (the vLLM probe: "unbuilt", "loader_fuses_shared_experts").
 """
 
@@ -19,9 +19,28 @@ MXFP4, BF16, OTHER, ERROR = "mxfp4", "bf16", "other:", "error:"
 REQUANTIZED = "bf16>mxfp4"  # allocated and loaded bf16, re-quantized to MXFP4 after loading
 
 
+# The releases' scheme objects (`other`: class, weight dtype, weight qscheme) that build a module in one of mxforge's
+# element formats, by format name (registry names: mxforge/formats/); any other scheme stays "other:...".
+ENGINE_SCHEMES = {
+    "other:QuarkW8A8Fp8:per_channel": "fp8_ptpc",  # vLLM's and sglang's linear
+    "other:QuarkW8A8Fp8MoEMethod:fp8:per_channel": "fp8_ptpc",  # vLLM's routed experts
+    "other:QuarkW8A8FP8MoE:per_channel": "fp8_ptpc",  # sglang's routed experts
+}
+
+
+def form(decision: str) -> str:
+    """A decision in mxforge's terms: "mxfp4", "bf16", "bf16>mxfp4", a registry format's name for a scheme that
+    builds it (ENGINE_SCHEMES), "other:<scheme>" for any other, "error" for an error."""
+    if decision in (MXFP4, BF16, REQUANTIZED):
+        return decision
+    if decision.startswith(ERROR):
+        return "error"
+    return ENGINE_SCHEMES.get(decision, decision)
+
+
 def allocated(decision: str) -> str:
-    """What the release allocates (and so must be stored) for a decision."""
-    return BF16 if decision == REQUANTIZED else decision
+    """What the release allocates (and so must be stored) for a decision, in mxforge's terms (`form`)."""
+    return BF16 if decision == REQUANTIZED else form(decision)
 
 
 LINEAR, EXPERTS = "linear", "experts"
@@ -36,6 +55,12 @@ def hf_config(config: dict):
     mapping, model_type = transformers.CONFIG_MAPPING, config.get("model_type")
     cls = mapping[model_type] if model_type in mapping else transformers.PretrainedConfig  # a lazy mapping: no .get
     return cls.from_dict(copy.deepcopy(config))
+
+
+def other(scheme: str, weight_dtype: str | None, weight_qscheme: str | None) -> str:
+    """The decision for a scheme other than MXFP4's: "other:<scheme class>[:<weight dtype>][:<weight qscheme>]"
+    (the attributes the release's scheme object was built with, where it has them)."""
+    return ":".join([OTHER + scheme, *(a for a in (weight_dtype, weight_qscheme) if isinstance(a, str))])
 
 
 def error(exc: BaseException) -> str:

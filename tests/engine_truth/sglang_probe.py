@@ -243,8 +243,11 @@ def decide(mods: dict, qc, prefix: str, kind: str) -> str:
         return probe_io.error(e)
     if method is None or type(method).__name__.startswith("Unquantized"):
         return probe_io.BF16
-    scheme = type(getattr(layer, "scheme", None)).__name__
-    return probe_io.MXFP4 if "mxfp4" in scheme.lower() else f"{probe_io.OTHER}{scheme}"
+    scheme = getattr(layer, "scheme", None)
+    name = type(scheme).__name__
+    if "mxfp4" in name.lower():
+        return probe_io.MXFP4
+    return probe_io.other(name, None, getattr(scheme, "weight_qscheme", None))
 
 
 def probe_case(mods: dict, case: dict) -> dict:

@@ -397,7 +397,7 @@ def decide(mods: dict, qc, prefix: str, layer) -> str:
     name = type(scheme).__name__
     if name in ("QuarkOCP_MX", "QuarkOCP_MX_MoEMethod") and dtype == "mxfp4":
         return probe_io.REQUANTIZED if getattr(scheme, "dynamic_mxfp4_quant", False) else probe_io.MXFP4
-    return f"{probe_io.OTHER}{name}" + (f":{dtype}" if isinstance(dtype, str) else "")
+    return probe_io.other(name, dtype, getattr(scheme, "weight_qscheme", None))
 
 
 def walk(obj, path: str = "", seen=None):

@@ -168,6 +168,12 @@ def test_layer_config_patterns_wildcard_what_they_can_and_no_more():
     for module, fmt in modules.items():  # Quark's reading: the first matching pattern, else the global scheme
         found = next((f for p, f in layer_config_patterns(modules, MXFP4).items() if fnmatch.fnmatch(module, p)), MXFP4)
         assert found is fmt, module
+    # A kept (bf16) module is matched by no pattern either: vLLM 0.30.0 re-quantizes excluded DeepSeek attention
+    # with the layer config that matches it. The MTP layer's attention in FP8, the decoder's kept:
+    mtp = {"model.layers.3.self_attn.o_proj": ptpc, "model.layers.3.mlp.experts.0.up_proj": MXFP4}
+    kept = [f"model.layers.{n}.self_attn.o_proj" for n in range(3)]
+    assert layer_config_patterns(mtp, MXFP4) == {"*.self_attn.o_proj": ptpc}
+    assert layer_config_patterns(mtp, MXFP4, kept) == {"model.layers.3.self_attn.o_proj": ptpc}
 
 
 def test_scale_rule_from_the_recipe_is_used_and_recorded_and_the_flag_wins(tiny_ckpt, tmp_path):

@@ -13,9 +13,10 @@ import fnmatch
 import math
 import re
 from pathlib import Path
+from typing import Mapping
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
-from mxforge.formats import MXFP4
+from mxforge.formats import MXFP4, ElementFormat
 from mxforge.formats.quark import cached_quantization_config
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_atomic, write_json_atomic
 
@@ -50,12 +51,16 @@ def write_quark_like(
     glob_exclude: bool = False,
     drop_layers: tuple[int, ...] = (),
     sparse: bool | None = None,
+    formats: Mapping[str, ElementFormat] | None = None,
+    quantization_config: dict | None = None,
 ) -> list[str]:
     """Write `src` (bf16) to `out` as Quark would with exclusion `patterns`; returns the written exclude list.
 
     `glob_exclude` writes the patterns themselves into `exclude` (exports edited by hand or by other tools),
     instead of Quark's exact names. `drop_layers` leaves those layers out entirely (exports that lost the
-    MTP layer). `sparse` writes headers with holes for data (default: when the source is sparse).
+    MTP layer). `sparse` writes headers with holes for data (default: when the source is sparse). `formats`
+    stores the quantized modules it names in their format instead of MXFP4 (placeholder bytes: zeros), and
+    `quantization_config` is then the config to write (a mixed recipe's, with its `layer_quant_config`).
 
     Raises:
         CheckpointError: `src` is not a checkpoint, or a shard cannot be written.
@@ -84,10 +89,12 @@ def write_quark_like(
             module = name.removesuffix(".weight")
             decision = quark_quantizes(module, info.shape, excluded_re) if name.endswith(".weight") else None
             if decision:
-                stored = MXFP4.stored(name, (info.shape[0], math.prod(info.shape[1:])))
+                fmt = (formats or {}).get(module, MXFP4)
+                stored = fmt.stored(name, (info.shape[0], math.prod(info.shape[1:])))
                 planned += stored
                 sources[name] = (0, math.prod(stored[0].shape))
-                sources[stored[1].name] = (PLACEHOLDER_SCALE, math.prod(stored[1].shape))
+                scale = PLACEHOLDER_SCALE if fmt == MXFP4 else 0
+                sources[stored[1].name] = (scale, math.prod(stored[1].shape) * fmt.scale.itemsize)
             else:
                 if decision is False:
                     excluded.append(module)
@@ -111,7 +118,7 @@ def write_quark_like(
         total += sum(t.nbytes for t in planned)
     exclude = list(patterns) if glob_exclude else sorted(excluded)
     config = dict(src_ckpt.config)
-    config["quantization_config"] = quark_quantization_config(exclude)
+    config["quantization_config"] = quantization_config or quark_quantization_config(exclude)
     for path in src_ckpt.root.iterdir():
         if path.is_file() and not path.name.endswith(".safetensors") and path.name not in ("config.json", INDEX_NAME):
             copy_atomic(path, out / path.name)

@@ -208,6 +208,24 @@ PERTURBATIONS = {
     ),
     "weights-only MXFP4": lambda p: dataclasses.replace(p, formats_needing_inputs=p.formats_needing_inputs ^ {"mxfp4"}),
     "per-expert layer configs": lambda p: dataclasses.replace(p, expert_layer_configs=not p.expert_layer_configs),
+    "layer configs mapped": lambda p: dataclasses.replace(
+        p,
+        layer_configs_mapped=not p.layer_configs_mapped,
+        draft=dataclasses.replace(p.draft, name_mapper=p.draft.name_mapper or WRONG_MAPPER),
+    ),
+    "FP8 PTPC loads": lambda p: dataclasses.replace(
+        p, formats=p.formats ^ {"fp8_ptpc"}, formats_needing_inputs=p.formats_needing_inputs - {"fp8_ptpc"}
+    ),
+    "FP8 PTPC needs inputs": lambda p: dataclasses.replace(
+        p, formats_needing_inputs=p.formats_needing_inputs ^ {"fp8_ptpc"}
+    ),
+    "fusion compares layer configs": lambda p: dataclasses.replace(
+        p,
+        fusion=dataclasses.replace(
+            p.fusion,
+            layer_config_bases=() if p.fusion.layer_config_bases else ("model.layers.0", "model.decoder"),
+        ),
+    ),
 }
 
 
