@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from mxforge.checkpoint import Checkpoint, write_index
 from mxforge.dir_lock import check_out_dir, directory_lock
@@ -65,12 +66,15 @@ def quantize_checkpoint(
     scale_rule: str | None = None,
     measure_errors: bool = True,
     source_record_is_ours: bool = False,
+    check_plan: Callable[[QuantizePlan, Recipe, Checkpoint], None] | None = None,
 ) -> QuantizeResult:
     """Quantize checkpoint `src` into `out` with `recipe`; returns the report (also in OUT/mxforge_quantize.json).
 
     OUT carries SRC's non-weight files that provenance.carried_files allows; `source_record_is_ours`: SRC's
     mxforge_source.json was written by the caller's own download of SRC for this product (mxforge run), so OUT
-    carries it too (no other mxforge record, state or backup is ever taken from SRC).
+    carries it too (no other mxforge record, state or backup is ever taken from SRC). `check_plan` may refuse the
+    plan (raising) before anything is written: mxforge run's check that the output would load in the releases it
+    serves (fixups/plan_check.py).
 
     `scale_rule` (scale_rules.py) overrides the recipe's. The report's "error" section is measured while
     quantizing (error_report.py); `measure_errors=False` skips that (None), only to measure its cost.
@@ -97,6 +101,8 @@ def quantize_checkpoint(
     to_copy = carried.names
     refuse_links_leaving(src, to_copy, follow=follow_symlinks, action="copy")
     plan = plan_checkpoint(ckpt, recipe)
+    if check_plan is not None:
+        check_plan(plan, recipe, ckpt)
     check_out_dir(src, out, QUANTIZE_STATE_NAME, "quantize")
     with directory_lock(out):
         report = _quantize_into(

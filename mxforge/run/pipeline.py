@@ -91,6 +91,19 @@ INVALIDATED_BY = {
 }
 
 
+def _formats_of(quant: Any, product: str) -> str:
+    """The titles of the formats the quantized tensors are in ("MXFP4 + FP8 PTPC"), from the stage's record, or for a
+    stream from the product's mxforge_quantize.json ("quantized" where neither says)."""
+    from mxforge.formats import formats_title
+    from mxforge.provenance import QUANTIZE_NAME, read_record
+
+    fmt = getattr(getattr(quant, "recipe", None), "format", None)
+    if not isinstance(fmt, str):
+        recipe = (read_record(Path(product), QUANTIZE_NAME) or {}).get("recipe")
+        fmt = recipe.get("format") if isinstance(recipe, dict) else None
+    return formats_title(fmt) if isinstance(fmt, str) and fmt else "quantized"
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and ".cache" not in p.parts)
 
@@ -561,10 +574,12 @@ class Pipeline:
                 executor=o.executor,
                 ray_address=o.ray_address,
                 scale_rule=o.scale_rule,
+                engines=o.engines,
             )
         ).run()
 
     def _quantize(self):
+        from mxforge.fixups.plan_check import plan_checker
         from mxforge.quantize.run import quantize_checkpoint
 
         return quantize_checkpoint(
@@ -577,6 +592,7 @@ class Pipeline:
             follow_symlinks=self.opts.follow_symlinks,
             scale_rule=self.opts.scale_rule,
             source_record_is_ours=not self.local,  # bf16/'s source record: this run's download wrote it
+            check_plan=plan_checker(self.opts.engines),  # refused before quantizing if a release could not load it
         ).summary()  # the per-tensor lists and figures stay in mxfp4/mxforge_quantize.json
 
     def _fixup(self):
@@ -675,7 +691,8 @@ def format_run_summary(result: RunResult) -> str:
     if quant is not None and quant.counts is not None:
         c = quant.counts
         lines.append(
-            f"  tensors: {c.quantized:,} MXFP4, {c.kept:,} 2-D weights kept bf16, {c.copied:,} copied; "
+            f"  tensors: {c.quantized:,} {_formats_of(quant, result.product)}, {c.kept:,} 2-D weights kept bf16, "
+            f"{c.copied:,} copied; "
             f"MTP layer(s) {quant.mtp_layers} ({quant.mtp_tensors} tensors) carried"
         )
         lines.append(f"  {summary_line(quant.error)}")  # a stream's report carries the error it measured too

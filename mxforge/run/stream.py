@@ -63,6 +63,7 @@ class StreamOptions:
     state_path: Path
     recipe: str | None
     scale_rule: str | None = None  # --scale-rule (None: the recipe's)
+    engines: str | list[str] | None = None  # --engines: the releases the plan must load in (None: every supported)
     revision: str = "main"
     push_repo: str | None = None
     branch: str = "main"
@@ -416,6 +417,7 @@ class StreamRun:
             return self._run()
 
     def _run(self) -> StreamResult:
+        from mxforge.fixups.plan_check import plan_checker
         from mxforge.quantize.plan import plan_checkpoint
         from mxforge.quantize.recipe import load_recipe
         from mxforge.quantize.run import (
@@ -433,6 +435,8 @@ class StreamRun:
         recipe = load_recipe(o.recipe, ckpt.config).with_scale_rule(o.scale_rule)  # None: the family's default
         self.recipe = recipe
         plan = plan_checkpoint(ckpt, recipe)
+        # refused before any shard is streamed if a release could not load it
+        plan_checker(o.engines)(plan, recipe, ckpt)
         plan.refuse_cross_shard_scales("a streamed run deletes each source shard once it is quantized")
         to_copy = self.carried.names + ([] if o.local else [SOURCE_NAME])  # the source record _open_source wrote
         note = self.carried.note()

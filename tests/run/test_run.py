@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TOKEN, cli, hub_env, kill_group, run_cli
+from helpers import MTP, REPO, TOKEN, cli, hub_env, kill_group, run_cli
 
 from mxforge.models.fixture import write_fixture
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME
@@ -115,8 +115,9 @@ def test_run_refuses_another_source_in_the_same_out(tiny_ckpt, tmp_path):
     assert proc.returncode == 2 and "holds a run of source" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_run_stops_before_push_when_validation_fails(hub, tmp_path, tiny_ckpt):
-    """A recipe that quantizes eh_proj cannot load in vLLM: run exits 1 and pushes nothing."""
+def test_run_refuses_a_recipe_a_release_cannot_load_before_quantizing(hub, tmp_path, tiny_ckpt):
+    """A recipe that quantizes eh_proj cannot load in vLLM or sglang 0.5.9-0.5.10: run refuses it at plan time,
+    naming the releases and the module, exits 2, quantizes and pushes nothing (fixups/plan_check.py)."""
     recipe = tmp_path / "bad.toml"
     text = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
     recipe.write_text(text + '\n[[quantize]]\nkinds = ["mtp_proj"]\nlayers = "mtp"\n')
@@ -133,9 +134,28 @@ def test_run_stops_before_push_when_validation_fails(hub, tmp_path, tiny_ckpt):
         env=_env(hub, tmp_path),
         timeout=600,
     )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "vllm" in proc.stderr and "nothing was pushed" in proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    releases = "sglang-0.5.9, sglang-0.5.10, vllm-0.30.0, vllm-0.31.0"  # those that build eh_proj as a torch Linear
+    assert f"recipe 'glm-5.2-mxfp4': its output would not load in {releases} even after mxforge fixup" in line
+    assert "model.eh_proj: would be bf16" in line and f"under model.layers.{MTP}.eh_proj" in line, line
+    assert "Nothing was quantized" in line, line
+    assert not list((out / "mxfp4").glob("*.safetensors")) and "Traceback" not in proc.stderr
     assert not any("/api/repos/create" in r[1] for r in hub.requests)
+    # served only by releases that quantize eh_proj, the same recipe runs, validates and pushes
+    proc = run_cli(
+        "run",
+        str(tiny_ckpt),
+        str(tmp_path / "run-sglang"),
+        "--recipe",
+        str(recipe),
+        "--engines",
+        "sglang>=0.5.11",
+        "--quiet",
+        env=_env(hub, tmp_path),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")

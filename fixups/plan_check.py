@@ -1,0 +1,81 @@
+"""Before quantizing: would the checkpoint a plan writes load, after `mxforge fixup`, in every selected release?
+
+`mxforge run` asks this of its plan before the hours of quantization: the plan fixes every output tensor's name,
+dtype and shape and the recipe the quantization_config, which is all that validate's engine check reads. A recipe
+whose output some selected release cannot load (a format its schemes do not take where it builds the module, a fused
+module whose shards the recipe stores in different formats, a module the release never quantizes) is refused then,
+naming the releases and the modules, rather than after quantizing.
+"""
+
+from __future__ import annotations
+
+from mxforge.errors import ConfigError
+from mxforge.fixups.fixup import fixed_quantization_config
+from mxforge.quantize.plan import QuantizePlan
+from mxforge.quantize.recipe import Recipe
+from mxforge.safetensors_io import TensorInfo
+from mxforge.validation.loaded import LoadedCheckpoint
+from mxforge.validation.modules import all_linears, checkpoint_linears
+from mxforge.validation.profiles import EngineProfile
+from mxforge.validation.report import Problem
+from mxforge.validation.tensor_forms import stored_form
+from mxforge.validation.validate import loadability_problems
+
+LISTED = 1  # problems quoted in the refusal (the rest: counted; validate on the output would name them all)
+
+
+def planned_checkpoint(plan: QuantizePlan, ckpt) -> LoadedCheckpoint:
+    """The checkpoint `plan` writes, as validate reads it: every output tensor's header (from the plan's shard
+    layouts), nothing read from disk. `ckpt`: the source (its config is the output's, but quantization_config)."""
+    infos: dict[str, TensorInfo] = {}
+    for shard in plan.shards:
+        for t in shard.tensors:
+            for out in t.outputs():
+                start = shard.offsets[out.name]
+                infos[out.name] = TensorInfo(out.name, out.dtype, tuple(out.shape), start, start + out.nbytes)
+    layout = plan.layout
+    planned = layout.tensors()
+    linears = checkpoint_linears(layout, planned)
+    stored = {lin.name: stored_form(lin, infos) for lin in all_linears(linears)}
+    return LoadedCheckpoint(ckpt, layout, planned, linears, infos, stored, frozenset())
+
+
+def unloadable(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[EngineProfile]) -> list[Problem]:
+    """The engine problems validate would report on `plan`'s output after fixup, per release of `profiles` (those a
+    serving flag avoids left out: validate names the flag)."""
+    loaded = planned_checkpoint(plan, ckpt)
+    qc = recipe.quantization_config(plan.excluded_modules(), plan.module_formats())
+    fixed, *_ = fixed_quantization_config(loaded, profiles, qc, where=f"recipe {recipe.name!r}")
+    found, _ = loadability_problems(loaded, profiles, fixed)
+    return [p for p in found if p.check == "engine" and not p.server_flag]
+
+
+def refuse_unloadable(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[EngineProfile]) -> None:
+    """Refuse a plan whose output would not load in a selected release.
+
+    Raises:
+        ConfigError: names the releases, the first problems and what to do.
+    """
+    problems = unloadable(plan, recipe, ckpt, profiles)
+    if not problems:
+        return
+    releases = list(dict.fromkeys(str(p.engine) for p in problems))
+    quoted = "; ".join(p.format() for p in problems[:LISTED])
+    more = f" (and {len(problems) - LISTED} more)" if len(problems) > LISTED else ""
+    raise ConfigError(
+        f"recipe {recipe.name!r}: its output would not load in {', '.join(releases)} even after mxforge fixup: "
+        f"{quoted}{more}. Nothing was quantized: change the recipe's rules for these modules, or select the releases "
+        "you serve with --engines",
+        entry=recipe.name,
+    )
+
+
+def plan_checker(engines: str | list[str] | None):
+    """The check `quantize_checkpoint(check_plan=...)` runs on its plan: `refuse_unloadable` for the releases
+    `engines` selects (as --engines; None: every supported release) of the plan's model family."""
+    from mxforge.validation.profiles import select
+
+    def check(plan: QuantizePlan, recipe: Recipe, ckpt) -> None:
+        refuse_unloadable(plan, recipe, ckpt, [s.profile for s in select(engines, plan.layout.family)])
+
+    return check
