@@ -1,17 +1,18 @@
-"""The quantization error report: how far each MXFP4 tensor is from its source, measured by the kernels
+"""The quantization error report: how far each quantized tensor is from its source, measured by the kernels
 in the same pass that quantizes it (no second read of the source).
 
-Per tensor, over its finite values x and their MXFP4 reconstructions q (E2M1 value times the block's
-scale 2^e):
+Per tensor, over its finite values x and their reconstructions q (an element's value times its scale: the block's
+2^e for MXFP4, the row's float32 scale for FP8 PTPC):
 - rel_rmse: sqrt(sum (x - q)^2 / sum x^2), the relative RMS error (0 for an all-zero tensor);
 - snr_db: 10 log10(sum x^2 / sum (x - q)^2) (None when the error is exactly zero);
 - max_abs_err: max |x - q|;
-- clipped_fraction: the fraction of values with |x| > 6 * 2^e, the largest magnitude their block can
-  represent, which are therefore stored as +-6 * 2^e. Quark's exponent clips the values of a block
+- clipped_fraction: the fraction of values above the largest magnitude their scale can represent (MXFP4:
+  6 * 2^e), which are therefore stored as that magnitude. Quark's MXFP4 exponent clips the values of a block
   whose amax lies in [1.5, 1.75) * 2^k; a scale rule can trade clipping for resolution.
 The kernels add four float64 running sums per tensor (mxforge.formats.ERROR_STATS); this module turns them into
-those figures and aggregates them per module class (tensor_kinds, the MTP layer as its own class) and per
-layer, with the worst tensors named. Aggregates pool the sums (an element-weighted RMSE), not the ratios.
+those figures and aggregates them per module class (tensor_kinds, the MTP layer as its own class), per element
+format (where a recipe mixes formats) and per layer, with the worst tensors named. Aggregates pool the sums (an
+element-weighted RMSE), not the ratios.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from mxforge.formats import formats_title
 from mxforge.models.tensor_kinds import layer_of, module_class
 
 WORST_SHOWN = 5
@@ -57,8 +59,11 @@ def _pool(records: list[dict]) -> dict:
     return out
 
 
-def error_report(per_tensor: dict[str, dict], mtp_layers, scale_rule: str) -> dict:
-    """The report of quantize's JSON from per-tensor records (tensor_record), all shards pooled."""
+def error_report(
+    per_tensor: dict[str, dict], mtp_layers, scale_rule: str, formats: dict[str, str] | None = None
+) -> dict:
+    """The report of quantize's JSON from per-tensor records (tensor_record), all shards pooled; `formats`: each
+    tensor's element format (its registry name), for the per-format figures."""
     # Not measured: NaN/Inf encoded as Quark does, --no-error-report, or weights so large (> 1e19) that their
     # squares overflow the kernels' float32 sums.
     measured = {
@@ -68,9 +73,11 @@ def error_report(per_tensor: dict[str, dict], mtp_layers, scale_rule: str) -> di
     }
     not_measured = sorted(set(per_tensor) - set(measured))
     per_tensor = measured
-    by_class, by_layer, mtp_layers = defaultdict(list), defaultdict(list), set(mtp_layers)
+    by_class, by_layer, by_format, mtp_layers = defaultdict(list), defaultdict(list), defaultdict(list), set(mtp_layers)
     for name, rec in per_tensor.items():
         by_class[module_class(name, mtp_layers)].append(rec)
+        if formats and name in formats:
+            by_format[formats[name]].append(rec)
         layer = layer_of(name)
         by_layer["global" if layer is None else str(layer)].append(rec)
     tensors = {name: _rounded(figures(rec)) for name, rec in sorted(per_tensor.items())}
@@ -81,12 +88,13 @@ def error_report(per_tensor: dict[str, dict], mtp_layers, scale_rule: str) -> di
             "rel_rmse": "sqrt(sum (x-q)^2 / sum x^2)",
             "snr_db": "10 log10(sum x^2 / sum (x-q)^2)",
             "max_abs_err": "max |x-q|",
-            "clipped_fraction": "fraction of values with |x| > 6 * 2^e, their block's largest magnitude",
+            "clipped_fraction": "fraction of values above the largest magnitude their scale can represent",
         },
         "tensors_measured": len(per_tensor),
         "tensors_not_measured": not_measured,
         "overall": _rounded(figures(_pool(list(per_tensor.values())))) if per_tensor else None,
         "by_class": {c: _rounded(figures(_pool(rs))) | {"tensors": len(rs)} for c, rs in sorted(by_class.items())},
+        "by_format": {f: _rounded(figures(_pool(rs))) | {"tensors": len(rs)} for f, rs in by_format.items()},
         "by_layer": {
             k: _rounded(figures(_pool(rs))) | {"tensors": len(rs)}
             for k, rs in sorted(
@@ -132,9 +140,11 @@ def markdown_table(report: dict | None) -> list[str]:
         "| module class | tensors | relative RMSE | SNR (dB) | max abs error | clipped |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    rows = [("**all**", {**report["overall"], "tensors": report["tensors_measured"]})] + list(
-        report["by_class"].items()
-    )
+    by_format = report.get("by_format") or {}
+    rows = [("**all**", {**report["overall"], "tensors": report["tensors_measured"]})]
+    if len(by_format) > 1:  # a mixed recipe: each format's own figures
+        rows += [(f"**{formats_title(f)}**", figures_) for f, figures_ in by_format.items()]
+    rows += list(report["by_class"].items())
     for cls, f in rows:
         lines.append(
             f"| {cls} | {f['tensors']:,} | {f['rel_rmse']:.4f} | {f['snr_db']} | {f['max_abs_err']:.4g} | "

@@ -409,7 +409,12 @@ def write_provenance(
         tool_versions=state.versions,
         command=recorded_command(command),
         tensors={fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
-        error=error_report(state.errors(s.name for s in plan.shards), plan.layout.mtp_layers, recipe.scale_rule)
+        error=error_report(
+            state.errors(s.name for s in plan.shards),
+            plan.layout.mtp_layers,
+            recipe.scale_rule,
+            {f"{m}.weight": f.name for m, f in plan.module_formats().items()},
+        )
         if measure_errors
         else None,
     )

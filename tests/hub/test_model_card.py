@@ -12,6 +12,8 @@ import pytest
 from helpers import TOKEN, hub_env, run_cli
 from loopback_hub import LoopbackHub
 
+from mxforge.checkpoint import Checkpoint
+from mxforge.progress import format_bytes
 from mxforge.provenance import CONFIG_BACKUP_NAME
 
 pytestmark = pytest.mark.slow  # a full run --push to build the card it reads
@@ -101,3 +103,18 @@ def test_fixup_backup_stays_local(pushed):
     assert (mxfp4 / CONFIG_BACKUP_NAME).exists()  # fixup rewrote config.json for the older releases
     assert CONFIG_BACKUP_NAME not in pushed["remote"] and "config.json" in pushed["remote"]
     assert not any(name.endswith(".orig") for name in pushed["remote"])
+
+
+def test_card_states_the_size_and_the_bf16_bytes_saved(pushed, tiny_ckpt):
+    """The bf16 figure is the source's own tensor bytes (the source is bf16; every quantized weight counted at 2 bytes
+    an element, its scales not at all), the size the output's."""
+
+    def tensor_bytes(root) -> int:
+        return sum(i.nbytes for i in Checkpoint.open(root).tensor_infos().values())
+
+    stored, bf16 = tensor_bytes(pushed["out"] / "mxfp4"), tensor_bytes(tiny_ckpt)
+    assert 0 < stored < bf16
+    assert (
+        f"Size: the tensors take {format_bytes(stored)}; in bf16 they would take {format_bytes(bf16)}: "
+        f"{format_bytes(bf16 - stored)} saved ({(bf16 - stored) / bf16:.1%} of bf16)."
+    ) in pushed["card"]

@@ -16,7 +16,7 @@ from helpers import cli, one_error_line
 from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
-from mxforge.formats import MXFP4
+from mxforge.formats import MXFP4, format_named
 from mxforge.formats.quark import quark_dequantize_weight
 from mxforge.provenance import DEQUANTIZE_NAME
 
@@ -30,10 +30,16 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module", params=["quark", "mse"])
+MIXED = "glm-5.2-mxfp4-attn-fp8"  # MXFP4 experts and FP8 PTPC attention
+PTPC = format_named("fp8_ptpc")
+RUNS = [("quark", None), ("mse", None), ("quark", MIXED), ("mse", MIXED)]  # (scale rule, recipe: None the default)
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{r}-{recipe or 'default'}" for r, recipe in RUNS])
 def runs(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path, Path, dict]:
-    """(scale rule, MXFP4 checkpoint, its dequantization, quantize's report)."""
-    work = tmp_path_factory.mktemp(f"deq-{request.param}")
+    """(scale rule, quantized checkpoint, its dequantization, quantize's report)."""
+    rule, recipe = request.param
+    work = tmp_path_factory.mktemp(f"deq-{rule}")
     mxfp4, bf16 = work / "mxfp4", work / "bf16"
     cli(
         "quantize",
@@ -41,14 +47,20 @@ def runs(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path, Path, dict]:
         str(mxfp4),
         "--quiet",
         "--scale-rule",
-        request.param,
+        rule,
         "--json",
         str(work / "q.json"),
+        *(("--recipe", recipe) if recipe else ()),
         check=True,
     )
     proc = cli("dequantize", str(mxfp4), str(bf16), "--json", str(work / "d.json"), check=True)
     assert "dequantized" in proc.stdout
-    return request.param, mxfp4, bf16, json.loads((work / "q.json").read_text())
+    return rule, mxfp4, bf16, json.loads((work / "q.json").read_text())
+
+
+def _format(codes: torch.Tensor):
+    """The registry entry of a stored weight, by its codes' dtype (the two formats written here differ in it)."""
+    return PTPC if codes.dtype == torch.float8_e4m3fn else MXFP4
 
 
 @pytest.mark.quark
@@ -60,8 +72,10 @@ def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouch
     assert set(unpacked) == set(packed) - scales
     for name, t in unpacked.items():
         if f"{name}_scale" in scales:
-            assert t.dtype == torch.bfloat16 and t.shape == (packed[name].shape[0], 2 * packed[name].shape[1])
-            want = quark_dequantize_weight(MXFP4, packed[name], packed[f"{name}_scale"], torch.bfloat16)
+            fmt = _format(packed[name])
+            rows, packed_inner = packed[name].shape
+            assert t.dtype == torch.bfloat16 and t.shape == (rows, fmt.unpacked_inner(packed_inner))
+            want = quark_dequantize_weight(fmt, packed[name], packed[f"{name}_scale"], torch.bfloat16)
             assert torch.equal(t, want.to(torch.bfloat16)), name
         else:
             assert t.dtype == packed[name].dtype and torch.equal(t.view(torch.uint8), packed[name].view(torch.uint8)), (
@@ -82,8 +96,13 @@ def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouch
 
 
 def test_quantize_error_report_is_what_the_dequantized_checkpoint_shows(runs, tiny_ckpt):
-    rule, _, bf16, report = runs
-    source, unpacked = _tensors(tiny_ckpt), _tensors(bf16)
+    """The error figures are those of the values the codes encode: the dequantized checkpoint's where they are exact
+    in bf16 (MXFP4), else (an FP8 value times a float32 scale) Quark's own dequantization in float32."""
+    rule, packed_dir, bf16, report = runs
+    source, unpacked, packed = _tensors(tiny_ckpt), _tensors(bf16), _tensors(packed_dir)
+    for name, codes in packed.items():
+        if _format(codes) == PTPC and name + "_scale" in packed:
+            unpacked[name] = quark_dequantize_weight(PTPC, codes, packed[name + "_scale"], torch.float32)
     error = report["error"]
     assert error["scale_rule"] == rule and error["tensors_measured"] == report["counts"]["quantized"]
     total_err = total_ref = 0.0
@@ -95,7 +114,22 @@ def test_quantize_error_report_is_what_the_dequantized_checkpoint_shows(runs, ti
         assert measured["max_abs_err"] == pytest.approx((x - q).abs().max().item(), rel=1e-5), name
     assert error["overall"]["rel_rmse"] == pytest.approx((total_err / total_ref) ** 0.5, abs=2e-6)
     assert error["worst"][0]["rel_rmse"] == max(t["rel_rmse"] for t in error["tensors"].values())
-    assert set(error["by_class"]) == {"experts", "shared_experts", "mtp"}  # the default recipe's MXFP4 classes
+    formats = {name: _format(t).name for name, t in packed.items() if name in error["tensors"]}
+    if report["recipe"]["name"] == MIXED:
+        assert set(error["by_class"]) == {"experts", "shared_experts", "mtp", "attention", "indexer"}
+    else:
+        assert set(error["by_class"]) == {"experts", "shared_experts", "mtp"}  # the default recipe's MXFP4 classes
+    assert set(error["by_format"]) == set(formats.values())
+    for fmt, pooled in error["by_format"].items():  # each format's tensors pooled, from the dequantized weights
+        names = [n for n, f in formats.items() if f == fmt]
+        sums = [
+            (((source[n].double() - unpacked[n].double()) ** 2).sum().item(), (source[n].double() ** 2).sum().item())
+            for n in names
+        ]
+        assert pooled["tensors"] == len(names)
+        assert pooled["rel_rmse"] == pytest.approx((sum(e for e, _ in sums) / sum(r for _, r in sums)) ** 0.5, abs=2e-6)
+    if report["recipe"]["name"] == MIXED:  # FP8 E4M3's 3 mantissa bits against E2M1's 1
+        assert error["by_format"]["fp8_ptpc"]["rel_rmse"] < error["by_format"]["mxfp4"]["rel_rmse"] / 3
 
 
 def test_scale_rule_is_recorded_in_quantization_config_only_when_not_quarks(runs):
@@ -135,7 +169,7 @@ def test_nan_scales_make_their_whole_block_nan_with_one_warning_line(runs, tmp_p
     tampered = shutil.copytree(mxfp4, tmp_path / "nan")
     ckpt = Checkpoint.open(tampered)
     infos = ckpt.tensor_infos()
-    weight = sorted(n for n in infos if n + "_scale" in infos)[0]
+    weight = sorted(n for n in infos if n + "_scale" in infos and infos[n].dtype == "U8")[0]  # MXFP4's NaN code
     scale = infos[weight + "_scale"]
     rows, blocks = scale.shape
     hit = [(0, 0), (1, blocks - 1), (rows - 1, 0)]
