@@ -1,7 +1,14 @@
-"""An MXFP4 decoder written from the OCP Microscaling Formats (MX) v1.0 specification, for the tests.
+"""An MXFP4 decoder written from the OCP Microscaling Formats (MX) v1.0 specification, and an FP8 PTPC decoder
+written from the OCP 8-bit floating point specification (E4M3), for the tests.
 
 It shares no code with mxforge's quantizer (nothing from mxforge is imported): the consumer test uses it
 to read mxforge's output as any other library would, from the format alone.
+
+FP8 PTPC (Quark's per-channel FP8 weights): `X.weight` float8_e4m3fn [out, in] (OCP FP8 E4M3: bit 7 sign, 4 exponent
+bits with bias 7, 3 mantissa bits; exponent 0 subnormal, 2^-6 * mantissa / 8; S.1111.111 NaN, no infinities) and
+`X.weight_scale` float32 [out]: element (i, j) is E4M3(code) * scale[i]. Which weights are in which format, a
+reader learns from `quantization_config`: a module's layer config is the first `layer_quant_config` pattern that
+fnmatches its name, else the global one (Quark's rule).
 
 Spec (OCP MX v1.0): a block of k = 32 elements shares one scale X; element i is X * P_i.
 - Elements: FP4 E2M1, bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; exponent 0 is subnormal
@@ -69,29 +76,80 @@ def decode_mxfp4(
     return elements * block_scale
 
 
-def check_quark_mxfp4_config(config: dict) -> None:
-    """Refuse a quantization_config that is not Quark's OCP MXFP4 weight format (what this decoder reads)."""
+def e4m3_value(code: int) -> float:
+    """The value of an 8-bit OCP FP8 E4M3 code, from its sign, exponent and mantissa bits (0x7F, 0xFF: NaN)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return float("nan")
+    if exponent == 0:
+        return sign * 2.0**-6 * mantissa / 8
+    return sign * 2.0 ** (exponent - 7) * (1 + mantissa / 8)
+
+
+E4M3_TABLE = torch.tensor([e4m3_value(c) for c in range(256)], dtype=torch.float32)
+
+
+def decode_fp8_ptpc(codes: torch.Tensor, scales: torch.Tensor, *, scale_factor: float = 1.0) -> torch.Tensor:
+    """float32 [out, in] from float8_e4m3fn codes [out, in] and float32 per-row scales [out] (`scale_factor`: a
+    deliberately wrong decode multiplies them)."""
+    if codes.dtype != torch.float8_e4m3fn or codes.dim() != 2 or scales.shape != (codes.shape[0],):
+        raise ValueError(
+            f"FP8 PTPC needs float8_e4m3fn [out, in] and [out] scales, got {codes.dtype}{list(codes.shape)}"
+        )
+    return E4M3_TABLE[codes.view(torch.uint8).long()] * (scales.float() * scale_factor)[:, None]
+
+
+# The weight specs this decoder reads (Quark's QuantizationSpec fields), by the name its options use.
+WEIGHT_SPECS = {
+    "mxfp4": {"dtype": "fp4", "qscheme": "per_group", "group_size": BLOCK, "ch_axis": -1, "scale_format": "e8m0"},
+    "fp8_ptpc": {"dtype": "fp8_e4m3", "qscheme": "per_channel", "group_size": None, "ch_axis": 0},
+}
+
+
+def _format_of(layer_config: dict | None) -> str:
+    weight = (layer_config or {}).get("weight") or {}
+    for name, want in WEIGHT_SPECS.items():
+        if {k: weight.get(k) for k in want} == want:
+            return name
+    raise ValueError(f"not a weight format this decoder reads: {weight}")
+
+
+def module_format(quantization_config: dict, module: str) -> str:
+    """The format Quark's quantization_config gives `module`: its first fnmatch `layer_quant_config` pattern's
+    layer config, else the global one."""
+    import fnmatch
+
+    for pattern, config in (quantization_config.get("layer_quant_config") or {}).items():
+        if fnmatch.fnmatchcase(module, pattern):
+            return _format_of(config)
+    return _format_of(quantization_config.get("global_quant_config"))
+
+
+def check_quark_config(config: dict) -> None:
+    """Refuse a quantization_config that is not Quark's, with MXFP4 or FP8 PTPC weights (what this decoder reads)."""
     qc = config.get("quantization_config") or {}
-    weight = (qc.get("global_quant_config") or {}).get("weight") or {}
-    want = {"dtype": "fp4", "qscheme": "per_group", "group_size": BLOCK, "ch_axis": -1, "scale_format": "e8m0"}
-    got = {k: weight.get(k) for k in want}
-    if qc.get("quant_method") != "quark" or got != want:
-        raise ValueError(f"not a Quark MXFP4 checkpoint: quant_method={qc.get('quant_method')!r}, weight spec {got}")
+    if qc.get("quant_method") != "quark":
+        raise ValueError(f"not a Quark checkpoint: quant_method={qc.get('quant_method')!r}")
+    for layer in [qc.get("global_quant_config"), *(qc.get("layer_quant_config") or {}).values()]:
+        _format_of(layer)
 
 
 def decode_checkpoint(
-    src: Path, dst: Path, only: Callable[[str], bool] | None = None, **decode_options
+    src: Path, dst: Path, only: Callable[[str], bool] | None = None, fp8_options: dict | None = None, **decode_options
 ) -> dict[str, int]:
-    """Write `dst`: `src` (Quark MXFP4) with every MXFP4 weight decoded to bf16 and no quantization_config,
-    i.e. a plain bf16 checkpoint any loader reads. Returns counts of decoded and copied tensors.
-    `decode_options` (see decode_mxfp4) apply to the weights `only` accepts (default: all); the rest decode
-    by the spec.
+    """Write `dst`: `src` (Quark: MXFP4, FP8 PTPC per layer config) with every quantized weight decoded to bf16 and
+    no quantization_config, i.e. a plain bf16 checkpoint any loader reads. Returns counts of decoded and copied
+    tensors. `decode_options` (see decode_mxfp4) apply to the MXFP4 weights, `fp8_options` (decode_fp8_ptpc) to the
+    FP8 PTPC ones, that `only` accepts (default: all); the rest decode by the spec.
 
-    MXFP4 values (at most 2 significant bits times a power of two in [2^-127, 2^127]) are exact in bf16.
+    MXFP4 values (at most 2 significant bits times a power of two in [2^-127, 2^127]) are exact in bf16; an FP8 PTPC
+    value (an E4M3 value times a float32 scale) is rounded to bf16, as an engine computing in bf16 rounds it.
     """
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
-    check_quark_mxfp4_config(config)
+    check_quark_config(config)
+    qc = config["quantization_config"]
     index = json.loads((src / "model.safetensors.index.json").read_text())
     dst.mkdir(parents=True)
     counts = {"decoded": 0, "copied": 0}
@@ -105,8 +163,13 @@ def decode_checkpoint(
                     continue
                 tensor = f.get_tensor(name)
                 if name + "_scale" in names:
-                    options = decode_options if only is None or only(name) else {}
-                    tensor = decode_mxfp4(tensor, f.get_tensor(name + "_scale"), **options).to(torch.bfloat16)
+                    chosen = only is None or only(name)
+                    scale = f.get_tensor(name + "_scale")
+                    if module_format(qc, name.removesuffix(".weight")) == "fp8_ptpc":
+                        tensor = decode_fp8_ptpc(tensor, scale, **(fp8_options or {} if chosen else {}))
+                    else:
+                        tensor = decode_mxfp4(tensor, scale, **(decode_options if chosen else {}))
+                    tensor = tensor.to(torch.bfloat16)
                     counts["decoded"] += 1
                 else:
                     counts["copied"] += 1

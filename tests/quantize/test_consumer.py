@@ -1,6 +1,7 @@
-"""A real consumer: mxforge's MXFP4 output read by code that shares nothing with mxforge, run through
-transformers' GLM-5.2 modules, and compared with the bf16 source on logits: the target model, the MTP
-layer alone (fed the source's hidden states) and the MTP layer as served (fed its own target's).
+"""A real consumer: mxforge's output (MXFP4, and a mixed recipe's MXFP4 + FP8 PTPC) read by code that shares
+nothing with mxforge, run through transformers' GLM-5.2 modules, and compared with the bf16 source on logits: the
+target model, the MTP layer alone (fed the source's hidden states) and the MTP layer as served (fed its own
+target's).
 
 transformers' own Quark integration cannot run this checkpoint (test_transformers_quark_path_... pins why),
 so tests/ocp_mx.py, written from the OCP MX v1.0 spec, decodes the MXFP4 weights into a plain bf16
@@ -11,8 +12,8 @@ tiny model's logits about as much as MXFP4 does.
 Bounds (docs/benchmarks.md, "Quality"): KL is taken at a common sharpening that brings the source's mean entropy to
 SHARP_ENTROPY nats, a trained LM's (the fixture's random weights give near-uniform logits), and also
 unsharpened. The reference is a structureless perturbation of the format's magnitude: Gaussian noise of
-FORMAT_REL_RMS x each quantized tensor's RMS on the same tensors, averaged over NOISE_DRAWS draws. MXFP4
-must stay within BOUND_FACTOR of the reference's KL and top-1 disagreement; misread formats do not.
+FORMAT_REL_RMS[format] x each quantized tensor's RMS on the same tensors, averaged over NOISE_DRAWS draws. The
+output must stay within BOUND_FACTOR of the reference's KL and top-1 disagreement; misread formats do not.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cli
-from ocp_mx import decode_checkpoint, decode_mxfp4, e2m1_value, e8m0_table
+from ocp_mx import decode_checkpoint, decode_fp8_ptpc, decode_mxfp4, e2m1_value, e8m0_table, module_format
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -36,7 +37,10 @@ SCALE_RULES = [None, "mse"]  # None: Quark's rule (the default); others go to `m
 BATCH, SEQ = 8, 64  # 512 positions; SEQ > the tiny fixture's index_topk (16), so DSA's top-k selection acts
 TOKEN_SEED = 1234
 SHARP_ENTROPY = 2.5  # nats: a trained LM's next-token entropy (perplexity ~12)
-FORMAT_REL_RMS = 0.112  # MXFP4's relative RMS error on Gaussian weights (reference/quark-mxfp4.md)
+# Each format's relative RMS error on Gaussian weights: MXFP4's from reference/quark-mxfp4.md; FP8 PTPC's measured
+# with torch's own float8_e4m3fn conversion of rows scaled by amax / 448 (0.0261-0.0265 for rows of 256-6144).
+FORMAT_REL_RMS = {"mxfp4": 0.112, "fp8_ptpc": 0.026}
+MIXED_RECIPE = "glm-5.2-mxfp4-attn-fp8"  # MXFP4 experts, FP8 PTPC attention (AMD's AttnFP8 layout)
 NOISE_DRAWS = 3  # the reference is the mean over independent draws (seeds 0, 1, 2)
 COMPUTE_DTYPE = torch.float32
 BOUND_FACTOR = 2.0
@@ -188,8 +192,15 @@ def weight_rel_rms(source: Path, decoded: Path) -> float:
     return math.sqrt(err / ref)
 
 
-def write_noisy(source: Path, names: set[str], out: Path, seed: int) -> None:
-    """`source` with Gaussian noise of FORMAT_REL_RMS x the tensor's RMS added to each tensor in `names`."""
+def quantized_formats(ckpt: Path) -> dict[str, str]:
+    """Each quantized weight's format, as its quantization_config gives it (the spec decoder's reading)."""
+    qc = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    return {n: module_format(qc, n.removesuffix(".weight")) for n in quantized_weight_names(ckpt)}
+
+
+def write_noisy(source: Path, names: dict[str, str], out: Path, seed: int) -> None:
+    """`source` with Gaussian noise of FORMAT_REL_RMS[format] x the tensor's RMS added to each tensor of `names`
+    (tensor name -> its format)."""
     out.mkdir(parents=True)
     index = json.loads((source / "model.safetensors.index.json").read_text())
     gen = torch.Generator().manual_seed(seed)
@@ -198,7 +209,7 @@ def write_noisy(source: Path, names: set[str], out: Path, seed: int) -> None:
             tensors = {n: f.get_tensor(n) for n in sorted(f.keys())}
         for n in sorted(names & tensors.keys()):
             x = tensors[n].float()
-            sigma = FORMAT_REL_RMS * x.pow(2).mean().sqrt()
+            sigma = FORMAT_REL_RMS[names[n]] * x.pow(2).mean().sqrt()
             tensors[n] = (x + sigma * torch.randn(x.shape, generator=gen)).to(torch.bfloat16)
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
     for side in ("config.json", "model.safetensors.index.json"):
@@ -257,17 +268,23 @@ def default_mxfp4(quantized_tiny) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_ckpt, default_mxfp4, tmp_path_factory) -> Reference:
-    """Source logits, sharpening and the bounds, from the noise reference on the tensors the recipe quantizes."""
+def source_logits(tiny_ckpt) -> tuple[torch.Tensor, Logits]:
+    """The token batch and the bf16 source's logits."""
     config = json.loads((tiny_ckpt / "config.json").read_text())
     ids = token_batch(config["vocab_size"], config["pad_token_id"])
-    source = consumer_logits(tiny_ckpt, ids)
+    return ids, consumer_logits(tiny_ckpt, ids)
+
+
+def noise_reference(tiny_ckpt, quantized: Path, source_logits, tmp_path_factory) -> Reference:
+    """Source logits, sharpening and the bounds, from the noise reference on the tensors (and in the formats) of
+    `quantized`."""
+    ids, source = source_logits
     scale = {head: sharpening(getattr(source, head)) for head in HEADS}
     ref = Reference(ids, source, scale, {}, {})
     draws = []
     for seed in range(NOISE_DRAWS):
         noisy = tmp_path_factory.mktemp("consumer") / f"noise{seed}"
-        write_noisy(tiny_ckpt, quantized_weight_names(default_mxfp4), noisy, seed)
+        write_noisy(tiny_ckpt, quantized_formats(quantized), noisy, seed)
         draws.append(measure(ref, noisy))
     ref.noise = {head: {k: sum(d[head][k] for d in draws) / NOISE_DRAWS for k in draws[0][head]} for head in draws[0]}
     positions = {head: getattr(source, head).shape[:2].numel() for head in HEADS}
@@ -280,15 +297,36 @@ def reference(tiny_ckpt, default_mxfp4, tmp_path_factory) -> Reference:
         for head, m in ref.noise.items()
     }
     print("\n" + report(f"noise reference (mean of {NOISE_DRAWS})", ref, ref.noise))
+    return ref
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt, default_mxfp4, source_logits, tmp_path_factory) -> Reference:
+    """The bounds for the default recipe's output (MXFP4)."""
+    ref = noise_reference(tiny_ckpt, default_mxfp4, source_logits, tmp_path_factory)
     # Context, not a bound: the source's own weights computed in bf16 instead of float32.
     print(
         report(
             "source, bf16 arithmetic",
             ref,
-            against_source(ref, consumer_logits(tiny_ckpt, ids, source.hidden, torch.bfloat16)),
+            against_source(ref, consumer_logits(tiny_ckpt, ref.ids, ref.source.hidden, torch.bfloat16)),
         )
     )
     return ref
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_ckpt, tmp_path_factory) -> Path:
+    """`mxforge quantize` of the tiny fixture with the shipped mixed recipe (MXFP4 experts, FP8 PTPC attention)."""
+    out = tmp_path_factory.mktemp("consumer-mixed") / "out"
+    cli("quantize", str(tiny_ckpt), str(out), "--recipe", MIXED_RECIPE, "--quiet", check=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(tiny_ckpt, mixed, source_logits, tmp_path_factory) -> Reference:
+    """The bounds for the mixed recipe's output: each tensor's noise at its own format's magnitude."""
+    return noise_reference(tiny_ckpt, mixed, source_logits, tmp_path_factory)
 
 
 @pytest.mark.parametrize("rule", SCALE_RULES, ids=lambda r: r or "quark")
@@ -308,6 +346,33 @@ def test_mxfp4_logits_match_source(rule, tiny_ckpt, default_mxfp4, reference, tm
     )
     print(report(f"mxfp4 ({rule or 'quark'})", reference, measured))
     assert not violations(reference, measured), report(f"mxfp4 ({rule or 'quark'})", reference, measured)
+
+
+def test_mixed_precision_logits_match_source(tiny_ckpt, mixed, mixed_reference, tmp_path):
+    """The mixed recipe's output, each weight decoded by the format its layer config names, stays within the bounds
+    of noise at each format's magnitude."""
+    formats = quantized_formats(mixed)
+    assert set(formats.values()) == {"mxfp4", "fp8_ptpc"}, formats
+    decoded = tmp_path / "decoded"
+    counts = decode_checkpoint(mixed, decoded)
+    assert counts["decoded"] == len(formats)
+    measured = measure(mixed_reference, decoded)
+    print(report(MIXED_RECIPE, mixed_reference, measured))
+    assert not violations(mixed_reference, measured), report(MIXED_RECIPE, mixed_reference, measured)
+
+
+# Misreadings of FP8 PTPC alone (the MXFP4 weights decoded right): the attention of every layer, MTP included.
+WRONG_FP8_DECODES = {"FP8 scale x2": {"scale_factor": 2.0}, "FP8 scale /2": {"scale_factor": 0.5}}
+
+
+@pytest.mark.parametrize("wrong", WRONG_FP8_DECODES)
+def test_wrong_fp8_decode_breaks_the_bounds(wrong, mixed, mixed_reference, tmp_path):
+    decoded = tmp_path / "decoded"
+    decode_checkpoint(mixed, decoded, fp8_options=WRONG_FP8_DECODES[wrong])
+    measured = measure(mixed_reference, decoded)
+    print("\n" + report(wrong, mixed_reference, measured))
+    broken = {v.split(":")[0] for v in violations(mixed_reference, measured)}
+    assert broken == set(HEADS), violations(mixed_reference, measured)
 
 
 WRONG_DECODES = {
@@ -406,3 +471,16 @@ def test_transformers_quark_path_cannot_run_routed_experts(default_mxfp4):
     assert any(k.endswith("mlp.experts.gate_up_proj_scale") for k in info["unexpected_keys"]), info["unexpected_keys"]
     with pytest.raises(RuntimeError, match="Byte"):
         model(token_batch(config.vocab_size, config.pad_token_id)[:1, :8])
+
+
+def test_spec_decoders_agree_with_mxforge_dequantize_on_every_format(mixed):
+    """The same on the mixed output: each weight read by the decoder of the format its layer config names equals
+    mxforge's decoding of it in the registry's entry for that format."""
+    from mxforge.formats import format_named
+
+    index = json.loads((mixed / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, fmt in sorted(quantized_formats(mixed).items()):
+        with safe_open(str(mixed / index[name]), framework="pt") as f:
+            codes, scales = f.get_tensor(name), f.get_tensor(name + "_scale")
+        ours = decode_fp8_ptpc(codes, scales) if fmt == "fp8_ptpc" else decode_mxfp4(codes, scales)
+        assert torch.equal(ours, format_named(fmt).dequantize(codes, scales, ours.shape[1])), name
