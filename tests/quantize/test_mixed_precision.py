@@ -15,37 +15,10 @@ from mxforge.formats import MXFP4, format_named
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
 
 PTPC = format_named("fp8_ptpc")
-RECIPES = {
-    # AMD's GLM-5.2-Quark-MXFP4-AttnFP8 layout: attention (and the indexer's projections) in PTPC FP8
-    "attn-fp8": """
-name = "attn-fp8"
-scheme = "mxfp4"
-[[keep]]
-names = ["model\\\\.layers\\\\.\\\\d+\\\\.self_attn\\\\.indexer\\\\.weights_proj"]
-[[quantize]]
-kinds = ["experts"]
-[[quantize]]
-kinds = ["shared_experts"]
-layers = "decoder"
-[[quantize]]
-kinds = ["attention", "indexer"]
-format = "fp8_ptpc"
-""",
-    # the MTP layer's modules other than its routed experts in PTPC FP8 (AMD's GLM-5.3-Flash keeps them FP8)
-    "mtp-fp8": """
-name = "mtp-fp8"
-scheme = "mxfp4"
-[[quantize]]
-kinds = ["experts"]
-[[quantize]]
-kinds = ["shared_experts"]
-layers = "decoder"
-[[quantize]]
-kinds = ["attention", "shared_experts", "mtp_proj"]
-layers = "mtp"
-format = "fp8_ptpc"
-""",
-}
+# The shipped mixed recipes of GLM-5.2: AMD's GLM-5.2-Quark-MXFP4-AttnFP8 layout (attention and the indexer's wq_b in
+# FP8 PTPC) and the MTP layer's attention, indexer wq_b and shared expert in FP8 PTPC (as AMD's GLM-5.3-Flash keeps
+# its MTP layer in FP8).
+RECIPES = ("glm-5.2-mxfp4-attn-fp8", "glm-5.2-mxfp4-mtp-fp8")
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -53,14 +26,11 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file() and p.name not in skip}
 
 
-@pytest.fixture(scope="module", params=sorted(RECIPES))
+@pytest.fixture(scope="module", params=RECIPES)
 def mixed(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path]:
-    """`mxforge quantize` of the tiny fixture with a mixed recipe."""
-    root = tmp_path_factory.mktemp(f"mixed-{request.param}")
-    recipe = root / f"{request.param}.toml"
-    recipe.write_text(RECIPES[request.param])
-    out = root / "out"
-    cli("quantize", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--quiet", check=True)
+    """`mxforge quantize` of the tiny fixture with a shipped mixed recipe."""
+    out = tmp_path_factory.mktemp(f"mixed-{request.param}") / "out"
+    cli("quantize", str(tiny_ckpt), str(out), "--recipe", request.param, "--quiet", check=True)
     return request.param, out
 
 
@@ -88,12 +58,14 @@ def test_each_rule_writes_its_format_and_the_config_names_it_per_layer(mixed):
     for module in fp8 | mx:
         configured = next((p for p in layers if fnmatch.fnmatch(module, p)), None)
         assert (configured is not None) == (module in fp8), module
-    if name == "attn-fp8":
+    mtp = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    assert not any(m.endswith((".eh_proj", ".indexer.wk", ".indexer.weights_proj")) for m in fp8)  # vLLM: bf16 only
+    if name.endswith("attn-fp8"):
         assert any(".self_attn.q_a_proj" in m for m in fp8) and not any(".mlp." in m for m in fp8)
         assert "*.self_attn.q_a_proj" in layers  # every layer's, one pattern, under any prefix (the MTP draft's)
     else:
-        mtp = json.loads((out / "config.json").read_text())["num_hidden_layers"]
-        assert all(m.startswith(f"model.layers.{mtp}.") for m in fp8) and f"model.layers.{mtp}.eh_proj" in fp8
+        assert all(m.startswith(f"model.layers.{mtp}.") for m in fp8)
+        assert f"model.layers.{mtp}.mlp.shared_experts.down_proj" in fp8
 
 
 @pytest.mark.quark
