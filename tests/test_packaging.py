@@ -251,3 +251,13 @@ def test_the_wheel_ships_every_manifest(tmp_path):
     expected = {name for name in expected if "__pycache__" not in name}
     assert any(name.endswith(".family.toml") for name in expected)
     assert expected <= shipped, sorted(expected - shipped)
+    # Every module and C kernel source of every package folder too (a subpackage missing from `packages` would
+    # install an mxforge that fails on import).
+    sources = {
+        f"{package.replace('.', '/')}/{p.relative_to(REPO / folder).as_posix()}"
+        for package, folder in package_dir.items()
+        for p in (REPO / folder).rglob("*")
+        if p.suffix in (".py", ".c") and "__pycache__" not in p.parts
+    }
+    assert any(name.endswith("fp8_ptpc/_ptpc.c") for name in sources)
+    assert sources <= shipped, sorted(sources - shipped)

@@ -67,12 +67,22 @@ def specs(fmt: ElementFormat):
     return weight, inputs
 
 
-def qconfig(fmt: ElementFormat, exclude: list[str], quantize_inputs: bool = True):
-    """A Quark `QConfig` for `fmt` weights (and dynamic `fmt` inputs), excluding `exclude` (fnmatch patterns)."""
+def qconfig(
+    fmt: ElementFormat,
+    exclude: list[str],
+    quantize_inputs: bool = True,
+    layer_formats: dict[str, ElementFormat] | None = None,
+):
+    """A Quark `QConfig` for `fmt` weights (and dynamic `fmt` inputs), excluding `exclude` (fnmatch patterns);
+    `layer_formats` gives the modules a pattern matches another format's scheme (`layer_quant_config`)."""
     config = _quark("quark.torch.quantization.config.config")
-    weight, inputs = specs(fmt)
-    layer = config.QLayerConfig(weight=weight, input_tensors=inputs if quantize_inputs else None)
-    return config.QConfig(global_quant_config=layer, exclude=list(exclude))
+
+    def layer(f: ElementFormat):
+        weight, inputs = specs(f)
+        return config.QLayerConfig(weight=weight, input_tensors=inputs if quantize_inputs else None)
+
+    layers = {pattern: layer(f) for pattern, f in (layer_formats or {}).items()}
+    return config.QConfig(global_quant_config=layer(fmt), layer_quant_config=layers, exclude=list(exclude))
 
 
 def export_quantization_config(qconfig) -> dict:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mxforge.formats import format_named
+from mxforge.formats.fp8_ptpc import numerics
 from mxforge.formats.fp8_ptpc.numerics import E4M3_VALUES, e4m3_codes
 
 PTPC = format_named("fp8_ptpc")
@@ -26,6 +27,34 @@ def test_e4m3_conversion_is_torchs_on_every_bf16_value_and_saturates():
     table = np.asarray(E4M3_VALUES, np.float32)
     codes = np.arange(256, dtype=np.uint8)
     assert np.array_equal(table, torch.from_numpy(codes).view(torch.float8_e4m3fn).float().numpy(), equal_nan=True)
+
+
+def _rows(w: torch.Tensor) -> np.ndarray:
+    """A weight's rows as the shard jobs hand them to a CPU kernel: bf16 bits as int16, else its own dtype."""
+    return w.view(torch.int16).numpy() if w.dtype == torch.bfloat16 else w.numpy()
+
+
+def test_the_c_kernel_is_its_numpy_twin_with_non_finite_rows_and_error_sums():
+    """Both CPU kernels write the same bytes and the same error sums (float64, to rounding), and count the same
+    non-finite values, on bf16 and float32 rows."""
+    from mxforge.formats import ERROR_STATS
+
+    if numerics.c_kernel() is None:
+        pytest.skip("no C compiler: the numpy kernel is the only CPU kernel")
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = (torch.randn(64, 2000, generator=g) * torch.logspace(-30, 30, 64).unsqueeze(1)).to(dtype)
+        w[3, 5], w[4, 0], w[5, 9] = float("nan"), float("inf"), -float("inf")
+        w[6] = 0
+        outs = []
+        for kernel in (numerics.quantize_rows_cpu, lambda r, c, s, o, st: numerics._quantize_rows_numpy(r, c, s, st)):
+            codes, scales, stats = np.empty((64, 2000), np.uint8), np.empty((64, 4), np.uint8), np.zeros(ERROR_STATS)
+            outs.append((kernel(_rows(w), codes, scales, (0,), stats), codes, scales, stats))
+        (n_c, codes_c, scales_c, stats_c), (n_np, codes_np, scales_np, stats_np) = outs
+        finite = torch.isfinite(w).all(dim=1).numpy()
+        assert n_c == n_np == 3
+        assert np.array_equal(codes_c[finite], codes_np[finite]) and np.array_equal(scales_c[finite], scales_np[finite])
+        assert np.allclose(stats_c, stats_np, rtol=1e-9, atol=0)
 
 
 def _weights(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -50,6 +79,10 @@ def test_every_byte_is_quarks_file_to_file_on_both_kernels(dtype):
         t_codes, t_scales = torch.empty_like(codes), torch.empty_like(scales)
         PTPC.kernels.encode_torch(w, t_codes, t_scales, torch.device("cpu"), (0,), None)
         assert torch.equal(t_codes, ref_codes) and torch.equal(t_scales, ref_scales)
+        # the numpy twin of the C kernel (where no C compiler works; float16 rows always take it)
+        n_codes, n_scales = np.empty(tuple(codes.shape), np.uint8), np.empty(tuple(scales.shape), np.uint8)
+        numerics._quantize_rows_numpy(_rows(w), n_codes, n_scales, None)
+        assert np.array_equal(n_codes, ref_codes.numpy()) and np.array_equal(n_scales, ref_scales.numpy())
         ours = PTPC.dequantize(codes, scales, w.shape[1])
         theirs = quark_dequantize_weight(
             PTPC, codes.view(torch.float8_e4m3fn), scales.reshape(-1).view(torch.float32), torch.float32

@@ -6,7 +6,13 @@ numerics in numerics.py, bit for bit Quark's."""
 from __future__ import annotations
 
 from mxforge.formats.element import FP32, ElementFormat, Kernels, QuarkSpec
-from mxforge.formats.fp8_ptpc.numerics import E4M3_VALUES, decode_rows, quantize_rows_cpu, quantize_torch
+from mxforge.formats.fp8_ptpc.numerics import (
+    E4M3_VALUES,
+    decode_rows,
+    quantize_rows_cpu,
+    quantize_torch,
+    warm_cpu_kernel,
+)
 
 FORMAT = ElementFormat(
     name="fp8_ptpc",
@@ -18,5 +24,7 @@ FORMAT = ElementFormat(
     scale=FP32,
     codes_dtype="F8_E4M3",
     quark=QuarkSpec("FP8E4M3PerChannelSpec", "fp8_e4m3", qscheme="per_channel", ch_axis=0, input_ch_axis=1),
-    kernels=Kernels(encode_cpu=quantize_rows_cpu, encode_torch=quantize_torch, decode=decode_rows),
+    kernels=Kernels(
+        encode_cpu=quantize_rows_cpu, encode_torch=quantize_torch, decode=decode_rows, warm=warm_cpu_kernel
+    ),
 )

@@ -10,14 +10,18 @@ What Quark's file-to-file mode writes for a weight `[out, in]` (`_single_stage_q
   or a float16 scale that underflowed to 0, is stored as 448). One code per byte: codes `[out, in]`.
 - Non-finite input: refused by default, as for every format (`NonFiniteWeightError`); with `refuse_nonfinite=False`
   such tensors go through Quark's own routine.
-The CPU kernel below is numpy (workers run without torch); the torch one runs on any device (`--device`).
+The CPU kernel is C (`_ptpc.c`, built by formats/native.py; workers run without torch), with a numpy twin below
+where no C compiler works and for float16 rows; the torch one runs on any device (`--device`).
 """
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mxforge.formats.element import add_error_stats, bf16_to_float32, f32_to_bf16_bits
+from mxforge.formats.native import compiled
 
 if TYPE_CHECKING:
     import numpy as np
@@ -82,6 +86,21 @@ def e4m3_codes(q: np.ndarray) -> np.ndarray:
     return code.astype(np.uint8) | sign
 
 
+SOURCE = Path(__file__).with_name("_ptpc.c")
+_P = ctypes.c_void_p
+
+
+def c_kernel():
+    """The C kernel (`_ptpc.c`) for bf16 and float32 rows, or None where no C compiler works."""
+    args = (_P, ctypes.c_int32, _P, _P, ctypes.c_int64, ctypes.c_int64, _P)
+    return compiled(SOURCE, "fp8_ptpc_quantize", args, ctypes.c_int64)
+
+
+def warm_cpu_kernel(read_dtypes: set[str]) -> None:
+    """Build (or load) the C kernel now, before workers fork."""
+    c_kernel()
+
+
 def quantize_rows_cpu(
     rows: np.ndarray,
     codes: np.ndarray,
@@ -91,10 +110,38 @@ def quantize_rows_cpu(
 ) -> int:
     """Quantize rows (bf16 bits as int16, float16 or float32) into preallocated uint8 `codes` `[n, in]` and
     `scales` `[n, 4]` (each row's float32 scale, its bytes); `stats`: None or ERROR_STATS running sums. Returns
-    the number of non-finite values seen (their rows' outputs are then meaningless)."""
+    the number of non-finite values seen (their rows' outputs are then meaningless). The C kernel where it builds
+    (bf16 and float32 rows), else numpy."""
     import numpy as np
 
     assert tuple(offsets) == (0,), "FP8 PTPC has no scale rules"
+    native = c_kernel() if rows.dtype in (np.int16, np.float32) else None
+    if native is not None:
+        rows = np.ascontiguousarray(rows)
+        assert codes.flags.c_contiguous and scales.flags.c_contiguous and codes.shape == rows.shape
+        out = np.empty(rows.shape[0], np.float32)
+        sums = np.zeros(4) if stats is not None else None
+        nonfinite = native(
+            rows.ctypes.data,
+            int(rows.dtype == np.int16),
+            codes.ctypes.data,
+            out.ctypes.data,
+            rows.shape[0],
+            rows.shape[1],
+            None if sums is None else sums.ctypes.data,
+        )
+        scales[...] = out.astype("<f4").view(np.uint8).reshape(-1, 4)
+        if stats is not None and sums is not None:
+            stats[:2] += sums[:2]
+            stats[2] = max(stats[2], sums[2])
+            stats[3] += sums[3]
+        return int(nonfinite)
+    return _quantize_rows_numpy(rows, codes, scales, stats)
+
+
+def _quantize_rows_numpy(rows: np.ndarray, codes: np.ndarray, scales: np.ndarray, stats: np.ndarray | None) -> int:
+    import numpy as np
+
     x = _as_float32(rows)
     nonfinite = int(x.size - np.count_nonzero(np.isfinite(x)))
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
