@@ -4,14 +4,16 @@
 On one bench fixture (`mxforge fixture --preset bench --gib N`), in one run: a plain copy of the same
 files, `mxforge quantize` (a subprocess, end to end) with its error report (the default) and with
 `--no-error-report` (the report's cost), and Quark's
-`ModelQuantizer(cfg).direct_quantize_checkpoint(src, dst, device="cpu")` with the same exclusions (its
-import time is not counted). The source is read once beforehand so every contender reads from the page
-cache, and `sync` runs between contenders. Prints GB/s (source bytes / wall seconds), the ratios, each
-one's peak RSS (summed over its process group, sampled every 50 ms) and whether mxforge's files are
-byte-identical to Quark's.
+`ModelQuantizer(cfg).direct_quantize_checkpoint(src, dst, device="cpu")` with the same schemes and exclusions
+(its import time is not counted). Each `--recipe` (default: the family's default recipe) is one pair of mxforge
+and Quark runs: a recipe that mixes formats gives Quark the same per-pattern schemes (`layer_quant_config`), so
+each format's throughput and bytes are compared with Quark's. The source is read once beforehand so every
+contender reads from the page cache, and `sync` runs between contenders. Prints GB/s (source bytes / wall
+seconds), the ratios, each one's peak RSS (summed over its process group, sampled every 50 ms), each output's
+size, and whether mxforge's files are byte-identical to Quark's.
 
     .venv/bin/python scripts/bench_quantize.py [--gib 2] [--workdir DIR] [--workers N] [--json OUT]
-        [--skip-quark] [--repeat N]
+        [--skip-quark] [--repeat N] [--recipe R ...]
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from mxforge.file_hashes import file_hash
 QUARK_SNIPPET = """
 import json, sys, time
 from quark.torch import ModelQuantizer
-from mxforge.formats import MXFP4
+from mxforge.formats import declared_format, format_of_spec
 from mxforge.formats.quark import qconfig
-src, dst, exclude = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
-quantizer = ModelQuantizer(qconfig(MXFP4, exclude))
+src, dst, qc = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))
+layers = {p: format_of_spec(c["weight"]) for p, c in (qc.get("layer_quant_config") or {}).items()}
+quantizer = ModelQuantizer(qconfig(declared_format(qc), qc["exclude"], layer_formats=layers))
 print("READY", flush=True)
 t = time.monotonic()
 quantizer.direct_quantize_checkpoint(src, dst, device="cpu")
@@ -160,6 +163,12 @@ def main() -> None:
     ap.add_argument(
         "--repeat", type=int, default=1, help="run copy and mxforge this many times, alternating; report the best"
     )
+    ap.add_argument(
+        "--recipe",
+        action="append",
+        default=None,
+        help="a recipe to quantize with, mxforge and Quark each (repeatable; default: the family's default recipe)",
+    )
     add_markdown_option(ap)
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mxforge-bench-"))
@@ -171,18 +180,30 @@ def main() -> None:
             [*mxforge, "fixture", str(src), "--preset", "bench", "--gib", str(args.gib), "--quiet"], check=True
         )
     size = weight_bytes(src)
-    outs = {name: work / f"out-{name}" for name in ("copy", "mxforge", "quark")}
+    recipes: list[str | None] = list(args.recipe or [None])  # None: the family's default
+    labels = {r: r or "default recipe" for r in recipes}
+    outs = {"copy": work / "out-copy"}
+    for r in recipes:
+        tag = (r or "default").replace("/", "_")
+        outs[f"mxforge:{r}"], outs[f"quark:{r}"] = work / f"out-mxforge-{tag}", work / f"out-quark-{tag}"
     for d in outs.values():
         shutil.rmtree(d, ignore_errors=True)
     # Fill the numba and Quark-config caches so the timed run measures the work, not first-use compiles.
     warmup = work / "warmup"
     shutil.rmtree(warmup, ignore_errors=True)
     subprocess.run([*mxforge, "fixture", str(warmup / "src"), "--quiet"], check=True, capture_output=True)
-    subprocess.run(
-        [*mxforge, "quantize", str(warmup / "src"), str(warmup / "out"), "--quiet"], check=True, capture_output=True
-    )
+    for i, r in enumerate(recipes):
+        subprocess.run(
+            [*mxforge, "quantize", str(warmup / "src"), str(warmup / f"out{i}"), "--quiet"]
+            + (["--recipe", r] if r else []),
+            check=True,
+            capture_output=True,
+        )
     warm(src)
     results = {}
+
+    def mxforge_name(r: str | None, extra: str = "") -> str:
+        return "mxforge" + extra + ("" if len(recipes) == 1 else f" [{labels[r]}]")
 
     for attempt in range(args.repeat):  # alternate contenders, keep each one's best (the machine is shared)
         subprocess.run(["sync"])
@@ -204,39 +225,61 @@ def main() -> None:
             file_hash(p, p.name)
         _best(results, "sha256 + git sha1 (1 core)", time.monotonic() - t, 0)
 
-        # Without the error report first, so that the output compared with Quark's below is the default one.
-        for name, extra in (("mxforge, no error report", ["--no-error-report"]), ("mxforge", [])):
+        # Without the error report first (the first recipe only), so that the output compared with Quark's below is
+        # the default one.
+        runs = [(recipes[0], ", no error report", ["--no-error-report"])] + [(r, "", []) for r in recipes]
+        for r, label, extra in runs:
             subprocess.run(["sync"])
-            shutil.rmtree(outs["mxforge"], ignore_errors=True)
-            cmd = [*mxforge, "quantize", str(src), str(outs["mxforge"]), "--quiet", *extra]
+            out = outs[f"mxforge:{r}"]
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [*mxforge, "quantize", str(src), str(out), "--quiet", *extra] + (["--recipe", r] if r else [])
             if args.workers:
                 cmd += ["--workers", str(args.workers)]
             seconds, peak, _ = run_measured(cmd)
-            _best(results, name, seconds, peak, LAST_CPU_SECONDS)
+            _best(results, mxforge_name(r, label), seconds, peak, LAST_CPU_SECONDS)
 
-    if not args.skip_quark:
-        exclude = json.loads((outs["mxforge"] / "config.json").read_text())["quantization_config"]["exclude"]
-        (work / "exclude.json").write_text(json.dumps(exclude))
+    same: dict[str, dict[str, bool]] = {}
+    for r in [] if args.skip_quark else recipes:
+        qc = json.loads((outs[f"mxforge:{r}"] / "config.json").read_text())["quantization_config"]
+        (work / "quantization_config.json").write_text(json.dumps(qc))
         subprocess.run(["sync"])
         seconds, peak, stdout = run_measured(
-            [sys.executable, "-c", QUARK_SNIPPET, str(src), str(outs["quark"]), str(work / "exclude.json")],
+            [
+                sys.executable,
+                "-c",
+                QUARK_SNIPPET,
+                str(src),
+                str(outs[f"quark:{r}"]),
+                str(work / "quantization_config.json"),
+            ],
             ready_marker="READY",
         )
-        results["quark"] = {"seconds": seconds, "peak_rss": peak}
-
-    same = {} if args.skip_quark else identical(outs["mxforge"], outs["quark"])
+        name = "quark" + ("" if len(recipes) == 1 else f" [{labels[r]}]")
+        results[name] = {"seconds": seconds, "peak_rss": peak}
+        same[labels[r]] = identical(outs[f"mxforge:{r}"], outs[f"quark:{r}"])
     for r in results.values():
         r["gb_per_s"] = size / r["seconds"] / 1e9
+    first = recipes[0]
     report = {
         "source_bytes": size,
         "cores": len(os.sched_getaffinity(0)),
+        "recipes": [labels[r] for r in recipes],
         "results": results,
-        "mxforge_vs_quark": None if args.skip_quark else results["mxforge"]["gb_per_s"] / results["quark"]["gb_per_s"],
-        "mxforge_vs_copy": results["mxforge"]["gb_per_s"] / results["copy"]["gb_per_s"],
-        "error_report_throughput_ratio": results["mxforge"]["gb_per_s"]
-        / results["mxforge, no error report"]["gb_per_s"],
-        "error_report_cpu_ratio": results["mxforge"]["cpu_seconds"]
-        / results["mxforge, no error report"]["cpu_seconds"],
+        "output_bytes": {labels[r]: weight_bytes(outs[f"mxforge:{r}"]) for r in recipes},
+        "mxforge_vs_quark": None
+        if args.skip_quark
+        else {
+            labels[r]: results[mxforge_name(r)]["gb_per_s"]
+            / results["quark" + ("" if len(recipes) == 1 else f" [{labels[r]}]")]["gb_per_s"]
+            for r in recipes
+        },
+        "mxforge_vs_copy": {
+            labels[r]: results[mxforge_name(r)]["gb_per_s"] / results["copy"]["gb_per_s"] for r in recipes
+        },
+        "error_report_throughput_ratio": results[mxforge_name(first)]["gb_per_s"]
+        / results[mxforge_name(first, ", no error report")]["gb_per_s"],
+        "error_report_cpu_ratio": results[mxforge_name(first)]["cpu_seconds"]
+        / results[mxforge_name(first, ", no error report")]["cpu_seconds"],
         "identical_to_quark": same,
         "load_average": os.getloadavg(),
     }
@@ -245,28 +288,33 @@ def main() -> None:
         f"source: {size / 1e9:.2f} GB of bf16 shards ({src}), {report['cores']} cores, "
         f"load average {report['load_average'][0]:.2f}"
     )
-    lines.append(f"| {'contender':<24} | {'seconds':>8} | {'GB/s':>7} | {'CPU-s':>6} | {'peak RSS':>10} |")
-    lines.append(f"|{'-' * 26}|{'-' * 9}:|{'-' * 8}:|{'-' * 7}:|{'-' * 11}:|")
+    width = max(24, *(len(n) for n in results))
+    lines.append(f"| {'contender':<{width}} | {'seconds':>8} | {'GB/s':>7} | {'CPU-s':>6} | {'peak RSS':>10} |")
+    lines.append(f"|{'-' * (width + 2)}|{'-' * 9}:|{'-' * 8}:|{'-' * 7}:|{'-' * 11}:|")
     for name, r in results.items():
         rss = f"{r['peak_rss'] / 2**30:.2f} GiB" if r["peak_rss"] else "-"
         cpu = f"{r['cpu_seconds']:.2f}" if "cpu_seconds" in r else "-"
-        lines.append(f"| {name:<24} | {r['seconds']:>8.2f} | {r['gb_per_s']:>7.3f} | {cpu:>6} | {rss:>10} |")
-    versus_quark = "skipped" if args.skip_quark else f"{report['mxforge_vs_quark']:.1f}x"
-    lines.append(
-        f"mxforge / quark throughput: {versus_quark}   mxforge / copy: {100 * report['mxforge_vs_copy']:.0f}%"
-        + (f" (best of {args.repeat} alternating runs each)" if args.repeat > 1 else "")
-    )
+        lines.append(f"| {name:<{width}} | {r['seconds']:>8.2f} | {r['gb_per_s']:>7.3f} | {cpu:>6} | {rss:>10} |")
+    for r in recipes:
+        label = labels[r]
+        versus_quark = "skipped" if args.skip_quark else f"{report['mxforge_vs_quark'][label]:.1f}x"
+        lines.append(
+            f"{label}: mxforge / quark throughput {versus_quark}, mxforge / copy "
+            f"{100 * report['mxforge_vs_copy'][label]:.0f}%, output {report['output_bytes'][label] / 1e9:.3f} GB "
+            f"({100 * report['output_bytes'][label] / size:.1f}% of the source)"
+            + (f" (best of {args.repeat} alternating runs each)" if args.repeat > 1 else "")
+        )
     lines.append(
         f"error report: mxforge with it reaches {100 * report['error_report_throughput_ratio']:.1f}% of the "
         f"throughput without it (--no-error-report) and takes {100 * report['error_report_cpu_ratio']:.1f}% of its "
         "CPU time (user+sys of all its processes)"
     )
-    shards = {k: v for k, v in same.items() if k.endswith(".safetensors")}
-    if not args.skip_quark:
+    for label, files in same.items():
+        shards = {k: v for k, v in files.items() if k.endswith(".safetensors")}
         lines.append(
-            f"byte-identical to Quark: shards {sum(shards.values())}/{len(shards)}, "
-            f"config.json {same.get('config.json')}, other files: "
-            + ", ".join(f"{k} {v}" for k, v in same.items() if not k.endswith(".safetensors") and k != "config.json")
+            f"byte-identical to Quark ({label}): shards {sum(shards.values())}/{len(shards)}, "
+            f"config.json {files.get('config.json')}, other files: "
+            + ", ".join(f"{k} {v}" for k, v in files.items() if not k.endswith(".safetensors") and k != "config.json")
         )
     emit_report(args, lines, report)
 
