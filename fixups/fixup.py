@@ -180,16 +180,27 @@ def needed_aliases(
                     for entry in alias_entries(profile, module):
                         if entry in entries:
                             continue
-                        record = added.setdefault(
-                            entry,
-                            {"fixup": "alias", "entry": entry, "module": module.checkpoint, "engines": [], "why": why},
-                        )
-                        if profile.name not in record["engines"]:
-                            record["engines"].append(profile.name)
-                            new += 1
+                        record = {
+                            "fixup": "alias",
+                            "entry": entry,
+                            "module": module.checkpoint,
+                            "engines": [],
+                            "why": why,
+                        }
+                        new += _needs(added, record, profile)
             if not new:
                 break
     return list(added.values())
+
+
+def _needs(added: dict[str, dict], record: dict, profile: EngineProfile) -> int:
+    """Note that `profile`'s release needs `record`'s entry (`record` kept as the entry's on its first need): 1 when
+    this release is new to it, else 0."""
+    kept = added.setdefault(record["entry"], record)
+    if profile.name in kept["engines"]:
+        return 0
+    kept["engines"].append(profile.name)
+    return 1
 
 
 def layer_config_of(qc: dict, checkpoint_name: str) -> dict | None:
@@ -232,26 +243,17 @@ def needed_layer_configs(loaded: LoadedCheckpoint, profiles: list[EngineProfile]
                     for entry in [f"{head}.{s}" for s in shards] or [module.runtime]:
                         if entry in (qc.get("layer_quant_config") or {}):
                             continue
-                        record = added.setdefault(
-                            entry,
-                            {
-                                "fixup": "layer_config_alias",
-                                "entry": entry,
-                                "module": module.checkpoint,
-                                "format": form,
-                                "config": config,
-                                "engines": [],
-                                "why": f"stored {form_title(form)}; the engine would build it "
-                                + (
-                                    form_title(verdict.form)
-                                    if verdict.form
-                                    else f"only with an error ({verdict.reason})"
-                                ),
-                            },
-                        )
-                        if profile.name not in record["engines"]:
-                            record["engines"].append(profile.name)
-                            new += 1
+                        record = {
+                            "fixup": "layer_config_alias",
+                            "entry": entry,
+                            "module": module.checkpoint,
+                            "format": form,
+                            "config": config,
+                            "engines": [],
+                            "why": f"stored {form_title(form)}; the engine would build it "
+                            + (form_title(verdict.form) if verdict.form else f"only with an error ({verdict.reason})"),
+                        }
+                        new += _needs(added, record, profile)
             if not new:
                 break
     return list(added.values())

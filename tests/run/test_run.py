@@ -122,18 +122,12 @@ def test_run_refuses_a_recipe_a_release_cannot_load_before_quantizing(hub, tmp_p
     text = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
     recipe.write_text(text + '\n[[quantize]]\nkinds = ["mtp_proj"]\nlayers = "mtp"\n')
     out = tmp_path / "run"
-    proc = run_cli(
-        "run",
-        str(tiny_ckpt),
-        str(out),
-        "--recipe",
-        str(recipe),
-        "--push",
-        "alice/never",
-        "--quiet",
-        env=_env(hub, tmp_path),
-        timeout=600,
-    )
+
+    def run(out: Path, repo: str, *extra: str):
+        args = ("run", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--push", repo, "--quiet", *extra)
+        return run_cli(*args, env=_env(hub, tmp_path), timeout=600)
+
+    proc = run(out, "alice/never")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     releases = "sglang-0.5.9, sglang-0.5.10, vllm-0.30.0, vllm-0.31.0"  # those that build eh_proj as a torch Linear
@@ -143,19 +137,9 @@ def test_run_refuses_a_recipe_a_release_cannot_load_before_quantizing(hub, tmp_p
     assert not list((out / "mxfp4").glob("*.safetensors")) and "Traceback" not in proc.stderr
     assert not any("/api/repos/create" in r[1] for r in hub.requests)
     # served only by releases that quantize eh_proj, the same recipe runs, validates and pushes
-    proc = run_cli(
-        "run",
-        str(tiny_ckpt),
-        str(tmp_path / "run-sglang"),
-        "--recipe",
-        str(recipe),
-        "--engines",
-        "sglang>=0.5.11",
-        "--quiet",
-        env=_env(hub, tmp_path),
-        timeout=600,
-    )
+    proc = run(tmp_path / "run-sglang", "alice/glm-eh-mxfp4", "--engines", "sglang>=0.5.11")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert any("/api/repos/create" in r[1] for r in hub.requests)
 
 
 @pytest.fixture(scope="module")
