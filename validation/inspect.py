@@ -102,7 +102,9 @@ def checkpoint_precision(qc: dict | None) -> str:
         weight = (qc.get("global_quant_config") or {}).get("weight") or {}
         fmt = format_of_spec(weight)
         what = fmt.title if fmt is not None else "not an element format mxforge knows"
-        return f"Quark {weight.get('dtype')} group {weight.get('group_size')} ({what})"
+        layers = _layer_formats(qc)
+        more = "".join(f" + {title} ({n} layer_quant_config pattern(s))" for title, n in layers.items())
+        return f"Quark {weight.get('dtype')} group {weight.get('group_size')} ({what}){more}"
     from mxforge.errors import ConfigError
     from mxforge.quantize.fp8_source import source_precision
 
@@ -110,6 +112,19 @@ def checkpoint_precision(qc: dict | None) -> str:
         return source_precision({"quantization_config": qc}).describe()
     except ConfigError:
         return f"{qc.get('quant_method')} (not a source mxforge reads)"
+
+
+def _layer_formats(qc: dict) -> dict[str, int]:
+    """Per format named by `layer_quant_config`'s layer configs (an element format's title, else the weight dtype as
+    written, else "no weight quantization"), how many patterns name it, in the config's order."""
+    out: dict[str, int] = {}
+    layers = qc.get("layer_quant_config")
+    for config in (layers if isinstance(layers, dict) else {}).values():
+        weight = (config or {}).get("weight") if isinstance(config, dict) else None
+        fmt = format_of_spec(weight) if isinstance(weight, dict) else None
+        title = fmt.title if fmt else f"{weight.get('dtype')}" if isinstance(weight, dict) else "no weight quantization"
+        out[title] = out.get(title, 0) + 1
+    return out
 
 
 def summarize_quant_config(qc: dict | None) -> dict | None:
@@ -122,6 +137,7 @@ def summarize_quant_config(qc: dict | None) -> dict | None:
         "weight_dtype": weight.get("dtype"),
         "group_size": weight.get("group_size"),
         "scale_format": weight.get("scale_format"),
+        "layer_formats": _layer_formats(qc),
         "exclude_entries": len(exclude),
         "exclude_regex_entries": sum(1 for e in exclude if str(e).startswith("re:")),
         "exclude_glob_entries": sum(1 for e in exclude if any(ch in str(e) for ch in "*?[")),
@@ -174,6 +190,7 @@ def format_inspect(report: dict) -> str:
             f"  quantization_config: {q['quant_method']} {q['weight_dtype']} group {q['group_size']} "
             f"scales {q['scale_format']}, {q['exclude_entries']} exclude entries "
             f"({q['exclude_regex_entries']} re:, {q['exclude_glob_entries']} glob)"
+            + "".join(f"; {n} layer_quant_config pattern(s) {title}" for title, n in q["layer_formats"].items())
         )
     else:
         lines.append("  quantization_config: none (unquantized)")

@@ -72,3 +72,15 @@ def test_inspect_not_a_checkpoint(tmp_path):
     assert proc.returncode == 2 and "no model.safetensors" in proc.stderr
     missing = cli("inspect", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "not a directory" in missing.stderr
+
+
+def test_inspect_names_each_format_of_a_mixed_checkpoint(tiny_ckpt, tmp_path):
+    """A mixed recipe's output: the global format and each format its layer_quant_config patterns name, counted."""
+    out = tmp_path / "q"
+    cli("quantize", str(tiny_ckpt), str(out), "--recipe", "glm-5.2-mxfp4-attn-fp8", "--quiet", check=True)
+    patterns = json.loads((out / "config.json").read_text())["quantization_config"]["layer_quant_config"]
+    r = json.loads(cli("inspect", str(out), "--json").stdout)
+    assert r["quantization"]["layer_formats"] == {"FP8 PTPC": len(patterns)} and len(patterns) > 1
+    assert r["precision"] == f"Quark fp4 group 32 (MXFP4) + FP8 PTPC ({len(patterns)} layer_quant_config pattern(s))"
+    assert r["by_kind"]["attention"]["dtypes"].keys() == {"F8_E4M3", "F32"}
+    assert f"; {len(patterns)} layer_quant_config pattern(s) FP8 PTPC" in cli("inspect", str(out)).stdout
