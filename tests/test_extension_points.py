@@ -261,49 +261,46 @@ def test_a_new_fp8_source_layout_is_one_scheme_entry_and_its_reader(copy, pristi
 
 
 # The new element format of the example: its entry and its kernel, one module. Bit for bit Quark's (the test checks).
-MXFP6_E2M3 = '''"""MXFP6 E2M3 (OCP MX FP6: sign, 2 exponent bits with bias 1, 3 mantissa bits; E8M0 scale per 32),
-as Quark 0.13's `OCP_MXFP6E2M3Spec` writes it, with a torch kernel (throwaway: tests/test_extension_points.py)."""
+FP4_G16 = '''"""FP4 per group of 16 with a float32 scale (E2M1 elements; the scale is the group's amax / 6), as
+Quark 0.13's `FP4PerGroupSpec(group_size=16)` writes it, with a torch kernel (a throwaway of
+tests/test_extension_points.py)."""
 
 from __future__ import annotations
 
 from mxforge.formats.element import (
-    E8M0,
     ElementFormat,
     Kernels,
     QuarkSpec,
+    ScaleFormat,
     add_error_stats,
     decode_table,
-    even_scale_codes,
     magnitude_codes,
     pack_codes,
-    power_of_two,
     unpack_codes,
 )
 
-BLOCK, BITS, MANTISSA_BITS, EMAX = 32, 6, 3, 2
-_MAGNITUDES = tuple(m / 8 if e == 0 else 2.0 ** (e - 1) * (1 + m / 8) for e in range(4) for m in range(8))
-VALUES = _MAGNITUDES + tuple(-v for v in _MAGNITUDES)  # the sign is the top bit
+BLOCK, BITS = 16, 4
+VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FLOAT32 = ScaleFormat("float32", "float32", "F32")  # Quark writes scale_format "float32"
 
 
 def encode_torch(weight, codes, scales, device, offsets=(0,), stats=None) -> int:
     import torch
 
     rows, inner = weight.shape
-    nblocks = scales.shape[1]
+    nblocks = scales.shape[1] // 4
     x = weight.to(device=device, dtype=torch.float32)
     nonfinite = int((~torch.isfinite(x)).sum())
     x = torch.nn.functional.pad(x, (0, nblocks * BLOCK - inner)).reshape(rows, nblocks, BLOCK)
-    amax = x.abs().amax(dim=-1)
-    byte = even_scale_codes(amax, MANTISSA_BITS, EMAX)
-    q = x.abs() * power_of_two(E8M0.bias - byte).unsqueeze(-1)
+    scale = x.abs().amax(dim=-1) / max(VALUES)
+    q = x.abs() / scale.unsqueeze(-1)
     mag = magnitude_codes(q, VALUES)
     if stats is not None:
         table = torch.tensor(VALUES, dtype=torch.float64, device=device)
-        scale = power_of_two(byte - E8M0.bias).to(torch.float64).unsqueeze(-1)
-        add_error_stats(x.abs(), table[mag.long()] * scale, q > max(VALUES), torch.isfinite(amax), stats)
+        add_error_stats(x.abs(), table[mag.long()] * scale.double().unsqueeze(-1), q > 6, torch.isfinite(scale), stats)
     code = mag | (((x < 0) & (mag > 0)).to(torch.uint8) << (BITS - 1))
     codes.copy_(torch.from_numpy(pack_codes(code.reshape(rows, -1)[:, :inner].cpu().numpy(), BITS)))
-    scales.copy_(byte.to(torch.uint8).cpu())
+    scales.copy_(scale.cpu().contiguous().view(torch.uint8).reshape(rows, -1))
     return nonfinite
 
 
@@ -316,71 +313,71 @@ def encode_cpu(rows, codes, scales, offsets=(0,), stats=None) -> int:
 
 
 def decode(codes, scales, inner):
-    return decode_table(VALUES, E8M0, BLOCK, unpack_codes(codes, BITS), scales, inner)
+    return decode_table(VALUES, FLOAT32, BLOCK, unpack_codes(codes, BITS), scales, inner)
 
 
 FORMAT = ElementFormat(
-    name="mxfp6_e2m3",
-    title="MXFP6 E2M3",
-    element="E2M3",
+    name="fp4_g16",
+    title="FP4 G16",
+    element="E2M1",
     element_bits=BITS,
     values=VALUES,
     block=BLOCK,
-    scale=E8M0,
+    scale=FLOAT32,
     codes_dtype="U8",
-    quark=QuarkSpec("OCP_MXFP6E2M3Spec", "fp6_e2m3"),
+    quark=QuarkSpec("FP4PerGroupSpec", "fp4"),
     kernels=Kernels(encode_cpu=encode_cpu, encode_torch=encode_torch, decode=decode),
 )
 '''
-# Wrong on purpose: a block of 16, and normal values at twice their exponent (the code table of another format).
+# Wrong on purpose: a group of 8, and a code table with its subnormal at 0.25 (another element type's).
 MUTANTS = {
-    "block": ("BLOCK, BITS, MANTISSA_BITS, EMAX = 32, 6, 3, 2", "BLOCK, BITS, MANTISSA_BITS, EMAX = 16, 6, 3, 2"),
-    "code table": ("2.0 ** (e - 1) * (1 + m / 8)", "2.0**e * (1 + m / 8)"),
+    "block": ("BLOCK, BITS = 16, 4", "BLOCK, BITS = 8, 4"),
+    "code table": ("VALUES = (0.0, 0.5,", "VALUES = (0.0, 0.25,"),
 }
 THROWAWAY_VLLM = (
     'extends = "vllm-0.31.0"\nreleases = ">=0.99,<0.100"\nread = ["0.99"]\n'
-    'summary = "a throwaway release that loads MXFP6 E2M3 (tests/test_extension_points.py)"\n\n'
-    '[schemes]\nformats = ["mxfp4", "fp8_ptpc", "mxfp6_e2m3"]\n'
+    'summary = "a throwaway release that loads FP4 G16 (tests/test_extension_points.py)"\n\n'
+    '[schemes]\nformats = ["mxfp4", "fp8_ptpc", "fp4_g16"]\n'
 )
 
 
-def add_mxfp6_e2m3(root: Path, entry: str = MXFP6_E2M3) -> None:
+def add_fp4_g16(root: Path, entry: str = FP4_G16) -> None:
     """The change the docs (docs/formats.md) list for an element format: its module and its line in FORMATS."""
-    (root / "mxforge/formats/mxfp6_e2m3.py").write_text(entry)
+    (root / "mxforge/formats/fp4_g16.py").write_text(entry)
     init = root / "mxforge/formats/__init__.py"
     text, n = re.subn(
         r"^from mxforge\.formats import (.*)$",
-        r"from mxforge.formats import \1, mxfp6_e2m3",
+        r"from mxforge.formats import \1, fp4_g16",
         init.read_text(),
         flags=re.M,
     )
-    text, m = re.subn(
-        r"^(FORMATS: tuple\[ElementFormat, \.\.\.\] = \(.*)\)$", r"\1, mxfp6_e2m3.FORMAT)", text, flags=re.M
-    )
+    text, m = re.subn(r"^(FORMATS: tuple\[ElementFormat, \.\.\.\] = \(.*)\)$", r"\1, fp4_g16.FORMAT)", text, flags=re.M)
     assert n == m == 1
     init.write_text(text)
 
 
-def _quark_mxfp6(weight):
-    """(codes, scales) of Quark 0.13's own file-to-file routine for OCP MXFP6 E2M3 (the reference numbers)."""
+def _quark_spec(is_dynamic: bool = False):
+    from quark.torch.quantization.config.config import FP4PerGroupSpec
+
+    return FP4PerGroupSpec(ch_axis=-1, group_size=16, is_dynamic=is_dynamic).to_quantization_spec()
+
+
+def _quark_fp4_g16(weight):
+    """(codes, scales) of Quark 0.13's own file-to-file routine for FP4 per group of 16 (the reference numbers)."""
     from quark.torch.quantization import file2file_quantization as f2f
-    from quark.torch.quantization.config.config import OCP_MXFP6E2M3Spec
 
     out: dict = {}
-    spec = OCP_MXFP6E2M3Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
-    f2f._single_stage_quantize_weight(weight, "w.weight", "w", spec, out, "ref.safetensors")
+    f2f._single_stage_quantize_weight(weight, "w.weight", "w", _quark_spec(), out, "ref.safetensors")
     return out["w.weight"], out["w.weight_scale"]
 
 
-def _quark_mxfp6_dequantized(codes, scales):
-    """Quark's own dequantization of stored MXFP6 E2M3 codes (what its model loading runs), in bf16."""
+def _quark_fp4_g16_dequantized(codes, scales):
+    """Quark's own dequantization of stored FP4 G16 codes (what its model loading runs), in bf16."""
     import torch
     from quark.torch.export.nn.modules.realquantizer import get_real_quantizer
-    from quark.torch.quantization.config.config import OCP_MXFP6E2M3Spec
 
-    spec = OCP_MXFP6E2M3Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
     quantizer = get_real_quantizer(
-        qspec=spec,
+        qspec=_quark_spec(),
         quantizer=None,
         reorder=True,
         real_quantized=True,
@@ -402,37 +399,38 @@ def _tensors(root: Path) -> dict:
 def test_a_new_element_format_is_one_entry_and_its_kernel(copy, pristine, tiny_ckpt, tmp_path):
     """An element format is one registry entry with its kernel (mxforge/formats/<name>.py and its line in
     FORMATS): a recipe rule's `format` selects it, and quantize (bytes and quantization_config Quark 0.13's own for
-    OCP MXFP6 E2M3), dequantize (Quark's own dequantization), fixup and validate follow. Fixup and validate say per
-    release that its profile does not vouch for the format; a release whose profile lists it (the third file, a
-    throwaway vLLM profile) validates it. A wrong block size or code table gives bytes other than Quark's."""
+    FP4 per group of 16 with float32 scales), dequantize (Quark's own dequantization), fixup and validate follow.
+    Fixup and validate say per release that its profile does not vouch for the format; a release whose profile lists
+    it (the third file, a throwaway vLLM profile) validates it. A wrong block size or code table gives bytes other than
+    Quark's."""
     import torch
-    from quark.torch.quantization.config.config import OCP_MXFP6E2M3Spec, QConfig, QLayerConfig
+    from quark.torch.quantization.config.config import QConfig, QLayerConfig
 
-    add_mxfp6_e2m3(copy)
+    add_fp4_g16(copy)
     (copy / "mxforge/manifests/engines/vllm-0.99.toml").write_text(THROWAWAY_VLLM)
     assert changed_files(copy, pristine) == {
-        "mxforge/formats/mxfp6_e2m3.py",
+        "mxforge/formats/fp4_g16.py",
         "mxforge/formats/__init__.py",
         "mxforge/manifests/engines/vllm-0.99.toml",
     }
-    recipe = tmp_path / "glm-5.2-mxfp6.toml"
+    recipe = tmp_path / "glm-5.2-fp4-g16.toml"
     shipped = (REPO / "manifests/recipes/glm-5.2-mxfp4.toml").read_text()
-    recipe.write_text(shipped.replace("[[quantize]]\n", '[[quantize]]\nformat = "mxfp6_e2m3"\n'))
+    recipe.write_text(shipped.replace("[[quantize]]\n", '[[quantize]]\nformat = "fp4_g16"\n'))
 
     out = tmp_path / "out"
     proc = run_copy(copy, "quantize", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--quiet", "--json", "-")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
-    assert report["recipe"]["format"] == "mxfp6_e2m3" and report["error"]["overall"]["rel_rmse"] > 0
+    assert report["recipe"]["format"] == "fp4_g16" and report["error"]["overall"]["rel_rmse"] > 0
     source, ours = _tensors(tiny_ckpt), _tensors(out)
     quantized = report["tensors"]["quantized"]
-    assert quantized and all(ours[n].shape == (source[n].shape[0], source[n].shape[1] * 3 // 4) for n in quantized)
+    assert quantized and all(ours[n].shape == (source[n].shape[0], source[n].shape[1] // 2) for n in quantized)
     for name in quantized:
-        codes, scales = _quark_mxfp6(source[name])
+        codes, scales = _quark_fp4_g16(source[name])
         assert torch.equal(ours[name], codes) and torch.equal(ours[name + "_scale"], scales), name
-    weight = OCP_MXFP6E2M3Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec()
-    inputs = OCP_MXFP6E2M3Spec(ch_axis=-1, is_dynamic=True).to_quantization_spec()
-    quark_qc = QConfig(global_quant_config=QLayerConfig(weight=weight, input_tensors=inputs)).to_dict()
+    quark_qc = QConfig(
+        global_quant_config=QLayerConfig(weight=_quark_spec(), input_tensors=_quark_spec(is_dynamic=True))
+    ).to_dict()
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["global_quant_config"] == quark_qc["global_quant_config"]
 
@@ -440,24 +438,24 @@ def test_a_new_element_format_is_one_entry_and_its_kernel(copy, pristine, tiny_c
     assert run_copy(copy, "dequantize", str(out), str(deq), "--quiet").returncode == 0
     unpacked = _tensors(deq)
     for name in quantized:
-        assert torch.equal(unpacked[name], _quark_mxfp6_dequantized(ours[name], ours[name + "_scale"])), name
+        assert torch.equal(unpacked[name], _quark_fp4_g16_dequantized(ours[name], ours[name + "_scale"])), name
 
     fixed = run_copy(copy, "fixup", str(out), "--quiet")  # writes the entries; exit 1: no profile but one vouches
-    assert fixed.returncode == 1 and "has not measured that they load MXFP6 E2M3" in fixed.stdout, fixed.stdout
+    assert fixed.returncode == 1 and "has not measured that they load FP4 G16" in fixed.stdout, fixed.stdout
     every = _validate(lambda *a: run_copy(copy, *a), str(out))
     engines = every["checked"]["engines"]
     assert not every["ok"] and "vllm-0.99" in engines
-    unvouched = {p["engine"] for p in every["problems"] if "has not measured that they load MXFP6 E2M3" in p["message"]}
+    unvouched = {p["engine"] for p in every["problems"] if "has not measured that they load FP4 G16" in p["message"]}
     assert unvouched == set(engines) - {"vllm-0.99"}, every["problems"][:3]
     throwaway = _validate(lambda *a: run_copy(copy, *a), str(out), "--engines", "vllm==0.99")
     assert throwaway["ok"] and list(throwaway["checked"]["engines"]) == ["vllm-0.99"], throwaway["problems"][:3]
     refused = cli("quantize", str(tiny_ckpt), str(tmp_path / "other"), "--recipe", str(recipe))
-    assert refused.returncode == 2 and "mxfp6_e2m3" in refused.stderr
+    assert refused.returncode == 2 and "fp4_g16" in refused.stderr
 
     for what, (right, wrong) in MUTANTS.items():
         mutant = package_copy(tmp_path / f"mutant-{what.replace(' ', '-')}")
-        assert MXFP6_E2M3.count(right) == 1
-        add_mxfp6_e2m3(mutant, MXFP6_E2M3.replace(right, wrong))
+        assert FP4_G16.count(right) == 1
+        add_fp4_g16(mutant, FP4_G16.replace(right, wrong))
         bad = tmp_path / f"bad-{what.replace(' ', '-')}"
         proc = run_copy(mutant, "quantize", str(tiny_ckpt), str(bad), "--recipe", str(recipe), "--quiet")
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -6,7 +6,7 @@ import re
 from typing import Mapping
 
 from mxforge.bounded_re import compile_bounded
-from mxforge.formats import FORMATS, format_named
+from mxforge.formats import FORMATS, format_named, format_of_spec
 from mxforge.models import MoeLayout
 from mxforge.models.tensor_kinds import layer_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
@@ -60,8 +60,11 @@ def check_quant_config(qc: Mapping | None, quantized: frozenset[str]) -> list[Pr
     if not isinstance(weight, dict):
         bad("global_quant_config.weight", "missing", "write the quantizer's quantization_config")
     else:
-        # the weight spec a Quark export of one of the formats carries (its OCP_MXSpec subclass: mxforge/formats/)
-        fmt = next((f for f in FORMATS if f.quark.dtype == weight.get("dtype")), FORMATS[0])
+        # the weight spec a Quark export of one of the formats carries (its spec class: mxforge/formats/): the
+        # format it names, else the one it is closest to (most spec fields alike; the first such)
+        fmt = format_of_spec(weight) or max(
+            FORMATS, key=lambda f: sum(weight.get(k) == v for k, v in f.spec_fields.items())
+        )
         for key, want in fmt.spec_fields.items():
             if weight.get(key) != want:
                 bad(

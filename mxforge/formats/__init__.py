@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from mxforge.errors import ConfigError
-from mxforge.formats import fp8_ptpc, mxfp4
+from mxforge.formats import fp8_ptpc, mxfp4, mxfp6
 from mxforge.formats.element import ERROR_STATS, ElementFormat
 from mxforge.safetensors_io import TensorInfo
 
-FORMATS: tuple[ElementFormat, ...] = (mxfp4.FORMAT, fp8_ptpc.FORMAT)
+FORMATS: tuple[ElementFormat, ...] = (mxfp4.FORMAT, fp8_ptpc.FORMAT, mxfp6.E2M3_FORMAT, mxfp6.E3M2_FORMAT)
 DEFAULT_FORMAT = FORMATS[0]  # what a recipe rule quantizes to unless it names a `format`
 MXFP4 = mxfp4.FORMAT  # for the few release behaviours that are MXFP4's own (vLLM 0.30's re-quantization)
 # Quark schemes a recipe may name that mxforge does not write, and why (a recipe naming one is refused with it).

@@ -60,10 +60,14 @@ def _installed(dist: str) -> str:
 def specs(fmt: ElementFormat):
     """(weight spec, input spec) of Quark's scheme for `fmt`: static weights, dynamic activations (the entry's spec
     class: an OCP_MXSpec subclass, or FP8E4M3PerChannelSpec for PTPC)."""
+    import dataclasses
+
     config = _quark("quark.torch.quantization.config.config")
     spec_class = getattr(config, fmt.quark.spec_class)
-    weight = spec_class(ch_axis=fmt.quark.ch_axis, is_dynamic=False).to_quantization_spec()
-    inputs = spec_class(ch_axis=fmt.quark.input_ch_axis, is_dynamic=True).to_quantization_spec()
+    # a spec class whose block is a parameter (Quark's non-MX per-group specs) is given the entry's
+    block = {"group_size": fmt.block} if "group_size" in {f.name for f in dataclasses.fields(spec_class)} else {}
+    weight = spec_class(ch_axis=fmt.quark.ch_axis, is_dynamic=False, **block).to_quantization_spec()
+    inputs = spec_class(ch_axis=fmt.quark.input_ch_axis, is_dynamic=True, **block).to_quantization_spec()
     return weight, inputs
 
 

@@ -28,25 +28,11 @@ from typing import TYPE_CHECKING
 from mxforge.formats.element import (
     E8M0,
     ERROR_STATS,
-    add_error_stats,
     bf16_to_float32,
     decode_table,
-    even_scale_codes,
-    magnitude_codes,
-    power_of_two,
 )
-from mxforge.formats.mxfp4.spec import (
-    BLOCK,
-    E2M1_EMAX,
-    E2M1_MANTISSA_BITS,
-    E2M1_VALUES,
-    ERROR_LANES,
-    MAX_VALUE,
-    SIGN_BIT,
-    TWICE_GRID,
-)
-
-ROW_CHUNK_ELEMENTS = 1 << 20  # rows per chunk of the torch path: about 4 MB of float32 at a time
+from mxforge.formats.mxfp4.spec import BLOCK, E2M1, E2M1_VALUES
+from mxforge.formats.ocp_mx import quantize_torch as mx_quantize_torch
 
 if TYPE_CHECKING:  # numpy and torch are imported where used: the CLI starts without them, CPU workers without torch
     import numpy as np
@@ -122,68 +108,9 @@ def quantize_torch(
     offsets: tuple[int, ...] = (0,),
     stats: np.ndarray | None = None,
 ) -> int:
-    """The same numerics as torch ops on `device`, in row chunks; fills CPU `codes`/`scales` (and `stats`,
-    as `quantize_rows_cpu` does)."""
-    import torch
-
-    out, inner = weight.shape
-    nblocks = scales.shape[1]
-    padded = nblocks * BLOCK
-    rows_per_chunk = max(1, ROW_CHUNK_ELEMENTS // padded)
-    nonfinite = 0
-    for r0 in range(0, out, rows_per_chunk):
-        x = weight[r0 : r0 + rows_per_chunk].to(device=device, dtype=torch.float32)
-        nonfinite += int((~torch.isfinite(x)).sum())
-        if padded != inner:
-            x = torch.nn.functional.pad(x, (0, padded - inner))
-        blocks = x.reshape(x.shape[0], nblocks, BLOCK)
-        amax = blocks.abs().amax(dim=-1)
-        scale_byte = even_scale_codes(amax, E2M1_MANTISSA_BITS, E2M1_EMAX)
-        finite = torch.isfinite(amax)
-        if len(offsets) > 1:
-            scale_byte = scale_byte + _rule_offsets(blocks, scale_byte, finite, offsets)
-        q = blocks.abs() * power_of_two(E8M0.bias - scale_byte).unsqueeze(-1)
-        code = magnitude_codes(q, E2M1_VALUES)
-        if stats is not None:
-            twice_grid = torch.tensor(TWICE_GRID, dtype=torch.float64, device=blocks.device)
-            half_scale = power_of_two(scale_byte - E8M0.bias - 1).to(torch.float64).unsqueeze(-1)
-            add_error_stats(blocks.abs(), twice_grid[code.long()] * half_scale, q > MAX_VALUE, finite, stats)
-        negative = (blocks < 0) & (code > 0)
-        code = (code | (negative.to(torch.uint8) << SIGN_BIT)).reshape(x.shape[0], padded)[:, :inner]
-        packed = code[:, 0::2] | (code[:, 1::2] << 4)
-        codes[r0 : r0 + rows_per_chunk] = packed.cpu()
-        scales[r0 : r0 + rows_per_chunk] = scale_byte.to(torch.uint8).cpu()
-    return nonfinite
-
-
-def _rule_offsets(
-    blocks: torch.Tensor, quark_byte: torch.Tensor, finite: torch.Tensor, offsets: tuple[int, ...]
-) -> torch.Tensor:
-    """Per block, the offset from Quark's exponent that a scale rule picks (scale_rules.py), with the block
-    errors rounded and summed in float32 exactly as the C and numba kernels do."""
-    import torch
-
-    xs = blocks.abs() * power_of_two(E8M0.bias - quark_byte).unsqueeze(-1)  # |x| / 2^eq
-    twice_grid = torch.tensor(TWICE_GRID, dtype=torch.float32, device=blocks.device)
-    best = torch.zeros_like(quark_byte)
-    best_error = None
-    for c, d in enumerate(offsets):
-        code = magnitude_codes(xs * 2.0**-d, E2M1_VALUES)
-        r = xs - twice_grid[code.long()] * 2.0 ** (d - 1)
-        e2 = (r * r).reshape(*r.shape[:-1], BLOCK // ERROR_LANES, ERROR_LANES)
-        lane = e2[..., 0, :]
-        for j in range(1, e2.shape[-2]):
-            lane = lane + e2[..., j, :]
-        error = ((lane[..., 0] + lane[..., 1]) + (lane[..., 2] + lane[..., 3])) + (
-            (lane[..., 4] + lane[..., 5]) + (lane[..., 6] + lane[..., 7])
-        )
-        if best_error is None:
-            best_error = error
-            continue
-        better = finite & (quark_byte + d >= 1) & (quark_byte + d <= 254) & (error < best_error)
-        best = torch.where(better, d, best)
-        best_error = torch.where(better, error, best_error)
-    return best
+    """The same numerics as torch ops on `device`, in row chunks: OCP MX's for E2M1 (formats/ocp_mx.py, which the
+    other MX formats share); fills CPU `codes`/`scales` (and `stats`, as `quantize_rows_cpu` does)."""
+    return mx_quantize_torch(E2M1, weight, codes, scales, device, offsets, stats)
 
 
 def decode_rows(codes: np.ndarray, scales: np.ndarray, inner: int) -> np.ndarray:

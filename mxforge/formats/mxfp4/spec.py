@@ -4,14 +4,14 @@ numerics.py); the entry (`mxforge/formats/mxfp4/__init__.py`) and every kernel t
 from __future__ import annotations
 
 from mxforge.formats.element import rounding_boundaries
+from mxforge.formats.ocp_mx import BLOCK, ERROR_LANES, MxElement
 
-BLOCK = 32  # elements per E8M0 scale (element.E8M0: OCP MX's scale; Quark gives an all-zero block byte 1)
-# The E2M1 code table: bit 3 the sign, then two exponent bits (bias 1) and one mantissa bit.
-E2M1_MANTISSA_BITS, E2M1_EMAX, SIGN_BIT = 1, 2, 3  # E2M1: 1 mantissa bit, largest exponent 2^2, sign in bit 3
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+__all__ = ["BLOCK", "E2M1", "E2M1_VALUES", "ERROR_LANES", "UP_ABOVE", "UP_AT_OR_ABOVE"]
+
+# E2M1: bit 3 the sign, then two exponent bits (bias 1) and one mantissa bit; the OCP MX block and the scale rules'
+# error lanes are every MX format's (ocp_mx.py).
+E2M1 = MxElement(bits=4, mantissa_bits=1, bias=1)
+E2M1_VALUES = E2M1.values  # 0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives
 # Where |x| / scale moves up a code: ties (0.25, 1.25, 2.5, 5) go to the even code below; (0.75, 1.75, 3.5) above.
 UP_AT_OR_ABOVE = tuple(b for b, up in rounding_boundaries(E2M1_VALUES) if up)
 UP_ABOVE = tuple(b for b, up in rounding_boundaries(E2M1_VALUES) if not up)
-TWICE_GRID = tuple(int(2 * v) for v in E2M1_VALUES[:8])  # twice the E2M1 magnitude of codes 0..7: integers
-MAX_VALUE = max(E2M1_VALUES)
-ERROR_LANES = 8  # a scale rule's block error is summed in this many lanes (quantize/scale_rules.py)
