@@ -267,6 +267,8 @@ def _per_family_rules() -> list[str]:
             formats = ", ".join(
                 format_named(n).title
                 + (" (with dynamic activations of it declared)" if n in p.formats_needing_inputs else "")
+                + (" (emulated)" if n in p.formats_emulated else "")
+                + (" (emulated in weights-only linears)" if n in p.linear_formats_emulated_without_inputs else "")
                 for n in sorted(p.formats)
             )
             match = p.layer_config_match + ("; keys through the draft's name mapper" if p.layer_configs_mapped else "")

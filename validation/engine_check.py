@@ -41,6 +41,7 @@ class Verdict:
     reason: str  # why: the matching entry, "never quantized", "not excluded", the error ...
     disagree: ShardsDisagree | None = None
     requantized: bool = False  # loaded as `form` (bf16), then re-quantized to MXFP4 by the engine
+    emulated: bool = False  # loaded as `form`, computed by emulation (profile schemes.formats_emulated): slow
     remedy: str | None = None  # for an error the usual remedies do not fit
 
 
@@ -116,7 +117,12 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         return Verdict(module, None, f"the engine raises: {e}")
     fmt = scheme_format(profile, config)
     if fmt is not None:
-        return Verdict(module, fmt.name, "no exclude entry matches it")
+        emulated = fmt.name in profile.formats_emulated or (
+            not module.is_experts
+            and fmt.name in profile.linear_formats_emulated_without_inputs
+            and (config or {}).get("input_tensors") is None
+        )
+        return Verdict(module, fmt.name, "no exclude entry matches it", emulated=emulated)
     weight = (config or {}).get("weight")
     if not isinstance(weight, dict):
         return Verdict(
@@ -290,11 +296,16 @@ def engine_problems(
                 unfused, loaded.stored, quantized, loaded.unreadable
             )
         problems += found
-        requantized = [m.runtime for m in view.modules if decide(view, m, quantized).requantized]
+        verdicts = [decide(view, m, quantized) for m in view.modules]
+        emulated: dict[str, int] = {}
+        for v in verdicts:
+            if v.emulated and v.form is not None:
+                emulated[v.form] = emulated.get(v.form, 0) + 1
         checked[profile.name] = {
             "modules": len(view.modules),
             "problems": len(found),
             "fused_shared_experts": sorted(view.fused),
-            "requantized_at_load": len(requantized),
+            "requantized_at_load": sum(v.requantized for v in verdicts),
+            "emulated": emulated,  # per format: modules the release computes by emulation
         }
     return problems, checked

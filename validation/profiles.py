@@ -87,6 +87,12 @@ class EngineProfile:
     layer_config_match: str  # how layer_quant_config keys match: "fnmatch", "substring-or-fnmatch"
     # The draft's name mapper rewrites layer_quant_config keys too (as it rewrites a "mapped" exclude list)
     layer_configs_mapped: bool
+    # Formats these releases load but compute by emulation on the profile's platform (weights dequantized on the fly,
+    # matmuls in high precision: slow), every module; and those emulated in linear layers whose config declares no
+    # activations (weights-only). Measured where the probe can tell (vLLM's QuarkOCP_MX schemes); sglang's are not
+    # modelled.
+    formats_emulated: frozenset[str]
+    linear_formats_emulated_without_inputs: frozenset[str]
     fused: dict[str, tuple[str, ...]]  # fused module -> the checkpoint linears it is built from
     never_quantized: frozenset[str]  # layer-relative or global module names built unquantized
     # Excluded linears whose name contains one of these are loaded bf16, then re-quantized to MXFP4 after
@@ -240,6 +246,8 @@ def _load(name: str, family: str) -> EngineProfile:
             expert_layer_configs=bool(sc["expert_layer_configs"]),
             layer_config_match=sc.get("layer_config_match", "fnmatch"),
             layer_configs_mapped=bool(sc.get("layer_configs_mapped", False)),
+            formats_emulated=frozenset(sc.get("formats_emulated", ())),
+            linear_formats_emulated_without_inputs=frozenset(sc.get("linear_formats_emulated_without_inputs", ())),
             fused={k: tuple(v) for k, v in mod["fused"].items()},
             never_quantized=frozenset(mod["never_quantized"]),
             requantized_when_excluded=tuple(mod.get("requantized_when_excluded", ())),
@@ -303,6 +311,8 @@ def _check(p: EngineProfile, where: str, family_from_later_release: bool = False
             raise ConfigError(f"{where}: schemes.formats: {e}") from None
     if not p.formats_needing_inputs <= p.formats:
         raise ConfigError(f"{where}: schemes.formats_needing_inputs must be drawn from schemes.formats")
+    if not (p.formats_emulated | p.linear_formats_emulated_without_inputs) <= p.formats:
+        raise ConfigError(f"{where}: schemes.formats_emulated (and its linear twin) must be drawn from schemes.formats")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from mxforge.validation.loaded import LoadedCheckpoint, load_checkpoint
 from mxforge.validation.profiles import EngineProfile, check_engine_items, select
 from mxforge.validation.report import Problem, ValidationReport
 from mxforge.validation.serve import serving_commands
-from mxforge.validation.tensor_forms import BF16
+from mxforge.validation.tensor_forms import BF16, form_title
 
 
 def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict | None) -> tuple[list, dict]:
@@ -27,22 +27,30 @@ def loadability_problems(loaded: LoadedCheckpoint, profiles: list[EngineProfile]
     return problems + found, {"linears": forms, "engines": engines}
 
 
-def requantization_warnings(selections, checked: dict) -> list[Problem]:
-    """Releases that load some bf16 modules and re-quantize them to MXFP4 (they load, but compute differently)."""
+def load_warnings(selections, checked: dict) -> list[Problem]:
+    """What loads but does not compute as stored, per release range: bf16 modules re-quantized to MXFP4 after loading,
+    and modules of a format the release computes by emulation (slow)."""
     out = []
     for s in selections:
-        n = checked.get("engines", {}).get(s.profile.name, {}).get("requantized_at_load", 0)
+        found = checked.get("engines", {}).get(s.profile.name, {})
+
+        def warn(message: str, remedy: str) -> None:
+            out.append(Problem("engine", s.profile.name, message, remedy, s.profile.name))
+
+        n = found.get("requantized_at_load", 0)
         if n:
-            out.append(
-                Problem(
-                    "engine",
-                    s.profile.name,
-                    f"{s.label} loads {n} excluded attention module(s) bf16 and "
-                    "re-quantizes them to MXFP4 after loading (dynamic_mxfp4_quant): the checkpoint loads, "
-                    "but those modules do not compute in bf16 there",
-                    "serve with a later release to keep them bf16",
-                    s.profile.name,
-                )
+            warn(
+                f"{s.label} loads {n} excluded attention module(s) bf16 and re-quantizes them to MXFP4 after loading "
+                "(dynamic_mxfp4_quant): the checkpoint loads, but those modules do not compute in bf16 there",
+                "serve with a later release to keep them bf16",
+            )
+        emulated = found.get("emulated") or {}
+        if emulated:
+            what = ", ".join(f"{n} {form_title(f)}" for f, n in sorted(emulated.items()))
+            warn(
+                f"{s.label} computes {what} module(s) by emulation (weights dequantized on the fly, matmuls in high "
+                "precision): the checkpoint loads and computes the same function, slowly",
+                "for speed, quantize these modules to a format the release runs natively, or serve with another engine",
             )
     return out
 
@@ -75,7 +83,7 @@ def validate_checkpoint(
     found, checked = loadability_problems(loaded, [s.profile for s in selections], qc)
     report.add(found)
     report.checked.update(checked)
-    report.warnings += requantization_warnings(selections, checked)
+    report.warnings += load_warnings(selections, checked)
     if deep:
         scale_problems, scale_bytes = scan_scales(loaded.ckpt.root, loaded.ckpt.weight_map, loaded.infos, quiet)
         hash_problems, hashed = check_sha256(loaded.ckpt.root, quiet)

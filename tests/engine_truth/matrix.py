@@ -122,6 +122,8 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
         if len(family.recipes) > 2:
             # The first mixed recipe's output with its FP8 layer configs declaring no activations (weights only).
             styles["weights-only-layers"] = lambda out: _weights_only_layers(src, out, family.recipes[2])
+        # The default recipe's modules in OCP MXFP6, experts E2M3 and attention E3M2 (two MX formats mixed).
+        styles["mxfp6"] = lambda out: _mxfp6(src, out)
         for style, make in styles.items():
             before = root / f"{size}-{style}"
             make(before)
@@ -212,6 +214,28 @@ def _weights_only(src: Path, out: Path, recipe: str) -> None:
     _edit_qc(out, lambda qc: qc["global_quant_config"].update(input_tensors=None))
 
 
+MXFP6_RECIPE = """
+name = "mxfp6"
+scheme = "mxfp4"
+[[quantize]]
+kinds = ["experts"]
+format = "mxfp6_e2m3"
+[[quantize]]
+kinds = ["shared_experts"]
+layers = "decoder"
+format = "mxfp6_e2m3"
+[[quantize]]
+kinds = ["attention"]
+format = "mxfp6_e3m2"
+"""
+
+
+def _mxfp6(src: Path, out: Path) -> None:
+    recipe = out.with_name(out.name + ".toml")
+    recipe.write_text(MXFP6_RECIPE)
+    recipe_export(src, out, str(recipe))
+
+
 def _weights_only_layers(src: Path, out: Path, recipe: str) -> None:
     recipe_export(src, out, recipe)
 
@@ -269,11 +293,19 @@ def _form(decision: str) -> str:
     return found if found in (probe_io.MXFP4, probe_io.BF16, probe_io.REQUANTIZED, "error") else found.split(":")[0]
 
 
-def _mine(view: EngineView, module) -> str:
+def _mine(view: EngineView, module, emulation: bool | None = False) -> str:
+    """mxforge's decision in `_form`'s terms, marked ":emulated" where the release computes it by emulation (unless
+    `emulation` is None: the release's own answer did not measure it)."""
     verdict = decide(view, module)
     if verdict.requantized:
         return probe_io.REQUANTIZED
-    return {BF16: probe_io.BF16, None: "error", OTHER: "other"}.get(verdict.form, verdict.form)
+    mine = {BF16: probe_io.BF16, None: "error", OTHER: "other"}.get(verdict.form, verdict.form)
+    return mine + probe_io.EMULATED if verdict.emulated and emulation is not None else mine
+
+
+def _theirs(decision: str) -> str:
+    """The release's decision in `_form`'s terms, marked ":emulated" where it measured emulation."""
+    return _form(decision) + (probe_io.EMULATED if probe_io.emulation(decision) else "")
 
 
 def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:
@@ -310,5 +342,6 @@ def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:
             if not compared(m, stand_in):
                 continue
             theirs = (t if m.role == TARGET else d)["decisions"].get(m.runtime)
-            expect(f"{m.role} {m.runtime}", _mine(v, m), _form(theirs) if theirs else None)
+            emulation = probe_io.emulation(theirs) if theirs else False
+            expect(f"{m.role} {m.runtime}", _mine(v, m, emulation), _theirs(theirs) if theirs else None)
     return out

@@ -5,7 +5,8 @@ Request (JSON on stdin): {"version": V, "cases": [{"name", "config": config.json
 "experts"; a case may add "env": {name: value}, the server's environment variables (probes that model
 none ignore it). Answer (JSON written to the path given as argv[2]): {"version", "cases": {name: answer or
 {"error": traceback}}}. A decision is "mxfp4", "bf16", "bf16>mxfp4" (loaded bf16, re-quantized to MXFP4 after
-loading), "other:<scheme class>[:<weight dtype>][:<weight qscheme>]" (`other`) or "error:<message>".
+loading), "other:<scheme class>[:<weight dtype>][:<weight qscheme>]" (`other`) or "error:<message>"; a probe that can
+tell how the module computes adds ":emulated" or ":emulation?" (`EMULATED`, `EMULATION_UNKNOWN`).
 A probe may add keys of its own to an answer (the vLLM probe: "unbuilt", "loader_fuses_shared_experts").
 """
 
@@ -25,12 +26,28 @@ ENGINE_SCHEMES = {
     "other:QuarkW8A8Fp8:per_channel": "fp8_ptpc",  # vLLM's and sglang's linear
     "other:QuarkW8A8Fp8MoEMethod:fp8:per_channel": "fp8_ptpc",  # vLLM's routed experts
     "other:QuarkW8A8FP8MoE:per_channel": "fp8_ptpc",  # sglang's routed experts
+    **{
+        f"other:{scheme}:{fmt}": fmt  # vLLM's OCP MX linear and routed experts
+        for scheme in ("QuarkOCP_MX", "QuarkOCP_MX_MoEMethod")
+        for fmt in ("mxfp6_e2m3", "mxfp6_e3m2")
+    },
 }
+
+
+# Suffixes a probe that can tell adds to a decision: the release computes the module by emulation, or which kernel it
+# runs was left to a stand-in (not measured). A decision without one is measured native (or has no scheme).
+EMULATED, EMULATION_UNKNOWN = ":emulated", ":emulation?"
+
+
+def emulation(decision: str) -> bool | None:
+    """Whether the release computes the module by emulation (None: not measured)."""
+    return None if decision.endswith(EMULATION_UNKNOWN) else decision.endswith(EMULATED)
 
 
 def form(decision: str) -> str:
     """A decision in mxforge's terms: "mxfp4", "bf16", "bf16>mxfp4", a registry format's name for a scheme that
     builds it (ENGINE_SCHEMES), "other:<scheme>" for any other, "error" for an error."""
+    decision = decision.removesuffix(EMULATED).removesuffix(EMULATION_UNKNOWN)
     if decision in (MXFP4, BF16, REQUANTIZED):
         return decision
     if decision.startswith(ERROR):

@@ -92,9 +92,28 @@ FUSED_MOE = "vllm.model_executor.layers.fused_moe"
 MXFP4_ORACLE = FUSED_MOE + ".oracle.mxfp4"
 
 
+ORACLE_CALLS = [0]  # how often the stand-in oracle answered: a MoE method that asked it has no measured backend
+
+
 def _no_mxfp4_kernel(*args, **kwargs):
     """The MXFP4 MoE kernel oracle's answer when no native kernel applies: emulation (kernels are out of scope)."""
+    ORACLE_CALLS[0] += 1
     return stubs.stub_class(MXFP4_ORACLE + ".Mxfp4MoeBackend").NONE, None
+
+
+class LogRecorder:
+    """Stands in for a module's logger: every message is kept (warning_once too, never deduplicated), so the probe
+    reads what the release says while it builds one module (its OCP MX scheme's "Simulated ..." warning)."""
+
+    def __init__(self):
+        self.messages: list[str] = []
+
+    def __getattr__(self, name: str):
+        return lambda msg="", *args, **kwargs: self.messages.append(str(msg))
+
+
+LOG = LogRecorder()
+EMULATION_MODULES = (Q + "quark.schemes.quark_ocp_mx", Q + "quark.quark_moe")  # their loggers are LOG
 
 
 class DeviceCapability(NamedTuple):
@@ -241,6 +260,9 @@ def load(version: str) -> dict:
             raise LookupError(f"vllm {version} has no {module}")
         mods[name] = stubs.functions_from_source(source_only[module], (name,), module=module)[name]
     mods["_pristine"] = stubs.packed_mappings("vllm")
+    for module in EMULATION_MODULES:
+        if module in mods:
+            mods[module].logger = LOG
     return mods
 
 
@@ -382,10 +404,32 @@ def decide(mods: dict, qc, prefix: str, layer) -> str:
     quark = mods[Q + "quark.quark"]
     is_linear = isinstance(layer, quark.LinearBase)
     resolve = mods[Q + "base_config"].resolve_quant_method  # outside the try: a missing entry point is no decision
+    LOG.messages.clear()
+    ORACLE_CALLS[0] = 0
     try:
         method = resolve(qc, layer, prefix)
     except Exception as e:  # the release raises while building the layer: a load failure
         return probe_io.error(e)
+    return _with_emulation(_decision(mods, method, layer, is_linear), method, is_linear)
+
+
+def _with_emulation(decision: str, method, is_linear: bool) -> str:
+    """The decision marked as the release computes it: emulated (a linear scheme that said "Simulated ...", an expert
+    bank whose MoE method chose the emulation backend by itself), unknown (an expert bank whose backend the
+    stand-in kernel oracle chose: kernels are out of scope), or as it is (measured native, or no scheme)."""
+    if decision in (probe_io.BF16, probe_io.REQUANTIZED) or decision.startswith(probe_io.ERROR):
+        return decision
+    if is_linear:
+        return decision + probe_io.EMULATED if any("Simulated" in m for m in LOG.messages) else decision
+    backend = getattr(method, "mxfp4_backend", None)  # the Mxfp4MoeBackend member (a stand-in class of that name)
+    name = backend.name if isinstance(getattr(backend, "name", None), str) else getattr(backend, "__name__", None)
+    if ORACLE_CALLS[0]:
+        return decision + probe_io.EMULATION_UNKNOWN
+    return decision + probe_io.EMULATED if name == "EMULATION" else decision
+
+
+def _decision(mods: dict, method, layer, is_linear: bool) -> str:
+    quark = mods[Q + "quark.quark"]
     if method is None:
         return (
             probe_io.error(ValueError("All linear layers should support quant method.")) if is_linear else probe_io.BF16

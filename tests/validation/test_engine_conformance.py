@@ -219,6 +219,20 @@ PERTURBATIONS = {
     "FP8 PTPC needs inputs": lambda p: dataclasses.replace(
         p, formats_needing_inputs=p.formats_needing_inputs ^ {"fp8_ptpc"}
     ),
+    "MXFP6 loads": lambda p: dataclasses.replace(
+        p,
+        formats=p.formats ^ {"mxfp6_e2m3", "mxfp6_e3m2"},
+        formats_emulated=frozenset(),
+        linear_formats_emulated_without_inputs=frozenset(),
+    ),
+    "MXFP6 emulated": lambda p: dataclasses.replace(
+        p,
+        formats=p.formats | {"mxfp6_e2m3", "mxfp6_e3m2"},
+        formats_emulated=p.formats_emulated ^ {"mxfp6_e2m3", "mxfp6_e3m2"},
+    ),
+    "weights-only MXFP4 linears emulated": lambda p: dataclasses.replace(
+        p, linear_formats_emulated_without_inputs=p.linear_formats_emulated_without_inputs ^ {"mxfp4"}
+    ),
     "fusion compares layer configs": lambda p: dataclasses.replace(
         p,
         fusion=dataclasses.replace(
