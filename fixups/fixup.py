@@ -243,7 +243,7 @@ def needed_layer_configs(loaded: LoadedCheckpoint, profiles: list[EngineProfile]
                     for entry in [f"{head}.{s}" for s in shards] or [module.runtime]:
                         if entry in (qc.get("layer_quant_config") or {}):
                             continue
-                        record = {
+                        record: dict = {
                             "fixup": "layer_config_alias",
                             "entry": entry,
                             "module": module.checkpoint,
