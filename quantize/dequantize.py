@@ -71,8 +71,8 @@ def dequantize_checkpoint(
     pairs = quantized_pairs(infos, declared_format(ckpt.quantization_config))
     if not pairs:
         raise CheckpointError(
-            f"{src}: holds no {' or '.join(f.title for f in FORMATS)} weight (codes under X.weight with their scales "
-            "beside them): nothing to dequantize",
+            f"{src}: holds no weight stored in an element format ({', '.join(f.title for f in FORMATS)}: codes under "
+            "X.weight with their scales beside them): nothing to dequantize",
             path=src,
         )
     carried = carried_from(src, ckpt.shard_names, {"README.md": "the MXFP4 checkpoint's model card"})

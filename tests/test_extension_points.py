@@ -334,11 +334,18 @@ MUTANTS = {
     "block": ("BLOCK, BITS = 16, 4", "BLOCK, BITS = 8, 4"),
     "code table": ("VALUES = (0.0, 0.5,", "VALUES = (0.0, 0.25,"),
 }
-THROWAWAY_VLLM = (
-    'extends = "vllm-0.31.0"\nreleases = ">=0.99,<0.100"\nread = ["0.99"]\n'
-    'summary = "a throwaway release that loads FP4 G16 (tests/test_extension_points.py)"\n\n'
-    '[schemes]\nformats = ["mxfp4", "fp8_ptpc", "fp4_g16"]\n'
-)
+
+
+def throwaway_vllm() -> str:
+    """A throwaway profile extending vLLM 0.31.0's that also lists FP4 G16 (every format its parent lists, too)."""
+    from mxforge.validation.profiles import load_profile
+
+    formats = sorted(load_profile("vllm-0.31.0", "glm_moe_dsa").formats | {"fp4_g16"})
+    return (
+        'extends = "vllm-0.31.0"\nreleases = ">=0.99,<0.100"\nread = ["0.99"]\n'
+        'summary = "a throwaway release that loads FP4 G16 (tests/test_extension_points.py)"\n\n'
+        f"[schemes]\nformats = {json.dumps(formats)}\n"
+    )
 
 
 def add_fp4_g16(root: Path, entry: str = FP4_G16) -> None:
@@ -407,7 +414,7 @@ def test_a_new_element_format_is_one_entry_and_its_kernel(copy, pristine, tiny_c
     from quark.torch.quantization.config.config import QConfig, QLayerConfig
 
     add_fp4_g16(copy)
-    (copy / "mxforge/manifests/engines/vllm-0.99.toml").write_text(THROWAWAY_VLLM)
+    (copy / "mxforge/manifests/engines/vllm-0.99.toml").write_text(throwaway_vllm())
     assert changed_files(copy, pristine) == {
         "mxforge/formats/fp4_g16.py",
         "mxforge/formats/__init__.py",
