@@ -48,6 +48,11 @@ class Fp8Scheme:
     label: str  # for people (inspect, the card): "{rows}x{cols} block scales, weight_scale_inv"
     rule: str  # how config.json states the layout, for errors: "weight_block_size [{rows}, {cols}]"
     supported: str  # the quantization_config that selects it and the releases that store it (for errors)
+    # what a weight the recipe quantizes is quantized from: "F32", the exact float32 product (Quark 0.13's
+    # file-to-file for `quant_method: "fp8"` sources quantizes its FP8 dequantization kernel's float32 output), or
+    # "BF16", that product rounded to the bf16 it stands for (compressed-tensors' decompression; Quark reads no
+    # compressed-tensors source). A kept weight is always that bf16.
+    quantized_from: str = "BF16"
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
@@ -75,6 +80,7 @@ FP8_SCHEMES = {
             "{rows}x{cols} block scales, weight_scale_inv",
             "weight_block_size [{rows}, {cols}]",
             _BLOCK_FP8,
+            quantized_from="F32",
         ),
         Fp8Scheme(
             "channel",
@@ -261,16 +267,19 @@ def scales_as_f32(raw, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 TABLE_ROWS = 128  # weight rows whose lookup tables are built at once (one 128-row block, or 128 per-channel scales)
 
 
-def dequantize_rows(codes, scales: np.ndarray, first_row: int, cols: int, block: tuple[int, int]) -> np.ndarray:
+def dequantize_rows(
+    codes, scales: np.ndarray, first_row: int, cols: int, block: tuple[int, int], dtype: str = "BF16"
+) -> np.ndarray:
     """Rows [first_row, first_row + n) of an FP8 weight (raw e4m3 bytes, n x cols) as bf16 bit patterns (int16):
-    float32(e4m3) * float32(scale of its block), rounded to nearest even bf16 (NaN stays NaN). `scales` is the
-    2-D grid of one scale per `block` (per channel: block (1, cols); per tensor: the whole weight).
+    float32(e4m3) * float32(scale of its block), rounded to nearest even bf16 (NaN stays NaN); with `dtype` "F32"
+    the float32 products themselves. `scales` is the 2-D grid of one scale per `block` (per channel: block
+    (1, cols); per tensor: the whole weight).
 
     The 256 possible products of each scale are tabulated once (exactly that formula), so a weight costs one table
     lookup per element."""
     c = np.frombuffer(codes, dtype=np.uint8).reshape(-1, cols)
     n, (bm, bn) = c.shape[0], block
-    out = np.empty((n, cols), dtype=np.int16)
+    out = np.empty((n, cols), dtype=np.float32 if dtype == "F32" else np.int16)
     column_table = (np.arange(cols, dtype=np.intp) // bn) * 256  # where each column's block's table starts
     per_block_row = scales.shape[1] * 256
     block_rows_per_step = max(1, TABLE_ROWS // bm)
@@ -279,7 +288,8 @@ def dequantize_rows(codes, scales: np.ndarray, first_row: int, cols: int, block:
         first = (first_row + r) // bm
         end = min(n, (first + block_rows_per_step) * bm - first_row)
         last = (first_row + end - 1) // bm
-        table = f32_to_bf16_bits(scales[first : last + 1][:, :, None] * E4M3_TO_F32).ravel()
+        products = scales[first : last + 1][:, :, None] * E4M3_TO_F32
+        table = (products if dtype == "F32" else f32_to_bf16_bits(products)).ravel()
         index = c[r:end] + column_table
         if last > first:
             index += (((first_row + np.arange(r, end)) // bm - first) * per_block_row)[:, None]

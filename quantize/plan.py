@@ -7,7 +7,9 @@ Headers carry no `__metadata__`, as Quark's file-to-file writes them.
 
 FP8 sources (fp8_source.py): an F8_E4M3 weight is read as the bf16 its scales make of it, so it is quantized from
 that bf16, or kept as that bf16; its scales (`weight_scale_inv`, or compressed-tensors' `weight_scale` and the
-module's static `input_scale`) are consumed (fate "scale"), not written.
+module's static `input_scale`) are consumed (fate "scale"), not written. A block-FP8 weight a recipe keeps as the
+source stores it (fate "kept_source") is written byte for byte with its scales renamed as Quark keeps them
+(`X.weight_scale_inv` -> `X.weight_scale`, mxforge/formats/fp8_block.py).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from typing import Literal
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
-from mxforge.formats import ElementFormat
+from mxforge.formats import FP8_BLOCK, ElementFormat
 from mxforge.models import MoeLayout, layout_of
 from mxforge.quantize.fp8_source import BF16, FP8_DTYPE, SCALE_DTYPES, SourcePrecision, source_precision
 from mxforge.quantize.recipe import Recipe, is_linear_weight_name
 from mxforge.safetensors_io import PlannedTensor, TensorInfo, encode_header, read_header, safetensors_order
 
-Fate = Literal["quantized", "kept", "copied", "scale"]
+Fate = Literal["quantized", "kept", "kept_source", "copied", "scale"]
 QUANTIZABLE_DTYPES = ("BF16", "F16", "F32")
 SHARD_METADATA: dict[str, str] = {}
 
@@ -39,31 +41,36 @@ class Fp8Scale:
     info: TensorInfo
     block: tuple[int, int]
     grid: tuple[int, int]
+    quantized_from: str = "BF16"  # what the weight is quantized from: the dequantized F32 or BF16 (Fp8Scheme's)
 
 
 @dataclass(frozen=True)
 class TensorPlan:
     """One source tensor: `quantized` (to `format`), `kept` (a 2-D linear weight left as is, listed in `exclude`;
-    an FP8 one as its dequantized bf16), `copied` (anything else, byte for byte) or `scale` (an FP8 weight's
-    scales, or its module's input scale: consumed and not written)."""
+    an FP8 one as its dequantized bf16), `kept_source` (an FP8 weight kept as the source stores it, in `format`, its
+    scales with it), `copied` (anything else, byte for byte) or `scale` (an FP8 weight's scales, or its module's
+    input scale: consumed, and written only with a `kept_source` weight)."""
 
     source: TensorInfo
     fate: Fate
     fp8_scale: Fp8Scale | None = None  # set for an F8_E4M3 weight: read as bf16 through these scales
-    format: ElementFormat | None = None  # set for a quantized weight: the element format it is stored in
+    format: ElementFormat | None = None  # set for a quantized or `kept_source` weight: the element format it is stored in
 
     @property
     def read_dtype(self) -> str:
-        """The dtype the weight is quantized or kept from: BF16 for an FP8 weight (dequantized), else as stored."""
-        return "BF16" if self.fp8_scale else self.source.dtype
+        """The dtype the weight is quantized or kept from: an FP8 weight's dequantization (kept: its bf16; quantized:
+        as its layout says, Fp8Scheme.quantized_from), else as stored."""
+        if self.fp8_scale is None:
+            return self.source.dtype
+        return self.fp8_scale.quantized_from if self.fate == "quantized" else "BF16"
 
     def outputs(self) -> list[PlannedTensor]:
         s = self.source
         if self.fate == "scale":
             return []
-        if self.fate != "quantized":
+        if self.fate not in ("quantized", "kept_source"):
             return [PlannedTensor(s.name, self.read_dtype, s.shape)]
-        assert self.format is not None, f"{s.name}: planned for quantization without its element format"
+        assert self.format is not None, f"{s.name}: planned as {self.fate} without its element format"
         return self.format.stored(s.name, s.shape)
 
 
@@ -126,6 +133,14 @@ class QuantizePlan:
     def excluded_modules(self) -> list[str]:
         """Kept 2-D linear weights as module names: Quark's resolved `exclude` list."""
         return sorted(n.removesuffix(".weight") for n in self.names("kept"))
+
+    def source_modules(self) -> dict[str, ElementFormat]:
+        """Every weight kept as the source stores it (fate "kept_source"): module name -> its element format."""
+        return {
+            t.source.name.removesuffix(".weight"): t.format
+            for t in self.tensors()
+            if t.fate == "kept_source" and t.format is not None
+        }
 
     def module_formats(self) -> dict[str, ElementFormat]:
         """Every quantized weight's module name -> the element format it is stored in."""
@@ -230,7 +245,11 @@ def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: Source
                 tensor=scale.name,
             )
         out[name] = Fp8Scale(
-            ckpt.weight_map[scale.name], scale, precision.block_of(info.shape), precision.scale_shape(info.shape)
+            ckpt.weight_map[scale.name],
+            scale,
+            precision.block_of(info.shape),
+            precision.scale_shape(info.shape),
+            precision.fp8.quantized_from,
         )
     return out
 
@@ -251,6 +270,8 @@ def plan_tensor(info: TensorInfo, recipe: Recipe, layout: MoeLayout, fp8_scale: 
     if not (fp8_scale is not None or is_quantizable(info)):
         return TensorPlan(info, "copied", fp8_scale)
     fmt = recipe.format_of(info.name, layout)
+    if fmt is None and fp8_scale is not None and recipe.keeps_source(info.name, layout):
+        return TensorPlan(info, "kept_source", fp8_scale, _kept_source_format(info, fp8_scale))
     if fmt is None:
         return TensorPlan(info, "kept", fp8_scale)
     reason = fmt.unpackable(info.shape[1])
@@ -261,6 +282,29 @@ def plan_tensor(info: TensorInfo, recipe: Recipe, layout: MoeLayout, fp8_scale: 
             tensor=info.name,
         )
     return TensorPlan(info, "quantized", fp8_scale, fmt)
+
+
+def _kept_source_format(info: TensorInfo, fp8_scale: Fp8Scale) -> ElementFormat:
+    """The format an FP8 weight kept as the source stores it is in: block FP8, whose tiles and float32 scale grid
+    its scales must be (those are what Quark keeps and the engines load).
+
+    Raises:
+        ConfigError: another FP8 layout (compressed-tensors' per-channel or per-tensor scales, other tiles), naming
+            the tensor and what to do.
+    """
+    fmt = FP8_BLOCK
+    grid = fmt.packed_shapes(info.shape)[1]
+    scale = fp8_scale.info
+    if fp8_scale.block != (fmt.block_rows, fmt.block) or scale.dtype != fmt.scale.dtype or scale.shape != grid:
+        raise ConfigError(
+            f"tensor {info.name!r} {list(info.shape)}: the recipe keeps it as the source stores it "
+            f'(format = "source"), but its scales {scale.name!r} are {scale.dtype}{list(scale.shape)} for '
+            f"{fp8_scale.block[0]}x{fp8_scale.block[1]} weights: mxforge keeps only {fmt.title} "
+            f"({fmt.describe()}; {fmt.scale.dtype}{list(grid)} here), as Quark does. Keep it bf16 (drop "
+            'format = "source") or quantize it',
+            tensor=info.name,
+        )
+    return fmt
 
 
 def check_planned_header(path: Path, plan: "ShardPlan") -> None:

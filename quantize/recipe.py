@@ -8,7 +8,10 @@ and optionally by `names`, regular expressions that must match the whole module 
 match something in the checkpoint it is applied to. A `[[quantize]]` rule may name the element `format` its
 weights are stored in (mxforge/formats/, default "mxfp4"); rules may name different ones (mixed precision): the
 first `[[quantize]]` rule's format is quantization_config's global scheme and every module stored in another is
-given its scheme in Quark's `layer_quant_config` (`layer_config_patterns`). `scale_rule` (optional, default
+given its scheme in Quark's `layer_quant_config` (`layer_config_patterns`). A `[[keep]]` rule keeps weights bf16
+(an FP8 source's weights as the bf16 their scales make of them), or, with `format = "source"`, as the source stores
+them: an FP8 source's block-FP8 weights byte for byte (mxforge/formats/fp8_block.py; Quark's
+`keep_excluded_layers_as_original_model_state`), any other as it is. `scale_rule` (optional, default
 "quark") names how each block's scale is chosen (scale_rules.py) in the formats whose kernels take one;
 `--scale-rule` overrides it.
 """
@@ -40,6 +43,7 @@ LAYER_SCOPES = ("all", "decoder", "mtp")
 TOP_KEYS = {"name", "description", "scheme", "quantize", "keep", "scale_rule"}
 METADATA_KEY = "mxforge"  # quantization_config's key for what Quark's schema has no field for (Quark ignores it)
 RULE_KEYS = {"kinds", "layers", "names", "format"}
+KEEP_SOURCE = "source"  # a [[keep]] rule's `format`: keep the weights as the source stores them
 
 
 def is_linear_weight_name(name: str) -> bool:
@@ -56,6 +60,7 @@ class Rule:
     layers: str
     names: tuple[BoundedPattern, ...]  # matched in bounded time (mxforge.bounded_re): a recipe may be hostile
     format: ElementFormat | None = None  # what a [[quantize]] rule stores its weights as (None for [[keep]])
+    keep_source: bool = False  # a [[keep]] rule's `format = "source"`: FP8 weights stay as the source stores them
 
     def matches(self, tensor_name: str, layout: MoeLayout) -> bool:
         if self.kinds and layout.kind_of(tensor_name) not in self.kinds:
@@ -74,6 +79,7 @@ class Rule:
             f"layers={self.layers!r}",
             f"names={[p.pattern for p in self.names]}" if self.names else "",
             f"format={self.format.name!r}" if self.format is not None and self.format != DEFAULT_FORMAT else "",
+            f"format={KEEP_SOURCE!r}" if self.keep_source else "",
         ]
         return f"[[{self.action}]] rule {self.index + 1} ({', '.join(p for p in parts if p)})"
 
@@ -147,6 +153,11 @@ class Recipe:
         rule = self.matching_rule(tensor_name, layout)
         return rule.format if rule is not None and rule.action == "quantize" else None
 
+    def keeps_source(self, tensor_name: str, layout: MoeLayout) -> bool:
+        """Whether a [[keep]] rule with `format = "source"` keeps the tensor (as the source stores it)."""
+        rule = self.matching_rule(tensor_name, layout)
+        return rule is not None and rule.keep_source
+
     @property
     def scale_offsets(self) -> tuple[int, ...]:
         """The shard kernels' exponent offsets for this recipe's scale rule (scale_rules.py)."""
@@ -165,11 +176,16 @@ class Recipe:
         return dataclasses.replace(self, scale_rule=rule.name)
 
     def quantization_config(
-        self, excluded_modules: list[str], module_formats: dict[str, ElementFormat] | None = None
+        self,
+        excluded_modules: list[str],
+        module_formats: dict[str, ElementFormat] | None = None,
+        source_layer_configs: dict[str, dict] | None = None,
     ) -> dict:
         """`quantization_config` for config.json, built with Quark's own config objects (cached per Quark version):
         the global scheme is `global_format`'s, `exclude` the kept modules and `layer_quant_config` gives every
-        module of `module_formats` (quantized module -> its format) stored in another format its scheme.
+        module of `module_formats` (quantized module -> its format) stored in another format its scheme, and each
+        module kept as the source stores it its layer config under its exact name (`source_layer_configs`, as
+        Quark's keep_excluded_layers_as_original_model_state writes them: formats/quark.kept_layer_config).
 
         With Quark's scale rule it is exactly Quark's; another rule is recorded under METADATA_KEY (the recipe
         and the rule), a key Quark's reader and the engines ignore: the tensors' format is the same."""
@@ -179,6 +195,7 @@ class Recipe:
         patterns = layer_config_patterns(module_formats or {}, self.global_format, excluded_modules)
         layer_configs = {fmt: cached_layer_config(fmt, self.quantize_inputs) for fmt in set(patterns.values())}
         config["layer_quant_config"] = {pattern: layer_configs[fmt] for pattern, fmt in patterns.items()}
+        config["layer_quant_config"].update(sorted((source_layer_configs or {}).items()))
         rule = get_scale_rule(self.scale_rule)
         if not rule.is_quark:
             config[METADATA_KEY] = {
@@ -359,9 +376,13 @@ def _parse_rule(raw: dict, action: Decision, index: int, source: str) -> Rule:
         except re.error as e:
             raise ConfigError(f"{where}: names pattern {pattern!r} is not a valid regular expression ({e})") from None
     if action == "keep":
-        if "format" in raw:
-            raise ConfigError(f"{where}: a [[keep]] rule keeps weights as stored; `format` is for [[quantize]] rules")
-        return Rule(action, index, tuple(kinds), layers, tuple(compiled))
+        if raw.get("format", KEEP_SOURCE) != KEEP_SOURCE:
+            raise ConfigError(
+                f"{where}: a [[keep]] rule's format can only be {KEEP_SOURCE!r} (keep the weights as the source "
+                f"stores them, an FP8 source's FP8 included; without it they are kept bf16), not {raw['format']!r}",
+                entry=rule,
+            )
+        return Rule(action, index, tuple(kinds), layers, tuple(compiled), keep_source="format" in raw)
     name = raw.get("format", DEFAULT_FORMAT.name)
     if not isinstance(name, str):
         raise ConfigError(f"{where}: format must be a string, the name of an element format")
@@ -371,4 +392,10 @@ def _parse_rule(raw: dict, action: Decision, index: int, source: str) -> Rule:
         fmt = format_named(name)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+    if fmt.kept_only:
+        raise ConfigError(
+            f"{where}: mxforge does not quantize to format {name!r}: {fmt.kept_only}. Keep such weights with a "
+            f'[[keep]] rule and format = "{KEEP_SOURCE}"',
+            entry=rule,
+        )
     return Rule(action, index, tuple(kinds), layers, tuple(compiled), fmt)

@@ -90,11 +90,18 @@ class RecipeRecord(FlatRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class TensorCounts(CountsRecord):
-    """Source tensors by fate: MXFP4, 2-D weights kept, others copied byte for byte."""
+    """Source tensors by fate: quantized, 2-D weights kept (bf16), FP8 weights kept as the source stores them, others
+    copied byte for byte."""
 
     quantized: int
     kept: int
     copied: int
+    kept_source: int = 0
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Self | None:
+        """As recorded; a report from before FP8 could be kept as stored has no kept_source: it kept none."""
+        return super().from_dict({"kept_source": 0, **d} if isinstance(d, dict) else d)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -306,7 +306,7 @@ def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
     Raises:
         CheckpointError: a tensor is missing or differs from the plan; the MTP layer is named first.
     """
-    counts = {"quantized": 0, "kept": 0, "copied": 0, "scale": 0, "mtp_tensors": 0}
+    counts = {"quantized": 0, "kept": 0, "kept_source": 0, "copied": 0, "scale": 0, "mtp_tensors": 0}
     mtp_prefixes = tuple(f"model.layers.{i}." for i in plan.layout.mtp_layers)
     for shard in plan.shards:
         header = read_header(out / shard.name)
@@ -341,8 +341,14 @@ def _write_index(plan: QuantizePlan, out: Path) -> None:
 def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -> None:
     """config.json with quantization_config as Quark's file-to-file writes it (same JSON layout)."""
     config = copy.deepcopy(config)
+    from mxforge.formats.quark import kept_layer_config
+
+    kept = plan.source_modules()
+    source_layer = kept_layer_config(config["quantization_config"]) if kept else {}
     drop_quantization_config(config)
-    config["quantization_config"] = recipe.quantization_config(plan.excluded_modules(), plan.module_formats())
+    config["quantization_config"] = recipe.quantization_config(
+        plan.excluded_modules(), plan.module_formats(), {m: source_layer for m in kept}
+    )
     # Quark's layout exactly: indent 4, UTF-8 as is, no trailing newline.
     write_json_atomic(out / "config.json", config, indent=4, ensure_ascii=False, trailing_newline=False)
 
@@ -396,7 +402,12 @@ def write_provenance(
         workers=workers,
         shards=ShardCounts(total=len(plan.shards), quantized_now=quantized_now, skipped_complete=skipped),
         shards_sha256_from_download=sha256_from_download,
-        counts=TensorCounts(quantized=accounted["quantized"], kept=accounted["kept"], copied=accounted["copied"]),
+        counts=TensorCounts(
+            quantized=accounted["quantized"],
+            kept=accounted["kept"],
+            kept_source=accounted["kept_source"],
+            copied=accounted["copied"],
+        ),
         fp8_scales_consumed=accounted["scale"],
         mtp_layers=list(plan.layout.mtp_layers),
         mtp_tensors=accounted["mtp_tensors"],
@@ -408,7 +419,7 @@ def write_provenance(
         gb_per_s=round(bytes_read / elapsed / 1e9, 4) if elapsed > 0 else None,
         tool_versions=state.versions,
         command=recorded_command(command),
-        tensors={fate: plan.names(fate) for fate in ("quantized", "kept", "copied")},
+        tensors={fate: plan.names(fate) for fate in ("quantized", "kept", "kept_source", "copied")},
         error=error_report(
             state.errors(s.name for s in plan.shards),
             plan.layout.mtp_layers,

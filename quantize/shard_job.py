@@ -267,6 +267,11 @@ def _stream_tensors(
             elif t.fate == "scale":  # folded into its weight: read (and hashed) only
                 for pos in range(t.source.start, t.source.end, CHUNK_BYTES):
                     progress(len(reader.read(pos, min(CHUNK_BYTES, t.source.end - pos))))
+            elif t.fate == "kept_source":  # kept as stored: the codes byte for byte, the scales under the format's name
+                _copy_tensor(reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job))
+                assert t.format is not None and t.fp8_scale is not None, f"{t.source.name}: planned as kept_source"
+                scale_at = plan.offsets[t.format.scale_name(t.source.name)]
+                _pwrite_all(out_fd, scales[t.source.name].astype("<f4").tobytes(), scale_at, _out_path(job))
             elif t.fp8_scale is not None:
                 _dequantize_tensor(
                     reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job), scales[t.source.name]
@@ -380,7 +385,7 @@ def _quantize_tensor(
         x = (
             _as_rows(raw, s.dtype, n, inner)
             if fp8_scales is None
-            else dequantize_rows(raw, fp8_scales, r0, inner, _fp8_block(t))
+            else dequantize_rows(raw, fp8_scales, r0, inner, _fp8_block(t), t.read_dtype)
         )
         codes = codes_buf[: n * packed].reshape(n, packed)
         scales = scales_buf[: n * nblocks].reshape(n, nblocks)
@@ -462,7 +467,7 @@ def _handle_nonfinite(
     rows = (
         _as_rows(raw, s.dtype, *s.shape)
         if fp8_scales is None
-        else dequantize_rows(raw, fp8_scales, 0, s.shape[1], _fp8_block(t))
+        else dequantize_rows(raw, fp8_scales, 0, s.shape[1], _fp8_block(t), t.read_dtype)
     )
     w = torch.from_numpy(rows.copy())
     codes, scales = quark_quantize_weight(fmt, w.view(torch.bfloat16) if t.read_dtype == "BF16" else w)

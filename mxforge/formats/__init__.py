@@ -15,13 +15,20 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from mxforge.errors import ConfigError
-from mxforge.formats import fp8_ptpc, mxfp4, mxfp6
+from mxforge.formats import fp8_block, fp8_ptpc, mxfp4, mxfp6
 from mxforge.formats.element import ERROR_STATS, ElementFormat
 from mxforge.safetensors_io import TensorInfo
 
-FORMATS: tuple[ElementFormat, ...] = (mxfp4.FORMAT, fp8_ptpc.FORMAT, mxfp6.E2M3_FORMAT, mxfp6.E3M2_FORMAT)
+FORMATS: tuple[ElementFormat, ...] = (
+    mxfp4.FORMAT,
+    fp8_ptpc.FORMAT,
+    mxfp6.E2M3_FORMAT,
+    mxfp6.E3M2_FORMAT,
+    fp8_block.FORMAT,  # kept from a block-FP8 source only (its kept_only)
+)
 DEFAULT_FORMAT = FORMATS[0]  # what a recipe rule quantizes to unless it names a `format`
 MXFP4 = mxfp4.FORMAT  # for the few release behaviours that are MXFP4's own (vLLM 0.30's re-quantization)
+FP8_BLOCK = fp8_block.FORMAT  # what a block-FP8 source's weights kept as stored are (recipes' format "source")
 # Quark schemes a recipe may name that mxforge does not write, and why (a recipe naming one is refused with it).
 REFUSED_FORMATS = {
     "fp8": "Quark's fp8 scheme declares static per-tensor FP8 activation scales, which need calibration data; "
@@ -35,6 +42,7 @@ __all__ = [
     "DEFAULT_FORMAT",
     "ERROR_STATS",
     "FORMATS",
+    "FP8_BLOCK",
     "MXFP4",
     "REFUSED_FORMATS",
     "ElementFormat",

@@ -1,8 +1,12 @@
 """What one entry of the format registry (`mxforge/formats/__init__.py`) holds: an element format, completely.
 
-Two families of formats fit one entry. OCP MX formats (below) share a scale per block of consecutive elements;
+Three kinds of formats fit one entry. OCP MX formats (below) share a scale per block of consecutive elements;
 per-channel formats (FP8 E4M3 with one float32 scale per output row, Quark's `FP8E4M3PerChannelSpec`: the
-weight half of PTPC FP8) have `block` None, store one code per byte and their scales `[out]`.
+weight half of PTPC FP8) have `block` None, store one code per byte and their scales `[out]`; 2-D block formats
+(block FP8: one float32 scale per `block_rows` x `block` tile, as DeepSeek's and GLM's FP8 releases store weights
+and Quark's `per_block` spec names them) store their scales as the tile grid `[ceil(out / block_rows),
+ceil(in / block)]`. A format mxforge only keeps from a source that stores it, never quantizes to (no Quark spec
+class quantizes to it), says why in `kept_only`.
 
 An OCP MX format (OCP Microscaling Formats v1.0; in Quark, `OCP_MXSpec` and a subclass per element type) stores a
 2-D weight `[out, in]` as blocks of `block` consecutive elements along `in` that share one power-of-two scale:
@@ -76,11 +80,15 @@ class QuarkSpec:
     """How Quark describes the format in `quantization_config` (quark.torch.quantization.config.config): the spec
     class and constructor arguments of its static weights and of its dynamic activations (formats/quark.py)."""
 
-    spec_class: str  # the DataTypeSpec subclass that builds its QuantizationSpec: "OCP_MXFP4Spec"
+    spec_class: str | None  # the DataTypeSpec subclass that builds its QuantizationSpec: "OCP_MXFP4Spec" (None: a
+    # kept-only format, whose layer config Quark derives from the source's quantization_config: formats/quark.py)
     dtype: str  # the spec's `dtype`: "fp4"
     qscheme: str = "per_group"  # the spec's `qscheme` (OCP_MXSpec's, for every MX format)
     ch_axis: int = -1  # the weight spec's `ch_axis` (-1: along `in`, MX blocks; 0: one scale per output channel)
     input_ch_axis: int = -1  # the dynamic activations' `ch_axis` (PTPC: 1, one scale per token)
+    input_qscheme: str | None = None  # the dynamic activations' `qscheme` where it is not the weights' (block FP8:
+    # "per_group", one scale per `input_group_size` activations of a token)
+    input_group_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,8 @@ class ElementFormat:
     kernels: Kernels
     scale_suffix: str = "_scale"  # X.weight -> X.weight_scale: Quark's file-to-file writes the tensor name + "_scale"
     scale_rules: bool = False  # the kernels take scale rule offsets other than Quark's (0,)
+    block_rows: int = 1  # output rows one scale covers (>1: 2-D tiles of block_rows x block, Quark's `per_block`)
+    kept_only: str | None = None  # why mxforge never quantizes to it, only keeps a source's weights so (None: it does)
 
     def __post_init__(self):
         if len(self.values) != 1 << self.element_bits:
@@ -161,14 +171,35 @@ class ElementFormat:
         per-channel format)."""
         return 1 if self.block is None else -(-inner // self.block)
 
+    def scale_grid_rows(self, rows: int) -> int:
+        """Rows of the stored scale tensor for `rows` output rows (a 2-D block format's tile rows)."""
+        return -(-rows // self.block_rows)
+
+    def scale_grid_span(self, r0: int, n: int) -> tuple[int, int]:
+        """The stored scale rows [g0, g1) that output rows [r0, r0 + n) use."""
+        return r0 // self.block_rows, -(-(r0 + n) // self.block_rows)
+
+    def row_scales(self, grid: np.ndarray, r0: int, n: int) -> np.ndarray:
+        """Each of output rows [r0, r0 + n)'s scale bytes `[n, scale_row_bytes]` from the stored scale rows
+        `scale_grid_span(r0, n)` read as uint8 `grid` (a 2-D block format repeats a tile row's scales over its
+        rows; for any other format `grid` is already per row)."""
+        if self.block_rows == 1:
+            return grid
+        import numpy as np
+
+        first = r0 % self.block_rows
+        return np.repeat(grid, self.block_rows, axis=0)[first : first + n]
+
     def scale_row_bytes(self, inner: int) -> int:
         """Bytes of scales per row for `inner` elements (what a kernel's `scales` buffer holds per row)."""
         return self.blocks(inner) * self.scale.itemsize
 
     @property
     def granularity(self) -> str:
-        """What one scale covers, for people: "32 weights" or "output channel"."""
-        return "output channel" if self.block is None else f"{self.block} weights"
+        """What one scale covers, for people: "32 weights", "128x128 weights" or "output channel"."""
+        if self.block is None:
+            return "output channel"
+        return f"{self.block_rows}x{self.block} weights" if self.block_rows > 1 else f"{self.block} weights"
 
     def unpacked_inner(self, packed: int) -> int:
         """Elements per row that `packed` bytes of codes hold."""
@@ -176,7 +207,7 @@ class ElementFormat:
 
     def packed_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, ...]]:
         """(codes shape, scales shape) for a 2-D weight shape `[out, in]` (a per-channel format's scales: `[out]`,
-        as Quark writes them).
+        as Quark writes them; a 2-D block format's: its tile grid).
 
         Raises:
             ConfigError: not 2-D, or an in-dimension that does not pack into whole bytes.
@@ -187,7 +218,7 @@ class ElementFormat:
         reason = self.unpackable(inner)
         if reason:
             raise ConfigError(f"{reason} (shape {list(shape)})")
-        scales = (out,) if self.block is None else (out, self.blocks(inner))
+        scales = (out,) if self.block is None else (self.scale_grid_rows(out), self.blocks(inner))
         return (out, self.packed_inner(inner)), scales
 
     def scale_name(self, weight_name: str) -> str:
@@ -246,17 +277,30 @@ class ElementFormat:
     # --- quantization_config -----------------------------------------------------------------------------
     @property
     def spec_fields(self) -> dict:
-        """The QuantizationSpec fields that name this format (what Quark writes and engines' schemes test)."""
-        return {
-            "dtype": self.quark.dtype,
-            "qscheme": self.quark.qscheme,
-            "group_size": self.block,
-            "scale_format": self.scale.name,
-        }
+        """The QuantizationSpec fields that name this format's weights (what Quark writes and engines' schemes
+        test): a 2-D block format's tile is `block_size` [rows, cols], any other's block `group_size`."""
+        fields: dict = {"dtype": self.quark.dtype, "qscheme": self.quark.qscheme, "scale_format": self.scale.name}
+        if self.block_rows > 1:
+            fields["block_size"] = [self.block_rows, self.block]
+        else:
+            fields["group_size"] = self.block
+        return fields
+
+    @property
+    def input_spec_fields(self) -> dict:
+        """The fields of the dynamic activations' QuantizationSpec declared with this format's weights (the weights'
+        own, unless the entry gives the activations another qscheme and group)."""
+        if self.quark.input_qscheme is None:
+            return self.spec_fields
+        return {"dtype": self.quark.dtype, "qscheme": self.quark.input_qscheme, "group_size": self.quark.input_group_size}
 
     def matches_spec(self, spec: Mapping | None) -> bool:
         """Whether a QuantizationSpec dict (a layer config's `weight` or `input_tensors`) is this format."""
         return isinstance(spec, Mapping) and all(spec.get(k) == v for k, v in self.spec_fields.items())
+
+    def matches_input_spec(self, spec: Mapping | None) -> bool:
+        """Whether a layer config's `input_tensors` spec is the activations this format's weights are declared with."""
+        return isinstance(spec, Mapping) and all(spec.get(k) == v for k, v in self.input_spec_fields.items())
 
     # --- numerics ----------------------------------------------------------------------------------------
     def quantize(
@@ -282,6 +326,8 @@ class ElementFormat:
         """
         import torch
 
+        if self.kept_only:
+            raise ConfigError(f"{name or 'weight'}: mxforge does not quantize to {self.title}: {self.kept_only}")
         if not weight.is_floating_point():
             raise ConfigError(f"{name or 'weight'}: {self.title} needs a floating-point weight, got {weight.dtype}")
         if offsets != (0,) and not self.scale_rules:
@@ -327,9 +373,9 @@ class ElementFormat:
         import torch
 
         rows = codes.shape[0]
-        scale_bytes = scales.contiguous().view(torch.uint8).reshape(rows, -1)
+        grid = scales.contiguous().view(torch.uint8).reshape(self.scale_grid_rows(rows), -1).numpy()
         return torch.from_numpy(
-            self.kernels.decode(codes.contiguous().view(torch.uint8).numpy(), scale_bytes.numpy(), inner)
+            self.kernels.decode(codes.contiguous().view(torch.uint8).numpy(), self.row_scales(grid, 0, rows), inner)
         )
 
 

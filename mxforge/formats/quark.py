@@ -63,6 +63,7 @@ def specs(fmt: ElementFormat):
     import dataclasses
 
     config = _quark("quark.torch.quantization.config.config")
+    assert fmt.quark.spec_class, f"{fmt.title} is kept from a source, never quantized to: it has no Quark spec class"
     spec_class = getattr(config, fmt.quark.spec_class)
     # a spec class whose block is a parameter (Quark's non-MX per-group specs) is given the entry's
     block = {"group_size": fmt.block} if "group_size" in {f.name for f in dataclasses.fields(spec_class)} else {}
@@ -133,6 +134,61 @@ def cached_layer_config(fmt: ElementFormat, quantize_inputs: bool = True) -> dic
     return cached_quantization_config(fmt, [], quantize_inputs)["global_quant_config"]
 
 
+def kept_layer_config(source_quantization_config: dict) -> dict:
+    """The layer config (`QLayerConfig.to_dict()`) Quark's file-to-file writes into `layer_quant_config` for a module
+    of a block-FP8 source it keeps as stored (`keep_excluded_layers_as_original_model_state`), given the source's
+    `quantization_config` (its `weight_block_size`, `fmt`, `activation_scheme`, ... are what Quark reads).
+
+    Quark itself derives it: its exclude-aware config builder runs on a one-module stand-in of the source (one
+    FP8 weight with its scales, and the source's quantization_config) in a temporary directory. Cached per Quark
+    version, source config and this code, as cached_quantization_config is.
+
+    Raises:
+        ConfigError: Quark refuses the source's quantization_config (e.g. static activation scales), with its
+            reason.
+    """
+    source = json.dumps(source_quantization_config, sort_keys=True)
+    code = hashlib.sha256((inspect.getsource(_quark_kept_layer_config) + source).encode()).hexdigest()[:16]
+    path = cache_root() / f"quark-kept-config-{_installed('amd-quark')}-{code}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    announce_quark_import(path.parent)
+    config = _quark_kept_layer_config(source_quantization_config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        tmp.write_text(json.dumps(config))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # no cache: Quark is asked again next time
+    return config
+
+
+def _quark_kept_layer_config(source_quantization_config: dict) -> dict:
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    from mxforge.errors import ConfigError
+    from mxforge.formats import MXFP4
+
+    f2f = _quark("quark.torch.quantization.file2file_quantization")
+    block = source_quantization_config.get("weight_block_size") or [1, 1]
+    with tempfile.TemporaryDirectory(prefix="mxforge-quark-kept-") as tmp:
+        weight = torch.zeros(int(block[0]), int(block[1]), dtype=torch.float8_e4m3fn)
+        save_file({"m.weight": weight, "m.weight_scale_inv": torch.ones(1, 1)}, str(Path(tmp) / "model.safetensors"))
+        hf_config = {"quantization_config": source_quantization_config}
+        (Path(tmp) / "config.json").write_text(json.dumps(hf_config))
+        try:
+            built = f2f._build_exclude_aware_quant_config(tmp, qconfig(MXFP4, ["m"]), hf_config, True)
+        except ValueError as e:
+            raise ConfigError(f"Quark keeps no FP8 weights of this source: {e}") from e
+    return built.layer_quant_config["m"].to_dict()
+
+
 def announce_quark_import(cache: Path) -> None:
     """Say on stderr, before it starts, that Quark is about to be imported: its first import compiles a C++
     extension and the process then sits silent for up to a minute (a no-op when Quark is loaded already)."""
@@ -151,7 +207,7 @@ def _cache_key(fmt: ElementFormat, quantize_inputs: bool) -> str:
     keeps the cache)."""
     version = _installed("amd-quark")
     builders = (specs, qconfig, export_quantization_config)
-    source = "".join(inspect.getsource(getattr(f, "__wrapped__", f)) for f in builders) + fmt.quark.spec_class
+    source = "".join(inspect.getsource(getattr(f, "__wrapped__", f)) for f in builders) + str(fmt.quark.spec_class)
     code = hashlib.sha256(source.encode()).hexdigest()[:12]
     return f"{version}-{fmt.name}-{'w-a' if quantize_inputs else 'w'}-{code}"
 

@@ -133,14 +133,21 @@ def test_mxfp4_is_the_ocp_mx_specification():
 def test_every_entry_is_quarks_own_spec():
     """What an entry says Quark writes (dtype, qscheme, group size, scale format) is what its Quark spec class
     writes, and the registry recognizes that spec as the entry (and nothing else as it)."""
-    from mxforge.formats.quark import specs
+    from mxforge.formats.quark import kept_layer_config, specs
+    from mxforge.models.fixture import FP8_QUANTIZATION_CONFIG
 
     for fmt in FORMATS:
-        weight, inputs = (s.to_dict() for s in specs(fmt))
+        if fmt.kept_only:  # Quark writes its layer config for a kept source module (a DeepSeek-V3-style source's)
+            kept = kept_layer_config(FP8_QUANTIZATION_CONFIG)
+            weight, inputs = kept["weight"], kept["input_tensors"]
+        else:
+            weight, inputs = (s.to_dict() for s in specs(fmt))
         assert {k: weight[k] for k in fmt.spec_fields} == fmt.spec_fields
         assert weight["is_dynamic"] is False and inputs["is_dynamic"] is True
-        assert format_of_spec(weight) is fmt and format_of_spec(inputs) is fmt
-        assert format_of_spec({**weight, "group_size": (fmt.block or 2) // 2}) is None
+        assert format_of_spec(weight) is fmt and fmt.matches_input_spec(inputs)
+        assert format_of_spec(inputs) is (None if fmt.quark.input_qscheme else fmt)
+        size_key = "block_size" if fmt.block_rows > 1 else "group_size"
+        assert format_of_spec({**weight, size_key: (fmt.block or 2) // 2}) is None
 
 
 def test_codes_pack_little_endian_along_the_row():

@@ -352,9 +352,10 @@ def test_compressed_tensors_fp8_without_or_with_misshapen_scales_is_refused(tmp_
         quantize_checkpoint(tmp_path / "fp8", tmp_path / "o", quiet=True)
 
 
-def test_quantize_fp8_equals_quantizing_its_dequantized_bf16(fp8_tiny, tmp_path):
-    """Quantized weights: Quark-numerics MXFP4 of the reference dequantization; kept weights: that bf16; scales and
-    the FP8 quantization_config gone; the report names the source precision."""
+def test_quantize_block_fp8_equals_quantizing_its_float32_dequantization(fp8_tiny, tmp_path):
+    """Quantized weights: Quark-numerics MXFP4 of the reference dequantization's float32 product (what Quark's
+    file-to-file quantizes for a block-FP8 source: tests/quantize/test_keep_source.py runs it); kept weights: that
+    product as bf16; scales and the FP8 quantization_config gone; the report names the source precision."""
     report = quantize_checkpoint(fp8_tiny, tmp_path / "q", quiet=True, workers=1)
     assert report.source_precision.startswith("fp8") and report.fp8_scales_consumed > 0
     src, out = _tensors(fp8_tiny), _tensors(tmp_path / "q")
@@ -370,11 +371,12 @@ def test_quantize_fp8_equals_quantizing_its_dequantized_bf16(fp8_tiny, tmp_path)
         ref = src[name].to(torch.float32)
         s = src[name + "_scale_inv"]
         rows, cols = ref.shape
-        ref = (ref * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]).to(torch.bfloat16)
+        product = ref * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+        ref = product.to(torch.bfloat16)
         if name in quantized:
             codes = np.empty((rows, cols // 2), np.uint8)
             scales = np.empty((rows, -(-cols // 32)), np.uint8)
-            quantize_rows_cpu(_bf16_bits(ref), codes, scales)
+            quantize_rows_cpu(product.numpy(), codes, scales)
             assert np.array_equal(out[name].numpy(), codes) and np.array_equal(out[name + "_scale"].numpy(), scales)
         else:
             assert out[name].dtype == torch.bfloat16 and torch.equal(out[name], ref)

@@ -88,7 +88,7 @@ def test_recipe_hash_and_name():
         ('name="x"\nscheme="mxfp4"\n[[quantize]]\nkinds=["experts"]\nformat=4\n', "format must be a string"),
         (
             'name="x"\nscheme="mxfp4"\n[[keep]]\nkinds=["router"]\nformat="mxfp4"\n[[quantize]]\nkinds=["experts"]\n',
-            r"\[\[keep\]\] rule 1: a \[\[keep\]\] rule keeps weights as stored; `format` is for \[\[quantize\]\] rules",
+            r"\[\[keep\]\] rule 1: a \[\[keep\]\] rule's format can only be 'source' .* not 'mxfp4'",
         ),
     ],
 )

@@ -1,0 +1,169 @@
+"""Keeping a block-FP8 source's weights as it stores them (a [[keep]] rule's `format = "source"`; the shipped
+`<family>-mxfp4-keep-fp8` recipes), checked against Quark 0.13's own file-to-file with
+`keep_excluded_layers_as_original_model_state`: every shard byte for byte, the index's map and quantization_config.
+
+Quark dequantizes the FP8 weights it quantizes with a Triton kernel, which has no CPU backend, and its entry point
+refuses an FP8 source on any device but CUDA. The test replaces that one kernel (`_weight_dequant_fp8`) with its
+arithmetic in torch (float32 code times float32 tile scale: the kernel's `x.to(float32) * s`) and runs the steps of
+Quark's single-device driver (`quantize_model_per_safetensor`) with Quark's own functions on the CPU
+(`quark_keep_mode`); every number, name and config entry is Quark's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import cli, one_error_line
+from safetensors import safe_open
+
+from mxforge.checkpoint import INDEX_NAME
+from mxforge.formats import FP8_BLOCK, MXFP4, format_of_spec
+from mxforge.models import family_named
+from mxforge.models.fixture import write_fixture
+from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
+
+FAMILIES = [f for f in ("glm_moe_dsa", "deepseek_v3") if family_named(f).has_fp8_release]
+
+
+def _keep_recipe(family: str) -> str:
+    return next(r for r in family_named(family).recipes if r.endswith("-keep-fp8"))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def kept(request, tmp_path_factory) -> tuple[Path, Path]:
+    """(the family's tiny block-FP8 fixture, `mxforge quantize` of it with the family's keep-fp8 recipe)."""
+    root = tmp_path_factory.mktemp(f"keep-{request.param}")
+    write_fixture(root / "fp8", "tiny", seed=0, quiet=True, family=request.param, precision="fp8")
+    cli("quantize", str(root / "fp8"), str(root / "out"), "--recipe", _keep_recipe(request.param), "--quiet", check=True)
+    return root / "fp8", root / "out"
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(d.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def test_kept_weights_are_the_source_bytes_with_quarks_scale_name(kept):
+    """Each FP8 weight the recipe keeps is the source's codes and its scale_inv tiles byte for byte, the scales
+    under `X.weight_scale`; no weight_scale_inv is left; those modules have a block-FP8 layer config under their
+    exact names and are not excluded; the experts are MXFP4."""
+    src, out = kept
+    s, o = _tensors(src), _tensors(out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    kept_fp8 = sorted(n for n, t in o.items() if t.dtype == torch.float8_e4m3fn)
+    assert kept_fp8 and not [n for n in o if n.endswith("_scale_inv")]
+    for name in kept_fp8:
+        module = name.removesuffix(".weight")
+        assert torch.equal(o[name].view(torch.uint8), s[name].view(torch.uint8)), name
+        assert torch.equal(o[name + "_scale"].view(torch.uint8), s[name + "_scale_inv"].view(torch.uint8)), name
+        assert format_of_spec(qc["layer_quant_config"][module]["weight"]) is FP8_BLOCK, module
+        assert module not in qc["exclude"]
+    assert any(".self_attn." in n for n in kept_fp8) and not any(".mlp.experts." in n for n in kept_fp8)
+    assert any(".mlp.experts." in n and t.dtype == torch.uint8 for n, t in o.items())
+    assert format_of_spec(qc["global_quant_config"]["weight"]) is MXFP4
+    report = json.loads((out / QUANTIZE_NAME).read_text())
+    assert report["counts"]["kept_source"] == len(kept_fp8) == len(report["tensors"]["kept_source"])
+
+
+def _dequant_fp8_torch(x: torch.Tensor, s: torch.Tensor, block_size: int = 128, **_) -> torch.Tensor:
+    """The stand-in for Quark's Triton `_weight_dequant_fp8`: each code as float32 times its tile's float32 scale."""
+    rows, cols = x.shape
+    tiles = s.float().repeat_interleave(block_size, 0)[:rows].repeat_interleave(block_size, 1)[:, :cols]
+    return x.to(torch.float32) * tiles
+
+
+def quark_keep_mode(f2f, src: Path, dst: Path, config) -> None:
+    """Quark 0.13's `quantize_model_per_safetensor(src, config, dst, keep_excluded_layers_as_original_model_state=True,
+    device="cpu")` for a single-file-scale FP8 source: its driver's steps (exclusions split by stored dtype, the
+    cross-shard scale cache, each shard, the exclude-aware config, the export), each one Quark's own function with
+    the arguments the driver passes, without the entry's CUDA-only gate for FP8 sources."""
+    path, device = str(src), "cpu"
+    hf_config = f2f._get_hf_model_config(path)
+    floating: set[str] = set()
+    excluded = f2f._collect_tensor_names_matching_quark_exclude(path, config, source_floating_names=floating)
+    weight_map = f2f._load_weight_map(path)
+    scale_cache = f2f._build_cross_file_scale_inv_cache(path, weight_map, device=device)
+    dst.mkdir()
+    out_map: dict[str, str] = {}
+    for shard in f2f._get_safetensor_files(path):
+        out_map.update(
+            f2f._quantize_and_save_safetensor_shard(
+                safetensor_path=shard,
+                export_path=str(dst),
+                quant_config=config,
+                device=device,
+                keep_excluded_layers_as_original_model_state=True,
+                model_dtype=f2f._get_model_dtype_from_hf_model_config(hf_config),
+                keep_original_model_state_tensor_names_set=excluded - floating,
+                excluded_source_floating_tensor_names=floating,
+                weight_converters=None,
+                hf_model_config=hf_config,
+                source_weight_map=weight_map,
+                scale_inv_cache=scale_cache,
+                presharded_weights=None,
+                rotation_plan=None,
+            )
+        )
+    exported = f2f._build_exclude_aware_quant_config(path, config, hf_config, True)
+    f2f._export_config(path, exported, str(dst), out_map, hf_config)
+
+
+@pytest.mark.quark
+def test_keep_fp8_output_is_byte_identical_to_quarks_keep_mode(kept, tmp_path, monkeypatch):
+    """Quark's file-to-file (MXFP4Scheme global, the recipe's exclusions: every module the output does not hold in
+    MXFP4) with keep_excluded_layers_as_original_model_state writes the same shards, the same index map and the same
+    quantization_config (Quark orders the kept modules' layer configs and its exclude list as a Python set
+    iterates; mxforge sorts them)."""
+    import quark.torch.quantization.file2file_quantization as f2f
+    from quark.torch.quantization.config.config import QConfig
+    from quark.torch.quantization.config.template import MXFP4Scheme
+
+    src, out = kept
+    monkeypatch.setattr(f2f, "_weight_dequant_fp8", _dequant_fp8_torch)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    exclude = sorted([*qc["exclude"], *qc["layer_quant_config"]])
+    dst = tmp_path / "quark"
+    quark_keep_mode(f2f, src, dst, QConfig(global_quant_config=MXFP4Scheme().config, exclude=exclude))
+    skip = {QUANTIZE_NAME, QUANTIZE_STATE_NAME, INDEX_NAME, "config.json"}
+    theirs = {p.name: p.read_bytes() for p in sorted(dst.iterdir()) if p.is_file() and p.name not in skip}
+    assert theirs and all((out / n).read_bytes() == b for n, b in theirs.items())
+    ours_index, their_index = (json.loads((d / INDEX_NAME).read_text()) for d in (out, dst))
+    assert ours_index["weight_map"] == their_index["weight_map"]
+    ours_cfg, their_cfg = (json.loads((d / "config.json").read_text()) for d in (out, dst))
+    for cfg in (ours_cfg, their_cfg):
+        cfg["quantization_config"]["exclude"] = sorted(cfg["quantization_config"]["exclude"])
+    assert ours_cfg == their_cfg
+
+
+def test_keeping_compressed_tensors_fp8_as_stored_is_refused_naming_the_tensor(tmp_path):
+    """compressed-tensors FP8 (per-channel scales) is not block FP8: a rule keeping it as stored is one line naming
+    the tensor and what to do (Quark refuses such a source in keep mode too)."""
+    write_fixture(tmp_path / "ct", "tiny", seed=0, quiet=True, family="glm4_moe", precision="fp8")
+    recipe = tmp_path / "keep.toml"
+    recipe.write_text(
+        'name = "keep"\nscheme = "mxfp4"\n[[keep]]\nkinds = ["attention"]\nformat = "source"\n'
+        '[[quantize]]\nkinds = ["experts"]\n'
+    )
+    line = one_error_line(cli("quantize", str(tmp_path / "ct"), str(tmp_path / "out"), "--recipe", str(recipe)))
+    assert 'the recipe keeps it as the source stores it (format = "source")' in line and "self_attn" in line
+    assert "mxforge keeps only FP8 block" in line and "Keep it bf16" in line
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    "rule,says",
+    [
+        ('[[keep]]\nkinds = ["attention"]\nformat = "fp8_ptpc"\n', "a [[keep]] rule's format can only be 'source'"),
+        ('[[quantize]]\nkinds = ["attention"]\nformat = "fp8_block"\n', "mxforge does not quantize to format"),
+    ],
+)
+def test_a_keep_rule_with_a_format_or_a_rule_quantizing_to_block_fp8_is_refused(rule, says, tiny_ckpt, tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "r"\nscheme = "mxfp4"\n{rule}[[quantize]]\nkinds = ["experts"]\n')
+    line = one_error_line(cli("quantize", str(tiny_ckpt), str(tmp_path / "out"), "--recipe", str(recipe)))
+    assert says in line, line
