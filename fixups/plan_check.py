@@ -44,7 +44,7 @@ def unloadable(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[EnginePr
     """The engine problems validate would report on `plan`'s output after fixup, per release of `profiles` (those a
     serving flag avoids left out: validate names the flag)."""
     loaded = planned_checkpoint(plan, ckpt)
-    qc = recipe.quantization_config(plan.excluded_modules(), plan.module_formats())
+    qc = plan.quantization_config(recipe, ckpt.config.get("quantization_config"))
     fixed, *_ = fixed_quantization_config(loaded, profiles, qc, where=f"recipe {recipe.name!r}")
     found, _ = loadability_problems(loaded, profiles, fixed)
     return [p for p in found if p.check == "engine" and not p.server_flag]

@@ -174,7 +174,9 @@ def _dequantized(fin, pair: StoredPair, nan_blocks: dict[str, int]):
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
         c = np.frombuffer(_pread(fin, codes.start + r0 * packed, n * packed), dtype=np.uint8).reshape(n, packed)
-        s = np.frombuffer(_pread(fin, scales.start + r0 * nblocks, n * nblocks), dtype=np.uint8).reshape(n, nblocks)
+        g0, g1 = fmt.scale_grid_span(r0, n)  # the stored scale rows these rows use (a 2-D block format's tile rows)
+        grid = _pread(fin, scales.start + g0 * nblocks, (g1 - g0) * nblocks)
+        s = fmt.row_scales(np.frombuffer(grid, dtype=np.uint8).reshape(g1 - g0, nblocks), r0, n)
         nan = int((s == fmt.scale.nan_code).sum()) if fmt.scale.nan_code is not None else 0
         if nan:
             nan_blocks[codes.name] = nan_blocks.get(codes.name, 0) + nan

@@ -54,7 +54,9 @@ class TensorPlan:
     source: TensorInfo
     fate: Fate
     fp8_scale: Fp8Scale | None = None  # set for an F8_E4M3 weight: read as bf16 through these scales
-    format: ElementFormat | None = None  # set for a quantized or `kept_source` weight: the element format it is stored in
+    format: ElementFormat | None = (
+        None  # set for a quantized or `kept_source` weight: the element format it is stored in
+    )
 
     @property
     def read_dtype(self) -> str:
@@ -141,6 +143,19 @@ class QuantizePlan:
             for t in self.tensors()
             if t.fate == "kept_source" and t.format is not None
         }
+
+    def quantization_config(self, recipe: Recipe, source_quantization_config: dict | None) -> dict:
+        """The output's quantization_config (what quantize writes and the plan check judges): the recipe's scheme,
+        the kept modules excluded, and layer configs for the modules stored in another format than the global one
+        and for each module kept as the source stores it (Quark's own, derived from the source's
+        `source_quantization_config`: formats/quark.kept_layer_config)."""
+        kept = self.source_modules()
+        layer: dict = {}
+        if kept:
+            from mxforge.formats.quark import kept_layer_config
+
+            layer = kept_layer_config(source_quantization_config or {})
+        return recipe.quantization_config(self.excluded_modules(), self.module_formats(), {m: layer for m in kept})
 
     def module_formats(self) -> dict[str, ElementFormat]:
         """Every quantized weight's module name -> the element format it is stored in."""

@@ -341,14 +341,9 @@ def _write_index(plan: QuantizePlan, out: Path) -> None:
 def _write_config(config: dict, recipe: Recipe, plan: QuantizePlan, out: Path) -> None:
     """config.json with quantization_config as Quark's file-to-file writes it (same JSON layout)."""
     config = copy.deepcopy(config)
-    from mxforge.formats.quark import kept_layer_config
-
-    kept = plan.source_modules()
-    source_layer = kept_layer_config(config["quantization_config"]) if kept else {}
+    quantization_config = plan.quantization_config(recipe, config.get("quantization_config"))
     drop_quantization_config(config)
-    config["quantization_config"] = recipe.quantization_config(
-        plan.excluded_modules(), plan.module_formats(), {m: source_layer for m in kept}
-    )
+    config["quantization_config"] = quantization_config
     # Quark's layout exactly: indent 4, UTF-8 as is, no trailing newline.
     write_json_atomic(out / "config.json", config, indent=4, ensure_ascii=False, trailing_newline=False)
 

@@ -358,7 +358,9 @@ def add_fp4_g16(root: Path, entry: str = FP4_G16) -> None:
         init.read_text(),
         flags=re.M,
     )
-    text, m = re.subn(r"^(FORMATS: tuple\[ElementFormat, \.\.\.\] = \(.*)\)$", r"\1, fp4_g16.FORMAT)", text, flags=re.M)
+    text, m = re.subn(
+        r"^(FORMATS: tuple\[ElementFormat, \.\.\.\] = \([^)]*?),?(\s*)\)$", r"\1, fp4_g16.FORMAT\2)", text, flags=re.M
+    )
     assert n == m == 1
     init.write_text(text)
 

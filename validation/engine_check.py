@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from mxforge.errors import ConfigError
-from mxforge.formats import FORMATS, MXFP4, format_named, format_of_spec
+from mxforge.formats import FORMATS, MXFP4, ElementFormat, format_named, format_of_spec
 from mxforge.models import MoeLayout
 from mxforge.validation.loaded import LoadedCheckpoint
 from mxforge.validation.matching import (
@@ -132,6 +132,22 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
             '"No quark compatible scheme"',
         )
     asked = format_of_spec(weight)
+    if asked is not None and asked.name in profile.formats_raising:
+        return Verdict(
+            module,
+            None,
+            f"its layer config asks for {asked.title} weights, which {profile.name} takes with no scheme: the engine "
+            'raises "No quark compatible scheme" (measured, schemes.formats_raising)',
+            remedy=_load_elsewhere(profile, asked),
+        )
+    if asked is not None and asked.name in profile.formats_own_method:
+        return Verdict(
+            module,
+            OTHER,
+            f"its layer config asks for {asked.title} weights, which {profile.name} builds with "
+            f"{profile.formats_own_method[asked.name]}",
+            remedy=_load_elsewhere(profile, asked),
+        )
     if asked is not None and asked.name not in profile.formats:
         loaded = ", ".join(format_named(f).title for f in sorted(profile.formats))
         return Verdict(
@@ -151,6 +167,12 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
             f'{title} activations declared): the engine raises "No quark compatible scheme"',
         )
     return Verdict(module, OTHER, f"its layer config asks for {weight.get('dtype')!r} weights")
+
+
+def _load_elsewhere(profile: EngineProfile, fmt: ElementFormat) -> str:
+    """What to do with a module stored in a format `profile`'s releases do not load."""
+    loaded = ", ".join(format_named(f).title for f in sorted(profile.formats))
+    return f"serve it with a release that loads {fmt.title} (mxforge validate lists them), or store it as {loaded}"
 
 
 def check_engine(
@@ -234,7 +256,7 @@ def _compare(view: EngineView, verdict: Verdict, stored: list[Stored]) -> Proble
     if verdict.form == OTHER:
         return problem(
             f"{verdict.reason}; the checkpoint holds {found} under {where}",
-            f"exclude it or give it a layer config of a format mxforge writes ({WRITTEN} only)",
+            verdict.remedy or f"exclude it or give it a layer config of a format mxforge writes ({WRITTEN} only)",
         )
     if verdict.disagree is not None:
         d = verdict.disagree

@@ -216,7 +216,7 @@ def scheme_format(profile: EngineProfile, config: dict | None) -> ElementFormat 
     if inputs is None:
         return None if fmt.name in profile.formats_needing_inputs else fmt
     dynamic = isinstance(inputs, dict) and inputs.get("is_dynamic") is not False
-    return fmt if dynamic and fmt.matches_spec(inputs) else None
+    return fmt if dynamic and fmt.matches_input_spec(inputs) else None
 
 
 def _with_mtp_remap(profile: EngineProfile, entries: ExcludeList, layer: int) -> ExcludeList:

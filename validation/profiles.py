@@ -93,6 +93,11 @@ class EngineProfile:
     # modelled.
     formats_emulated: frozenset[str]
     linear_formats_emulated_without_inputs: frozenset[str]
+    # Formats whose layer config these releases were measured to answer with an error ("No quark compatible scheme")
+    formats_raising: frozenset[str]
+    # Formats whose layer config these releases build with a method of their own that the stored form does not fit,
+    # format -> that method, for people (sglang 0.5.21+: block FP8 through its Fp8LinearMethod)
+    formats_own_method: dict[str, str]
     fused: dict[str, tuple[str, ...]]  # fused module -> the checkpoint linears it is built from
     never_quantized: frozenset[str]  # layer-relative or global module names built unquantized
     # Excluded linears whose name contains one of these are loaded bf16, then re-quantized to MXFP4 after
@@ -248,6 +253,8 @@ def _load(name: str, family: str) -> EngineProfile:
             layer_configs_mapped=bool(sc.get("layer_configs_mapped", False)),
             formats_emulated=frozenset(sc.get("formats_emulated", ())),
             linear_formats_emulated_without_inputs=frozenset(sc.get("linear_formats_emulated_without_inputs", ())),
+            formats_raising=frozenset(sc.get("formats_raising", ())),
+            formats_own_method=dict(sc.get("formats_own_method", {})),
             fused={k: tuple(v) for k, v in mod["fused"].items()},
             never_quantized=frozenset(mod["never_quantized"]),
             requantized_when_excluded=tuple(mod.get("requantized_when_excluded", ())),
@@ -304,11 +311,20 @@ def _check(p: EngineProfile, where: str, family_from_later_release: bool = False
     unknown = p.packed - set(p.fused)
     if unknown:
         raise ConfigError(f"{where}: exclude.packed names {sorted(unknown)}, which modules.fused does not define")
-    for name in p.formats:
-        try:
-            format_named(name)
-        except ConfigError as e:
-            raise ConfigError(f"{where}: schemes.formats: {e}") from None
+    for key, names in (
+        ("formats", p.formats),
+        ("formats_raising", p.formats_raising),
+        ("formats_own_method", p.formats_own_method),
+    ):
+        for name in names:
+            try:
+                format_named(name)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: schemes.{key}: {e}") from None
+    if p.formats & (p.formats_raising | set(p.formats_own_method)) or p.formats_raising & set(p.formats_own_method):
+        raise ConfigError(
+            f"{where}: a format is in at most one of schemes.formats, formats_raising and formats_own_method"
+        )
     if not p.formats_needing_inputs <= p.formats:
         raise ConfigError(f"{where}: schemes.formats_needing_inputs must be drawn from schemes.formats")
     if not (p.formats_emulated | p.linear_formats_emulated_without_inputs) <= p.formats:

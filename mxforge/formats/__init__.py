@@ -19,12 +19,13 @@ from mxforge.formats import fp8_block, fp8_ptpc, mxfp4, mxfp6
 from mxforge.formats.element import ERROR_STATS, ElementFormat
 from mxforge.safetensors_io import TensorInfo
 
+# (block FP8 is kept from a block-FP8 source only: its entry's kept_only says why)
 FORMATS: tuple[ElementFormat, ...] = (
     mxfp4.FORMAT,
     fp8_ptpc.FORMAT,
     mxfp6.E2M3_FORMAT,
     mxfp6.E3M2_FORMAT,
-    fp8_block.FORMAT,  # kept from a block-FP8 source only (its kept_only)
+    fp8_block.FORMAT,
 )
 DEFAULT_FORMAT = FORMATS[0]  # what a recipe rule quantizes to unless it names a `format`
 MXFP4 = mxfp4.FORMAT  # for the few release behaviours that are MXFP4's own (vLLM 0.30's re-quantization)

@@ -292,7 +292,11 @@ class ElementFormat:
         own, unless the entry gives the activations another qscheme and group)."""
         if self.quark.input_qscheme is None:
             return self.spec_fields
-        return {"dtype": self.quark.dtype, "qscheme": self.quark.input_qscheme, "group_size": self.quark.input_group_size}
+        return {
+            "dtype": self.quark.dtype,
+            "qscheme": self.quark.input_qscheme,
+            "group_size": self.quark.input_group_size,
+        }
 
     def matches_spec(self, spec: Mapping | None) -> bool:
         """Whether a QuantizationSpec dict (a layer config's `weight` or `input_tensors`) is this format."""

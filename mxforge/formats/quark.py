@@ -173,9 +173,9 @@ def _quark_kept_layer_config(source_quantization_config: dict) -> dict:
     from safetensors.torch import save_file
 
     from mxforge.errors import ConfigError
-    from mxforge.formats import MXFP4
 
     f2f = _quark("quark.torch.quantization.file2file_quantization")
+    config = _quark("quark.torch.quantization.config.config")
     block = source_quantization_config.get("weight_block_size") or [1, 1]
     with tempfile.TemporaryDirectory(prefix="mxforge-quark-kept-") as tmp:
         weight = torch.zeros(int(block[0]), int(block[1]), dtype=torch.float8_e4m3fn)
@@ -183,7 +183,9 @@ def _quark_kept_layer_config(source_quantization_config: dict) -> dict:
         hf_config = {"quantization_config": source_quantization_config}
         (Path(tmp) / "config.json").write_text(json.dumps(hf_config))
         try:
-            built = f2f._build_exclude_aware_quant_config(tmp, qconfig(MXFP4, ["m"]), hf_config, True)
+            # the global scheme plays no part in a kept module's entry: Quark's empty layer config stands for it
+            keep_m = config.QConfig(global_quant_config=config.QLayerConfig(), exclude=["m"])
+            built = f2f._build_exclude_aware_quant_config(tmp, keep_m, hf_config, True)
         except ValueError as e:
             raise ConfigError(f"Quark keeps no FP8 weights of this source: {e}") from e
     return built.layer_quant_config["m"].to_dict()

@@ -283,11 +283,9 @@ def render_model_card(
     front.append("---")
     arch = (ckpt.config.get("architectures") or ["?"])[0]
     titles = " and ".join(f.title for f in formats) or "quantized"
-    what = (
-        f"{titles} weights in AMD Quark's format, with the MTP layer kept loadable in sglang and vLLM"
-        if quantized
-        else "weights as stored, not quantized"
-    )
+    loads = sorted({e.split("==")[0] for e, ok in (validation.get("engines") or {}).items() if ok})
+    where = f", with the MTP layer kept loadable in {' and '.join(loads)} (validated below)" if loads else ""
+    what = f"{titles} weights in AMD Quark's format{where}" if quantized else "weights as stored, not quantized"
     family = _family_title(ckpt.config)
     out = front + [
         CARD_MARKER,

@@ -24,6 +24,7 @@ from mxforge.models import Family
 from mxforge.models.fixture import preset_config
 from mxforge.models.layout import MoeLayout
 from mxforge.models.tensor_kinds import layer_of
+from mxforge.quantize.recipe import load_recipe
 from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.validation.loaded import load_checkpoint
 from mxforge.validation.matching import DRAFT, TARGET
@@ -63,6 +64,7 @@ def first_moe_layer(src: Path) -> int:
 class Case:
     name: str
     path: Path
+    engines: tuple[str, ...] | None = None  # a pipeline output made for these engines only (`--engines`); None: all
 
     def load(self):
         loaded, _, _, _ = load_checkpoint(self.path)
@@ -117,7 +119,7 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
             # The MTP layer excluded by its bare layer name as well.
             "layer-entry": lambda out: _layer_entry(src, out, n),
         }
-        for recipe in family.recipes[2:]:  # the mixed-precision recipes (attention, MTP layer in FP8 PTPC)
+        for recipe in bf16_recipes(family)[2:]:  # the mixed-precision recipes (attention, MTP layer in FP8 PTPC)
             styles[f"recipe-{recipe}"] = lambda out, recipe=recipe: recipe_export(src, out, recipe)
         if len(family.recipes) > 2:
             # The first mixed recipe's output with its FP8 layer configs declaring no activations (weights only).
@@ -132,6 +134,17 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
             fixup_checkpoint(after, command="mxforge fixup (conformance)")
             cases += [Case(f"{size}/{style}", before), Case(f"{size}/{style}/fixed", after)]
     return cases
+
+
+def keep_source_recipes(family: Family) -> list[str]:
+    """The family's recipes that keep FP8 weights as the source stores them: their output differs from the default's
+    only on an FP8 source (conftest's family_cases runs them on the FP8 release's replica)."""
+    return [r for r in family.recipes if any(rule.keep_source for rule in load_recipe(r).rules)]
+
+
+def bf16_recipes(family: Family) -> list[str]:
+    """The family's recipes whose output on a bf16 source is their own (every recipe but keep_source_recipes)."""
+    return [r for r in family.recipes if r not in keep_source_recipes(family)]
 
 
 def _regex_mtp(src: Path, out: Path, n: int) -> None:

@@ -26,6 +26,7 @@ ENGINE_SCHEMES = {
     "other:QuarkW8A8Fp8:per_channel": "fp8_ptpc",  # vLLM's and sglang's linear
     "other:QuarkW8A8Fp8MoEMethod:fp8:per_channel": "fp8_ptpc",  # vLLM's routed experts
     "other:QuarkW8A8FP8MoE:per_channel": "fp8_ptpc",  # sglang's routed experts
+    "other:QuarkW8A8Fp8PerBlock": "fp8_block",  # vLLM's linear for Quark's per_block FP8 weights
     **{
         f"other:{scheme}:{fmt}": fmt  # vLLM's OCP MX linear and routed experts
         for scheme in ("QuarkOCP_MX", "QuarkOCP_MX_MoEMethod")

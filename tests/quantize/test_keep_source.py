@@ -36,7 +36,9 @@ def kept(request, tmp_path_factory) -> tuple[Path, Path]:
     """(the family's tiny block-FP8 fixture, `mxforge quantize` of it with the family's keep-fp8 recipe)."""
     root = tmp_path_factory.mktemp(f"keep-{request.param}")
     write_fixture(root / "fp8", "tiny", seed=0, quiet=True, family=request.param, precision="fp8")
-    cli("quantize", str(root / "fp8"), str(root / "out"), "--recipe", _keep_recipe(request.param), "--quiet", check=True)
+    cli(
+        "quantize", str(root / "fp8"), str(root / "out"), "--recipe", _keep_recipe(request.param), "--quiet", check=True
+    )
     return root / "fp8", root / "out"
 
 
@@ -167,3 +169,18 @@ def test_a_keep_rule_with_a_format_or_a_rule_quantizing_to_block_fp8_is_refused(
     recipe.write_text(f'name = "r"\nscheme = "mxfp4"\n{rule}[[quantize]]\nkinds = ["experts"]\n')
     line = one_error_line(cli("quantize", str(tiny_ckpt), str(tmp_path / "out"), "--recipe", str(recipe)))
     assert says in line, line
+
+
+def test_dequantize_turns_kept_block_fp8_into_the_bf16_it_stands_for(kept, tmp_path):
+    """`mxforge dequantize` on the keep-fp8 output: each kept FP8 weight becomes its code times its tile's scale, as
+    bf16 (what the engines' block dequantization makes of the source), the scales gone, the module excluded."""
+    src, out = kept
+    cli("dequantize", str(out), str(tmp_path / "bf16"), "--quiet", check=True)
+    s, d = _tensors(src), _tensors(tmp_path / "bf16")
+    kept_fp8 = [n for n, t in s.items() if t.dtype == torch.float8_e4m3fn and n + "_scale_inv" in s]
+    kept_fp8 = [n for n in kept_fp8 if ".mlp.experts." not in n and ".shared_experts." not in n]
+    assert kept_fp8 and not any(n.endswith("_scale") for n in d)
+    for name in kept_fp8:
+        rows, cols = s[name].shape
+        tiles = s[name + "_scale_inv"].repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        assert torch.equal(d[name], (s[name].to(torch.float32) * tiles).to(torch.bfloat16)), name

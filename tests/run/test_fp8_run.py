@@ -72,3 +72,30 @@ def test_streamed_fp8_run_pushes_the_same_bytes_as_sequential(fp8_hub, tmp_path,
     a, b = pushed_files(fp8_hub, "alice/streamed"), pushed_files(fp8_hub, "alice/sequential")
     assert sorted(a) == sorted(b)
     assert all(a[n] == b[n] for n in a if n not in PROVENANCE)
+
+
+KEEP_FP8 = [(f.name, r) for f in FAMILIES if f.has_fp8_release for r in f.recipes if r.endswith("-keep-fp8")]
+
+
+@pytest.mark.parametrize("family,recipe", KEEP_FP8, ids=[r for _, r in KEEP_FP8])
+def test_keep_fp8_recipe_pushes_for_the_releases_that_load_it_and_is_refused_for_the_others(
+    fp8_hub, tmp_path, family, recipe
+):
+    """Each shipped keep-fp8 recipe: for every release by default, refused before quantizing, naming the sglang
+    releases (none loads block FP8 as Quark keeps it); with --engines vllm, the pipeline pushes a checkpoint whose
+    kept weights are block FP8, which validates in every vLLM release and whose card lists them and FP8 block."""
+    proc = run_push(
+        f"zai/{family}-fp8", tmp_path / "all", "alice/all", "--recipe", recipe, env=hub_env(fp8_hub, tmp_path, TOKEN)
+    )
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr
+    said = proc.stderr.strip().splitlines()[-1].split("even after")[0]
+    assert "sglang-0.5.21" in said and "vllm" not in said, said
+    out = tmp_path / "run"
+    report = _run(fp8_hub, tmp_path, family, out, f"alice/{recipe}", "--recipe", recipe, "--engines", "vllm")
+    engines = report["stages"]["validate"]["report"]["engines"]
+    assert engines and all(engines.values()) and all(e.startswith("vllm") for e in engines), engines
+    counts = report["stages"]["quantize"]["report"]["counts"]
+    assert counts["kept_source"] > 0
+    card = pushed_files(fp8_hub, f"alice/{recipe}")["README.md"].decode()
+    intro = card.split("## ")[0]
+    assert "FP8 block" in card and "kept loadable in vllm (validated below)" in intro and "sglang" not in intro
