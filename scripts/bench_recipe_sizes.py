@@ -3,7 +3,8 @@
 write, planned from the headers of the family's `full-layout` fixture (sparse: real headers, no data read), against
 the same tensors in bf16.
 
-For every family and every recipe it ships (mxforge/models/: `Family.recipes`), the plan's output headers (the
+For every family and every recipe it ships (mxforge/models/: `Family.recipes`; a recipe that keeps FP8 weights as
+stored is planned on the family's FP8 release's full layout, `--precision fp8`), the plan's output headers (the
 tensors, dtypes and shapes the shards would hold) give the checkpoint's tensor bytes; the bf16 figure counts each
 weight stored in an element format at 2 bytes an element and its scales not at all (mxforge.hub.card.size_summary,
 the figure the model card states). Also the tensors per format. Nothing is quantized.
@@ -38,7 +39,7 @@ def recipe_sizes(src: Path, recipes: tuple[str, ...]) -> dict[str, dict]:
         recipe = load_recipe(name, ckpt.config)
         plan = plan_checkpoint(ckpt, recipe)
         planned = planned_checkpoint(plan, ckpt)
-        qc = recipe.quantization_config(plan.excluded_modules(), plan.module_formats())
+        qc = plan.quantization_config(recipe, ckpt.config.get("quantization_config"))
         size = size_summary(planned.infos, qc)
         formats = Counter(p.format.title for p in stored_pairs(planned.infos).values())
         out[name] = {
@@ -66,10 +67,15 @@ def main() -> None:
         "|---|---|---:|---:|---:|---|",
     ]
     for family in families:
-        src = work / f"{family.name}-full-layout"
-        if not (src / "config.json").exists():
-            write_fixture(src, "full-layout", family=family, quiet=True)
-        report[family.name] = recipe_sizes(src, family.recipes)
+        keep = [r for r in family.recipes if any(rule.keep_source for rule in load_recipe(r).rules)]
+        report[family.name] = {}
+        for precision, recipes in (("bf16", [r for r in family.recipes if r not in keep]), ("fp8", keep)):
+            if not recipes:
+                continue
+            src = work / f"{family.name}-full-layout" / precision
+            if not (src / "config.json").exists():
+                write_fixture(src, "full-layout", family=family, precision=precision, quiet=True)
+            report[family.name].update(recipe_sizes(src, tuple(recipes)))
         for name, r in report[family.name].items():
             formats = ", ".join(f"{k} {v:,}" for k, v in sorted(r["weights_per_format"].items()))
             lines.append(
