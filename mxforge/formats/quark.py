@@ -112,20 +112,28 @@ def cached_quantization_config(fmt: ElementFormat, exclude: list[str], quantize_
     varies, and Quark writes it as the sorted list, which is what is substituted here.
     """
     path = cache_root() / f"quark-config-{_cache_key(fmt, quantize_inputs)}.json"
-    try:
-        template = json.loads(path.read_text())
-    except (OSError, ValueError):
-        announce_quark_import(path.parent)
-        template = export_quantization_config(qconfig(fmt, [], quantize_inputs))
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-            tmp.write_text(json.dumps(template))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # no cache: Quark is simply imported again next time
+    template = _cached_json(path, lambda: export_quantization_config(qconfig(fmt, [], quantize_inputs)))
     template["exclude"] = sorted(exclude)
     return template
+
+
+def _cached_json(path: Path, build) -> dict:
+    """The JSON object cached at `path`, else `build()` (which imports Quark: announced first), cached there by
+    rename; a cache that cannot be written is skipped (Quark is simply asked again next time)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    announce_quark_import(path.parent)
+    built = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        tmp.write_text(json.dumps(built))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return built
 
 
 def cached_layer_config(fmt: ElementFormat, quantize_inputs: bool = True) -> dict:
@@ -150,20 +158,7 @@ def kept_layer_config(source_quantization_config: dict) -> dict:
     source = json.dumps(source_quantization_config, sort_keys=True)
     code = hashlib.sha256((inspect.getsource(_quark_kept_layer_config) + source).encode()).hexdigest()[:16]
     path = cache_root() / f"quark-kept-config-{_installed('amd-quark')}-{code}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    announce_quark_import(path.parent)
-    config = _quark_kept_layer_config(source_quantization_config)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        tmp.write_text(json.dumps(config))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # no cache: Quark is asked again next time
-    return config
+    return _cached_json(path, lambda: _quark_kept_layer_config(source_quantization_config))
 
 
 def _quark_kept_layer_config(source_quantization_config: dict) -> dict:
