@@ -4,11 +4,13 @@
 In one run, on one bench fixture written as its family's FP8 release stores it (`mxforge fixture --preset bench
 --precision fp8 --gib N`) and on the bf16 checkpoint that FP8 stands for (each weight dequantized by the reference
 formula, float32 product rounded to bf16, as DeepSeek's `inference/fp8_cast_bf16.py` makes the bf16 of its FP8
-release): `mxforge quantize` of each (a subprocess, end to end), alternating, best of --repeat. Both must write
-byte-identical shards and config.json (same bf16 in, same MXFP4 out). Then Quark 0.13's file-to-file mode on the
-FP8 source: it dequantizes FP8 with a Triton kernel (`_weight_dequant_fp8`), so it runs only where Triton (and a
-GPU) is; the script says so when it cannot. Quark also quantizes the float32 product without the bf16 rounding;
-the script measures how many MXFP4 codes and scales that choice changes on this content.
+release): `mxforge quantize` of each (a subprocess, end to end), alternating, best of --repeat. From a
+compressed-tensors source both write byte-identical shards (its FP8 is quantized from the bf16 it stands for); from
+a block-FP8 source mxforge quantizes the float32 product without the bf16 rounding, as Quark 0.13's file-to-file
+does (tests/quantize/test_keep_source.py checks every byte against Quark's), so the MXFP4 differs from the bf16
+checkpoint's: the script measures how many codes and scales that changes. Then Quark's own file-to-file on the FP8
+source: it dequantizes FP8 with a Triton kernel (`_weight_dequant_fp8`) and its entry refuses any device but CUDA,
+so it runs only where Triton (and a GPU) is; the script says so when it cannot.
 
     .venv/bin/python scripts/bench_fp8.py [--gib 1] [--family F] [--workdir DIR] [--repeat 2] [--json OUT]
 """
@@ -93,8 +95,9 @@ def write_dequantized(src: Path, dst: Path) -> None:
 
 
 def fp32_vs_bf16_numerics(src: Path, limit: int = 24) -> dict:
-    """MXFP4 of the float32 products (Quark's FP8 path) vs of their bf16 rounding (mxforge, DeepSeek's reference),
-    over the first `limit` FP8 weights: the share of codes and of block scales that differ."""
+    """MXFP4 of the float32 products (Quark's FP8 path, and mxforge's for block FP8) vs of their bf16 rounding (the
+    bf16 checkpoint, DeepSeek's reference), over the first `limit` FP8 weights: the share of codes and of block
+    scales that differ."""
     import torch
     from safetensors import safe_open
 
@@ -259,7 +262,7 @@ def main() -> None:
     else:
         lines.append(f"Quark 0.13 file-to-file on the FP8 source cannot run on this machine: {quark['error']}")
     lines.append(
-        f"Quark's FP8 numerics (MXFP4 of the float32 product, no bf16 rounding) vs mxforge's, over "
+        f"MXFP4 of the float32 product (Quark's FP8 path) vs of its bf16 rounding (the bf16 checkpoint's), over "
         f"{numerics['weights']} weights: {100 * numerics['codes_differing']:.3f}% of codes, "
         f"{100 * numerics['scales_differing']:.3f}% of scales differ"
     )

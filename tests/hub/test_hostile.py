@@ -216,7 +216,8 @@ def test_hostile_ctrl_c_stops_at_once_and_keeps_the_partial_file(hub, tmp_path):
     try:
         _wait_for(lambda: any(p.stat().st_size >= 1_000_000 for p in _partials(dest)), "the download to start")
         proc.send_signal(signal.SIGINT)
-        proc.stdout, proc.stderr = proc.communicate(timeout=20)  # far less than the 120 s the read would wait
+        # well under the 120 s the stalled read would wait (20 s was too tight on a loaded 2-core CI machine twice)
+        proc.stdout, proc.stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()

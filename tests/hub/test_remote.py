@@ -294,5 +294,8 @@ def test_remote_and_local_agree_on_the_conformance_cases(family, family_cases, h
         assert _comparable(remote[repo]["report"]) == json.loads(json.dumps(_comparable(local))), case.name
         fix = fixup_checkpoint(case.path, dry_run=True, command="conformance")
         assert remote[repo]["fixup"]["applied"] == fix.applied and remote[repo]["config"] == fix.new_config, case.name
-        assert remote[repo]["report"]["checked"]["fetched"]["fraction"] < 0.02, case.name
+        # headers only: under 2% of the bytes at the real expert count; the 6-expert FP8-kept cases are so small
+        # that their headers alone are ~3% of them (the doctor test bounds the bytes of a real-size export too)
+        bound = 0.02 if case.name.startswith("e256/") else 0.05
+        assert remote[repo]["report"]["checked"]["fetched"]["fraction"] < bound, case.name
     assert len(repos) == len(cases) >= 28

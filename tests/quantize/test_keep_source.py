@@ -120,7 +120,12 @@ def test_keep_fp8_output_is_byte_identical_to_quarks_keep_mode(kept, tmp_path, m
     """Quark's file-to-file (MXFP4Scheme global, the recipe's exclusions: every module the output does not hold in
     MXFP4) with keep_excluded_layers_as_original_model_state writes the same shards, the same index map and the same
     quantization_config (Quark orders the kept modules' layer configs and its exclude list as a Python set
-    iterates; mxforge sorts them)."""
+    iterates; mxforge sorts them).
+
+    Quark's keep mode keeps every excluded FP8 weight FP8; a recipe may keep some bf16 instead (GLM-5.2's and
+    DeepSeek-V3.2's indexer `wk`, which vLLM builds unquantized with `weights_proj`). Those modules alone differ:
+    ours are the bf16 of Quark's kept codes times their tile scales (Quark's own dequantization, as its mode without
+    keep writes them), excluded rather than given a layer config; every other tensor is Quark's byte for byte."""
     import quark.torch.quantization.file2file_quantization as f2f
     from quark.torch.quantization.config.config import QConfig
     from quark.torch.quantization.config.template import MXFP4Scheme
@@ -131,14 +136,29 @@ def test_keep_fp8_output_is_byte_identical_to_quarks_keep_mode(kept, tmp_path, m
     exclude = sorted([*qc["exclude"], *qc["layer_quant_config"]])
     dst = tmp_path / "quark"
     quark_keep_mode(f2f, src, dst, QConfig(global_quant_config=MXFP4Scheme().config, exclude=exclude))
-    skip = {QUANTIZE_NAME, QUANTIZE_STATE_NAME, INDEX_NAME, "config.json"}
-    theirs = {p.name: p.read_bytes() for p in sorted(dst.iterdir()) if p.is_file() and p.name not in skip}
-    assert theirs and all((out / n).read_bytes() == b for n, b in theirs.items())
-    ours_index, their_index = (json.loads((d / INDEX_NAME).read_text()) for d in (out, dst))
-    assert ours_index["weight_map"] == their_index["weight_map"]
+    report = json.loads((out / QUANTIZE_NAME).read_text())
+    source = _tensors(src)
+    as_bf16 = {n for n in report["tensors"]["kept"] if source[n].dtype == torch.float8_e4m3fn}
+    ours, theirs = _tensors(out), _tensors(dst)
+    assert set(theirs) == set(ours) | {n + "_scale" for n in as_bf16}
+    for name, t in ours.items():
+        if name in as_bf16:
+            expected = _dequant_fp8_torch(theirs[name], theirs[name + "_scale"]).to(torch.bfloat16)
+            assert torch.equal(t, expected), name
+        else:
+            assert t.dtype == theirs[name].dtype and torch.equal(t.view(torch.uint8), theirs[name].view(torch.uint8))
+    if not as_bf16:  # then the files themselves are Quark's
+        skip = {QUANTIZE_NAME, QUANTIZE_STATE_NAME, INDEX_NAME, "config.json"}
+        files = {p.name: p.read_bytes() for p in sorted(dst.iterdir()) if p.is_file() and p.name not in skip}
+        assert files and all((out / n).read_bytes() == b for n, b in files.items())
+        ours_index, their_index = (json.loads((d / INDEX_NAME).read_text()) for d in (out, dst))
+        assert ours_index["weight_map"] == their_index["weight_map"]
     ours_cfg, their_cfg = (json.loads((d / "config.json").read_text()) for d in (out, dst))
-    for cfg in (ours_cfg, their_cfg):
-        cfg["quantization_config"]["exclude"] = sorted(cfg["quantization_config"]["exclude"])
+    modules = {n.removesuffix(".weight") for n in as_bf16}
+    theirs_qc = their_cfg["quantization_config"]
+    theirs_qc["layer_quant_config"] = {k: v for k, v in theirs_qc["layer_quant_config"].items() if k not in modules}
+    theirs_qc["exclude"] = sorted([*theirs_qc["exclude"], *modules])
+    ours_cfg["quantization_config"]["exclude"] = sorted(ours_cfg["quantization_config"]["exclude"])
     assert ours_cfg == their_cfg
 
 
