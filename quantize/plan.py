@@ -54,9 +54,7 @@ class TensorPlan:
     source: TensorInfo
     fate: Fate
     fp8_scale: Fp8Scale | None = None  # set for an F8_E4M3 weight: read as bf16 through these scales
-    format: ElementFormat | None = (
-        None  # set for a quantized or `kept_source` weight: the element format it is stored in
-    )
+    format: ElementFormat | None = None  # a quantized or `kept_source` weight's: the element format it is stored in
 
     @property
     def read_dtype(self) -> str:
@@ -136,13 +134,9 @@ class QuantizePlan:
         """Kept 2-D linear weights as module names: Quark's resolved `exclude` list."""
         return sorted(n.removesuffix(".weight") for n in self.names("kept"))
 
-    def source_modules(self) -> dict[str, ElementFormat]:
-        """Every weight kept as the source stores it (fate "kept_source"): module name -> its element format."""
-        return {
-            t.source.name.removesuffix(".weight"): t.format
-            for t in self.tensors()
-            if t.fate == "kept_source" and t.format is not None
-        }
+    def source_modules(self) -> list[str]:
+        """Weights kept as the source stores them (fate "kept_source") as module names."""
+        return sorted(n.removesuffix(".weight") for n in self.names("kept_source"))
 
     def quantization_config(self, recipe: Recipe, source_quantization_config: dict | None) -> dict:
         """The output's quantization_config (what quantize writes and the plan check judges): the recipe's scheme,

@@ -153,6 +153,12 @@ class Recipe:
         rule = self.matching_rule(tensor_name, layout)
         return rule.format if rule is not None and rule.action == "quantize" else None
 
+    @property
+    def keeps_source_weights(self) -> bool:
+        """Whether a [[keep]] rule keeps weights as the source stores them (its output differs from the same
+        recipe's without it only on an FP8 source)."""
+        return any(rule.keep_source for rule in self.rules)
+
     def keeps_source(self, tensor_name: str, layout: MoeLayout) -> bool:
         """Whether a [[keep]] rule with `format = "source"` keeps the tensor (as the source stores it)."""
         rule = self.matching_rule(tensor_name, layout)

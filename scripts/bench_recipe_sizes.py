@@ -67,7 +67,7 @@ def main() -> None:
         "|---|---|---:|---:|---:|---|",
     ]
     for family in families:
-        keep = [r for r in family.recipes if any(rule.keep_source for rule in load_recipe(r).rules)]
+        keep = [r for r in family.recipes if load_recipe(r).keeps_source_weights]
         report[family.name] = {}
         for precision, recipes in (("bf16", [r for r in family.recipes if r not in keep]), ("fp8", keep)):
             if not recipes:

@@ -149,7 +149,7 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
             remedy=_load_elsewhere(profile, asked),
         )
     if asked is not None and asked.name not in profile.formats:
-        loaded = ", ".join(format_named(f).title for f in sorted(profile.formats))
+        loaded = _loaded_titles(profile)
         return Verdict(
             module,
             None,
@@ -169,10 +169,17 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
     return Verdict(module, OTHER, f"its layer config asks for {weight.get('dtype')!r} weights")
 
 
+def _loaded_titles(profile: EngineProfile) -> str:
+    """The formats `profile`'s releases load, for people: "FP8 PTPC, MXFP4"."""
+    return ", ".join(format_named(f).title for f in sorted(profile.formats))
+
+
 def _load_elsewhere(profile: EngineProfile, fmt: ElementFormat) -> str:
     """What to do with a module stored in a format `profile`'s releases do not load."""
-    loaded = ", ".join(format_named(f).title for f in sorted(profile.formats))
-    return f"serve it with a release that loads {fmt.title} (mxforge validate lists them), or store it as {loaded}"
+    return (
+        f"serve it with a release that loads {fmt.title} (mxforge validate lists them), or store it as "
+        f"{_loaded_titles(profile)}"
+    )
 
 
 def check_engine(

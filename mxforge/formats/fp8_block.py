@@ -11,13 +11,10 @@ does the same (quantize/plan.py). Decoding is the source's own: code value times
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
 
 from mxforge.formats.element import FP32, ElementFormat, Kernels, QuarkSpec
-from mxforge.formats.fp8_ptpc.numerics import E4M3_VALUES
-
-if TYPE_CHECKING:
-    import numpy as np
+from mxforge.formats.fp8_ptpc.numerics import E4M3_VALUES, decode_rows
 
 TILE = 128  # rows and columns one scale covers (DeepSeek's and GLM's weight_block_size [128, 128])
 KEPT_ONLY = (
@@ -28,17 +25,6 @@ KEPT_ONLY = (
 
 def _not_a_target(*_args, **_kwargs) -> int:
     raise AssertionError("block FP8 is kept from a source, never encoded (ElementFormat.quantize refuses it first)")
-
-
-def decode_rows(codes: np.ndarray, scales: np.ndarray, inner: int) -> np.ndarray:
-    """float32 `[rows, inner]` values that uint8 `codes` `[rows, in]` and each row's float32 tile scales (uint8
-    bytes `[rows, tiles * 4]`, ElementFormat.row_scales) encode: the E4M3 value times its tile's scale."""
-    import numpy as np
-
-    table = np.asarray(E4M3_VALUES, dtype=np.float32)
-    scale = np.ascontiguousarray(scales).view("<f4")
-    with np.errstate(invalid="ignore", over="ignore"):
-        return table[codes[:, :inner]] * np.repeat(scale, TILE, axis=1)[:, :inner]
 
 
 FORMAT = ElementFormat(
@@ -53,6 +39,8 @@ FORMAT = ElementFormat(
     codes_dtype="F8_E4M3",
     # Quark's per_block weights, declared with dynamic FP8 activations in groups of one tile's width
     quark=QuarkSpec(None, "fp8_e4m3", qscheme="per_block", input_qscheme="per_group", input_group_size=TILE),
-    kernels=Kernels(encode_cpu=_not_a_target, encode_torch=_not_a_target, decode=decode_rows),
+    kernels=Kernels(
+        encode_cpu=_not_a_target, encode_torch=_not_a_target, decode=functools.partial(decode_rows, block=TILE)
+    ),
     kept_only=KEPT_ONLY,
 )

@@ -139,7 +139,7 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
 def keep_source_recipes(family: Family) -> list[str]:
     """The family's recipes that keep FP8 weights as the source stores them: their output differs from the default's
     only on an FP8 source (conftest's family_cases runs them on the FP8 release's replica)."""
-    return [r for r in family.recipes if any(rule.keep_source for rule in load_recipe(r).rules)]
+    return [r for r in family.recipes if load_recipe(r).keeps_source_weights]
 
 
 def bf16_recipes(family: Family) -> list[str]:

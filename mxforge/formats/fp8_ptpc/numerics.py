@@ -192,12 +192,15 @@ def quantize_torch(
     return nonfinite
 
 
-def decode_rows(codes: np.ndarray, scales: np.ndarray, inner: int) -> np.ndarray:
-    """float32 `[rows, inner]` values that uint8 `codes` `[rows, in]` and each row's float32 scale (uint8 bytes
-    `[rows, 4]`) encode: the E4M3 value times the scale (codes 0x7F / 0xFF are NaN)."""
+def decode_rows(codes: np.ndarray, scales: np.ndarray, inner: int, block: int | None = None) -> np.ndarray:
+    """float32 `[rows, inner]` values that uint8 `codes` `[rows, in]` and each row's float32 scales (uint8 bytes
+    `[rows, 4 * scales]`) encode: the E4M3 value times its scale (codes 0x7F / 0xFF are NaN). One scale per row
+    (`block` None, PTPC), or one per `block` consecutive elements (block FP8's tile width)."""
     import numpy as np
 
     table = np.asarray(E4M3_VALUES, dtype=np.float32)
-    scale = np.ascontiguousarray(scales).view("<f4").reshape(-1, 1).astype(np.float32)
+    scale = np.ascontiguousarray(scales).view("<f4").reshape(codes.shape[0], -1)
+    if block is not None:
+        scale = np.repeat(scale, block, axis=1)[:, :inner]
     with np.errstate(invalid="ignore", over="ignore"):
         return table[codes[:, :inner]] * scale
