@@ -12,6 +12,9 @@ on the packages mxforge needs (transformers==5.19.0, torch==2.14.1, ...) bring t
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import subprocess
+import sys
 import tomllib
 from email.parser import Parser
 
@@ -261,3 +264,40 @@ def test_the_wheel_ships_every_manifest(tmp_path):
     }
     assert any(name.endswith("fp8_ptpc/_ptpc.c") for name in sources)
     assert sources <= shipped, sorted(sources - shipped)
+
+
+def test_xdist_groups_keep_their_tests_on_one_worker(tmp_path):
+    """The suite's one-worker groups (tests/conftest.py, tests/vllm_cpu) rely on --dist loadgroup; pytest 9.2 broke
+    it silently (every test ran wherever), which pyproject's pytest pin keeps out."""
+    (tmp_path / "test_group.py").write_text(
+        "import os, pytest\n"
+        "@pytest.mark.xdist_group('one')\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_a(i):\n"
+        "    print(os.environ['PYTEST_XDIST_WORKER'])\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "3",
+            "--dist",
+            "loadgroup",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_group.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    workers = {line.split("]")[0] for line in proc.stdout.splitlines() if "PASSED" in line}
+    assert len(workers) == 1, f"the group's 6 tests ran on {sorted(workers)}:\n{proc.stdout[-3000:]}"
