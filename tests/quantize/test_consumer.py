@@ -26,7 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import cli
-from ocp_mx import decode_checkpoint, decode_fp8_ptpc, decode_mxfp4, e2m1_value, e8m0_table, module_format
+from ocp_mx import (
+    FORMAT_REL_RMS,
+    decode_checkpoint,
+    decode_fp8_ptpc,
+    decode_mxfp4,
+    e2m1_value,
+    e8m0_table,
+    module_format,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -37,9 +45,6 @@ SCALE_RULES = [None, "mse"]  # None: Quark's rule (the default); others go to `m
 BATCH, SEQ = 8, 64  # 512 positions; SEQ > the tiny fixture's index_topk (16), so DSA's top-k selection acts
 TOKEN_SEED = 1234
 SHARP_ENTROPY = 2.5  # nats: a trained LM's next-token entropy (perplexity ~12)
-# Each format's relative RMS error on Gaussian weights: MXFP4's from reference/quark-mxfp4.md; FP8 PTPC's measured
-# with torch's own float8_e4m3fn conversion of rows scaled by amax / 448 (0.0261-0.0265 for rows of 256-6144).
-FORMAT_REL_RMS = {"mxfp4": 0.112, "fp8_ptpc": 0.026}
 MIXED_RECIPE = "glm-5.2-mxfp4-attn-fp8"  # MXFP4 experts, FP8 PTPC attention (AMD's AttnFP8 layout)
 NOISE_DRAWS = 3  # the reference is the mean over independent draws (seeds 0, 1, 2)
 COMPUTE_DTYPE = torch.float32

