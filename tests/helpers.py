@@ -155,10 +155,19 @@ def cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.
     return proc
 
 
+# The child's first statement: Python's own Ctrl-C handling, whatever this test process passes down. A process
+# started with SIGINT ignored keeps it ignored, and Python then installs no KeyboardInterrupt handler at all (a
+# shell's background jobs rely on that); a CI worker was once seen with SIGINT ignored by the time a Ctrl-C test ran,
+# and its `mxforge download` sat in its wait loop, alive, 60 s after the SIGINT.
+_DEFAULT_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
+
+
 def start_cli(*args: str, env: dict | None = None) -> subprocess.Popen:
-    """Start `mxforge` in the background (for signals and concurrent runs); read it with communicate()."""
+    """Start `mxforge` in the background (for signals and concurrent runs), with Python's default Ctrl-C handling
+    (_DEFAULT_SIGINT); read it with communicate()."""
+    main = "import runpy; runpy.run_module('mxforge.cli', run_name='__main__', alter_sys=True)"
     return subprocess.Popen(
-        [sys.executable, "-m", "mxforge.cli", *args],
+        [sys.executable, "-c", f"{_DEFAULT_SIGINT}; {main}", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

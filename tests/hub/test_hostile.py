@@ -225,7 +225,10 @@ def test_hostile_ctrl_c_stops_at_once_and_keeps_the_partial_file(hub, tmp_path):
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)
             _, stacks = proc.communicate(timeout=30)
-            pytest.fail(f"mxforge download still running 60 s after SIGINT; its threads:\n{stacks[-6000:]}")
+            pytest.fail(
+                f"mxforge download still running 60 s after SIGINT (this test process's SIGINT handler: "
+                f"{signal.getsignal(signal.SIGINT)!r}); its threads:\n{stacks[-6000:]}"
+            )
     finally:
         if proc.poll() is None:
             proc.kill()
