@@ -232,6 +232,18 @@ class Family:
         return got, statistics.fmean(noise)
 
 
+def _figure(**fields) -> None:
+    """Print a measured figure; with MXFORGE_VLLM_CPU_FIGURES=FILE also append it to FILE as a JSON line (the
+    figures in docs/development.md come from such a file)."""
+    import os
+
+    print(json.dumps(fields))
+    path = os.environ.get("MXFORGE_VLLM_CPU_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+
 def _quantized_mtp_tensors(ckpt: Path) -> list[str]:
     """The MTP layer's weights stored with a scale (quantized), from the checkpoint's index."""
     config = json.loads((ckpt / "config.json").read_text())
@@ -311,11 +323,10 @@ def test_vllm_loads_and_computes_within_the_formats_noise(families, release, fam
     _check_draft_allocation(fam, release, recipe, runs[recipe])
     for head in ("target", "draft"):
         got, noise = fam.errors(release, recipe, head)
-        print(f"vllm-cpu {release} {recipe} {head}: mean |dlogprob| {got:.4f}, noise reference {noise:.4f}")
+        wrong = fam.errors(release, recipe, head, "misdecode")[0] if recipe == fam.recipes[0] else None
+        _figure(release=release, family=family, recipe=recipe, head=head, got=got, noise=noise, wrong=wrong)
         assert got <= BOUND_FACTOR * noise, f"{head}: mean |dlogprob| {got:.4f} > {BOUND_FACTOR} x noise {noise:.4f}"
-        if recipe == fam.recipes[0]:
-            wrong, _ = fam.errors(release, recipe, head, "misdecode")
-            print(f"vllm-cpu {release} {recipe} {head}: decoded wrong {wrong:.4f}")
+        if wrong is not None:
             assert wrong > BOUND_FACTOR * noise, f"{head}: a wrong decode ({wrong:.4f}) is within the bound"
 
 
@@ -378,7 +389,7 @@ def test_vllm_loads_a_broken_export_exactly_when_validate_says_it_does(families,
     assert dropped, f"the default output excludes nothing matching {BROKEN[broken]}"
     got = fam.runs(release)[f"broken/{broken}"]
     real = "ok" if got["load_error"] is None else "raised"
-    print(f"vllm-cpu {release} {family} without {dropped}: validate {says_loads[release]}, real load {real}")
+    _figure(release=release, family=family, broken=broken, validate_loads=says_loads[release], real_load=real)
     if says_loads[release]:
         assert got["load_error"] is None, (
             f"validate says vllm {release} loads it; the real load raised:\n{got['load_error']}"
