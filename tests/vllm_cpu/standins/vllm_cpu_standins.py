@@ -1,8 +1,9 @@
 """The compute stand-ins that let vLLM's CPU build run an MXFP4 checkpoint, and nothing else.
 
 vLLM's CPU build parses the Quark config, matches exclusions, builds target and MTP draft, runs the weight loaders and
-the forward pass itself; what it lacks for MXFP4 on a CPU is four compute functions. This module, imported in the
-vLLM process before the engine starts (tests/vllm_cpu/runner.py), supplies them:
+the forward pass itself; what it lacks on a CPU is the compute below (1-3 for MXFP4 in every release, 4-5 in 0.30
+only, 6 for sparse attention, build and load only). This module, imported in the vLLM process before the engine
+starts (tests/vllm_cpu/runner.py), supplies them:
 
 1. MXFP4 linear: vLLM registers no MXFP4 linear kernel for the CPU platform. Its own software emulation kernel
    (`EmulationMxfp4LinearKernel`: dequantize, then `F.linear`) is registered for CPU through vLLM's own extension
