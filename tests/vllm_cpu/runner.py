@@ -134,6 +134,15 @@ def _perturb(worker, pass_: dict, saved: dict) -> None:
             p.data.copy_((base + noise).to(p.dtype))
 
 
+def _restore(worker, saved: dict) -> None:
+    """Undo _perturb: the input-noise hooks removed, the saved parameters copied back."""
+    while HOOKS:
+        HOOKS.pop().remove()
+    for (role, name), data in saved.items():
+        dict(_models(worker)[role].named_parameters())[name].data.copy_(data)
+    saved.clear()
+
+
 def _caused_by_stop(e: BaseException | None) -> bool:
     while e is not None:
         if isinstance(e, StopAfterLoad):
@@ -144,8 +153,7 @@ def _caused_by_stop(e: BaseException | None) -> bool:
 
 def run_job(job: dict) -> dict:
     """One checkpoint: build the engine, run the passes (see the module doc); OUT."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     result: dict = {"load_error": None, "quantized": {}, "passes": {}}
@@ -176,13 +184,16 @@ def run_job(job: dict) -> dict:
             result["load_error"] = "".join(traceback.format_exception(e)[-6:])[-3000:]
         return result
     try:
-        _passes(llm, job, result, SamplingParams, TokensPrompt)
+        _passes(llm, job, result)
     finally:
         del llm
     return result
 
 
-def _passes(llm, job: dict, result: dict, SamplingParams, TokensPrompt) -> None:
+def _passes(llm, job: dict, result: dict) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     result["quantized"] = llm.collective_rpc(_quantized)[0]
     if job["speculative"]:
         llm.collective_rpc(_hook)
@@ -195,13 +206,7 @@ def _passes(llm, job: dict, result: dict, SamplingParams, TokensPrompt) -> None:
         elif kind == "perturb":
             llm.collective_rpc(_perturb, args=(p, saved))
         elif kind == "restore":
-            while HOOKS:
-                HOOKS.pop().remove()
-            for (role, name), data in saved.items():
-                llm.collective_rpc(
-                    lambda w, r=role, n=name, d=data: dict(_models(w)[r].named_parameters())[n].data.copy_(d)
-                )
-            saved.clear()
+            llm.collective_rpc(_restore, args=(saved,))
         elif kind == "logprobs":
             target, draft = [], []
             for ids in prompts:  # one at a time: the draft capture is then this prompt's alone

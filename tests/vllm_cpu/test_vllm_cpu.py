@@ -24,15 +24,18 @@ sharpened logits; here vLLM gives logprobs of the prompt's own tokens, so the me
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
 import subprocess
 from pathlib import Path
 
 import pytest
+from engine_truth.matrix import bf16_recipes
 from helpers import cli
 from ocp_mx import FORMAT_REL_RMS
 
-from mxforge.models import family_named
+from mxforge.models import family_named, layout_of
 from vllm_cpu.environment import RELEASES, vllm_python
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.slow]
@@ -43,8 +46,10 @@ HERE = Path(__file__).resolve().parent
 MLA_CPU = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 FAMILIES = {"glm4_moe": {}, "deepseek_v3": MLA_CPU}
 # Families with DeepSeek sparse attention, which vLLM's CPU platform refuses to run: built and loaded only (the
-# sparse-attention stand-in, standins/vllm_cpu_standins.py 5), the run stopped before the KV cache is set up.
+# sparse-attention stand-in, standins/vllm_cpu_standins.py 6), the run stopped before the KV cache is set up.
 SPARSE_FAMILIES = {"glm_moe_dsa": MLA_CPU, "deepseek_v32": MLA_CPU}
+ALL_FAMILIES = {**FAMILIES, **SPARSE_FAMILIES}
+ENGINES = ";".join(f"vllm=={r}" for r in RELEASES)  # `--engines` for every release the suite runs
 PROMPTS, PROMPT_LEN, PROMPT_SEED = 4, 48, 7
 GREEDY_TOKENS = 12
 NOISE_DRAWS = 3
@@ -112,7 +117,7 @@ class Family:
         self.sparse = family in SPARSE_FAMILIES
         config = json.loads((source / "config.json").read_text())
         self.prompts = _prompts(int(config["vocab_size"]))
-        self.recipes = [r for r in family_named(family).recipes if not _keeps_source(r)]
+        self.recipes = _recipes(family)
         self._store: dict = {}
 
     def output(self, recipe: str) -> Path:
@@ -139,17 +144,7 @@ class Family:
         """{release: the modules validate says the release re-quantizes at load} for a recipe's output."""
 
         def validate() -> dict:
-            report = self.root / f"run-{recipe}.validate.json"
-            cli(
-                "validate",
-                str(self.output(recipe)),
-                "--engines",
-                ";".join(f"vllm=={r}" for r in RELEASES),
-                "--json",
-                str(report),
-                check=True,
-            )
-            verdict = json.loads(report.read_text())
+            verdict = _validate(self.output(recipe), self.root / f"run-{recipe}.validate.json", check=True)
             by_profile = {k: v["requantized_at_load"] for k, v in verdict["checked"]["engines"].items()}
             return {r["version"]: by_profile[r["profile"]] for r in verdict["releases"]}
 
@@ -164,10 +159,7 @@ class Family:
             for name, drop in BROKEN.items():
                 ckpt = self.root / f"broken-{name}"
                 dropped = _broken_variant(self.output(self.recipes[0]), ckpt, drop)
-                report = self.root / f"broken-{name}.validate.json"
-                engines = ";".join(f"vllm=={r}" for r in RELEASES)
-                cli("validate", str(ckpt), "--engines", engines, "--json", str(report))
-                verdict = json.loads(report.read_text())
+                verdict = _validate(ckpt, self.root / f"broken-{name}.validate.json")
                 out[name] = (ckpt, dropped, {r["version"]: r["ok"] for r in verdict["releases"]}, verdict["problems"])
             return out
 
@@ -236,11 +228,15 @@ class Family:
         return got, statistics.fmean(noise)
 
 
+def _validate(ckpt: Path, report: Path, *, check: bool = False) -> dict:
+    """`mxforge validate CKPT --engines <every release> --json REPORT`'s report (check: it must exit 0)."""
+    cli("validate", str(ckpt), "--engines", ENGINES, "--json", str(report), check=check)
+    return json.loads(report.read_text())
+
+
 def _figure(**fields) -> None:
     """Print a measured figure; with MXFORGE_VLLM_CPU_FIGURES=FILE also append it to FILE as a JSON line (the
     figures in docs/development.md come from such a file)."""
-    import os
-
     print(json.dumps(fields))
     path = os.environ.get("MXFORGE_VLLM_CPU_FIGURES")
     if path:
@@ -249,11 +245,11 @@ def _figure(**fields) -> None:
 
 
 def _quantized_mtp_tensors(ckpt: Path) -> list[str]:
-    """The MTP layer's weights stored with a scale (quantized), from the checkpoint's index."""
-    config = json.loads((ckpt / "config.json").read_text())
-    prefix = f"model.layers.{config['num_hidden_layers']}."
+    """The MTP layers' weights stored with a scale (quantized), from the checkpoint's index."""
+    mtp = layout_of(json.loads((ckpt / "config.json").read_text())).mtp_layers
+    prefixes = tuple(f"model.layers.{n}." for n in mtp)
     names = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    return [n for n in names if n.startswith(prefix) and n.endswith(".weight_scale")]
+    return [n for n in names if n.startswith(prefixes) and n.endswith(".weight_scale")]
 
 
 def _check_draft_allocation(fam: Family, release: str, recipe: str, got: dict) -> None:
@@ -269,19 +265,13 @@ def _check_draft_allocation(fam: Family, release: str, recipe: str, got: dict) -
     )
 
 
-def _keeps_source(recipe: str) -> bool:
-    from mxforge.quantize.recipe import load_recipe
-
-    return load_recipe(recipe).keeps_source_weights
-
-
 def _broken_variant(ckpt: Path, out: Path, drop: tuple[str, ...]) -> list[str]:
-    """A copy of `ckpt` whose exclude list lacks the entries containing any of `drop`; returns those entries."""
-    import shutil
-
+    """A copy of `ckpt` whose exclude list lacks the entries containing any of `drop` ({mtp}: the MTP layer's
+    index); returns those entries."""
     shutil.copytree(ckpt, out)
     config = json.loads((out / "config.json").read_text())
-    needles = [d.format(mtp=config["num_hidden_layers"]) for d in drop]
+    [mtp] = layout_of(config).mtp_layers
+    needles = [d.format(mtp=mtp) for d in drop]
     qc = config["quantization_config"]
     dropped = [e for e in qc["exclude"] if any(n in e for n in needles)]
     qc["exclude"] = [e for e in qc["exclude"] if e not in dropped]
@@ -302,9 +292,6 @@ def families(fixture_ckpt, tmp_path_factory):
     return get
 
 
-ALL_FAMILIES = {**FAMILIES, **SPARSE_FAMILIES}
-
-
 def _params(cases) -> list:
     """The cases as pytest params, each family's on one xdist worker (its outputs are built once there, its runs
     computed once per release); the sparse families, load-only, share one worker."""
@@ -313,7 +300,9 @@ def _params(cases) -> list:
 
 
 def _recipes(family: str) -> list[str]:
-    return [r for r in family_named(family).recipes if not _keeps_source(r)]
+    """The family's shipped recipes whose output from a bf16 source is their own (keep-FP8 recipes act on FP8
+    sources only)."""
+    return bf16_recipes(family_named(family))
 
 
 @pytest.mark.parametrize(

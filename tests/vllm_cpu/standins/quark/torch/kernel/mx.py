@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 
 import torch
-from ocp_mx import BLOCK, decode_mxfp4
+from ocp_mx import BLOCK, E2M1_TABLE, decode_mxfp4
 
-E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_GRID = E2M1_TABLE[:8]  # the magnitudes of codes 0-7 (bit 3 is the sign)
 EMAX_E2M1 = 2  # the largest E2M1 exponent: 6.0 = 1.5 * 2^2
 
 
