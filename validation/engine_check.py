@@ -116,6 +116,20 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
     except SchemeError as e:
         return Verdict(module, None, f"the engine raises: {e}")
     fmt = scheme_format(profile, config)
+    if fmt is not None and fmt.name in profile.formats_tiled_merges and not module.is_experts:
+        ragged = next((s for s in module.shards[:-1] if s.out_features % fmt.block_rows), None)
+        if ragged is not None:
+            return Verdict(
+                module,
+                None,
+                f"its shards are merged into one {fmt.title} weight, whose scales cover {fmt.block_rows}-row tiles, "
+                f"and {ragged.name} (not the last shard) has {ragged.out_features} rows: the engine raises "
+                f'"Weight output_partition_size = {ragged.out_features} is not divisible by weight quantization '
+                f'block_n = {fmt.block_rows}" (schemes.formats_tiled_merges)',
+                remedy=f"a real model's shapes are whole tiles; give a replica {fmt.block_rows}-multiple dimensions, "
+                f"or store this module in a format these releases merge freely (bf16: a recipe without "
+                '`format = "source"` for it)',
+            )
     if fmt is not None:
         emulated = fmt.name in profile.formats_emulated or (
             not module.is_experts

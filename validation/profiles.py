@@ -98,6 +98,9 @@ class EngineProfile:
     # Formats whose layer config these releases build with a method of their own that the stored form does not fit,
     # format -> that method, for people (sglang 0.5.21+: block FP8 through its Fp8LinearMethod)
     formats_own_method: dict[str, str]
+    # Formats whose fused linear these releases build only when every shard but the last is a whole number of the
+    # format's scale tiles in rows (block FP8: vLLM's fp8_utils.py::validate_fp8_block_shape raises otherwise)
+    formats_tiled_merges: frozenset[str]
     fused: dict[str, tuple[str, ...]]  # fused module -> the checkpoint linears it is built from
     never_quantized: frozenset[str]  # layer-relative or global module names built unquantized
     # Excluded linears whose name contains one of these are loaded bf16, then re-quantized to MXFP4 after
@@ -255,6 +258,7 @@ def _load(name: str, family: str) -> EngineProfile:
             linear_formats_emulated_without_inputs=frozenset(sc.get("linear_formats_emulated_without_inputs", ())),
             formats_raising=frozenset(sc.get("formats_raising", ())),
             formats_own_method=dict(sc.get("formats_own_method", {})),
+            formats_tiled_merges=frozenset(sc.get("formats_tiled_merges", ())),
             fused={k: tuple(v) for k, v in mod["fused"].items()},
             never_quantized=frozenset(mod["never_quantized"]),
             requantized_when_excluded=tuple(mod.get("requantized_when_excluded", ())),

@@ -23,7 +23,7 @@ def test_fixup_writes_layer_configs_under_the_drafts_names(tiny_ckpt, tmp_path):
     proc = cli("validate", str(out), "--engines", "sglang==0.5.9")
     assert proc.returncode == 1
     assert (
-        "would be MXFP4 (uint8 [128, 128]) but the checkpoint holds FP8 PTPC (float8_e4m3fn [64, 256]) x2 under "
+        "would be MXFP4 (uint8 [256, 128]) but the checkpoint holds FP8 PTPC (float8_e4m3fn [128, 256]) x2 under "
         f"model.layers.{MTP}.mlp.shared_experts.{{gate,up}}_proj: run mxforge fixup"
     ) in proc.stdout
 

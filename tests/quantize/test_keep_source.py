@@ -204,3 +204,36 @@ def test_dequantize_turns_kept_block_fp8_into_the_bf16_it_stands_for(kept, tmp_p
         rows, cols = s[name].shape
         tiles = s[name + "_scale_inv"].repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
         assert torch.equal(d[name], (s[name].to(torch.float32) * tiles).to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_replica_whose_merged_block_fp8_shards_are_ragged_tiles_is_refused_for_vllm(family, tmp_path):
+    """vLLM builds a merged block-FP8 GEMM only when every shard but the last is whole 128-row tiles
+    (validate_fp8_block_shape; loaded for real in tests/vllm_cpu): a replica with q_lora_rank and the shared
+    expert's width 64 kept block FP8 fails validate for every vLLM release, naming the module, the shard and the
+    rule, and `mxforge run` refuses the recipe before quantizing; the family's tiny fixture (whole tiles) passes."""
+    src = tmp_path / "fp8"
+    ragged = {"q_lora_rank": 64, "moe_intermediate_size": 64}
+    write_fixture(src, "tiny", seed=0, quiet=True, family=family, precision="fp8", overrides=ragged)
+    recipe, out = _keep_recipe(family), tmp_path / "out"
+    cli("quantize", str(src), str(out), "--recipe", recipe, "--quiet", check=True)
+    report = tmp_path / "validate.json"
+    proc = cli("validate", str(out), "--engines", "vllm", "--json", str(report))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    verdict = json.loads(report.read_text())
+    assert verdict["releases"] and not any(r["ok"] for r in verdict["releases"]), verdict["releases"]
+    fused = [p for p in verdict["problems"] if p["subject"].endswith(".self_attn.fused_qkv_a_proj")]
+    assert fused and all(p["engine"].startswith("vllm") for p in verdict["problems"]), verdict["problems"]
+    assert "q_a_proj (not the last shard) has 64 rows" in fused[0]["message"]
+    assert "is not divisible by weight quantization block_n = 128" in fused[0]["message"]
+    shared = [p["subject"] for p in verdict["problems"] if p["subject"].endswith("shared_experts.gate_up_proj")]
+    assert shared, "the MTP layer's kept shared expert (gate/up 64 rows each) is not named"
+
+    line = one_error_line(cli("run", str(src), str(tmp_path / "run"), "--recipe", recipe, "--engines", "vllm"))
+    assert "fused_qkv_a_proj" in line and "not divisible by weight quantization block_n" in line
+    assert not (tmp_path / "run" / "mxfp4" / "config.json").exists()
+
+    whole = tmp_path / "whole"
+    write_fixture(whole / "fp8", "tiny", seed=0, quiet=True, family=family, precision="fp8")
+    cli("quantize", str(whole / "fp8"), str(whole / "out"), "--recipe", recipe, "--quiet", check=True)
+    assert cli("validate", str(whole / "out"), "--engines", "vllm").returncode == 0

@@ -61,9 +61,9 @@ def test_mtp_exclusions_miss_the_draft_before_sglang_0_5_16_and_fixup_cures(expo
     ):
         assert name in old, name
     assert old["model.decoder.mlp.shared_experts.gate_up_proj"].format() == (
-        "sglang-0.5.11: model.decoder.mlp.shared_experts.gate_up_proj: would be MXFP4 (uint8 [128, 128]) "
+        "sglang-0.5.11: model.decoder.mlp.shared_experts.gate_up_proj: would be MXFP4 (uint8 [256, 128]) "
         "but the checkpoint "
-        f"holds bf16 [64, 256] x2 under model.layers.{MTP}.mlp.shared_experts.{{gate,up}}_proj: run mxforge fixup"
+        f"holds bf16 [128, 256] x2 under model.layers.{MTP}.mlp.shared_experts.{{gate,up}}_proj: run mxforge fixup"
     )
     # 0.5.9 and 0.5.10 do not expand gate_up_proj into its shards: the dense MLPs need their fused name too.
     assert "model.layers.0.mlp.gate_up_proj" in subjects(report, "sglang-0.5.9")
@@ -132,7 +132,7 @@ def test_per_expert_excludes_need_the_fused_experts_name_where_children_do_not_c
     report = validate_checkpoint(ckpt)
     assert failing(ckpt) == NO_EXPERT_CHILD_RULE | BEFORE_GLM_DRAFT
     old = {p.subject: p for p in report.problems if p.engine == "sglang-0.5.19"}
-    assert "w13_weight [8, 128, 128]" in old["model.layers.3.mlp.experts"].message
+    assert "w13_weight [8, 256, 128]" in old["model.layers.3.mlp.experts"].message
     added = {a["entry"] for a in fixup_checkpoint(ckpt).applied}
     assert "model.layers.3.mlp.experts" in added and not any(e.startswith("model.layers.4") for e in added)
     assert not failing(ckpt)

@@ -73,7 +73,7 @@ def test_missing_mtp_tensor_and_wrong_scale_shape(tiny_ckpt, tmp_path):
     by_subject = {p.subject: p for p in report.problems}
     assert by_subject[gone].check == "mtp" and "no shard holds it" in by_subject[gone].message
     experts = by_subject["model.layers.4.mlp.experts"]
-    assert "malformed" in experts.message and bad in experts.message and "expected U8 [64, 8]" in experts.message
+    assert "malformed" in experts.message and bad in experts.message and "expected U8 [128, 8]" in experts.message
 
 
 def test_stored_form_uses_the_quantizers_packed_shapes():
