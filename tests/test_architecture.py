@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from helpers import REPO
+from source_imports import imported_modules
 
 # Source folder -> the package it installs as (pyproject.toml's package-dir).
 PACKAGES = {
@@ -55,38 +56,6 @@ def package_modules(root: Path = REPO) -> dict[str, Path]:
             parts = [p for p in path.relative_to(root / folder).with_suffix("").parts if p != "__init__"]
             mods[".".join([package, *parts])] = path
     return mods
-
-
-def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package modules `name` imports anywhere in its source (typing-only imports excluded)."""
-    tree = ast.parse(path.read_text(), str(path))
-    typing_only = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for n in ast.walk(node)
-    }
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([node.module] if node.module else []))
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
-        for target in targets:
-            while target and target not in known:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
-    return found
 
 
 def import_graph(root: Path = REPO) -> dict[str, set[str]]:

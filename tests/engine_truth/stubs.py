@@ -172,7 +172,7 @@ class StubModule(types.ModuleType):
     """A stubbed module, or an empty namespace above real modules: a missing attribute is the real
     submodule of that name where one is fetched, else a stub class."""
 
-    def __init__(self, name: str, real_children: frozenset[str], pinned: dict | None = None):
+    def __init__(self, name: str, real_children: set[str], pinned: dict | None = None):
         super().__init__(name)
         self.__path__ = []  # a package: submodules resolve through the finder
         self.__file__ = f"<stub {name}>"
@@ -194,7 +194,7 @@ class StubModule(types.ModuleType):
 
 
 class _StubLoader(importlib.abc.Loader):
-    def __init__(self, real_children: frozenset[str], pinned: dict | None):
+    def __init__(self, real_children: set[str], pinned: dict | None):
         self.real_children, self.pinned = real_children, pinned
 
     def create_module(self, spec):
@@ -218,8 +218,16 @@ class EngineFinder(importlib.abc.MetaPathFinder):
         self.sources = sources  # module -> fetched file (the real modules)
         self.overrides = overrides or {}
         self.absent = absent  # third-party top-level names that must raise ImportError
-        self.parents = {m.rsplit(".", i)[0] for m in sources for i in range(1, m.count(".") + 1)}
+        self.parents: set[str] = set()
+        self.real: set[str] = set()  # fetched modules and the packages above them; live: stubs see later adds
         self.stubbed: set[str] = set()
+        self.add({})
+
+    def add(self, sources: dict[str, Path]) -> None:
+        """More fetched modules (a model's, learned when the registry names it), importable from now on."""
+        self.sources.update(sources)
+        self.parents |= {m.rsplit(".", i)[0] for m in self.sources for i in range(1, m.count(".") + 1)}
+        self.real |= set(self.sources) | self.parents
 
     def _is_engine(self, name: str) -> bool:
         return name == self.package or name.startswith(self.package + ".")
@@ -238,8 +246,7 @@ class EngineFinder(importlib.abc.MetaPathFinder):
     def _stub(self, name: str):
         if name not in self.parents:
             self.stubbed.add(name)
-        real = frozenset(self.sources) | self.parents
-        return importlib.machinery.ModuleSpec(name, _StubLoader(real, self.overrides.get(name)), is_package=True)
+        return importlib.machinery.ModuleSpec(name, _StubLoader(self.real, self.overrides.get(name)), is_package=True)
 
 
 def _importer() -> str:

@@ -58,20 +58,11 @@ MODULES = [
     MODELS + "registry",
     MODELS + "utils",
     MODELS + "interfaces",
-    MODELS + "deepseek_v2",
-    MODELS + "deepseek_mtp",
-    "vllm.models.deepseek_v32",
-    "vllm.models.deepseek_v32.attention",
-    "vllm.models.deepseek_v32.amd",
-    "vllm.models.deepseek_v32.amd.model",
-    "vllm.models.deepseek_v32.amd.mtp",
-    "vllm.models.deepseek_v32.amd.rocm",
-    MODELS + "glm4_moe",
-    MODELS + "glm4_moe_mtp",
 ]
-# The MoE blocks whose shared-expert fusion the probe reads: (module, class), those the release has.
-MOE_BLOCKS = ((MODELS + "deepseek_v2", "DeepseekV2MoE"), (MODELS + "glm4_moe", "Glm4MoE"))
-REQUIRED = MODULES[:18]  # the rest: whatever the release has (the platform entry point picks among them)
+# Where the registry's model classes live. No model module is listed: the one the release's registry names for a
+# case's architecture (target, and the draft's from SpeculativeConfig) is fetched when asked for, with the model
+# modules it imports (Release.import_closure), so a family is learned from its config's architectures.
+MODEL_PACKAGES = (MODELS, "vllm.models.")
 OPTIONAL = [MODELS + "expert_substitution", "vllm.model_executor.layers.fused_moe.expert_substitution"]
 SOURCE_ONLY = (  # methods of pydantic config classes (their modules cannot be imported with stubs)
     ("vllm.config.vllm", "VllmConfig._get_quantization_config"),
@@ -241,11 +232,12 @@ def load(version: str) -> dict:
     release = Release("vllm", version)
     wanted = MODULES + OPTIONAL + release.package_modules(Q + "quark.schemes")
     sources = release.fetch(wanted)
-    missing = [m for m in REQUIRED if m not in sources]
+    missing = [m for m in MODULES if m not in sources]
     if missing:
         raise LookupError(f"vllm {version} has no {missing}")
     source_only = release.fetch([m for m, _ in SOURCE_ONLY])
-    stubs.install("vllm", sources, overrides=overrides())  # aiter (ROCm kernels) is present, as on an AMD host: a stub
+    # aiter (ROCm kernels) is present, as on an AMD host: a stub
+    finder = stubs.install("vllm", sources, overrides=overrides())
     # the package re-exports the real base of the MoE quant methods (its __init__ is not executed)
     base = importlib.import_module(FUSED_MOE + ".fused_moe_method_base").FusedMoEMethodBase
     setattr(importlib.import_module(FUSED_MOE), "FusedMoEMethodBase", base)
@@ -253,13 +245,12 @@ def load(version: str) -> dict:
     oracle = getattr(mods[Q + "quark.quark_moe"], "select_mxfp4_moe_backend", _no_mxfp4_kernel)
     if oracle is not _no_mxfp4_kernel:
         raise LookupError(f"vllm {version}: quark_moe takes its MXFP4 kernel oracle from elsewhere than {MXFP4_ORACLE}")
-    if "vllm.models.deepseek_v32" in sources:
-        importlib.import_module("vllm.models.deepseek_v32")  # the platform entry point imports what ROCm uses
     for module, name in SOURCE_ONLY:
         if module not in source_only:
             raise LookupError(f"vllm {version} has no {module}")
         mods[name] = stubs.functions_from_source(source_only[module], (name,), module=module)[name]
     mods["_pristine"] = stubs.packed_mappings("vllm")
+    mods["_finder"], mods["_release"] = finder, release
     for module in EMULATION_MODULES:
         if module in mods:
             mods[module].logger = LOG
@@ -274,7 +265,13 @@ def model_class(mods: dict, arch: str) -> type:
     module, name = entry
     if not module.startswith("vllm."):
         module = MODELS + module
+    finder = mods["_finder"]
+    if module not in finder.sources:
+        closure = mods["_release"].import_closure([module], MODEL_PACKAGES)
+        finder.add(mods["_release"].fetch([m for m in closure if m not in finder.sources]))
     mod = importlib.import_module(module)
+    for cls, mapping in stubs.packed_mappings("vllm").items():  # the new classes' mappings, before any case runs
+        mods["_pristine"].setdefault(cls, mapping)
     if isinstance(mod, stubs.StubModule):
         raise LookupError(f"the registry maps {arch} to {module}, which this probe does not fetch")
     return getattr(mod, name)
@@ -463,28 +460,34 @@ def walk(obj, path: str = "", seen=None):
 def fused_shared_experts(mods: dict, model) -> int | str:
     """Shared experts the built MoE blocks append to their routed-expert bank (DeepseekV2MoE's per-layer
     decision, the fusion gate); "mixed:k/n" when only k of n MoE blocks fuse."""
-    moe_cls = moe_classes(mods)
-    blocks = [m for _, m in walk(model) if isinstance(m, moe_cls)]
+    blocks = [m for _, m in walk(model) if is_moe_block(m)]
     if not blocks and getattr(model.config, "n_routed_experts", None):
-        raise LookupError(f"{type(model).__name__} built none of {MOE_BLOCKS}: this release decides fusion elsewhere")
+        raise LookupError(
+            f"{type(model).__name__} built no MoE block that decides its own shared-expert fusion (sets "
+            "is_fused_shared_expert_enabled beside its routed `experts`): this release decides fusion elsewhere"
+        )
     fused = [int(m.n_shared_experts or 0) if m.is_fused_shared_expert_enabled else 0 for m in blocks]
     if len(set(fused)) > 1:
         return f"mixed:{sum(1 for f in fused if f)}/{len(fused)}"
     return fused[0] if fused else 0
 
 
-def moe_classes(mods: dict) -> tuple[type, ...]:
-    return tuple(getattr(mods[m], name) for m, name in MOE_BLOCKS if m in mods and hasattr(mods[m], name))
+def is_moe_block(module) -> bool:
+    """A MoE block, known by what it does rather than its class: it decides shared-expert fusion for itself
+    (DeepseekV2MoE, Glm4MoE: is_fused_shared_expert_enabled) and holds the routed experts (`experts`)."""
+    own = getattr(module, "__dict__", {})
+    return "is_fused_shared_expert_enabled" in own and (
+        "experts" in own or "experts" in getattr(module, "_modules", {})
+    )
 
 
 def loader_fuses(mods: dict, model) -> bool | None:
     """The model-level flag the release's weight loader reads to route shared experts into the bank (None: the
     model has no such flag, its loader never does)."""
-    moe_cls = moe_classes(mods)
     flags = [
         m.__dict__["is_fused_shared_expert_enabled"]
         for _, m in walk(model)
-        if "is_fused_shared_expert_enabled" in getattr(m, "__dict__", {}) and not isinstance(m, moe_cls)
+        if "is_fused_shared_expert_enabled" in getattr(m, "__dict__", {}) and not is_moe_block(m)
     ]
     return bool(flags[0]) if flags else None
 

@@ -18,6 +18,8 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+from source_imports import imported_modules
+
 from mxforge.cache_dir import cache_root as mxforge_cache_root
 
 SIMPLE = "https://pypi.org/simple"  # PEP 691 JSON; what pip reads, so reachable wherever pip is
@@ -214,6 +216,25 @@ class Release:
             if any(member == p or member.startswith(p.rstrip("/") + "/") for p in paths):
                 out.append(member[:-3].removesuffix("/__init__").replace("/", "."))
         return out
+
+    def import_closure(self, roots: list[str], within: tuple[str, ...]) -> list[str]:
+        """`roots` and every module of this release under one of the `within` prefixes that they import, directly or
+        through each other, with the packages above each (executed by an import): a model's modules, learned from
+        its source rather than listed (fetched). Typing-only imports are left out, conditional ones kept (a
+        platform's branch is chosen when the code runs)."""
+        known = {m[:-3].removesuffix("/__init__").replace("/", ".") for m in self.members}
+        seen: set[str] = set()
+        todo = list(roots)
+        while todo:
+            module = todo.pop()
+            if module in seen or module not in known:
+                continue
+            seen.add(module)
+            parent = module.rpartition(".")[0]
+            todo += [parent] if parent.startswith(within) else []
+            path = self.fetch([module])[module]
+            todo += [m for m in imported_modules(module, path, known) if m.startswith(within)]
+        return sorted(seen)
 
     def fetch(self, modules: list[str]) -> dict[str, Path]:
         """Local paths of the modules this release has (fetched once); absent modules are left out."""
