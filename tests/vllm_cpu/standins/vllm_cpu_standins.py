@@ -29,6 +29,13 @@ starts (tests/vllm_cpu/runner.py), supplies them:
    (`install_sparse_attention()`; the runner stops before the KV cache is set up): vLLM's CPU platform refuses
    sparse attention ("Sparse Attention is not supported on CPU"), so the attention backend is chosen as for the
    same layer without sparsity (the CPU MLA backend). No attention is computed with it.
+7. Block-FP8 linear (the keep-fp8 recipes' attention, dense MLP and MTP shared expert, kept as the FP8 source
+   stores them): vLLM's CPU block-FP8 kernels (`CPUFp8W8A8BlockScaledMMKernel`, `CPUFp8BlockScaledMMKernel`) need
+   AMX tiles, which this CPU lacks ("requires AMX tile support"), and no other block-FP8 kernel is listed for the
+   CPU. `TorchFp8BlockScaledMM` is added after them: a subclass of vLLM's own `Fp8BlockScaledMMLinearKernel`, so
+   weight processing and the dynamic per-token-group FP8 activation quantization (`QuantFP8`, its torch path) are
+   vLLM's; only `apply_block_scaled_mm`, the block-scaled GEMM, is torch (both operands decoded with their block
+   scales in float32, one matmul).
 
 `check_signatures()` fails loudly when a release changes the signature of a function replaced here, or how vLLM
 calls Quark's two functions: a stand-in written for another signature would otherwise run and compute garbage.
@@ -51,6 +58,8 @@ QUARK_CALLS = {"dq_mxfp4": ["x", "scale", "float_dtype"], "qdq_mxfp4": ["x", "sc
 # Releases whose greedy acceptance kernel cannot be launched on a CPU (stand-in 5): measured, an MTP run fails in
 # rejection_sampler with "TypeError: Cannot inspect kernel parameters for function".
 GREEDY_KERNEL_UNLAUNCHABLE = ("0.30.0",)
+# The block-scaled GEMM stand-in 7 implements: Fp8BlockScaledMMLinearKernel.apply_block_scaled_mm's parameters.
+BLOCK_SCALED_MM = ["self", "A", "B", "As", "Bs"]
 # What vLLM 0.30's load-time re-quantization does, in the lines dynamic_requant replaces.
 DYNAMIC_REQUANT = "w_q, w_s = dynamic_mxfp4_quant(layer.weight)"
 
@@ -78,6 +87,11 @@ def check_signatures() -> None:
             calls[node.func.attr] += [k.arg for k in node.keywords]
     if calls != QUARK_CALLS:
         raise StandinMismatch(f"vLLM's mxfp4_utils calls Quark's kernels as {calls}, not {QUARK_CALLS}")
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+
+    got = _params(Fp8BlockScaledMMLinearKernel.apply_block_scaled_mm)
+    if got != BLOCK_SCALED_MM:
+        raise StandinMismatch(f"Fp8BlockScaledMMLinearKernel.apply_block_scaled_mm{tuple(got)} is not stood in for")
     requant = _dynamic_requant()
     if requant is not None and DYNAMIC_REQUANT not in inspect.getsource(requant):
         raise StandinMismatch(f"{requant.__qualname__} no longer does `{DYNAMIC_REQUANT}`")
@@ -180,6 +194,36 @@ def greedy_accept(
         start = end
 
 
+def block_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, block
+) -> torch.Tensor:
+    """a [M, K] FP8 with a_scale [M, ceil(K / block_k)] (per token and group of block_k, vLLM's activation groups)
+    times b [N, K] FP8 with b_scale [ceil(N / block_n), ceil(K / block_k)] (per tile), transposed: float32 [M, N]."""
+    block_n, block_k = block
+    k, n = a.shape[1], b.shape[0]
+    a32 = a.float() * a_scale.float().repeat_interleave(block_k, dim=1)[:, :k]
+    tiles = b_scale.float().repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
+    return a32 @ (b.float() * tiles).t()
+
+
+def _block_fp8_kernel():
+    """Stand-in 7's class, built on this release's Fp8BlockScaledMMLinearKernel."""
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+    from vllm.platforms import current_platform
+
+    class TorchFp8BlockScaledMM(Fp8BlockScaledMMLinearKernel):
+        """vLLM's block-FP8 linear kernel with the GEMM in torch (stand-in 7)."""
+
+        @classmethod
+        def is_supported(cls, compute_capability=None):
+            return (True, None) if current_platform.is_cpu() else (False, "a CPU stand-in")
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):
+            return block_scaled_mm(A, B, As, Bs, (self.weight_group_shape.row, self.weight_group_shape.col))
+
+    return TorchFp8BlockScaledMM
+
+
 def install_sparse_attention() -> None:
     """Stand-in 6: the CPU platform picks its dense MLA backend for a sparse MLA layer (build and load only)."""
     from vllm.platforms.cpu import CpuPlatform
@@ -207,6 +251,9 @@ def install() -> None:
     register_linear_kernel(EmulationMxfp4LinearKernel, PlatformEnum.CPU, "mxfp4")
     ocp_mx_emulation_moe.OCP_MXQuantizationEmulationTritonExperts._supports_current_device = staticmethod(lambda: True)
     TritonExperts.apply = torch_experts_apply
+    from vllm.model_executor.kernels import linear
+
+    linear._POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU].append(_block_fp8_kernel())
     if vllm.__version__.split("+")[0] in GREEDY_KERNEL_UNLAUNCHABLE:
         from vllm.v1.sample import rejection_sampler
 
