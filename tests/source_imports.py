@@ -10,7 +10,7 @@ from pathlib import Path
 
 def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
     """The package modules `name` imports anywhere in its source (typing-only imports excluded)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = ast.parse(path.read_bytes(), str(path))  # bytes: a BOM or coding line as Python reads it
     typing_only = {
         id(n)
         for node in ast.walk(tree)

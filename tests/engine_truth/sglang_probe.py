@@ -32,11 +32,6 @@ MODULES = [
         "layers.quantization.quark.utils",
         "layers.quantization.quark.quark",
         "models.utils",
-        "models.deepseek_v2",
-        "models.deepseek_nextn",
-        "models.glm4_moe",
-        "models.glm4_moe_nextn",
-        "models.deepseek_common.utils",
         "configs.model_config",
         "model_loader.loader",
         "model_loader.weight_utils",
@@ -45,7 +40,10 @@ MODULES = [
     )
 ]
 UTILS = PKG + "utils.common"
-MODEL_MODULES = ("models.glm4_moe", "models.glm4_moe_nextn", "models.deepseek_nextn", "models.deepseek_v2")
+# No model module is listed: sglang's ModelRegistry registers the EntryClass of every module of this package, and the
+# probe reads those assignments from the sources (entry_modules), then fetches the module that names a case's
+# architecture (target, and the draft's from ModelConfig._config_draft_model) with the model modules it imports.
+MODEL_PACKAGE = PKG + "models"
 # The layer stack each model class builds, recorded instead of built: (module, class) where its constructor looks
 # it up; a model uses one of them (DeepSeek / GLM-5: deepseek_v2's; GLM-4.5: glm4_moe's).
 TARGET_STACKS = (("models.deepseek_v2", "DeepseekV2Model"), ("models.glm4_moe", "Glm4MoeModel"))
@@ -88,10 +86,52 @@ def load(version: str) -> dict[str, types.ModuleType]:
     sources = release.fetch(MODULES + release.package_modules(PKG + "layers.quantization.quark.schemes"))
     utils = {**PLATFORM, **stubs.functions_from_source(release.fetch([UTILS])[UTILS], ("add_prefix",))}
     declare = {"declare_load_time_override": load_time_override(release)}
-    stubs.install(
+    finder = stubs.install(
         "sglang", sources, overrides={PKG + "utils": utils, UTILS: utils, OVERRIDES: declare}
     )  # aiter (ROCm kernels) is present, as on an AMD host: a stub
-    return {m[len(PKG) :]: importlib.import_module(m) for m in MODULES if m in sources}
+    mods = {m[len(PKG) :]: importlib.import_module(m) for m in MODULES if m in sources}
+    mods.update(_finder=finder, _release=release, _entries=entry_modules(release))
+    return mods
+
+
+def entry_modules(release: Release) -> dict[str, str]:
+    """{a name in a model module's EntryClass: that module}, read from the sources of every module of
+    MODEL_PACKAGE (what sglang's ModelRegistry imports and registers); nothing is executed."""
+    import ast
+    import json
+    import os
+
+    cached = release.root / "entry_classes.json"  # a wheel's sources never change: read once per release
+    if cached.exists():
+        return json.loads(cached.read_text())
+    modules = [m for m in release.package_modules(MODEL_PACKAGE) if m != MODEL_PACKAGE]
+    out: dict[str, str] = {}
+    for module, path in release.fetch(modules).items():
+        for node in ast.parse(path.read_bytes(), str(path)).body:  # bytes: a BOM or coding line as Python reads it
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EntryClass" for t in node.targets):
+                names = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+                out.update({n.id: module for n in names if isinstance(n, ast.Name)})
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(cached)
+    return out
+
+
+def import_model(mods: dict, module: str):
+    """`module` imported from the release with the model modules it imports (fetched now; their classes' packed
+    mappings kept pristine before any case uses them), each also in `mods` under its name below PKG."""
+    import importlib
+
+    if module in sys.modules:  # imported for an earlier case
+        return sys.modules[module]
+    finder, release = mods["_finder"], mods["_release"]
+    closure = release.import_closure([module], (MODEL_PACKAGE + ".",))
+    finder.add(release.fetch([m for m in closure if m not in finder.sources]))
+    imported = importlib.import_module(module)
+    mods.update({m[len(PKG) :]: sys.modules[m] for m in closure if m in sys.modules})
+    for cls, mapping in stubs.packed_mappings("sglang").items():
+        mods["_pristine"].setdefault(cls, mapping)
+    return imported
 
 
 # arg_groups/overrides.py::declare_load_time_override (0.5.15 - 0.5.17: how a model that refuses shared-expert
@@ -146,11 +186,15 @@ def config_namespace(release: Release, field: str) -> list[str]:
 
 
 def model_class(mods: dict, arch: str) -> type:
-    for name in MODEL_MODULES:
-        for cls in getattr(mods.get(name), "EntryClass", []) or []:
-            if cls.__name__ == arch:
-                return cls
-    raise LookupError(f"no model class {arch} in {', '.join(MODEL_MODULES)}")
+    """The class sglang's ModelRegistry resolves `arch` to: the EntryClass member of that name."""
+    module = mods["_entries"].get(arch)
+    if module is None:
+        raise LookupError(f"no module of {MODEL_PACKAGE} names {arch} in its EntryClass")
+    entries = getattr(import_model(mods, module), "EntryClass", None)
+    for cls in entries if isinstance(entries, (list, tuple)) else [entries]:
+        if getattr(cls, "__name__", None) == arch:
+            return cls
+    raise LookupError(f"{module}.EntryClass holds no class named {arch}")
 
 
 def draft_architecture(mods: dict, hf) -> str:
