@@ -117,23 +117,6 @@ def entry_modules(release: Release) -> dict[str, str]:
     return out
 
 
-def import_model(mods: dict, module: str):
-    """`module` imported from the release with the model modules it imports (fetched now; their classes' packed
-    mappings kept pristine before any case uses them), each also in `mods` under its name below PKG."""
-    import importlib
-
-    if module in sys.modules:  # imported for an earlier case
-        return sys.modules[module]
-    finder, release = mods["_finder"], mods["_release"]
-    closure = release.import_closure([module], (MODEL_PACKAGE + ".",))
-    finder.add(release.fetch([m for m in closure if m not in finder.sources]))
-    imported = importlib.import_module(module)
-    mods.update({m[len(PKG) :]: sys.modules[m] for m in closure if m in sys.modules})
-    for cls, mapping in stubs.packed_mappings("sglang").items():
-        mods["_pristine"].setdefault(cls, mapping)
-    return imported
-
-
 # arg_groups/overrides.py::declare_load_time_override (0.5.15 - 0.5.17: how a model that refuses shared-expert
 # fusion records the refusal) writes through runtime_context and server_args, too heavy to import here. Where its
 # writes land is read from its source: each form below names a text of its body and the stores it writes (stubs.py).
@@ -190,7 +173,8 @@ def model_class(mods: dict, arch: str) -> type:
     module = mods["_entries"].get(arch)
     if module is None:
         raise LookupError(f"no module of {MODEL_PACKAGE} names {arch} in its EntryClass")
-    entries = getattr(import_model(mods, module), "EntryClass", None)
+    imported = mods["_finder"].import_model(mods["_release"], module, (MODEL_PACKAGE + ".",), mods["_pristine"])
+    entries = getattr(imported, "EntryClass", None)
     for cls in entries if isinstance(entries, (list, tuple)) else [entries]:
         if getattr(cls, "__name__", None) == arch:
             return cls
@@ -254,8 +238,9 @@ def build(mods: dict, cls: type, hf, qc, recorded: tuple[tuple[str, str], ...]):
         # torch Linear of 2 x hidden by hidden, took half of a probe's time filling itself with random numbers).
         stack.enter_context(torch.device("meta"))
         for module, name in recorded:
-            if module in mods and hasattr(mods[module], name):
-                stack.enter_context(mock.patch.object(mods[module], name, Recorder))
+            found = sys.modules.get(PKG + module)  # a model module the release's classes imported, if real
+            if found is not None and not isinstance(found, stubs.StubModule) and hasattr(found, name):
+                stack.enter_context(mock.patch.object(found, name, Recorder))
         stack.enter_context(mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)))
         return loader._initialize_model(model_config, stubs.Namespace(), qc)
 

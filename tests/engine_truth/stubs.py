@@ -221,13 +221,25 @@ class EngineFinder(importlib.abc.MetaPathFinder):
         self.parents: set[str] = set()
         self.real: set[str] = set()  # fetched modules and the packages above them; live: stubs see later adds
         self.stubbed: set[str] = set()
-        self.add({})
+        self.add(sources)
 
     def add(self, sources: dict[str, Path]) -> None:
         """More fetched modules (a model's, learned when the registry names it), importable from now on."""
         self.sources.update(sources)
-        self.parents |= {m.rsplit(".", i)[0] for m in self.sources for i in range(1, m.count(".") + 1)}
-        self.real |= set(self.sources) | self.parents
+        self.parents |= {m.rsplit(".", i)[0] for m in sources for i in range(1, m.count(".") + 1)}
+        self.real |= set(sources) | self.parents
+
+    def import_model(self, release, module: str, within: tuple[str, ...], pristine: dict[type, dict]):
+        """`module` imported from `release`'s source, once per process, with the modules under `within` that it
+        imports (Release.import_closure, fetched now); the packed mappings of the classes that brings in are kept
+        in `pristine` before any case can change them (restore_packed_mappings)."""
+        if module not in sys.modules:
+            closure = release.import_closure([module], within)
+            self.add(release.fetch([m for m in closure if m not in self.sources]))
+            importlib.import_module(module)
+            for cls, mapping in packed_mappings(self.package).items():
+                pristine.setdefault(cls, mapping)
+        return sys.modules[module]
 
     def _is_engine(self, name: str) -> bool:
         return name == self.package or name.startswith(self.package + ".")

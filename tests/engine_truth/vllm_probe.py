@@ -265,14 +265,7 @@ def model_class(mods: dict, arch: str) -> type:
     module, name = entry
     if not module.startswith("vllm."):
         module = MODELS + module
-    if module not in sys.modules:  # not imported for an earlier case: fetch it and the model modules it imports
-        finder = mods["_finder"]
-        closure = mods["_release"].import_closure([module], MODEL_PACKAGES)
-        finder.add(mods["_release"].fetch([m for m in closure if m not in finder.sources]))
-        importlib.import_module(module)
-        for cls, mapping in stubs.packed_mappings("vllm").items():  # the new classes' mappings, before any use
-            mods["_pristine"].setdefault(cls, mapping)
-    mod = sys.modules[module]
+    mod = mods["_finder"].import_model(mods["_release"], module, MODEL_PACKAGES, mods["_pristine"])
     if isinstance(mod, stubs.StubModule):
         raise LookupError(f"the registry maps {arch} to {module}, which this probe does not fetch")
     return getattr(mod, name)

@@ -141,8 +141,8 @@ class Family:
         self.sparse = family in SPARSE_FAMILIES
         config = json.loads((source / "config.json").read_text())
         self.prompts = _prompts(int(config["vocab_size"]))
-        self.recipes = bf16_recipes(family_named(family))
-        self.fp8_recipes = keep_source_recipes(family_named(family)) if fp8 is not None else []
+        self.recipes = _recipes(family)
+        self.fp8_recipes = _fp8_recipes(family) if fp8 is not None else []
         self._store: dict = {}
 
     def source_of(self, recipe: str) -> Path:
@@ -405,7 +405,7 @@ def families(fixture_ckpt, tmp_path_factory):
             overrides = ALL_FAMILIES[family]
             source = fixture_ckpt("tiny", family, **overrides)[0]
             fp8 = ragged = None
-            if keep_source_recipes(family_named(family)):
+            if _fp8_recipes(family):
                 fp8 = fixture_ckpt("tiny", family, "fp8", **overrides)[0]
                 ragged = fixture_ckpt("tiny", family, "fp8", **overrides, **RAGGED_TILES)[0]
             built[family] = Family(family, tmp_path_factory.mktemp(f"vllm-{family}"), source, fp8, ragged)
