@@ -19,13 +19,17 @@ from mxforge.models.fixture import write_fixture
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
 
 pytestmark = pytest.mark.slow  # quantize runs killed and resumed
+SHARDS = 4
 
 
 @pytest.fixture(scope="module")
 def multi_shard_ckpt(module_tmp) -> Path:
-    """Real GLM-5.2 expert shapes, 2 shards of up to 512 MiB: long enough for a kill to land mid-run."""
+    """Real GLM-5.2 expert shapes, 0.75 GiB in SHARDS shards: long enough for a kill to land mid-run, and after the
+    first shard is recorded, at least two more to quantize one at a time (the finish lane's fsync of one shard
+    overlaps the next one's quantize, so two consecutive shards can be recorded milliseconds apart: with only two
+    shards the kill could find both recorded)."""
     out = module_tmp("resume") / "bench"
-    write_fixture(out, "bench", seed=1, gib=0.75, quiet=True)
+    write_fixture(out, "bench", seed=1, gib=0.75, quiet=True, shard_count=SHARDS)
     return out
 
 
@@ -99,8 +103,8 @@ def _state_and_outputs(out: Path) -> dict:
 
 @pytest.mark.parametrize("moment", ["mid_shard", "after_first_shard"])
 def test_sigkill_then_rerun_is_byte_identical(multi_shard_ckpt, uninterrupted, tmp_path, moment):
-    # After the first shard, one worker: with two, both shards run at once and may finish within one poll. Even
-    # so, on a loaded machine the second shard can finish between the poll and the kill: that attempt did not
+    # After the first shard, one worker: with two, two shards run at once and may finish within one poll. Even
+    # so, on a loaded machine every shard could be recorded between the poll and the kill: that attempt did not
     # test a resume, and the next one, in a fresh OUT, is made (three at most).
     for attempt in range(3):
         out = tmp_path / f"out{attempt}"
@@ -115,7 +119,7 @@ def test_sigkill_then_rerun_is_byte_identical(multi_shard_ckpt, uninterrupted, t
                 return _finished_shards(out) >= 1
 
         assert _kill_group_when(proc, ready), "the run finished before the kill could land"
-        if moment == "mid_shard" or _finished_shards(out) < 2:
+        if moment == "mid_shard" or _finished_shards(out) < SHARDS:
             break
     assert not (out / "config.json").exists() and not (out / QUANTIZE_NAME).exists()
     killed_state = _state_and_outputs(out)  # what the rerun judges, for the message if it redoes a finished shard
