@@ -11,11 +11,17 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from mxforge.errors import ConfigError
-from mxforge.models import deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa
+from mxforge.models import deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa
 from mxforge.models.family import Family
 from mxforge.models.layout import MoeLayout
 
-FAMILIES: tuple[Family, ...] = (glm_moe_dsa.FAMILY, deepseek_v3.FAMILY, deepseek_v32.FAMILY, glm4_moe.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    glm_moe_dsa.FAMILY,
+    deepseek_v3.FAMILY,
+    deepseek_v32.FAMILY,
+    glm4_moe.FAMILY,
+    glm4_moe_lite.FAMILY,
+)
 DEFAULT_FAMILY = FAMILIES[0]  # what `mxforge fixture` builds unless told otherwise
 
 __all__ = ["DEFAULT_FAMILY", "FAMILIES", "Family", "MoeLayout", "family_named", "family_of", "layout_of"]

@@ -37,7 +37,8 @@ class Family:
     inventory_source: str = ""  # where the published inventory figures come from
     # The published checkpoint's inventory, for the full-layout fixture to reproduce: tensors, parameters
     # (elements), shards, and its precision ("bf16", or "fp8-block" for 128x128 block-scaled e4m3); where only
-    # the Hub's rounded figure is known, "parameters_b" (billions, to 0.01) instead of "parameters".
+    # the Hub's rounded figure is known, "parameters_b" (billions, to 0.01) instead of "parameters"; where only a
+    # size is, "size_gb" (the checkpoint's bytes in GB, to 0.1).
     published: tuple[tuple[str, object], ...] = ()
     # The layout of the family's official FP8 release (a key of mxforge.models.layout.FP8_LAYOUTS: "block" for
     # DeepSeek-style 128x128 `weight_scale_inv`, "compressed-tensors-channel" for per-channel `weight_scale` with a
@@ -81,6 +82,7 @@ PUBLISHED_FIGURES: dict[str, type] = {
     "tensors": int,
     "parameters": int,
     "parameters_b": float,
+    "size_gb": float,
     "shards": int,
     "precision": str,
 }

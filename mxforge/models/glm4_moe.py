@@ -18,8 +18,9 @@ shared_head.head and shared_head.norm. No published model.safetensors.index.json
 inventory is derived, and checked against what the Hub publishes of zai-org/GLM-4.5 (358.34 B parameters,
 93 shards: both reproduced, the parameter count only with the MTP layer's own embedding and head).
 
-GLM-4.7-Flash is not this family: it is `Glm4MoeLiteForCausalLM` (model_type glm4_moe_lite), MLA attention
-as DeepSeek-V3 (q_lora_rank 768, kv_lora_rank 512), 64 experts, with engine classes of its own.
+GLM-4.7-Flash is not this family: it is `Glm4MoeLiteForCausalLM` (model_type glm4_moe_lite:
+mxforge/models/glm4_moe_lite.py), MLA attention as DeepSeek-V3 (q_lora_rank 768, kv_lora_rank 512), 64 experts,
+with engine classes of its own.
 """
 
 from __future__ import annotations

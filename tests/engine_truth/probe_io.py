@@ -7,7 +7,9 @@ none ignore it). Answer (JSON written to the path given as argv[2]): {"version",
 {"error": traceback}}}. A decision is "mxfp4", "bf16", "bf16>mxfp4" (loaded bf16, re-quantized to MXFP4 after
 loading), "other:<scheme class>[:<weight dtype>][:<weight qscheme>]" (`other`) or "error:<message>"; a probe that can
 tell how the module computes adds ":emulated" or ":emulation?" (`EMULATED`, `EMULATION_UNKNOWN`).
-A probe may add keys of its own to an answer (the vLLM probe: "unbuilt", "loader_fuses_shared_experts").
+A probe may add keys of its own to an answer (the vLLM probe: "unbuilt", "loader_fuses_shared_experts"). A case with
+"draft_class_only" true (sglang's probe) asks only which class the release drafts the config's MTP layer with: the
+answer is {"draft": {"class": name}}.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def allocated(decision: str) -> str:
 
 
 LINEAR, EXPERTS = "linear", "experts"
+DRAFT_CLASS_ONLY = "draft_class_only"
 
 
 def hf_config(config: dict):

@@ -44,10 +44,10 @@ UTILS = PKG + "utils.common"
 # probe reads those assignments from the sources (entry_modules), then fetches the module that names a case's
 # architecture (target, and the draft's from ModelConfig._config_draft_model) with the model modules it imports.
 MODEL_PACKAGE = PKG + "models"
-# The layer stack each model class builds, recorded instead of built: (module, class) where its constructor looks
-# it up; a model uses one of them (DeepSeek / GLM-5: deepseek_v2's; GLM-4.5: glm4_moe's).
-TARGET_STACKS = (("models.deepseek_v2", "DeepseekV2Model"), ("models.glm4_moe", "Glm4MoeModel"))
-DRAFT_BLOCKS = (("models.deepseek_nextn", "DeepseekV2DecoderLayer"), ("models.glm4_moe_nextn", "Glm4MoeDecoderLayer"))
+# What a model class builds that the probe records instead of building, by the release's naming of model classes:
+# the target's layer stack (`<Arch>Model`: DeepseekV2Model, Glm4MoeModel, Glm4MoeLiteModel...) and the draft's decoder
+# block (`<Arch>DecoderLayer`), found in the namespaces its constructors run in (`recorded`), not listed per family.
+TARGET_STACK, DRAFT_BLOCK = "Model", "DecoderLayer"
 AMD_MI355X = (9, 5)
 PLATFORM = {
     name: (lambda value: lambda *a, **k: value)(value)
@@ -224,9 +224,27 @@ def amd_device():
         yield
 
 
-def build(mods: dict, cls: type, hf, qc, recorded: tuple[tuple[str, str], ...]):
-    """The loader's `_initialize_model` (shared-expert fusion gate, then the constructor), with the model's
-    layer stack (`recorded`: (module, class name) pairs, those the release has) recorded instead of built."""
+def recorded(cls: type, suffix: str) -> list[tuple[str, str]]:
+    """(module, name) of every torch module class whose name ends in `suffix` that the modules of `cls`'s own
+    classes (its MRO, within MODEL_PACKAGE) hold: where its constructors, and those of the models they build
+    (a NextN draft's `model`, defined beside it), look the class up."""
+    import torch
+
+    out: dict[tuple[str, str], None] = {}
+    for klass in cls.__mro__:
+        module = sys.modules.get(klass.__module__)
+        if not klass.__module__.startswith(MODEL_PACKAGE + ".") or isinstance(module, stubs.StubModule | None):
+            continue
+        for name, value in vars(module).items():
+            if name.endswith(suffix) and isinstance(value, type) and issubclass(value, torch.nn.Module):
+                out[(klass.__module__, name)] = None
+    return list(out)
+
+
+def build(mods: dict, cls: type, hf, qc, suffix: str):
+    """The loader's `_initialize_model` (shared-expert fusion gate, then the constructor), with the classes named
+    `*<suffix>` the constructors can reach (`recorded`: the target's layer stack, the draft's block) recorded
+    instead of built."""
     loader = mods["model_loader.loader"]
     model_config = stubs.Namespace(quantization="quark", hf_config=hf, hf_text_config=hf, model_path="/nonexistent")
     import torch
@@ -237,10 +255,8 @@ def build(mods: dict, cls: type, hf, qc, recorded: tuple[tuple[str, str], ...]):
         # shapes and dtypes are real, no memory is allocated and no weight initialised (the draft's eh_proj, a
         # torch Linear of 2 x hidden by hidden, took half of a probe's time filling itself with random numbers).
         stack.enter_context(torch.device("meta"))
-        for module, name in recorded:
-            found = sys.modules.get(PKG + module)  # a model module the release's classes imported, if real
-            if found is not None and not isinstance(found, stubs.StubModule) and hasattr(found, name):
-                stack.enter_context(mock.patch.object(found, name, Recorder))
+        for module, name in recorded(cls, suffix):
+            stack.enter_context(mock.patch.object(sys.modules[module], name, Recorder))
         stack.enter_context(mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)))
         return loader._initialize_model(model_config, stubs.Namespace(), qc)
 
@@ -284,10 +300,12 @@ def probe_case(mods: dict, case: dict) -> dict:
     shared between them, as in the release, and starts fresh for every case)."""
     stubs.SERVER_STATE.clear()
     stubs.restore_packed_mappings(mods["_pristine"])
+    if case.get(probe_io.DRAFT_CLASS_ONLY):  # a family the release does not build: which class it would draft with
+        return {"draft": {"class": draft_architecture(mods, probe_io.hf_config(case["config"]))}}
     hf = probe_io.hf_config(case["config"])
     target_cls = model_class(mods, hf.architectures[0])
     target_qc = quant_config(mods, target_cls, hf, is_draft=False)
-    target_model = build(mods, target_cls, hf, target_qc, TARGET_STACKS)
+    target_model = build(mods, target_cls, hf, target_qc, TARGET_STACK)
     target = {
         "class": target_cls.__name__,
         "packed_modules_mapping": dict(target_qc.packed_modules_mapping),
@@ -297,7 +315,7 @@ def probe_case(mods: dict, case: dict) -> dict:
     draft_hf = probe_io.hf_config(case["config"])
     draft_cls = model_class(mods, draft_architecture(mods, draft_hf))
     draft_qc = quant_config(mods, draft_cls, draft_hf, is_draft=True)
-    draft_model = build(mods, draft_cls, draft_hf, draft_qc, DRAFT_BLOCKS)
+    draft_model = build(mods, draft_cls, draft_hf, draft_qc, DRAFT_BLOCK)
     block, eh = draft_model.model.decoder, draft_model.model.eh_proj
     eh_kwargs = getattr(eh, "_stub_kwargs", {})
     draft = {

@@ -31,13 +31,15 @@ def test_full_layout_reproduces_the_published_inventory(family, fixture_ckpt):
     infos = ckpt.tensor_infos()
     layout = layout_of(ckpt.config)
     assert {n: (i.dtype, i.shape) for n, i in infos.items()} == {t.name: (t.dtype, t.shape) for t in layout.tensors()}
-    assert result.shards == published["shards"] == len(ckpt.shard_names)
+    assert result.shards == published.get("shards", result.shards) == len(ckpt.shard_names)
     assert ckpt.index_metadata["total_size"] == sum(i.nbytes for i in infos.values())
     stored = [t for t in layout.tensors()]
     if published["precision"] == "fp8-block":
         stored = fp8_block_inventory(stored, family.fp8_bf16_weights)
     parameters = sum(math.prod(t.shape) for t in stored)
-    if "parameters_b" in published:  # only the Hub's rounded count is published (GLM-4.5)
+    if "size_gb" in published:  # only the checkpoint's size is published (GLM-4.7-Flash)
+        assert round(sum(t.nbytes for t in stored) / 1e9, 1) == published["size_gb"]
+    elif "parameters_b" in published:  # only the Hub's rounded count is published (GLM-4.5)
         assert round(parameters / 1e9, 2) == published["parameters_b"]
     else:
         assert len(stored) == published["tensors"]
@@ -126,8 +128,44 @@ def test_glm4_moe_figures():
     assert not any("q_norm" in t.name for t in air_tensors)
 
 
+def test_glm4_moe_lite_figures():
+    """GLM-4.7-Flash's inventory, derived from its config: 9,703 bf16 tensors, 31,221,488,576 parameters (the Hub's
+    "31B"), 62,442,983,168 bytes (the published 62.4 GB; e_score_correction_bias float32); without the MTP layer's
+    own embed_tokens and shared_head.head it would be 30.59 B and 61.17 GB, so the published size confirms them. MLA
+    as DeepSeek-V3's at GLM-4.7-Flash's ranks, layer 0 dense, the MTP layer 47."""
+    family = family_named("glm4_moe_lite")
+    from mxforge.models.fixture import preset_config
+
+    layout = layout_of(preset_config("full-layout", family=family)[0])
+    tensors = layout.tensors()
+    by_name = {t.name: t for t in tensors}
+    assert (len(tensors), sum(math.prod(t.shape) for t in tensors), sum(t.nbytes for t in tensors)) == (
+        9703,
+        31221488576,
+        62442983168,
+    )
+    own = [by_name[f"model.layers.47.{n}.weight"] for n in ("embed_tokens", "shared_head.head")]
+    assert all(t.shape == (154880, 2048) for t in own)
+    assert round((sum(t.nbytes for t in tensors) - sum(t.nbytes for t in own)) / 1e9, 2) == 61.17
+    assert by_name["model.layers.0.self_attn.q_b_proj.weight"].shape == (20 * 256, 768)
+    assert by_name["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (576, 2048)
+    assert by_name["model.layers.0.self_attn.kv_b_proj.weight"].shape == (20 * 448, 512)
+    assert by_name["model.layers.0.self_attn.o_proj.weight"].shape == (2048, 5120)
+    assert by_name["model.layers.0.mlp.down_proj.weight"].shape == (2048, 10240)
+    assert by_name["model.layers.1.mlp.experts.63.gate_proj.weight"].shape == (1536, 2048)
+    assert by_name["model.layers.46.mlp.shared_experts.down_proj.weight"].shape == (2048, 1536)
+    assert by_name["model.layers.47.eh_proj.weight"].shape == (2048, 4096)
+    assert not any(".indexer." in n or "q_proj" in n for n in by_name)
+
+
 @pytest.mark.parametrize(
-    "family_name,model", [("deepseek_v3", "DeepseekV3"), ("deepseek_v32", "DeepseekV32"), ("glm4_moe", "Glm4Moe")]
+    "family_name,model",
+    [
+        ("deepseek_v3", "DeepseekV3"),
+        ("deepseek_v32", "DeepseekV32"),
+        ("glm4_moe", "Glm4Moe"),
+        ("glm4_moe_lite", "Glm4MoeLite"),
+    ],
 )
 def test_tiny_matches_what_transformers_saves(family_name, model, tmp_path):
     """Non-MTP names and shapes equal what transformers' own model class writes for the same config."""

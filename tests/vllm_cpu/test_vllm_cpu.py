@@ -3,11 +3,11 @@ mxforge's output, runs its own weight loaders and computes with it; only the com
 in for (standins/, each documented there and checked against the release before it is installed). What is checked,
 per release:
 
-- glm4_moe and deepseek_v3 (FAMILIES): every shipped recipe's output of `mxforge run` from the bf16 source loads
-  with the MTP draft on, and its teacher-forced logprobs, of the target and of the draft as served (fed its own
-  target's hidden states), stay within BOUND_FACTOR of a noise reference: the bf16 source loaded by the same release
-  with Gaussian noise on the very parameters vLLM allocated quantized for that output, of the relative RMS error the
-  output's error report measured for their format (measured_weight_error), and on those modules' inputs of the
+- glm4_moe, deepseek_v3 and glm4_moe_lite (FAMILIES): every shipped recipe's output of `mxforge run` from the bf16
+  source loads with the MTP draft on, and its teacher-forced logprobs, of the target and of the draft as served (fed
+  its own target's hidden states), stay within BOUND_FACTOR of a noise reference: the bf16 source loaded by the same
+  release with Gaussian noise on the very parameters vLLM allocated quantized for that output, of the relative RMS
+  error the output's error report measured for their format (measured_weight_error), and on those modules' inputs of the
   format's figure (ocp_mx.FORMAT_REL_RMS; the recipes declare dynamic activations),
   averaged over NOISE_DRAWS draws; the default output decoded wrong (the stand-in's nibbles swapped) lands outside.
   Speculative decoding on the default output gives the plain greedy output while their contexts agree; where they
@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 # Families vLLM's CPU path runs, with the fixture overrides its CPU kernels need: the CPU MLA kernel takes only a
 # 576-wide latent (kv_lora_rank 512 + qk_rope_head_dim 64).
 MLA_CPU = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
-FAMILIES = {"glm4_moe": {}, "deepseek_v3": MLA_CPU}
+FAMILIES = {"glm4_moe": {}, "deepseek_v3": MLA_CPU, "glm4_moe_lite": MLA_CPU}
 # Families with DeepSeek sparse attention, which vLLM's CPU platform refuses to run: built and loaded only (the
 # sparse-attention stand-in, standins/vllm_cpu_standins.py 6), the run stopped before the KV cache is set up.
 SPARSE_FAMILIES = {"glm_moe_dsa": MLA_CPU, "deepseek_v32": MLA_CPU}
