@@ -85,22 +85,27 @@ def test_deepseek_v32_figures():
     } == {"F32"}
 
 
+def full_layout(family) -> tuple[list, dict]:
+    """The family's full-layout bf16 tensors (as `mxforge fixture --preset full-layout` plans them), and by name."""
+    from mxforge.models.fixture import preset_config
+
+    tensors = layout_of(preset_config("full-layout", family=family)[0]).tensors()
+    return tensors, {t.name: t for t in tensors}
+
+
+def totals(tensors) -> tuple[int, int, int]:
+    """(tensors, parameters, bytes)."""
+    return len(tensors), sum(math.prod(t.shape) for t in tensors), sum(t.nbytes for t in tensors)
+
+
 def test_glm4_moe_figures():
     """GLM-4.5's inventory, derived from its config: 44,691 bf16 tensors, 358,337,791,296 parameters (the Hub's 358.34 B
     for zai-org/GLM-4.5 and GLM-4.7), 716,675,611,392 bytes; without the MTP layer's own embed_tokens and
     shared_head.head it would be 356.79 B, so the published count confirms them. GLM-4.5-Air (its config's
     differences applied): 110,468,824,832 parameters, the Hub's 110.47 B."""
     family = family_named("glm4_moe")
-    from mxforge.models.fixture import preset_config
-
-    layout = layout_of(preset_config("full-layout", family=family)[0])
-    tensors = layout.tensors()
-    by_name = {t.name: t for t in tensors}
-    assert (len(tensors), sum(math.prod(t.shape) for t in tensors), sum(t.nbytes for t in tensors)) == (
-        44691,
-        358337791296,
-        716675611392,
-    )
+    tensors, by_name = full_layout(family)
+    assert totals(tensors) == (44691, 358337791296, 716675611392)
     assert by_name["model.layers.0.self_attn.q_proj.weight"].shape == (12288, 5120)
     assert by_name["model.layers.0.self_attn.k_proj.bias"].shape == (1024,)
     assert by_name["model.layers.91.self_attn.k_norm.weight"].shape == (128,)
@@ -133,17 +138,8 @@ def test_glm4_moe_lite_figures():
     "31B"), 62,442,983,168 bytes (the published 62.4 GB; e_score_correction_bias float32); without the MTP layer's
     own embed_tokens and shared_head.head it would be 30.59 B and 61.17 GB, so the published size confirms them. MLA
     as DeepSeek-V3's at GLM-4.7-Flash's ranks, layer 0 dense, the MTP layer 47."""
-    family = family_named("glm4_moe_lite")
-    from mxforge.models.fixture import preset_config
-
-    layout = layout_of(preset_config("full-layout", family=family)[0])
-    tensors = layout.tensors()
-    by_name = {t.name: t for t in tensors}
-    assert (len(tensors), sum(math.prod(t.shape) for t in tensors), sum(t.nbytes for t in tensors)) == (
-        9703,
-        31221488576,
-        62442983168,
-    )
+    tensors, by_name = full_layout(family_named("glm4_moe_lite"))
+    assert totals(tensors) == (9703, 31221488576, 62442983168)
     own = [by_name[f"model.layers.47.{n}.weight"] for n in ("embed_tokens", "shared_head.head")]
     assert all(t.shape == (154880, 2048) for t in own)
     assert round((sum(t.nbytes for t in tensors) - sum(t.nbytes for t in own)) / 1e9, 2) == 61.17
