@@ -169,9 +169,13 @@ def quantize_rows_cpu(
     """The CPU kernel: rows (bf16 bits as int16, float16 or float32) into preallocated `codes` / `scales` (uint8),
     through torch's CPU ops in row chunks: `quantize_torch` on the CPU (a worker quantizing these formats imports
     torch; MXFP4's own C and numba kernels do not)."""
+    import warnings
+
     import torch
 
-    w = torch.from_numpy(rows)
+    with warnings.catch_warnings():  # a read-only view of the shard's mapping: only read here, never written
+        warnings.simplefilter("ignore", UserWarning)
+        w = torch.from_numpy(rows)
     if rows.dtype.itemsize == 2 and rows.dtype.kind == "i":
         w = w.view(torch.bfloat16)  # bf16 bits, as the shard jobs pass them
     return quantize_torch(

@@ -31,8 +31,10 @@ from ocp_mx import (
     decode_checkpoint,
     decode_fp8_ptpc,
     decode_mxfp4,
+    decode_mxfp6,
     e2m1_value,
     e8m0_table,
+    fp6_value,
     module_format,
 )
 from safetensors import safe_open
@@ -46,6 +48,22 @@ BATCH, SEQ = 8, 64  # 512 positions; SEQ > the tiny fixture's index_topk (16), s
 TOKEN_SEED = 1234
 SHARP_ENTROPY = 2.5  # nats: a trained LM's next-token entropy (perplexity ~12)
 MIXED_RECIPE = "glm-5.2-mxfp4-attn-fp8"  # MXFP4 experts, FP8 PTPC attention (AMD's AttnFP8 layout)
+# Both MXFP6 elements in one output (no shipped recipe writes MXFP6: neither engine serves it natively): routed and
+# decoder shared experts E2M3, attention E3M2, the rest bf16.
+MXFP6_RECIPE = """
+name = "consumer-mxfp6"
+scheme = "mxfp4"
+[[quantize]]
+kinds = ["experts"]
+format = "mxfp6_e2m3"
+[[quantize]]
+kinds = ["shared_experts"]
+layers = "decoder"
+format = "mxfp6_e2m3"
+[[quantize]]
+kinds = ["attention"]
+format = "mxfp6_e3m2"
+"""
 NOISE_DRAWS = 3  # the reference is the mean over independent draws (seeds 0, 1, 2)
 COMPUTE_DTYPE = torch.float32
 BOUND_FACTOR = 2.0
@@ -334,6 +352,21 @@ def mixed_reference(tiny_ckpt, mixed, source_logits, tmp_path_factory) -> Refere
     return noise_reference(tiny_ckpt, mixed, source_logits, tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def mxfp6(tiny_ckpt, tmp_path_factory) -> Path:
+    """`mxforge quantize` of the tiny fixture with MXFP6_RECIPE (MXFP6 E2M3 experts, E3M2 attention)."""
+    work = tmp_path_factory.mktemp("consumer-mxfp6")
+    (work / "mxfp6.toml").write_text(MXFP6_RECIPE)
+    cli("quantize", str(tiny_ckpt), str(work / "out"), "--recipe", str(work / "mxfp6.toml"), "--quiet", check=True)
+    return work / "out"
+
+
+@pytest.fixture(scope="module")
+def mxfp6_reference(tiny_ckpt, mxfp6, source_logits, tmp_path_factory) -> Reference:
+    """The bounds for the MXFP6 output: each tensor's noise at its element's magnitude."""
+    return noise_reference(tiny_ckpt, mxfp6, source_logits, tmp_path_factory)
+
+
 @pytest.mark.parametrize("rule", SCALE_RULES, ids=lambda r: r or "quark")
 def test_mxfp4_logits_match_source(rule, tiny_ckpt, default_mxfp4, reference, tmp_path):
     if rule is None:
@@ -364,6 +397,54 @@ def test_mixed_precision_logits_match_source(tiny_ckpt, mixed, mixed_reference, 
     measured = measure(mixed_reference, decoded)
     print(report(MIXED_RECIPE, mixed_reference, measured))
     assert not violations(mixed_reference, measured), report(MIXED_RECIPE, mixed_reference, measured)
+
+
+def test_mxfp6_logits_match_source(mxfp6, mxfp6_reference, tmp_path):
+    """MXFP6 E2M3 experts and E3M2 attention, decoded by the spec decoder the layer configs name, stay within the
+    bounds of noise at each element's magnitude, target and MTP layer."""
+    formats = quantized_formats(mxfp6)
+    assert set(formats.values()) == {"mxfp6_e2m3", "mxfp6_e3m2"}, formats
+    decoded = tmp_path / "decoded"
+    assert decode_checkpoint(mxfp6, decoded)["decoded"] == len(formats)
+    measured = measure(mxfp6_reference, decoded)
+    print(report("mxfp6 (e2m3 experts, e3m2 attention)", mxfp6_reference, measured))
+    assert not violations(mxfp6_reference, measured), report("mxfp6", mxfp6_reference, measured)
+
+
+# Misreadings of MXFP6 (everything else decoded right): the four codes of a 3-byte group taken in reverse order, and
+# the scales read one binade high.
+WRONG_MXFP6_DECODES = {
+    "codes in reverse order": {"first_in_low_bits": False},
+    "scale x2 (E8M0 bias 126)": {"scale_bias": 126},
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG_MXFP6_DECODES)
+def test_wrong_mxfp6_decode_breaks_the_bounds(wrong, mxfp6, mxfp6_reference, tmp_path):
+    decoded = tmp_path / "decoded"
+    decode_checkpoint(mxfp6, decoded, mxfp6_options=WRONG_MXFP6_DECODES[wrong])
+    measured = measure(mxfp6_reference, decoded)
+    print("\n" + report(wrong, mxfp6_reference, measured))
+    broken = {v.split(":")[0] for v in violations(mxfp6_reference, measured)}
+    assert broken == set(HEADS), violations(mxfp6_reference, measured)
+
+
+def test_mxfp6_noise_figures_are_measured():
+    """FORMAT_REL_RMS's MXFP6 figures are what Quark's numerics (mxforge's kernels) give on Gaussian rows, read back
+    by the spec decoder, which agrees bit for bit with mxforge's own decoding there."""
+    from mxforge.formats import format_named
+
+    for name in ("mxfp6_e2m3", "mxfp6_e3m2"):
+        fmt = format_named(name)
+        for inner in (256, 6144):
+            w = torch.randn(256, inner, generator=torch.Generator().manual_seed(inner)).to(torch.bfloat16)
+            codes = torch.zeros(256, fmt.packed_inner(inner), dtype=torch.uint8)
+            scales = torch.zeros(256, fmt.blocks(inner), dtype=torch.uint8)
+            fmt.kernels.encode_torch(w, codes, scales, torch.device("cpu"))
+            decoded = decode_mxfp6(codes, scales, element=name.removeprefix("mxfp6_"))
+            assert torch.equal(decoded, fmt.dequantize(codes, scales, inner)), name
+            rel = ((decoded - w.float()).pow(2).sum() / w.float().pow(2).sum()).sqrt().item()
+            assert rel == pytest.approx(FORMAT_REL_RMS[name], rel=0.03), (name, inner, rel)
 
 
 # Misreadings of FP8 PTPC alone (the MXFP4 weights decoded right): the attention of every layer, MTP included.
@@ -446,6 +527,22 @@ def test_decoder_reads_the_spec_values():
         decode_mxfp4(codes, torch.tensor([[128]], dtype=torch.uint8))
 
 
+def test_mxfp6_decoder_reads_the_spec_values():
+    """OCP MX v1.0's FP6 tables (E2M3: 0.125 steps to 1, largest 7.5; E3M2: smallest 0.0625, largest 28) and Quark's
+    packing: four codes in three bytes, the first in the lowest bits."""
+    assert [fp6_value(c, "e2m3") for c in range(9)] == [i / 8 for i in range(9)]
+    assert fp6_value(31, "e2m3") == 7.5 and fp6_value(32 + 31, "e2m3") == -7.5
+    assert fp6_value(1, "e3m2") == 0.0625 and fp6_value(4, "e3m2") == 0.25 and fp6_value(31, "e3m2") == 28.0
+    # 32 inputs, one block (scale 2^0): codes 1, 2, 3, 63 (E2M3: 0.125, 0.25, 0.375, -7.5) then zeros.
+    word = 1 | 2 << 6 | 3 << 12 | 63 << 18
+    codes = torch.zeros(1, 24, dtype=torch.uint8)
+    codes[0, :3] = torch.tensor([word & 0xFF, word >> 8 & 0xFF, word >> 16], dtype=torch.uint8)
+    got = decode_mxfp6(codes, torch.tensor([[127]], dtype=torch.uint8), element="e2m3")
+    assert got.shape == (1, 32) and got[0, :4].tolist() == [0.125, 0.25, 0.375, -7.5] and got[0, 4:].abs().sum() == 0
+    with pytest.raises(ValueError, match="scales"):
+        decode_mxfp6(codes, torch.tensor([[127, 127]], dtype=torch.uint8), element="e2m3")
+
+
 @pytest.mark.quark
 def test_transformers_quark_path_cannot_run_routed_experts(default_mxfp4):
     """Why the consumer decodes the weights itself. transformers loads a `quant_method: quark` checkpoint
@@ -488,4 +585,16 @@ def test_spec_decoders_agree_with_mxforge_dequantize_on_every_format(mixed):
         with safe_open(str(mixed / index[name]), framework="pt") as f:
             codes, scales = f.get_tensor(name), f.get_tensor(name + "_scale")
         ours = decode_fp8_ptpc(codes, scales) if fmt == "fp8_ptpc" else decode_mxfp4(codes, scales)
+        assert torch.equal(ours, format_named(fmt).dequantize(codes, scales, ours.shape[1])), name
+
+
+def test_mxfp6_decoder_agrees_with_mxforge_dequantize(mxfp6):
+    """The same on the MXFP6 output: every E2M3 and E3M2 weight."""
+    from mxforge.formats import format_named
+
+    index = json.loads((mxfp6 / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, fmt in sorted(quantized_formats(mxfp6).items()):
+        with safe_open(str(mxfp6 / index[name]), framework="pt") as f:
+            codes, scales = f.get_tensor(name), f.get_tensor(name + "_scale")
+        ours = decode_mxfp6(codes, scales, element=fmt.removeprefix("mxfp6_"))
         assert torch.equal(ours, format_named(fmt).dequantize(codes, scales, ours.shape[1])), name

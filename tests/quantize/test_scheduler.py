@@ -132,3 +132,28 @@ def test_a_worker_process_that_dies_is_one_error_saying_what_to_do(tiny_ckpt):
     with pytest.raises(MxforgeError) as e:
         ShardScheduler([Step("die", workers, _die, done=lambda s, r: None)]).run(jobs, lambda j: "die")
     assert str(e.value) == WORKER_DIED
+
+
+def test_formats_without_a_compiled_cpu_kernel_are_quantized_in_spawned_workers(tmp_path):
+    """Workers are forked only when every format's CPU kernel is compiled code (MXFP4, FP8 PTPC): MXFP6's runs torch
+    ops, and a worker forked from a process whose torch thread pool already ran waited on it forever (an in-process
+    quantize after the fixture was written: the consumer test hung). Run in a child process with a deadline, so a
+    regression fails here instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "mxfp6.toml"
+    recipe.write_text('name = "w6"\nscheme = "mxfp4"\n[[quantize]]\nkinds = ["experts"]\nformat = "mxfp6_e2m3"\n')
+    script = f"""
+import torch
+from mxforge.cli.main import main
+from mxforge.models.fixture import write_fixture
+torch.set_num_threads(2)
+write_fixture({str(tmp_path / "src")!r}, "tiny", quiet=True)
+torch.randn(512, 512) @ torch.randn(512, 512)  # this process's torch thread pool has run
+main(["quantize", {str(tmp_path / "src")!r}, {str(tmp_path / "out")!r}, "--recipe", {str(recipe)!r},
+      "--workers", "2", "--quiet"])
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
