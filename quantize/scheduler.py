@@ -158,7 +158,8 @@ class ShardWorkers(Lane):
             and all(f.kernels.warm is not None for f in formats)
         ):
             for fmt in formats:
-                fmt.kernels.warm({t.read_dtype for t in quantized if t.format == fmt})
+                if fmt.kernels.warm is not None:  # always, here (checked above); for the type checker
+                    fmt.kernels.warm({t.read_dtype for t in quantized if t.format == fmt})
             ctx = mp.get_context("fork")
         self._counter = ctx.Value("q", 0)
         self._pool = ProcessPoolExecutor(self.size, mp_context=ctx, initializer=_init_worker, initargs=(self._counter,))
