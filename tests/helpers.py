@@ -238,3 +238,22 @@ def deadline(seconds: float, what: str):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# A recipe in both MXFP6 elements (no shipped recipe writes MXFP6: neither engine serves it natively): routed and
+# decoder shared experts E2M3, attention E3M2, the rest bf16. The conformance matrix's "mxfp6" style and the consumer
+# test's MXFP6 output.
+MXFP6_RECIPE = """
+name = "mxfp6"
+scheme = "mxfp4"
+[[quantize]]
+kinds = ["experts"]
+format = "mxfp6_e2m3"
+[[quantize]]
+kinds = ["shared_experts"]
+layers = "decoder"
+format = "mxfp6_e2m3"
+[[quantize]]
+kinds = ["attention"]
+format = "mxfp6_e3m2"
+"""

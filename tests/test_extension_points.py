@@ -135,7 +135,12 @@ def test_a_new_model_family_is_a_module_a_registration_its_data_and_its_tables(c
         r"^(from mxforge\.models import .+)$", r"\1\nfrom mxforge.models import toy_moe", text, count=1, flags=re.M
     )
     assert n == 1
-    text, n = re.subn(r"(FAMILIES: tuple\[Family, \.\.\.\] = \()(.*?)\)", r"\1\2, toy_moe.FAMILY)", text)
+    text, n = re.subn(
+        r"(FAMILIES: tuple\[Family, \.\.\.\] = \()(.*?)\)",
+        lambda m: f"{m.group(1)}{m.group(2).rstrip().rstrip(',')}, toy_moe.FAMILY)",
+        text,
+        flags=re.S,
+    )
     assert n == 1
     init.write_text(text)
     tables = re.compile(r"^\[family\.glm_moe_dsa(?:\.[a-z_]+)?\]\n(?:(?!\[).*\n?)*", re.M)

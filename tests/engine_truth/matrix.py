@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from helpers import BASE  # AMD's published exclusions; the MTP layer's are added per case
+from helpers import BASE, MXFP6_RECIPE  # AMD's published exclusions; the MTP layer's are added per case
 from quark_like import write_quark_like
 
 from mxforge.fixups.fixup import fixup_checkpoint
@@ -225,22 +225,6 @@ def _pinned_experts(src: Path, out: Path, recipe: str) -> None:
 def _weights_only(src: Path, out: Path, recipe: str) -> None:
     recipe_export(src, out, recipe)
     _edit_qc(out, lambda qc: qc["global_quant_config"].update(input_tensors=None))
-
-
-MXFP6_RECIPE = """
-name = "mxfp6"
-scheme = "mxfp4"
-[[quantize]]
-kinds = ["experts"]
-format = "mxfp6_e2m3"
-[[quantize]]
-kinds = ["shared_experts"]
-layers = "decoder"
-format = "mxfp6_e2m3"
-[[quantize]]
-kinds = ["attention"]
-format = "mxfp6_e3m2"
-"""
 
 
 def _mxfp6(src: Path, out: Path) -> None:

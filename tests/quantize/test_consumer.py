@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli
+from helpers import MXFP6_RECIPE, cli
 from ocp_mx import (
     FORMAT_REL_RMS,
     decode_checkpoint,
@@ -48,22 +48,6 @@ BATCH, SEQ = 8, 64  # 512 positions; SEQ > the tiny fixture's index_topk (16), s
 TOKEN_SEED = 1234
 SHARP_ENTROPY = 2.5  # nats: a trained LM's next-token entropy (perplexity ~12)
 MIXED_RECIPE = "glm-5.2-mxfp4-attn-fp8"  # MXFP4 experts, FP8 PTPC attention (AMD's AttnFP8 layout)
-# Both MXFP6 elements in one output (no shipped recipe writes MXFP6: neither engine serves it natively): routed and
-# decoder shared experts E2M3, attention E3M2, the rest bf16.
-MXFP6_RECIPE = """
-name = "consumer-mxfp6"
-scheme = "mxfp4"
-[[quantize]]
-kinds = ["experts"]
-format = "mxfp6_e2m3"
-[[quantize]]
-kinds = ["shared_experts"]
-layers = "decoder"
-format = "mxfp6_e2m3"
-[[quantize]]
-kinds = ["attention"]
-format = "mxfp6_e3m2"
-"""
 NOISE_DRAWS = 3  # the reference is the mean over independent draws (seeds 0, 1, 2)
 COMPUTE_DTYPE = torch.float32
 BOUND_FACTOR = 2.0
@@ -275,6 +259,16 @@ def violations(ref: Reference, measured: dict[str, dict]) -> list[str]:
     return out
 
 
+def breaks_every_head(label: str, ckpt: Path, ref: Reference, tmp_path: Path, **decode_options) -> None:
+    """`ckpt` decoded with `decode_options` (a deliberate misreading: decode_checkpoint's) breaks the bounds of every
+    head."""
+    decoded = tmp_path / "decoded"
+    decode_checkpoint(ckpt, decoded, **decode_options)
+    measured = measure(ref, decoded)
+    print("\n" + report(label, ref, measured))
+    assert {v.split(":")[0] for v in violations(ref, measured)} == set(HEADS), violations(ref, measured)
+
+
 def report(label: str, ref: Reference, measured: dict[str, dict]) -> str:
     b = ref.bounds
     return "\n".join(
@@ -421,12 +415,7 @@ WRONG_MXFP6_DECODES = {
 
 @pytest.mark.parametrize("wrong", WRONG_MXFP6_DECODES)
 def test_wrong_mxfp6_decode_breaks_the_bounds(wrong, mxfp6, mxfp6_reference, tmp_path):
-    decoded = tmp_path / "decoded"
-    decode_checkpoint(mxfp6, decoded, mxfp6_options=WRONG_MXFP6_DECODES[wrong])
-    measured = measure(mxfp6_reference, decoded)
-    print("\n" + report(wrong, mxfp6_reference, measured))
-    broken = {v.split(":")[0] for v in violations(mxfp6_reference, measured)}
-    assert broken == set(HEADS), violations(mxfp6_reference, measured)
+    breaks_every_head(wrong, mxfp6, mxfp6_reference, tmp_path, mxfp6_options=WRONG_MXFP6_DECODES[wrong])
 
 
 def test_mxfp6_noise_figures_are_measured():
@@ -453,12 +442,7 @@ WRONG_FP8_DECODES = {"FP8 scale x2": {"scale_factor": 2.0}, "FP8 scale /2": {"sc
 
 @pytest.mark.parametrize("wrong", WRONG_FP8_DECODES)
 def test_wrong_fp8_decode_breaks_the_bounds(wrong, mixed, mixed_reference, tmp_path):
-    decoded = tmp_path / "decoded"
-    decode_checkpoint(mixed, decoded, fp8_options=WRONG_FP8_DECODES[wrong])
-    measured = measure(mixed_reference, decoded)
-    print("\n" + report(wrong, mixed_reference, measured))
-    broken = {v.split(":")[0] for v in violations(mixed_reference, measured)}
-    assert broken == set(HEADS), violations(mixed_reference, measured)
+    breaks_every_head(wrong, mixed, mixed_reference, tmp_path, fp8_options=WRONG_FP8_DECODES[wrong])
 
 
 WRONG_DECODES = {
@@ -471,12 +455,7 @@ WRONG_DECODES = {
 @pytest.mark.parametrize("wrong", WRONG_DECODES)
 def test_wrong_decode_breaks_the_bounds(wrong, default_mxfp4, reference, tmp_path):
     """The bounds can fail: a decode that misreads the format by one convention breaks them, on every head."""
-    decoded = tmp_path / "decoded"
-    decode_checkpoint(default_mxfp4, decoded, **WRONG_DECODES[wrong])
-    measured = measure(reference, decoded)
-    print("\n" + report(wrong, reference, measured))
-    broken = {v.split(":")[0] for v in violations(reference, measured)}
-    assert broken == set(HEADS), violations(reference, measured)
+    breaks_every_head(wrong, default_mxfp4, reference, tmp_path, **WRONG_DECODES[wrong])
 
 
 def test_mtp_comparison_sees_the_mtp_layer(default_mxfp4, reference, tmp_path):

@@ -28,7 +28,9 @@ starts (tests/vllm_cpu/runner.py), supplies them:
 6. Only for a model with DeepSeek sparse attention (GLM-5.x, DeepSeek-V3.2), and only for building and loading it
    (`install_sparse_attention()`; the runner stops before the KV cache is set up): vLLM's CPU platform refuses
    sparse attention ("Sparse Attention is not supported on CPU"), so the attention backend is chosen as for the
-   same layer without sparsity (the CPU MLA backend). No attention is computed with it.
+   same layer without sparsity, asking for the reference CPU MLA backend (`CPU_MLA`: on a CPU with AMX tiles vLLM
+   would prefer `AMX_MLA`, whose impl refuses the sparse layer's `topk_indices_buffer`). No attention is computed
+   with it.
 7. Block-FP8 linear (the keep-fp8 recipes' attention, dense MLP and MTP shared expert, kept as the FP8 source
    stores them): vLLM's CPU block-FP8 kernels (`CPUFp8W8A8BlockScaledMMKernel`, `CPUFp8BlockScaledMMKernel`) need
    AMX tiles, which this CPU lacks ("requires AMX tile support"), and no other block-FP8 kernel is listed for the
@@ -230,9 +232,13 @@ def install_sparse_attention() -> None:
 
     if "use_sparse" not in inspect.getsource(CpuPlatform.get_attn_backend_cls):
         raise StandinMismatch("CpuPlatform.get_attn_backend_cls no longer decides on use_sparse")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
     choose = CpuPlatform.get_attn_backend_cls.__func__
 
     def dense(cls, selected_backend, attn_selector_config, *args, **kwargs):
+        if attn_selector_config.use_sparse:  # the reference CPU_MLA, also where AMX_MLA would be preferred: AMX's
+            selected_backend = AttentionBackendEnum.CPU_MLA  # impl refuses the sparse layer's topk_indices_buffer
         return choose(cls, selected_backend, attn_selector_config._replace(use_sparse=False), *args, **kwargs)
 
     CpuPlatform.get_attn_backend_cls = classmethod(dense)
