@@ -22,6 +22,7 @@ How a block's scale is chosen and how elements round are the entry's kernels (`K
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
@@ -469,12 +470,11 @@ def magnitude_codes(q: torch.Tensor, values: tuple[float, ...]) -> torch.Tensor:
     return torch.where(torch.isnan(q), 0, code).to(torch.uint8)  # NaN passes no boundary, as the comparisons had it
 
 
+@functools.lru_cache(maxsize=None)  # asked for every row chunk (and every scale-rule offset) of every tensor
 def float_layout(values: tuple[float, ...]) -> tuple[int, int] | None:
     """(mantissa bits, float32 exponent field of the smallest normal) when the table's non-negative magnitudes are a
     floating-point format's with subnormals (code c = exponent field e, mantissa f: f * 2^-m * smallest normal when e
     is 0, else smallest normal * 2^(e-1) * (1 + f * 2^-m)), else None."""
-    import math
-
     mags = values[: len(values) // 2]
     for m in range(1, 8):
         if len(mags) <= 1 << m or mags[1] <= 0:

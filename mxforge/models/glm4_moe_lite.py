@@ -11,11 +11,12 @@ Where the numbers come from: the config is zai-org/GLM-4.7-Flash's published con
 the family reproduces it (tests/transformers_utils, `_glm4_moe_lite_min_config`), with num_nextn_predict_layers 1
 (read by every MTP loader of the family); the names and shapes are those of transformers' glm4_moe_lite modeling
 code (the tiny fixture's non-MTP tensors equal what `Glm4MoeLiteForCausalLM.save_pretrained` writes, tested) and of
-the engines' draft classes. No model.safetensors.index.json could be read here: the inventory is derived (19,066
-tensors, 31,221,488,576 parameters, 62.44 GB in bf16) and checked against what is published of the checkpoint: the
-Hub's 31 B parameters and 62.4 GB in bf16 (quantizers' model cards), which the derived count meets only with the MTP
-layer's own embedding and head (without them: 61.17 GB), 48 shards and 19,066 tensors (a model card of a
-re-quantized copy that keeps the release's tensor list and shards). zai-org publishes no FP8 release of it.
+the engines' draft classes. No model.safetensors.index.json or shard list could be read here: the inventory is
+derived (9,703 tensors, 31,221,488,576 parameters, 62,442,983,168 bytes in bf16) and checked against what is
+published of the checkpoint: the bf16 release's 62.4 GB (a quantizer's model card) and the Hub's "31B" parameters,
+which the derived inventory meets only with the MTP layer's own embedding and head (without them: 30.59 B, 61.17
+GB). Not checked: the tensor count, the shard count (the full-layout fixture splits at 5 GB) and which tensor sits
+in which shard. zai-org publishes no FP8 release of it.
 """
 
 from __future__ import annotations

@@ -69,8 +69,10 @@ def drafted_otherwise() -> list[tuple[str, str, str]]:
         if not built:
             continue
         for r in release_ranges():
-            reason = unsupported_reason(r.name, family) if r.engine == "sglang" else None
-            if r.engine != "sglang" or not (reason is None or "_config_draft_model" in reason):
+            if r.engine != "sglang":
+                continue
+            reason = unsupported_reason(r.name, family)
+            if reason is not None and "_config_draft_model" not in reason:
                 continue
             out += [(family.name, v, built[0].draft.class_name) for v in r.read if not any(v in p.read for p in built)]
     return out
@@ -122,7 +124,7 @@ def answers(request, family_cases, family_loaded, probe_runs):
                 loaded = family_loaded(family.name)
                 for name, c in family_cases(family.name).items():
                     requests.append({**matrix.request(profile, c, loaded[name]), "name": f"{family.name}:{name}"})
-            for family_name, _ in {(f, v): 0 for f, v, _ in DRAFTED_OTHERWISE if v == release and engine == "sglang"}:
+            for family_name in sorted({f for f, v, _ in DRAFTED_OTHERWISE if (engine, v) == ("sglang", release)}):
                 config = preset_config("tiny", family=family_named(family_name))[0]
                 requests.append({"name": f"{family_name}:draft-class", "config": config, probe_io.DRAFT_CLASS_ONLY: 1})
             probe_runs[engine, release] = probe_runs.get((engine, release), 0) + 1
