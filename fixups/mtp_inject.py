@@ -15,7 +15,6 @@ from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.formats import ElementFormat
 from mxforge.models import MoeLayout, layout_of
-from mxforge.models.tensor_kinds import layer_of
 from mxforge.progress import byte_progress
 from mxforge.provenance import keep_original
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
@@ -89,10 +88,10 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
             "a missing MTP layer",
             path=ckpt.root,
         )
-    infos = {n: i for n, i in src.tensor_infos().items() if layer_of(n) in layout.mtp_layers}
+    infos = {n: i for n, i in src.tensor_infos().items() if layout.in_mtp_layer(n)}
     if not infos:
         raise CheckpointError(
-            f"{src.root}: holds no model.layers.{layout.mtp_layers[0]}.* tensors either; "
+            f"{src.root}: holds no {layout.layer_prefix(layout.mtp_layers[0])}* tensors either; "
             "use the original bf16 checkpoint",
             path=src.root,
         )
@@ -109,12 +108,12 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
 
 def mtp_tensors(names: Iterable[str], layout: MoeLayout) -> list[str]:
     """Those of `names` that belong to an MTP layer (per config.json), in order."""
-    return [n for n in names if layer_of(n) in layout.mtp_layers]
+    return [n for n in names if layout.in_mtp_layer(n)]
 
 
 def held_mtp_layers(names: Iterable[str], layout: MoeLayout) -> list[int]:
     """MTP layers (per config.json) of which `names` hold any tensor."""
-    return sorted({layer for n in mtp_tensors(names, layout) if (layer := layer_of(n)) is not None})
+    return sorted({layer for n in mtp_tensors(names, layout) if (layer := layout.layer_of(n)) is not None})
 
 
 def inject_mtp(

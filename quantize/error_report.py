@@ -21,7 +21,7 @@ import math
 from collections import defaultdict
 
 from mxforge.formats import formats_title
-from mxforge.models.tensor_kinds import layer_of, module_class
+from mxforge.models.layout import MoeLayout
 
 WORST_SHOWN = 5
 SUM_KEYS = ("sum_sq_err", "sum_sq", "max_abs_err", "clipped", "elements")
@@ -60,7 +60,7 @@ def _pool(records: list[dict]) -> dict:
 
 
 def error_report(
-    per_tensor: dict[str, dict], mtp_layers, scale_rule: str, formats: dict[str, str] | None = None
+    per_tensor: dict[str, dict], layout: MoeLayout, scale_rule: str, formats: dict[str, str] | None = None
 ) -> dict:
     """The report of quantize's JSON from per-tensor records (tensor_record), all shards pooled; `formats`: each
     tensor's element format (its registry name), for the per-format figures."""
@@ -73,12 +73,12 @@ def error_report(
     }
     not_measured = sorted(set(per_tensor) - set(measured))
     per_tensor = measured
-    by_class, by_layer, by_format, mtp_layers = defaultdict(list), defaultdict(list), defaultdict(list), set(mtp_layers)
+    by_class, by_layer, by_format = defaultdict(list), defaultdict(list), defaultdict(list)
     for name, rec in per_tensor.items():
-        by_class[module_class(name, mtp_layers)].append(rec)
+        by_class[layout.module_class(name)].append(rec)
         if formats and name in formats:
             by_format[formats[name]].append(rec)
-        layer = layer_of(name)
+        layer = layout.layer_of(name)
         by_layer["global" if layer is None else str(layer)].append(rec)
     tensors = {name: _rounded(figures(rec)) for name, rec in sorted(per_tensor.items())}
     worst = sorted(tensors.items(), key=lambda kv: -kv[1]["rel_rmse"])[:WORST_SHOWN]

@@ -32,7 +32,7 @@ from mxforge.errors import ConfigError
 from mxforge.formats import DEFAULT_FORMAT, REFUSED_FORMATS, ElementFormat, format_named
 from mxforge.manifest_io import manifest_names, manifest_text
 from mxforge.models import DEFAULT_FAMILY, MoeLayout, family_of
-from mxforge.models.tensor_kinds import KINDS, layer_of
+from mxforge.models.tensor_kinds import KINDS
 from mxforge.quantize.scale_rules import DEFAULT_SCALE_RULE, SCALE_RULES, get_scale_rule
 
 Decision = Literal["quantize", "keep"]
@@ -65,7 +65,7 @@ class Rule:
     def matches(self, tensor_name: str, layout: MoeLayout) -> bool:
         if self.kinds and layout.kind_of(tensor_name) not in self.kinds:
             return False
-        layer = layer_of(tensor_name)
+        layer = layout.layer_of(tensor_name)
         if self.layers == "decoder" and (layer is None or layout.is_mtp(layer)):
             return False
         if self.layers == "mtp" and (layer is None or not layout.is_mtp(layer)):

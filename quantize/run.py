@@ -307,14 +307,13 @@ def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
         CheckpointError: a tensor is missing or differs from the plan; the MTP layer is named first.
     """
     counts = {"quantized": 0, "kept": 0, "kept_source": 0, "copied": 0, "scale": 0, "mtp_tensors": 0}
-    mtp_prefixes = tuple(f"model.layers.{i}." for i in plan.layout.mtp_layers)
     for shard in plan.shards:
         header = read_header(out / shard.name)
         for t in shard.tensors:
             for o in t.outputs():
                 got = header.tensors.get(o.name)
                 if got is None or (got.dtype, got.shape) != (o.dtype, o.shape):
-                    what = "MTP layer tensor" if t.source.name.startswith(mtp_prefixes) else "tensor"
+                    what = "MTP layer tensor" if plan.layout.in_mtp_layer(t.source.name) else "tensor"
                     raise CheckpointError(
                         f"{out / shard.name}: source {what} {t.source.name!r} is missing from the "
                         f"output (expected {o.name} {o.dtype}{list(o.shape)}); rerun to redo the shard",
@@ -322,8 +321,8 @@ def verify_output(plan: QuantizePlan, out: Path) -> dict[str, int]:
                         tensor=t.source.name,
                     )
             counts[t.fate] += 1
-            counts["mtp_tensors"] += t.source.name.startswith(mtp_prefixes)
-    if mtp_prefixes and not counts["mtp_tensors"]:
+            counts["mtp_tensors"] += plan.layout.in_mtp_layer(t.source.name)
+    if plan.layout.mtp_layers and not counts["mtp_tensors"]:
         raise CheckpointError(
             f"{out}: config.json declares MTP layer(s) {list(plan.layout.mtp_layers)} "
             "but the output holds none of their tensors",
@@ -417,7 +416,7 @@ def write_provenance(
         tensors={fate: plan.names(fate) for fate in ("quantized", "kept", "kept_source", "copied")},
         error=error_report(
             state.errors(s.name for s in plan.shards),
-            plan.layout.mtp_layers,
+            plan.layout,
             recipe.scale_rule,
             {f"{m}.weight": f.name for m, f in plan.module_formats().items()},
         )

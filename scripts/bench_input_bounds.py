@@ -84,6 +84,7 @@ def bench_regex() -> dict:
 
 def bench_headers(work: Path) -> dict:
     from mxforge.errors import CheckpointError
+    from mxforge.models import DEFAULT_FAMILY
     from mxforge.safetensors_io import parse_header, read_header
 
     entries = b",".join(b'"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % i for i in range(1_200_000))
@@ -101,8 +102,9 @@ def bench_headers(work: Path) -> dict:
     refuse_s = time.perf_counter() - t
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     # A real-size shard header: 1,100 GLM-5.2 expert tensors.
+    layout = DEFAULT_FAMILY.layout(DEFAULT_FAMILY.reference())
     real = {
-        f"model.layers.{i // 768}.mlp.experts.{(i // 3) % 256}.{p}.weight": None
+        layout.module_name(i // 768, f"mlp.experts.{(i // 3) % 256}.{p}") + ".weight": None
         for i, p in zip(range(1100), ["gate_proj", "up_proj", "down_proj"] * 400)
     }
     header, offset = {"__metadata__": {"format": "pt"}}, 0

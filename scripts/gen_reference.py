@@ -94,9 +94,8 @@ def _profiles_for(family: Family) -> list[EngineProfile]:
 
 
 def _mtp_layers(family: Family) -> str:
-    config = family.reference()
-    first, count = int(config["num_hidden_layers"]), int(config.get("num_nextn_predict_layers", 0) or 0)
-    return ", ".join(f"`model.layers.{first + i}`" for i in range(count)) or "none"
+    layout = family.layout(family.reference())
+    return ", ".join(f"`{layout.layer_prefix(layer)[:-1]}`" for layer in layout.mtp_layers) or "none"
 
 
 def _section(title: str, intro: str) -> list[str]:

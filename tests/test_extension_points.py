@@ -109,11 +109,10 @@ def test_a_new_engine_release_is_one_profile_file(copy, pristine, export):
     assert refused.returncode == 2 and "sglang==0.5.99" in refused.stderr
 
 
-def test_a_new_model_family_is_a_module_a_registration_its_data_and_its_tables(copy, pristine, export, tmp_path):
-    """A family: its module in mxforge/models/ (layout, tensor kinds, joined to its data), one line in
-    mxforge/models/__init__.py, its data in manifests/models/ (<manifest>.family.toml, reference config, fixture
-    presets; recipes are named there) and a [family.<name>] table in each engine profile that builds it. The
-    throwaway family borrows GLM-5.2's layout, data and recipes under another name."""
+def _add_toy_family(copy: Path, family_toml_extra: str = "") -> None:
+    """Registers the throwaway family `toy_moe` in the copy: GLM-5.2's layout, data and recipes under another name
+    (its module, its line in FAMILIES, its three manifests/models/ files, `family_toml_extra` appended to its
+    family.toml)."""
     (copy / "mxforge/models/toy_moe.py").write_text(
         '"""A throwaway family (tests/test_extension_points.py): GLM-5.2\'s layout under another name."""\n\n'
         "from mxforge.models.family import load_family\nfrom mxforge.models.glm_moe_dsa import GlmMoeDsaLayout\n"
@@ -128,7 +127,7 @@ def test_a_new_model_family_is_a_module_a_registration_its_data_and_its_tables(c
         text = (models / f"glm-5.2.{suffix}").read_text()
         for old, new in renamed.items():
             text = text.replace(f'"{old}"', f'"{new}"')
-        (models / f"toy-moe.{suffix}").write_text(text)
+        (models / f"toy-moe.{suffix}").write_text(text + (family_toml_extra if suffix == "family.toml" else ""))
     init = copy / "mxforge/models/__init__.py"
     text = init.read_text()
     text, n = re.subn(
@@ -143,6 +142,14 @@ def test_a_new_model_family_is_a_module_a_registration_its_data_and_its_tables(c
     )
     assert n == 1
     init.write_text(text)
+
+
+def test_a_new_model_family_is_a_module_a_registration_its_data_and_its_tables(copy, pristine, export, tmp_path):
+    """A family: its module in mxforge/models/ (layout, tensor kinds, joined to its data), one line in
+    mxforge/models/__init__.py, its data in manifests/models/ (<manifest>.family.toml, reference config, fixture
+    presets; recipes are named there) and a [family.<name>] table in each engine profile that builds it. The
+    throwaway family borrows GLM-5.2's layout, data and recipes under another name."""
+    _add_toy_family(copy)
     tables = re.compile(r"^\[family\.glm_moe_dsa(?:\.[a-z_]+)?\]\n(?:(?!\[).*\n?)*", re.M)
     profiles = sorted((copy / "mxforge/manifests/engines").glob("*.toml"))
     for profile in profiles:
@@ -173,6 +180,64 @@ def test_a_new_model_family_is_a_module_a_registration_its_data_and_its_tables(c
     assert ours["ok"] and ours["checked"]["engines"] == glm["checked"]["engines"]
     refused = cli("validate", str(toy))
     assert refused.returncode == 2 and "ToyMoeForCausalLM" in refused.stderr
+
+
+TOY_LAYERS = """
+[layers]
+decoder = "model.language_model.layers.{layer}"
+mtp = "mtp.layers.{k}"
+mtp_block = "mtp"
+mtp_block_modules = ["eh_proj", "enorm", "hnorm"]
+"""
+
+
+def test_where_a_family_stores_its_layers_is_its_layers_table(copy, pristine, tiny_ckpt, tmp_path):
+    """Where a family stores its layers is data: the `[layers]` table of its family.toml
+    (mxforge/models/layer_names.py). The throwaway family stores GLM-5.2's layers as Qwen3.5 stores its own: the
+    decoder under `model.language_model.layers.N`, MTP layer k as `mtp.layers.k` and the MTP block's eh_proj / enorm
+    / hnorm as `mtp.*`. Its fixture, quantized with the default recipe, holds GLM-5.2's quantized tensors under
+    those names with the same decisions (the exclude list, renamed), and inspect finds the same MTP layer."""
+    from mxforge.checkpoint import Checkpoint
+
+    _add_toy_family(copy, TOY_LAYERS)
+    added = {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} | {
+        f"mxforge/manifests/models/toy-moe.{suffix}" for suffix in ("family.toml", "config.json", "fixtures.toml")
+    }
+    assert changed_files(copy, pristine) == added
+    toy_src, toy_out, glm_out = tmp_path / "toy-src", tmp_path / "toy-out", tmp_path / "glm-out"
+    made = run_copy(copy, "fixture", str(toy_src), "--family", "toy_moe", "--preset", "tiny", "--quiet")
+    assert made.returncode == 0, made.stderr
+    quantized = run_copy(copy, "quantize", str(toy_src), str(toy_out), "--quiet", "--workers", "1")
+    assert quantized.returncode == 0, quantized.stderr
+    cli("quantize", str(tiny_ckpt), str(glm_out), "--quiet", "--workers", "1", check=True)
+
+    hidden = json.loads((glm_out / "config.json").read_text())["num_hidden_layers"]
+
+    def renamed(name: str) -> str:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m is None:
+            return name
+        layer, local = int(m.group(1)), name[m.end() :]
+        if layer < hidden:
+            return f"model.language_model.layers.{layer}.{local}"
+        return f"mtp.{local}" if local.split(".")[0] in ("eh_proj", "enorm", "hnorm") else f"mtp.layers.0.{local}"
+
+    def stored(root: Path) -> dict:
+        return {n: (i.dtype, i.shape) for n, i in Checkpoint.open(root).tensor_infos().items()}
+
+    toy, glm = stored(toy_out), stored(glm_out)
+    assert toy == {renamed(n): v for n, v in glm.items()}
+    assert "mtp.layers.0.mlp.experts.0.up_proj.weight_scale" in toy and "mtp.eh_proj.weight" in toy
+    excluded = {
+        root: json.loads((root / "config.json").read_text())["quantization_config"]["exclude"]
+        for root in (toy_out, glm_out)
+    }
+    assert sorted(excluded[toy_out]) == sorted(renamed(e) for e in excluded[glm_out])
+    assert "mtp.eh_proj" in excluded[toy_out] and "mtp.layers.0.self_attn.o_proj" in excluded[toy_out]
+    shown = json.loads(run_copy(copy, "inspect", str(toy_out), "--json", "-").stdout)
+    mtp = sum(1 for n in toy if n.startswith("mtp."))
+    assert shown["by_kind"]["mtp"]["tensors"] == mtp > 0
+    assert shown["layers"]["decoder_layers"] == hidden
 
 
 def test_a_new_scale_rule_is_one_entry(copy, pristine, tiny_ckpt, tmp_path):

@@ -8,7 +8,6 @@ from typing import Mapping
 from mxforge.bounded_re import compile_bounded
 from mxforge.formats import FORMATS, format_named, format_of_spec
 from mxforge.models import MoeLayout
-from mxforge.models.tensor_kinds import layer_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
 from mxforge.validation.matching import is_glob
 from mxforge.validation.report import Problem
@@ -117,16 +116,17 @@ def check_layout(
     for t in planned:
         if t.name in infos or t.name in skip or t.name in omittable:
             continue
-        layer = layer_of(t.name)
+        layer = layout.layer_of(t.name)
         missing_by_layer.setdefault(layer, []).append(t.name)
     for layer, names in missing_by_layer.items():
         if layer is not None and layout.is_mtp(layer) and not mtp_present[layer]:
             problems.append(
                 Problem(
                     "mtp",
-                    f"model.layers.{layer}",
+                    layout.layer_prefix(layer)[:-1],
                     "the checkpoint ships no MTP layer tensors "
-                    f"(num_nextn_predict_layers = {len(layout.mtp_layers)}, so model.layers.{layer}.* is expected): "
+                    f"(num_nextn_predict_layers = {len(layout.mtp_layers)}, so {layout.layer_prefix(layer)}* is "
+                    "expected): "
                     "engines cannot build the draft model for speculative decoding",
                     "re-inject it from the bf16 source: mxforge fixup CKPT --mtp-from BF16_SRC --recipe RECIPE "
                     "(or set num_nextn_predict_layers to 0 to ship without MTP)",

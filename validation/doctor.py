@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Mapping
 
 from mxforge.models import MoeLayout
-from mxforge.models.tensor_kinds import layer_of
 from mxforge.validation.config_checks import exclude_entries
 from mxforge.validation.loaded import LoadedCheckpoint
 from mxforge.validation.matching import is_glob
@@ -40,15 +39,15 @@ def diagnose(loaded: LoadedCheckpoint, qc: Mapping | None) -> list[str]:
                 "(a speed cost, not an error)"
             )
     for layer in layout.mtp_layers:
-        prefix = f"model.layers.{layer}."
+        prefix = layout.layer_prefix(layer)
         group = linears[layer]
-        omitted = sorted(n for n in layout.omittable() if n.startswith(prefix) and n not in infos)
+        omitted = sorted(n for n in layout.omittable() if layout.layer_of(n) == layer and n not in infos)
         forms = [
             stored[lin.name].form
             for lin in (*group.experts, *group.others.values())
             if lin.name + ".weight" not in omitted
         ]
-        unreadable = [n for n in loaded.unreadable if n.startswith(prefix)]
+        unreadable = [n for n in loaded.unreadable if layout.layer_of(n) == layer]
         if unreadable and all(f is None for f in forms):
             shards = sorted({loaded.ckpt.weight_map[n] for n in unreadable})
             notes.append(
@@ -72,7 +71,7 @@ def diagnose(loaded: LoadedCheckpoint, qc: Mapping | None) -> list[str]:
                 f"MTP layer {layer}: {quantized or '0 linear weights quantized'}, {forms.count(BF16)} bf16"
                 + (f", {forms.count(None)} missing" if None in forms else "")
                 + (
-                    f"; without its own {', '.join(n.removeprefix(prefix) for n in omitted)} (as the release ships "
+                    f"; without its own {', '.join(layout.locate(n)[1] for n in omitted)} (as the release ships "
                     "it: engines use the model's embedding and head)"
                     if omitted
                     else ""
@@ -89,7 +88,7 @@ def undeclared_layer_notes(layout: MoeLayout, weight_map: Mapping[str, str]) -> 
     declared = len(layout.all_layers)
     beyond: dict[int, int] = {}
     for name in weight_map:
-        layer = layer_of(name)
+        layer = layout.layer_of(name)
         if layer is not None and layer >= declared:
             beyond[layer] = beyond.get(layer, 0) + 1
     if not beyond:
@@ -103,10 +102,10 @@ def undeclared_layer_notes(layout: MoeLayout, weight_map: Mapping[str, str]) -> 
     first = layers[0]
     if first == declared and layout.stores_mtp_layer(first, weight_map):
         return [
-            f"model.layers.{first}.* holds an MTP layer ({beyond[first]} tensors, eh_proj included) that config.json "
-            f"does not declare ({said}): as declared, this checkpoint has no MTP layer, no engine builds it and it "
-            "serves without speculative decoding; if it is the model's MTP layer, set num_nextn_predict_layers to "
-            f"{len(layers)} in config.json and validate again"
+            f"{layout.layer_prefix(first)}* holds an MTP layer ({beyond[first]} tensors, eh_proj included) that "
+            f"config.json does not declare ({said}): as declared, this checkpoint has no MTP layer, no engine builds "
+            "it and it serves without speculative decoding; if it is the model's MTP layer, set "
+            f"num_nextn_predict_layers to {len(layers)} in config.json and validate again"
         ]
     return [
         f"the checkpoint stores layer(s) {layers} ({tensors} tensors) beyond the {declared} layers config.json "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -9,7 +10,10 @@ from mxforge.checkpoint import Checkpoint, CheckpointSource
 from mxforge.errors import ConfigError
 from mxforge.formats import format_of_spec, weight_of_scale
 from mxforge.models import layout_of
-from mxforge.models.tensor_kinds import kind_of, layer_of
+from mxforge.models.layer_names import LINEAGE
+from mxforge.models.tensor_kinds import kind_of
+
+EXPERT_INDEX = re.compile(r"(?:^|\.)experts\.(\d{1,6})\.")  # a routed expert stored a projection per tensor
 
 
 def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
@@ -27,15 +31,17 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
         num_hidden = layout.num_hidden_layers
     except ConfigError:
         layout, mtp_layers, num_hidden = None, set(), None
-    classify = layout.kind_of if layout is not None else kind_of
+    # Without a family (config.json unreadable or of another architecture): the lineage's names and kinds.
+    locate = layout.locate if layout is not None else (lambda n: LINEAGE.locate(n, 1 << 30))
     by_kind: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "dtypes": defaultdict(int)})
     by_dtype: dict[str, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
     layers: dict[int, dict] = defaultdict(
         lambda: {"experts": set(), "dense_mlp": False, "indexer": False, "tensors": 0}
     )
     for name, info in infos.items():
-        layer = layer_of(name)
-        kind = "mtp" if layer in mtp_layers else classify(name)
+        layer, local = locate(name)
+        local_kind = layout.kind_of(name) if layout is not None else kind_of(local)
+        kind = "mtp" if layer in mtp_layers else local_kind
         for bucket in (by_kind[kind],):
             bucket["tensors"] += 1
             bucket["bytes"] += info.nbytes
@@ -45,9 +51,9 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
         if layer is not None:
             entry = layers[layer]
             entry["tensors"] += 1
-            local_kind = classify(name)
-            if local_kind == "experts":
-                entry["experts"].add(int(name.split(".mlp.experts.")[1].split(".")[0]))
+            expert = EXPERT_INDEX.search(local)
+            if local_kind == "experts" and expert:
+                entry["experts"].add(int(expert.group(1)))
             entry["dense_mlp"] |= local_kind == "dense_mlp"
             entry["indexer"] |= local_kind == "indexer"
     # Decoder layers are those config.json declares: a stored layer past them (an MTP layer config.json no longer

@@ -150,12 +150,12 @@ def role_views(
         views[DRAFT] = RoleView(mapped, mapped, False, mapped_configs, global_config, mapped_configs)
         return views
     layer = mtp[0]
-    layer_prefix = f"model.layers.{layer}"
-    whole = profile.draft.whole_draft_switch and bool(mapped.matching_entry(map_name(profile, layer_prefix)))
+    prefix = layout.layer_prefix(layer)
+    whole = profile.draft.whole_draft_switch and bool(mapped.matching_entry(map_name(profile, prefix[:-1])))
     entries, configs = mapped, mapped_configs
     if profile.draft.remap_mtp_entries:
-        entries = _with_mtp_remap(profile, mapped, layer)
-        configs = {_draft_name(profile, k, layer): v for k, v in mapped_configs.items()}
+        entries = _with_mtp_remap(profile, mapped, layer, prefix)
+        configs = {_draft_name(profile, k, layer, prefix): v for k, v in mapped_configs.items()}
     views[DRAFT] = RoleView(entries, mapped, whole, configs, global_config, mapped_configs)
     return views
 
@@ -219,22 +219,22 @@ def scheme_format(profile: EngineProfile, config: dict | None) -> ElementFormat 
     return fmt if dynamic and fmt.matches_input_spec(inputs) else None
 
 
-def _with_mtp_remap(profile: EngineProfile, entries: ExcludeList, layer: int) -> ExcludeList:
-    """GLM NextN `_resolve_nextn_quant_config`: each `model.layers.N.X` entry is also added under the draft's
-    runtime name (model.X for eh_proj/enorm/hnorm/shared_head.norm, model.decoder.X otherwise), and
-    `model.decoder.mlp.experts` when one of them names an expert. `re:` entries are left alone."""
-    mtp = [e for e in entries.entries if e.startswith(f"model.layers.{layer}.")]
+def _with_mtp_remap(profile: EngineProfile, entries: ExcludeList, layer: int, prefix: str) -> ExcludeList:
+    """GLM NextN `_resolve_nextn_quant_config`: each entry under the MTP layer's `prefix` (`model.layers.N.X`) is
+    also added under the draft's runtime name (model.X for eh_proj/enorm/hnorm/shared_head.norm, model.decoder.X
+    otherwise), and `model.decoder.mlp.experts` when one of them names an expert. `re:` entries are left alone."""
+    mtp = [e for e in entries.entries if e.startswith(prefix)]
     if not mtp:
         return entries
-    added = [_draft_name(profile, e, layer) for e in mtp]
+    added = [_draft_name(profile, e, layer, prefix) for e in mtp]
     if any(".mlp.experts." in e for e in mtp):
         added.append(profile.mtp_runtime_name(layer, "mlp.experts"))
     return ExcludeList(tuple(dict.fromkeys(entries.entries + tuple(added))))
 
 
-def _draft_name(profile: EngineProfile, name: str, layer: int) -> str:
-    """`model.layers.N.X` under the draft's runtime name; any other name as it is."""
-    prefix = f"model.layers.{layer}."
+def _draft_name(profile: EngineProfile, name: str, layer: int, prefix: str) -> str:
+    """A name under the MTP layer's `prefix` (`model.layers.N.X`) under the draft's runtime name; any other as it
+    is."""
     return profile.mtp_runtime_name(layer, name[len(prefix) :]) if name.startswith(prefix) else name
 
 
@@ -255,12 +255,11 @@ def fuses_shared_experts(profile: EngineProfile, role: str, layout: MoeLayout, v
         return False
     if rule.veto == "none":
         return True
-    draft_layers = tuple(f"model.layers.{n}." for n in layout.mtp_layers)
 
     def vetoes(entry: str) -> bool:
         if "shared_expert" not in entry or "shared_expert_gate" in entry or entry.startswith("mtp."):
             return False
-        return not (rule.veto == "shared-expert-entry-outside-draft" and entry.startswith(draft_layers))
+        return not (rule.veto == "shared-expert-entry-outside-draft" and layout.in_mtp_layer(entry))
 
     return not any(vetoes(e) for e in gate_entries.entries)
 

@@ -10,7 +10,6 @@ import re
 from dataclasses import dataclass
 
 from mxforge.models import MoeLayout
-from mxforge.models.tensor_kinds import LAYER_RE
 from mxforge.safetensors_io import PlannedTensor
 from mxforge.validation.matching import DRAFT, TARGET
 from mxforge.validation.profiles import EngineProfile
@@ -39,6 +38,7 @@ class EngineModule:
     is_mtp: bool
     quantizable: bool  # False: the engine builds it unquantized whatever `exclude` says
     fused_shared: bool = False  # routed experts with the shared expert appended to the bank
+    layer: int | None = None  # its global layer (None: a global module)
 
     @property
     def role(self) -> str:
@@ -63,12 +63,11 @@ def checkpoint_linears(layout: MoeLayout, planned: list[PlannedTensor] | None = 
         if not (t.name.endswith(".weight") and len(t.shape) == 2):
             continue
         lin = Linear(t.name[: -len(".weight")], t.shape[0], t.shape[1])
-        m = LAYER_RE.match(lin.name)
-        if m is None:
+        at, local = layout.locate(lin.name)
+        if at is None:
             out[None].others[lin.name] = lin
             continue
-        local = lin.name[m.end() :]
-        group = out[int(m.group(1))]
+        group = out[at]
         if EXPERT_RE.match(local):
             group.experts.append(lin)
         else:
@@ -95,14 +94,14 @@ def engine_modules(
     ]
     for layer in layout.all_layers:
         role = DRAFT if layout.is_mtp(layer) else TARGET
-        modules += _layer_modules(profile, layer, layout.is_mtp(layer), linears[layer], role in fused_roles)
+        modules += _layer_modules(profile, layout, layer, linears[layer], role in fused_roles)
     return modules
 
 
 def _layer_modules(
-    profile: EngineProfile, layer: int, is_mtp: bool, linears: LayerLinears, fuse_shared: bool
+    profile: EngineProfile, layout: MoeLayout, layer: int, linears: LayerLinears, fuse_shared: bool
 ) -> list[EngineModule]:
-    prefix = f"model.layers.{layer}."
+    is_mtp = layout.is_mtp(layer)
     groups: dict[str, list[Linear]] = {}
     shared = [lin for local, lin in linears.others.items() if local.startswith("mlp.shared_experts.")]
     fuse_shared = fuse_shared and bool(linears.experts) and bool(shared)
@@ -124,18 +123,20 @@ def _layer_modules(
             groups[local] = [lin]
     out = []
     for local, members in groups.items():
-        runtime = profile.mtp_runtime_name(layer, local) if is_mtp else prefix + local
+        checkpoint = layout.module_name(layer, local)
+        runtime = profile.mtp_runtime_name(layer, local) if is_mtp else checkpoint
         experts = local == "mlp.experts"
         out.append(
             EngineModule(
                 runtime,
-                prefix + local,
+                checkpoint,
                 local,
                 tuple(members),
                 experts,
                 is_mtp,
                 profile.quantizable(local, is_mtp),
                 fused_shared=experts and fuse_shared,
+                layer=layer,
             )
         )
     return out

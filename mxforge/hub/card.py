@@ -26,8 +26,7 @@ from mxforge.formats import (
     formats_title,
     stored_pairs,
 )
-from mxforge.models import family_of, layout_of
-from mxforge.models.tensor_kinds import module_class
+from mxforge.models import MoeLayout, family_of, layout_of
 from mxforge.progress import format_bytes
 from mxforge.provenance import PUBLISHED_RECORDS, read_record
 from mxforge.quantize.error_report import markdown_table
@@ -45,11 +44,11 @@ NOT_RECORDED = "not recorded"
 BF16_BYTES = DTYPE_SIZE["BF16"]
 
 
-def _mtp_layers(config: dict) -> set[int]:
+def _layout(config: dict) -> MoeLayout | None:
     try:
-        return set(layout_of(config).mtp_layers)
+        return layout_of(config)
     except (ConfigError, KeyError, TypeError, ValueError):
-        return set()
+        return None
 
 
 def _family_title(config: dict) -> str | None:
@@ -72,12 +71,14 @@ def precision_table(ckpt: Checkpoint) -> dict[str, Counter]:
     infos = ckpt.tensor_infos()
     pairs = stored_pairs(infos, declared_format(ckpt.quantization_config))
     scales = {p.scale.name for p in pairs.values() if p.scale is not None}
-    mtp = _mtp_layers(ckpt.config)
+    layout = _layout(ckpt.config)
     table: dict[str, Counter] = defaultdict(Counter)
     for name, info in infos.items():
         if name in scales:
             continue
-        table[module_class(name, mtp)][pairs[name].format.title if name in pairs else info.dtype] += 1
+        table[layout.module_class(name) if layout else "unknown family"][
+            pairs[name].format.title if name in pairs else info.dtype
+        ] += 1
     return dict(sorted(table.items()))
 
 
@@ -121,14 +122,15 @@ def exclusions_summary(config: dict) -> list[str]:
     exclude = [e for e in qc.get("exclude") or [] if isinstance(e, str)]
     if not exclude:
         return [f"`quantization_config` (quant_method `{qc.get('quant_method', '?')}`) excludes nothing."]
-    mtp = _mtp_layers(config)
+    layout = _layout(config)
     regex = [e for e in exclude if e.startswith("re:")]
     by_class: dict[str, list[str]] = defaultdict(list)
     for entry in exclude:
         if not entry.startswith("re:"):
-            by_class[
-                module_class(entry + ".weight", mtp) if entry.startswith("model.layers.") else "aliases and globals"
-            ].append(entry)
+            in_layer = layout is not None and layout.layer_of(entry) is not None
+            by_class[layout.module_class(entry + ".weight") if layout and in_layer else "aliases and globals"].append(
+                entry
+            )
     lines = [
         f"`quantization_config.exclude` keeps {len(exclude)} entries in their source precision "
         f"({len(exclude) - len(regex)} exact module names, {len(regex)} `re:` patterns):",

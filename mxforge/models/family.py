@@ -13,6 +13,7 @@ from typing import Any
 
 from mxforge.errors import ConfigError
 from mxforge.manifest_io import load_manifest
+from mxforge.models.layer_names import LINEAGE, LayerNames, parse_layer_names
 from mxforge.models.layout import FP8_LAYOUTS
 
 
@@ -46,6 +47,9 @@ class Family:
     # config's `ignore` list); every other 2-D linear weight is e4m3 with its scales. "" = no FP8 release known.
     fp8_format: str = ""
     fp8_bf16_weights: str = ""
+    # Where its layers are stored (the `[layers]` table; absent: `model.layers.{layer}`, MTP layers after the
+    # decoder's, as the DeepSeek-V3 lineage stores them)
+    layers: LayerNames = LINEAGE
 
     @property
     def has_fp8_release(self) -> bool:
@@ -153,6 +157,8 @@ def parse_family(
                     what = f"one of {', '.join(PRECISIONS)}" if kind is str else f"a number ({kind.__name__})"
                     raise bad(f"published.{figure}", f"must be {what}, not {v!r}")
             value = tuple(value.items())
+        elif key == "layers":
+            value = parse_layer_names(value, bad)
         elif not isinstance(value, str) or (key in REQUIRED_KEYS and not value):
             raise bad(key, "must be a non-empty string" if key in REQUIRED_KEYS else "must be a string")
         values[key] = value

@@ -1,10 +1,11 @@
 """The checkpoint layout shared by the DeepSeek-V3 lineage (DeepSeek-V3/R1/V3.1/V3.2, GLM-4.5-4.7, GLM-5.x),
 derived from config.json alone.
 
-Decoder layers `model.layers.0 .. num_hidden_layers-1`, then `num_nextn_predict_layers` MTP ("next-n")
-layers stored as `model.layers.{num_hidden_layers + k}`; each layer is dense (an MLP) or MoE (router,
-routed experts, shared experts) per `first_k_dense_replace` / `moe_layer_freq` (or an explicit
-`mlp_layer_types`). A family's subclass supplies its attention (and indexer) tensors and required fields.
+Decoder layers 0 .. num_hidden_layers-1, then `num_nextn_predict_layers` MTP ("next-n") layers, stored under the
+prefixes the family's `layers` names (mxforge.models.layer_names: the lineage's `model.layers.{layer}` for both,
+so GLM-5.2's MTP layer is `model.layers.78`); each layer is dense (an MLP) or MoE (router, routed experts, shared
+experts) per `first_k_dense_replace` / `moe_layer_freq` (or an explicit `mlp_layer_types`). A family's subclass
+supplies its attention (and indexer) tensors and required fields.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from mxforge.errors import ConfigError
+from mxforge.models.layer_names import LINEAGE, LayerNames
 from mxforge.models.tensor_kinds import kind_of
 from mxforge.safetensors_io import MAX_TENSORS, PlannedTensor
 
@@ -143,9 +145,37 @@ class MoeLayout:
     def __getitem__(self, key: str) -> Any:
         return self.config[key]
 
+    @property
+    def layer_names(self) -> LayerNames:
+        return self.family.layers if self.family is not None else LINEAGE
+
+    def layer_prefix(self, layer: int) -> str:
+        """Where global layer `layer` (a decoder layer, or an MTP layer past them) is stored, with the dot."""
+        return self.layer_names.prefix(layer, self.num_hidden_layers)
+
+    def module_name(self, layer: int, local: str) -> str:
+        """The stored name of layer-relative `local` of global layer `layer` (`locate`'s inverse)."""
+        return self.layer_names.name(layer, local, self.num_hidden_layers)
+
+    def locate(self, name: str) -> tuple[int | None, str]:
+        """(global layer, layer-relative name) of tensor or module `name`; (None, name) for a global one."""
+        return self.layer_names.locate(name, self.num_hidden_layers)
+
+    def layer_of(self, name: str) -> int | None:
+        return self.locate(name)[0]
+
     def kind_of(self, name: str) -> str:
         """The kind of tensor `name` (mxforge.models.tensor_kinds.KINDS) under this family's rules."""
-        return kind_of(name, self.family.kind_rules)
+        return kind_of(self.locate(name)[1], self.family.kind_rules)
+
+    def in_mtp_layer(self, name: str) -> bool:
+        """Whether tensor or module `name` belongs to one of config.json's MTP layers."""
+        layer = self.layer_of(name)
+        return layer is not None and self.is_mtp(layer)
+
+    def module_class(self, name: str) -> str:
+        """The class reports group a tensor under: its kind, or "mtp" for every tensor of an MTP layer."""
+        return "mtp" if self.in_mtp_layer(name) else self.kind_of(name)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -185,7 +215,6 @@ class MoeLayout:
     def layer_tensors(self, layer: int) -> list[PlannedTensor]:
         c = self.config
         h = int(c["hidden_size"])
-        p = f"model.layers.{layer}."
         out: list[Spec] = []
         if self.is_mtp(layer):
             out += [
@@ -208,7 +237,9 @@ class MoeLayout:
             out += mlp_tensors("mlp.", h, int(c["intermediate_size"]))
         if self.is_mtp(layer):
             out += self.mtp_head_tensors()
-        return [PlannedTensor(p + name, self._dtype(name, dtype), shape) for name, shape, dtype in out]
+        return [
+            PlannedTensor(self.module_name(layer, name), self._dtype(name, dtype), shape) for name, shape, dtype in out
+        ]
 
     def _dtype(self, name: str, dtype: str) -> str:
         return self.NORM_DTYPE if NORM_RE.search(name) else dtype
@@ -224,20 +255,20 @@ class MoeLayout:
         return norm + [("shared_head.head.weight", (v, h), "BF16"), ("embed_tokens.weight", (v, h), "BF16")]
 
     def stores_mtp_layer(self, layer: int, names: Iterable[str]) -> bool:
-        """Whether `names` hold, under `model.layers.{layer}.`, a tensor that only an MTP layer has (eh_proj,
+        """Whether `names` hold, under layer `layer`'s prefix, a tensor that only an MTP layer has (eh_proj,
         enorm, hnorm...), as this family lays out an MTP layer at that index."""
         try:
             as_mtp = type(self)({**self.config, "num_hidden_layers": layer, "num_nextn_predict_layers": 1})
             mtp = as_mtp.layer_tensors(layer)
         except (ConfigError, IndexError, KeyError, ValueError):  # the config cannot describe one there
             return False
-        decoder = {t.name.split(".", 3)[3] for i in range(self.num_hidden_layers) for t in self.layer_tensors(i)}
-        only = {t.name for t in mtp if t.name.split(".", 3)[3] not in decoder}
+        decoder = {self.locate(t.name)[1] for i in range(self.num_hidden_layers) for t in self.layer_tensors(i)}
+        only = {t.name for t in mtp if as_mtp.locate(t.name)[1] not in decoder}
         return not only.isdisjoint(names)
 
     def omittable(self) -> frozenset[str]:
         """Full names of the tensors config.json implies that a checkpoint may lack (OMITTABLE_MTP_TENSORS)."""
-        return frozenset(f"model.layers.{i}.{n}" for i in self.mtp_layers for n in self.OMITTABLE_MTP_TENSORS)
+        return frozenset(self.module_name(i, n) for i in self.mtp_layers for n in self.OMITTABLE_MTP_TENSORS)
 
     def tensors(self) -> list[PlannedTensor]:
         """Every tensor of the bf16 checkpoint in storage order: embeddings, decoder layers, head, MTP layers last."""

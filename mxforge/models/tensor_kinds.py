@@ -11,8 +11,6 @@ import re
 
 from mxforge.formats import weight_of_scale
 
-LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-
 KINDS = (
     "experts",
     "shared_experts",
@@ -35,7 +33,8 @@ def compile_rules(rules: tuple[tuple[str, str], ...]) -> tuple[tuple[str, re.Pat
     return tuple((kind, re.compile(p)) for kind, p in rules)
 
 
-# First match wins; patterns apply to the name after `model.layers.N.` (or the whole name for globals).
+# First match wins; patterns apply to the layer-relative name (after the layer's prefix: MoeLayout.locate), or the
+# whole name for globals.
 LINEAGE_KIND_RULES = compile_rules(
     (
         ("experts", r"^mlp\.experts\."),
@@ -51,22 +50,11 @@ LINEAGE_KIND_RULES = compile_rules(
 )
 
 
-def layer_of(name: str) -> int | None:
-    m = LAYER_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def kind_of(name: str, rules: tuple[tuple[str, re.Pattern], ...] = LINEAGE_KIND_RULES) -> str:
-    """The kind of a tensor under `rules` (an element format's scales, `X.weight_scale`, take their weight's kind)."""
-    m = LAYER_RE.match(name)
-    local = name[m.end() :] if m else name
+def kind_of(local: str, rules: tuple[tuple[str, re.Pattern], ...] = LINEAGE_KIND_RULES) -> str:
+    """The kind of a tensor under `rules`, from its layer-relative name (MoeLayout.kind_of finds it); an element
+    format's scales, `X.weight_scale`, take their weight's kind."""
     local = weight_of_scale(local) or local
     for kind, pattern in rules:
         if pattern.search(local):
             return kind
     return "other"
-
-
-def module_class(name: str, mtp_layers) -> str:
-    """The class reports group a tensor under: its kind, or "mtp" for every tensor of an MTP layer."""
-    return "mtp" if layer_of(name) in set(mtp_layers) else kind_of(name)

@@ -23,7 +23,6 @@ from mxforge.fixups.fixup import fixup_checkpoint
 from mxforge.models import Family
 from mxforge.models.fixture import preset_config
 from mxforge.models.layout import MoeLayout
-from mxforge.models.tensor_kinds import layer_of
 from mxforge.quantize.recipe import load_recipe
 from mxforge.validation.engine_check import OTHER, EngineView, decide, engine_view, without_fusion
 from mxforge.validation.loaded import load_checkpoint
@@ -267,7 +266,7 @@ def compared(module, stand_in: frozenset[int]) -> bool:
     answered on its own)."""
     if not module.quantizable or (module.is_mtp and module.local == "eh_proj"):
         return False
-    return layer_of(module.checkpoint) not in stand_in
+    return module.layer not in stand_in
 
 
 def asked(profile: EngineProfile, loaded) -> dict[str, list[list[str]]]:

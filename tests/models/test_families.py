@@ -14,7 +14,6 @@ from mxforge.checkpoint import Checkpoint
 from mxforge.models import FAMILIES, family_named, layout_of
 from mxforge.models.fixture import write_fixture
 from mxforge.models.layout import fp8_block_inventory
-from mxforge.models.tensor_kinds import layer_of
 from mxforge.quantize.plan import plan_checkpoint
 from mxforge.quantize.recipe import load_recipe
 
@@ -176,8 +175,8 @@ def test_tiny_matches_what_transformers_saves(family_name, model, tmp_path):
     for f in (tmp_path / "hf").glob("*.safetensors"):
         with safe_open(f, "pt") as s:
             theirs.update({k: tuple(s.get_slice(k).get_shape()) for k in s.keys()})
-    mtp = ckpt.config["num_hidden_layers"]
-    assert {k: v.shape for k, v in infos.items() if layer_of(k) != mtp} == theirs
+    layout = layout_of(ckpt.config)
+    assert {k: v.shape for k, v in infos.items() if not layout.in_mtp_layer(k)} == theirs
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
@@ -190,7 +189,7 @@ def test_default_recipe_keeps_what_the_policy_keeps(family, tmp_path):
     layout = plan.layout
     mtp = layout.mtp_layers[0]
     for t in plan.tensors():
-        name, layer = t.source.name, layer_of(t.source.name)
+        name, layer = t.source.name, layout.layer_of(t.source.name)
         if t.fate == "copied":
             continue
         kind = layout.kind_of(name)

@@ -9,7 +9,6 @@ from safetensors import safe_open
 from mxforge.checkpoint import Checkpoint
 from mxforge.models import family_named, layout_of
 from mxforge.models.fixture import plan_shards, write_fixture
-from mxforge.models.tensor_kinds import layer_of
 from mxforge.safetensors_io import PlannedTensor
 
 
@@ -73,8 +72,9 @@ def test_mtp_layer_sits_in_the_last_shards(tiny_ckpt):
     ckpt, _ = _headers(tiny_ckpt)
     mtp = layout_of(ckpt.config).num_hidden_layers
     order = ckpt.shard_names
-    mtp_shards = {ckpt.weight_map[n] for n in ckpt.weight_map if layer_of(n) == mtp}
-    other_shards = {ckpt.weight_map[n] for n in ckpt.weight_map if layer_of(n) != mtp}
+    layout = layout_of(ckpt.config)
+    mtp_shards = {ckpt.weight_map[n] for n in ckpt.weight_map if layout.layer_of(n) == mtp}
+    other_shards = {ckpt.weight_map[n] for n in ckpt.weight_map if layout.layer_of(n) != mtp}
     assert max(order.index(s) for s in mtp_shards) == len(order) - 1
     assert min(order.index(s) for s in mtp_shards) >= max(order.index(s) for s in other_shards)
 
@@ -98,7 +98,8 @@ def test_tiny_matches_what_transformers_saves(tiny_ckpt, tmp_path):
         with safe_open(f, "pt") as s:
             theirs.update({k: tuple(s.get_slice(k).get_shape()) for k in s.keys()})
     mtp = ckpt.config["num_hidden_layers"]
-    ours = {k: v.shape for k, v in infos.items() if layer_of(k) != mtp}
+    layout = layout_of(ckpt.config)
+    ours = {k: v.shape for k, v in infos.items() if layout.layer_of(k) != mtp}
     assert ours == theirs
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -37,6 +38,42 @@ def test_the_check_sees_a_planted_architecture(tmp_path):
     """The scan above is not vacuous: the pattern and the family names do catch a module that names one."""
     planted = 'if config["architectures"][0] == "%s": pass' % FAMILIES[0].architectures[0]
     assert ARCH_RE.search(planted) and _product_files()
+
+
+LAYER_PREFIX_RE = re.compile(r"(^|\.)layers\.(\{|\d|$)")
+
+
+def _code_strings(path: Path) -> list[str]:
+    """The string literals of a module's code (f-string parts included), docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    return [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    ]
+
+
+def test_no_module_outside_the_family_folder_spells_a_layer_prefix(tmp_path):
+    """Where a layer is stored is its family's `[layers]` data (mxforge/models/layer_names.py): every other module
+    asks the layout (locate, layer_prefix, module_name), so no code string there spells `model.layers.` or
+    `layers.{...}`."""
+    found = [
+        f"{path.relative_to(REPO)}: {s!r}"
+        for path in _product_files()
+        for s in _code_strings(path)
+        if LAYER_PREFIX_RE.search(s)
+    ]
+    assert not found, "layer prefixes spelled outside mxforge/models/:\n" + "\n".join(found)
+    planted = tmp_path / "planted_layer_prefix.py"
+    planted.write_text('"""model.layers.0 in a docstring is fine."""\n\nP = f"model.layers.{3}."\n')
+    assert [s for s in _code_strings(planted) if LAYER_PREFIX_RE.search(s)] == ["model.layers."]
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
@@ -79,6 +116,20 @@ def test_families_do_not_overlap():
         ({"fp8_format": "blocky"}, "fp8_format", "'blocky' is not an FP8 layout"),
         ({"fp8_bf16_weights": None}, "fp8_bf16_weights", "must be given with the other FP8 entry"),
         ({"fp8_bf16_weights": "(lm_head"}, "fp8_bf16_weights", "is not a regular expression"),
+        ({"layers": "model.layers"}, "layers", "must be a table"),
+        ({"layers": {"decoders": "x.{layer}"}}, "layers.decoders", "is not a layers entry"),
+        ({"layers": {"decoder": "model.layers"}}, "layers.decoder", "'model.layers' must be dotted names ending in"),
+        ({"layers": {"decoder": "model.{k}"}}, "layers.decoder", "'model.{k}' must be dotted names ending in {layer}"),
+        ({"layers": {"mtp": "mtp.{k}.x"}}, "layers.mtp", "'mtp.{k}.x' must be dotted names ending in {layer} or {k}"),
+        ({"layers": {"mtp": "../{k}"}}, "layers.mtp", "'../{k}' must be dotted names"),
+        ({"layers": {"mtp": 3}}, "layers.mtp", "must be a string, not 3"),
+        ({"layers": {"mtp_block": "mtp"}}, "layers.mtp_block_modules", "is missing: it goes with layers.mtp_block"),
+        (
+            {"layers": {"mtp_block_modules": ["fc"]}},
+            "layers.mtp_block",
+            "is missing: it goes with layers.mtp_block_modules",
+        ),
+        ({"layers": {"mtp_block": "mtp", "mtp_block_modules": ["f.c"]}}, "layers.mtp_block_modules", "must be a list"),
     ],
 )
 def test_a_bad_family_file_is_one_clear_error_naming_the_file_and_entry(change, entry, message):

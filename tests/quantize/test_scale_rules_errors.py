@@ -18,6 +18,8 @@ from mxforge.formats.mxfp4 import numerics
 from mxforge.formats.mxfp4._kernel import quantize_rows_rule
 from mxforge.formats.mxfp4._native import bf16_kernel
 from mxforge.formats.mxfp4.numerics import quantize_rows_cpu
+from mxforge.models import layout_of
+from mxforge.models.fixture import preset_config
 from mxforge.quantize.error_report import error_report, figures, tensor_record
 from mxforge.quantize.scale_rules import SCALE_RULES, get_scale_rule
 
@@ -173,7 +175,8 @@ def test_report_aggregates_pooled_sums_and_names_the_worst():
         "model.layers.3.mlp.experts.1.up_proj.weight": tensor_record([9.0, 100.0, 1.0, 30], 1000),
         "model.layers.3.mlp.experts.2.up_proj.weight": tensor_record([0.0, 0.0, 0.0, 0], 0),
     }
-    report = error_report(records, mtp_layers=[3], scale_rule="quark")
+    layout = layout_of({**preset_config("tiny")[0], "num_hidden_layers": 3, "num_nextn_predict_layers": 1})
+    report = error_report(records, layout, scale_rule="quark")
     assert report["tensors_measured"] == 3 and report["tensors_not_measured"] == [
         "model.layers.3.mlp.experts.2.up_proj.weight"
     ]
