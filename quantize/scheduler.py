@@ -149,17 +149,18 @@ class ShardWorkers(Lane):
         ctx: BaseContext = mp.get_context("spawn")
         quantized = [t for job in self._jobs for t in job.plan.tensors if t.format is not None]
         formats = {t.format.name: t.format for t in quantized if t.format is not None}.values()
-        # fork: workers start at once with the compiled kernels already loaded, when every format has one (warm):
-        # a format whose CPU kernel runs torch ops (MXFP6) is spawned instead, since torch's thread pool does not
-        # survive fork once this process has used it (a forked worker then waits on it forever).
+        # fork: workers start at once with the compiled kernels already loaded, when every format's kernels for
+        # its inputs run without torch (Kernels.warm): one that runs torch ops (MXFP6 from float32, or where no C
+        # compiler works) is spawned instead, since torch's thread pool does not survive fork once this process
+        # has used it (a forked worker then waits on it forever).
         if (
             self._jobs[0].device == "cpu"
             and "fork" in mp.get_all_start_methods()
-            and all(f.kernels.warm is not None for f in formats)
+            and all(
+                f.kernels.warm is not None and f.kernels.warm({t.read_dtype for t in quantized if t.format == f})
+                for f in formats
+            )
         ):
-            for fmt in formats:
-                if fmt.kernels.warm is not None:  # always, here (checked above); for the type checker
-                    fmt.kernels.warm({t.read_dtype for t in quantized if t.format == fmt})
             ctx = mp.get_context("fork")
         self._counter = ctx.Value("q", 0)
         self._pool = ProcessPoolExecutor(self.size, mp_context=ctx, initializer=_init_worker, initargs=(self._counter,))

@@ -106,8 +106,10 @@ class Kernels:
     encode_torch: Callable[..., int]
     # (codes uint8 [n, packed], scales uint8 [n, blocks], inner) -> float32 [n, inner]: the values they encode
     decode: Callable[..., np.ndarray]
-    # load (or build) the CPU kernels for these safetensors input dtypes now, e.g. before forking workers
-    warm: Callable[[set[str]], None] | None = None
+    # load (or build) the CPU kernels for these safetensors input dtypes now, before workers fork; returns whether
+    # they run without torch ops (workers are forked only then: torch's thread pool does not survive a fork once
+    # the parent used it). None: the CPU kernel is torch code for every dtype.
+    warm: Callable[[set[str]], bool] | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ error, summed in float32 in the rules' lane order, is smallest (ties keep the ea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mxforge.formats.element import (
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 BLOCK = 32  # OCP MX's block: elements per E8M0 scale (Quark's OCP_MXSpec group_size)
 ERROR_LANES = 8  # a scale rule's block error is summed in this many lanes (quantize/scale_rules.py)
 ROW_CHUNK_ELEMENTS = 1 << 20  # elements per chunk of the kernels: about 4 MB of float32 at a time
+C_SOURCE = Path(__file__).with_name("_mx_bf16.c")  # the bf16 CPU kernel of any element (c_kernel)
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,25 @@ def quantize_torch(
     return nonfinite
 
 
+def c_kernel(element: MxElement):
+    """The C function `mx_quantize_bf16(rows, codes, scales, n_rows, inner, offsets, n_offsets, stats) -> nonfinite`
+    built for `element` (`_mx_bf16.c`, through formats/native.py), or None where no C compiler works."""
+    import ctypes
+
+    from mxforge.formats.native import compiled
+
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    defines = (BLOCK, ERROR_LANES, element.bits, element.mantissa_bits, element.bias)
+    names = ("BLOCK", "LANES", "BITS", "MBITS", "BIAS")
+    return compiled(
+        C_SOURCE,
+        "mx_quantize_bf16",
+        (p, p, p, i64, i64, p, i32, p),
+        i64,
+        tuple(f"-D{n}={v}" for n, v in zip(names, defines, strict=True)),
+    )
+
+
 def quantize_rows_cpu(
     element: MxElement,
     rows: np.ndarray,
@@ -166,11 +187,30 @@ def quantize_rows_cpu(
     offsets: tuple[int, ...] = (0,),
     stats: np.ndarray | None = None,
 ) -> int:
-    """The CPU kernel: rows (bf16 bits as int16, float16 or float32) into preallocated `codes` / `scales` (uint8),
-    through torch's CPU ops in row chunks: `quantize_torch` on the CPU (a worker quantizing these formats imports
-    torch; MXFP4's own C and numba kernels do not)."""
+    """The CPU kernel: rows (bf16 bits as int16, float16 or float32) into preallocated `codes` / `scales` (uint8).
+    bf16 rows go to the element's C kernel (`c_kernel`; a worker running it never imports torch); other dtypes, and
+    every dtype where no C compiler works, through torch's CPU ops in row chunks (`quantize_torch` on the CPU)."""
     import warnings
 
+    import numpy as np
+
+    if rows.dtype == np.int16 and codes.flags.c_contiguous and scales.flags.c_contiguous:
+        native = c_kernel(element)
+        if native is not None:
+            rows = np.ascontiguousarray(rows)
+            offs = np.asarray(offsets, dtype=np.int32)
+            return int(
+                native(
+                    rows.ctypes.data,
+                    codes.ctypes.data,
+                    scales.ctypes.data,
+                    rows.shape[0],
+                    rows.shape[1],
+                    offs.ctypes.data,
+                    len(offs),
+                    None if stats is None else stats.ctypes.data,
+                )
+            )
     import torch
 
     with warnings.catch_warnings():  # a read-only view of the shard's mapping: only read here, never written
@@ -188,6 +228,12 @@ def decode_rows(element: MxElement, codes: np.ndarray, scales: np.ndarray, inner
     return decode_table(element.values, E8M0, BLOCK, unpack_codes(codes, element.bits), scales, inner)
 
 
+def warm_cpu_kernel(element: MxElement, dtypes: set[str]) -> bool:
+    """Build (or load) the C kernel now; whether it serves every one of these safetensors dtypes (bf16 only: the
+    others, and bf16 without a compiler, run torch ops, so their workers are spawned, not forked)."""
+    return dtypes <= {"BF16"} and c_kernel(element) is not None
+
+
 def mx_kernels(element: MxElement) -> Kernels:
     """The kernels of an OCP MX entry with this element type."""
     import functools
@@ -196,4 +242,5 @@ def mx_kernels(element: MxElement) -> Kernels:
         encode_cpu=functools.partial(quantize_rows_cpu, element),
         encode_torch=functools.partial(quantize_torch, element),
         decode=functools.partial(decode_rows, element),
+        warm=functools.partial(warm_cpu_kernel, element),
     )

@@ -1,7 +1,8 @@
 """MXFP6 E2M3 and E3M2 (OCP MX FP6) against Quark 0.13: every byte of codes and scales equal to Quark's file-to-file
-routine on bf16, fp16 and float32 weights (zeros, subnormals, outliers, a short last block), on the CPU kernel and
-the torch one; decoding equal to Quark's own dequantization; the code tables OCP's; the mse scale rule never worse
-than Quark's exponent, block by block."""
+routine on bf16, fp16 and float32 weights (zeros, subnormals, outliers, a short last block), on the CPU kernel (C for
+bf16) and the torch one; the C kernel equal to the torch one on every rounding tie and edge, with and without a scale
+rule, its error sums too; decoding equal to Quark's own dequantization; the code tables OCP's; the mse scale rule
+never worse than Quark's exponent, block by block."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from mxforge.formats import ERROR_STATS, format_named
+from mxforge.formats.ocp_mx import c_kernel
 
 FORMATS = [format_named("mxfp6_e2m3"), format_named("mxfp6_e3m2")]
 IDS = [f.name for f in FORMATS]
@@ -74,3 +76,45 @@ def test_mse_rule_never_loses_to_quarks_exponent_and_the_sums_are_what_was_store
     assert (mse_err <= quark_err * (1 + 1e-6)).all()
     if fmt.name == "mxfp6_e2m3":  # on these Gaussian rows E3M2's 5 binades leave Quark's exponent best everywhere
         assert not torch.equal(mse_scales, quark_scales) and mse_err.sum() < quark_err.sum()
+
+
+def _edges(fmt) -> torch.Tensor:
+    """bf16 rows holding, at a block scale of 1 (each block's amax the largest value), every grid value, every
+    midpoint between neighbours (a tie: half to even), the bf16 values either side of each, both signs, zeros,
+    values past the largest (saturating), values far below the smallest (+0), and a short last block."""
+    mags = torch.tensor(fmt.values[: len(fmt.values) // 2], dtype=torch.float32)
+    mids = (mags[1:] + mags[:-1]) / 2
+    points = torch.cat([mags, mids, mids.bfloat16().float().nextafter(torch.tensor(0.0)), mids * 1.004])
+    points = torch.cat([points, -points, torch.tensor([fmt.max_value * 1.3, -fmt.max_value * 2, 2.0**-40, -0.0])])
+    blocks = points[: points.numel() // 31 * 31].reshape(-1, 31)
+    rows = torch.cat([blocks, torch.full((blocks.shape[0], 1), fmt.max_value)], 1).reshape(1, -1)  # amax: scale 1
+    rows = torch.cat([rows, rows * 2.0**-100, rows * 2.0**100])  # far from 1: the scale's whole range
+    return torch.cat([rows, rows[:, :24]], 1).bfloat16()  # a short last block of 24
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("offsets", [(0,), (0, 1, -1)], ids=["quark", "mse"])
+def test_c_kernel_is_the_torch_kernel_on_every_tie_and_edge(fmt, offsets):
+    """The bf16 C kernel (`_mx_bf16.c`) rounds on float32 bits where the torch kernel compares with the grid's
+    boundaries: the same bytes on ties, saturation, subnormals and both ends of the scale range, the same scale
+    rule choices, and the same error sums (both in float64)."""
+    element = fmt.kernels.encode_cpu.args[0]
+    if c_kernel(element) is None:
+        pytest.skip("no working C compiler: the torch kernel serves bf16 here")
+    for w in (_edges(fmt), _weights(torch.bfloat16)[0], _weights(torch.bfloat16)[1]):
+        packed, scale_shape = fmt.packed_shapes(tuple(w.shape))
+        codes, scales, stats = np.empty(packed, np.uint8), np.empty(scale_shape, np.uint8), np.zeros(ERROR_STATS)
+        assert fmt.kernels.encode_cpu(w.view(torch.int16).numpy(), codes, scales, offsets, stats) == 0
+        t_codes, t_scales = torch.empty(packed, dtype=torch.uint8), torch.empty(scale_shape, dtype=torch.uint8)
+        t_stats = np.zeros(ERROR_STATS)
+        fmt.kernels.encode_torch(w, t_codes, t_scales, torch.device("cpu"), offsets, t_stats)
+        assert np.array_equal(scales, t_scales.numpy()), f"{(scales != t_scales.numpy()).sum()} scale bytes differ"
+        assert np.array_equal(codes, t_codes.numpy()), f"{(codes != t_codes.numpy()).sum()} code bytes differ"
+        assert np.allclose(stats, t_stats, rtol=1e-9, atol=0), (stats, t_stats)
+    nonfinite = _edges(fmt)
+    nonfinite[0, 5], nonfinite[2, 40] = float("nan"), float("-inf")
+    packed, scale_shape = fmt.packed_shapes(tuple(nonfinite.shape))
+    got = fmt.kernels.encode_cpu(
+        nonfinite.view(torch.int16).numpy(), np.empty(packed, np.uint8), np.empty(scale_shape, np.uint8)
+    )
+    assert got == 2

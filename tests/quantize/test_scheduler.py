@@ -135,12 +135,21 @@ def test_a_worker_process_that_dies_is_one_error_saying_what_to_do(tiny_ckpt):
 
 
 def test_formats_without_a_compiled_cpu_kernel_are_quantized_in_spawned_workers(tmp_path):
-    """Workers are forked only when every format's CPU kernel is compiled code (MXFP4, FP8 PTPC): MXFP6's runs torch
-    ops, and a worker forked from a process whose torch thread pool already ran waited on it forever (an in-process
-    quantize after the fixture was written: the consumer test hung). Run in a child process with a deadline, so a
-    regression fails here instead of hanging the suite."""
+    """Workers are forked only when every format's CPU kernel for its inputs runs without torch (Kernels.warm):
+    MXFP6's portable kernel (no C compiler, or MXFORGE_KERNEL=portable as here) runs torch ops, and a worker forked
+    from a process whose torch thread pool already ran waited on it forever (an in-process quantize after the
+    fixture was written: the consumer test hung). Run in a child process with a deadline, so a regression fails
+    here instead of hanging the suite."""
+    import os
     import subprocess
     import sys
+
+    from mxforge.formats import format_named
+    from mxforge.formats.ocp_mx import c_kernel
+
+    e2m3 = format_named("mxfp6_e2m3")
+    assert e2m3.kernels.warm is not None and not e2m3.kernels.warm({"BF16", "F32"})  # float32 rows: torch
+    assert e2m3.kernels.warm({"BF16"}) == (c_kernel(e2m3.kernels.encode_cpu.args[0]) is not None)
 
     recipe = tmp_path / "mxfp6.toml"
     recipe.write_text('name = "w6"\nscheme = "mxfp4"\n[[quantize]]\nkinds = ["experts"]\nformat = "mxfp6_e2m3"\n')
@@ -154,6 +163,7 @@ torch.randn(512, 512) @ torch.randn(512, 512)  # this process's torch thread poo
 main(["quantize", {str(tmp_path / "src")!r}, {str(tmp_path / "out")!r}, "--recipe", {str(recipe)!r},
       "--workers", "2", "--quiet"])
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "MXFORGE_KERNEL": "portable"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()

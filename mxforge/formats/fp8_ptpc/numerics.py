@@ -96,9 +96,10 @@ def c_kernel():
     return compiled(SOURCE, "fp8_ptpc_quantize", args, ctypes.c_int64)
 
 
-def warm_cpu_kernel(read_dtypes: set[str]) -> None:
-    """Build (or load) the C kernel now, before workers fork."""
+def warm_cpu_kernel(read_dtypes: set[str]) -> bool:
+    """Build (or load) the C kernel now, before workers fork; True: it, or the numpy twin, runs without torch."""
     c_kernel()
+    return True
 
 
 def quantize_rows_cpu(

@@ -90,14 +90,15 @@ def quantize_rows_cpu(
     )
 
 
-def warm_cpu_kernel(dtypes: set[str]) -> None:
-    """Load (or compile, the first time) the CPU kernels for these safetensors dtypes now, e.g. before
-    forking workers. numba is imported only where it serves (float inputs, or bf16 without a C compiler)."""
+def warm_cpu_kernel(dtypes: set[str]) -> bool:
+    """Load (or compile, the first time) the CPU kernels for these safetensors dtypes now, before workers fork.
+    numba is imported only where it serves (float inputs, or bf16 without a C compiler). True: neither runs torch."""
     import numpy as np
 
     for dtype in dtypes:
         arr = np.zeros((1, BLOCK), dtype=np.int16 if dtype == "BF16" else np.float32)
         quantize_rows_cpu(arr, np.empty((1, BLOCK // 2), dtype=np.uint8), np.empty((1, 1), dtype=np.uint8))
+    return True
 
 
 def quantize_torch(
