@@ -14,6 +14,8 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "_float_bits.h"
+
 #if !defined(BLOCK) || !defined(LANES) || !defined(BITS) || !defined(MBITS) || !defined(BIAS)
 #error "build with -DBLOCK= -DLANES= -DBITS= -DMBITS= -DBIAS= (mxforge/formats/ocp_mx.py does)"
 #endif
@@ -24,23 +26,6 @@
 #define MIN_NORMAL_BITS ((uint32_t)(127 + 1 - BIAS) << 23)
 #define PER (8 / (BITS % 8 == 0 ? 8 : (BITS % 4 == 0 ? 4 : (BITS % 2 == 0 ? 2 : 1)))) /* codes per byte group */
 #define GROUP_BYTES (PER * BITS / 8)
-
-static inline uint32_t bits_of(float f) {
-    uint32_t b;
-    memcpy(&b, &f, sizeof b);
-    return b;
-}
-
-static inline float float_of_bits(uint32_t bits) {
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* 2^k as a float for k in [-149, 127] (exact; subnormal below -126). */
-static inline float pow2f(int32_t k) {
-    return k >= -126 ? float_of_bits((uint32_t)(k + 127) << 23) : float_of_bits(1u << (k + 149));
-}
 
 /* The magnitude code q (float32, >= 0) rounds to: half to even onto the element's grid, saturating. */
 static inline int32_t magnitude(float q) {

@@ -1,7 +1,7 @@
 """C kernels of the format entries: a C source compiled with the system C compiler on first use, cached per
-(source, compiler, flags, CPU flags) in the user cache, loaded with ctypes. Returns None where no compiler works;
-each entry then falls back to its portable kernel (same bytes, slower). `MXFORGE_KERNEL=portable` (or `numba`, its
-older name) skips every C kernel."""
+(source, the shared headers beside this module, compiler, flags, CPU flags) in the user cache, loaded with ctypes.
+Returns None where no compiler works; each entry then falls back to its portable kernel (same bytes, slower).
+`MXFORGE_KERNEL=portable` (or `numba`, its older name) skips every C kernel."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 BASE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # what the kernels include (_float_bits.h)
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,9 +57,26 @@ def _build_key(source: Path, compiler: str, flags: tuple[str, ...]) -> str:
         cpu = ""
     parts = [
         source.read_bytes(),
+        *(h.read_bytes() for h in HEADERS),
         compiler.encode(),
         " ".join(flags).encode(),
         platform.machine().encode(),
         cpu.encode(),
     ]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def call_rows_kernel(native, rows, codes, scales, offsets: tuple[int, ...], stats) -> int:
+    """Run a row kernel `f(rows, codes, scales, n_rows, inner, offsets, n_offsets, stats) -> nonfinite` (the MX
+    kernels' signature) on C-contiguous numpy arrays; `stats` None or a float64 array of running sums."""
+    import numpy as np
+
+    rows = np.ascontiguousarray(rows)
+    offs = np.asarray(offsets, dtype=np.int32)
+    pointer = None if stats is None else stats.ctypes.data
+    n_rows, inner = rows.shape
+    return int(
+        native(
+            rows.ctypes.data, codes.ctypes.data, scales.ctypes.data, n_rows, inner, offs.ctypes.data, len(offs), pointer
+        )
+    )

@@ -197,20 +197,9 @@ def quantize_rows_cpu(
     if rows.dtype == np.int16 and codes.flags.c_contiguous and scales.flags.c_contiguous:
         native = c_kernel(element)
         if native is not None:
-            rows = np.ascontiguousarray(rows)
-            offs = np.asarray(offsets, dtype=np.int32)
-            return int(
-                native(
-                    rows.ctypes.data,
-                    codes.ctypes.data,
-                    scales.ctypes.data,
-                    rows.shape[0],
-                    rows.shape[1],
-                    offs.ctypes.data,
-                    len(offs),
-                    None if stats is None else stats.ctypes.data,
-                )
-            )
+            from mxforge.formats.native import call_rows_kernel
+
+            return call_rows_kernel(native, rows, codes, scales, offsets, stats)
     import torch
 
     with warnings.catch_warnings():  # a read-only view of the shard's mapping: only read here, never written

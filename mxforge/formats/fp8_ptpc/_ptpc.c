@@ -9,33 +9,23 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float f32(uint32_t bits) {
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint32_t bits32(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
+#include "../_float_bits.h"
 
 /* float32 -> the float32 value of its bf16 rounding (half to even; finite inputs). */
 static inline float round_bf16(float x) {
-    uint32_t u = bits32(x);
-    return f32(((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16);
+    uint32_t u = bits_of(x);
+    return float_of_bits(((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16);
 }
 
 /* The float8_e4m3fn code of q, as torch converts; branch-free, so the row loops vectorize. */
 static inline uint32_t e4m3(float q) {
-    uint32_t u = bits32(q);
+    uint32_t u = bits_of(q);
     uint32_t sign = (u >> 24) & 0x80u;
     uint32_t mag = u & 0x7FFFFFFFu;
-    float a = f32(mag);
+    float a = float_of_bits(mag);
     uint32_t normal = ((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
     /* below 2^-6: a multiple of 2^-9, rounded half to even by adding 1.5 * 2^23 (a * 512 is exact) */
-    uint32_t sub = bits32(a * 512.0f + 12582912.0f) - 0x4B400000u;
+    uint32_t sub = bits_of(a * 512.0f + 12582912.0f) - 0x4B400000u;
     /* integer compares of the magnitude's bits: 2^-6 is 0x3C800000, 448 is 0x43E00000, NaN is above infinity */
     uint32_t code = mag < 0x3C800000u ? sub : normal;
     code = mag > 0x43E00000u ? 0x7Eu : code;  /* saturate, infinities included */
@@ -68,20 +58,20 @@ static inline uint32_t amax_bits_bf16(const uint16_t *b, int64_t n) {
 static inline uint32_t amax_bits_f32(const float *x, int64_t n) {
     uint32_t m = 0;
     for (int64_t i = 0; i < n; i++) {
-        uint32_t v = bits32(x[i]) & 0x7FFFFFFFu;
+        uint32_t v = bits_of(x[i]) & 0x7FFFFFFFu;
         m = v > m ? v : m;
     }
     return m;
 }
 
 static inline float row_scale(uint32_t amax_bits) {
-    float scale = f32(amax_bits) / 448.0f;
+    float scale = float_of_bits(amax_bits) / 448.0f;
     return scale == 0.0f ? 1.1920929e-07f : scale; /* 2^-23, float32's epsilon, for an all-zero row */
 }
 
 /* bf16 rows: the quotient computed in bf16 (the scale and the float32 quotient rounded to bf16). */
 static void encode_bf16(const uint16_t *b, float divisor, uint8_t *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = (uint8_t)e4m3(round_bf16(f32((uint32_t)b[i] << 16) / divisor));
+    for (int64_t i = 0; i < n; i++) out[i] = (uint8_t)e4m3(round_bf16(float_of_bits((uint32_t)b[i] << 16) / divisor));
 }
 
 static void encode_f32(const float *x, float divisor, uint8_t *out, int64_t n) {
@@ -94,7 +84,7 @@ static void measure_row(const uint16_t *b, const float *x, const uint8_t *codes,
                         int64_t n, double sums[4]) {
     double sse = 0.0, ssq = 0.0, worst = 0.0, clipped = 0.0;
     for (int64_t i = 0; i < n; i++) {
-        float v = b ? f32((uint32_t)b[i] << 16) : x[i];
+        float v = b ? float_of_bits((uint32_t)b[i] << 16) : x[i];
         float q = b ? round_bf16(v / divisor) : v / divisor;
         double err = (double)v - (double)(VALUES[codes[i]] * scale);
         sse += err * err;
@@ -113,7 +103,7 @@ static int64_t count_nonfinite(const uint16_t *b, const float *x, int64_t n) {
     if (b)
         for (int64_t i = 0; i < n; i++) bad += (b[i] & 0x7F80u) == 0x7F80u;
     else
-        for (int64_t i = 0; i < n; i++) bad += (bits32(x[i]) & 0x7F800000u) == 0x7F800000u;
+        for (int64_t i = 0; i < n; i++) bad += (bits_of(x[i]) & 0x7F800000u) == 0x7F800000u;
     return bad;
 }
 

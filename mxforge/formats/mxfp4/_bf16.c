@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "../_float_bits.h"
+
 /* BLOCK (elements per scale) and LANES (the scale rules' error lanes) come from mxfp4.py, as -D flags (_native.py). */
 #if !defined(BLOCK) || !defined(LANES)
 #error "build with -DBLOCK=... -DLANES=... (mxforge/formats/_native.py does)"
@@ -19,17 +21,6 @@ static inline int32_t boundary_bits(int32_t mantissa, int32_t exponent) {
     if (biased >= 255) return 0x7F800000;
     if (biased > 0) return (biased << 23) | mantissa;
     return ((1 << 23) | mantissa) >> (1 - biased);
-}
-
-static inline float float_of_bits(uint32_t bits) {
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* 2^k as a float for k in [-149, 127] (exact; subnormal below -126). */
-static inline float pow2f(int32_t k) {
-    return k >= -126 ? float_of_bits((uint32_t)(k + 127) << 23) : float_of_bits(1u << (k + 149));
 }
 
 /* The E2M1 rounding boundaries for scale 2^e as bf16 patterns of |x|: code = how many of them |x| is above.

@@ -61,20 +61,9 @@ def quantize_rows_cpu(
 
         native = bf16_kernel()
         if native is not None and codes.flags.c_contiguous and scales.flags.c_contiguous:
-            rows = np.ascontiguousarray(rows)
-            offs = np.asarray(offsets, dtype=np.int32)
-            return int(
-                native(
-                    rows.ctypes.data,
-                    codes.ctypes.data,
-                    scales.ctypes.data,
-                    rows.shape[0],
-                    rows.shape[1],
-                    offs.ctypes.data,
-                    len(offs),
-                    None if stats is None else stats.ctypes.data,
-                )
-            )
+            from mxforge.formats.native import call_rows_kernel
+
+            return call_rows_kernel(native, rows, codes, scales, offsets, stats)
     from mxforge.formats.mxfp4._kernel import quantize_bf16_rows, quantize_f32_rows, quantize_rows_rule
 
     if tuple(offsets) == (0,) and stats is None:
