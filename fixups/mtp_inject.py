@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, write_index
 from mxforge.errors import CheckpointError, ConfigError
 from mxforge.formats import ElementFormat
-from mxforge.models import MoeLayout, layout_of
+from mxforge.models import MoeLayout, family_of, layout_of
 from mxforge.progress import byte_progress
 from mxforge.provenance import keep_original
 from mxforge.safetensors_io import PlannedTensor, ShardWriter, write_json_atomic
@@ -69,17 +69,22 @@ def plan_mtp_injection(ckpt: Checkpoint, src: Checkpoint, recipe) -> MtpPlan:
             "(or `mxforge run`) from the FP8 checkpoint instead: it keeps the MTP layer",
             path=src.root,
         )
-    mismatched = [f for f in SHAPE_FIELDS if ckpt.config.get(f) != src.config.get(f)]
+    family = family_of(ckpt.config)
+    ours, theirs = family.config.view(ckpt.config), family.config.view(src.config)
+    mismatched = [family.config.where(f) for f in SHAPE_FIELDS if ours.get(f) != theirs.get(f)]
     if mismatched:
         raise ConfigError(
             f"{src.root}: config.json differs from {ckpt.root}'s in {mismatched}; "
             "--mtp-from needs the bf16 source this export was made from",
             path=src.root,
         )
-    layout = layout_of({**ckpt.config, "num_nextn_predict_layers": _nextn(ckpt.config) or _nextn(src.config)})
+    declared = _nextn(ckpt.config) or _nextn(src.config)
+    layout = family.layout_of(family.config.updated(ckpt.config, {"num_nextn_predict_layers": declared}))
     if not layout.mtp_layers:
         raise ConfigError(
-            f"{src.root}: num_nextn_predict_layers is 0 in both configs: there is no MTP layer to inject", path=src.root
+            f"{src.root}: {family.config.where('num_nextn_predict_layers')} is 0 in both configs: there is no MTP "
+            "layer to inject",
+            path=src.root,
         )
     present = mtp_tensors(ckpt.weight_map, layout)
     if present:
@@ -193,7 +198,7 @@ def _update_config(ckpt: Checkpoint, src: Checkpoint, plan: MtpPlan) -> None:
     keep_original(ckpt.root, "config.json")
     config = dict(ckpt.config)
     if not _nextn(config):
-        config["num_nextn_predict_layers"] = _nextn(src.config)
+        config = family_of(config).config.updated(config, {"num_nextn_predict_layers": _nextn(src.config)})
     qc = config.get("quantization_config")
     if qc is not None:
         exclude = list(qc.get("exclude") or [])

@@ -120,7 +120,7 @@ class Recipe:
         for rule in self.rules:
             if not any(rule.matches(n, layout) for n in names if is_linear_weight_name(n)):
                 scope = (
-                    " (this checkpoint has no MTP layer: num_nextn_predict_layers is 0)"
+                    f" (this checkpoint has no MTP layer: {layout.field_name('num_nextn_predict_layers')} is 0)"
                     if rule.layers == "mtp" and not layout.mtp_layers
                     else ""
                 )

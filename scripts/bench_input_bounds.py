@@ -102,7 +102,7 @@ def bench_headers(work: Path) -> dict:
     refuse_s = time.perf_counter() - t
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     # A real-size shard header: 1,100 GLM-5.2 expert tensors.
-    layout = DEFAULT_FAMILY.layout(DEFAULT_FAMILY.reference())
+    layout = DEFAULT_FAMILY.layout_of(DEFAULT_FAMILY.reference())
     real = {
         layout.module_name(i // 768, f"mlp.experts.{(i // 3) % 256}.{p}") + ".weight": None
         for i, p in zip(range(1100), ["gate_proj", "up_proj", "down_proj"] * 400)

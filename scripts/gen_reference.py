@@ -94,7 +94,7 @@ def _profiles_for(family: Family) -> list[EngineProfile]:
 
 
 def _mtp_layers(family: Family) -> str:
-    layout = family.layout(family.reference())
+    layout = family.layout_of(family.reference())
     return ", ".join(f"`{layout.layer_prefix(layer)[:-1]}`" for layer in layout.mtp_layers) or "none"
 
 

@@ -240,6 +240,64 @@ def test_where_a_family_stores_its_layers_is_its_layers_table(copy, pristine, ti
     assert shown["layers"]["decoder_layers"] == hidden
 
 
+TOY_CONFIG = (
+    '\n[config]\ntext = "text_config"\n'
+    '[config.fields]\nn_routed_experts = "num_experts"\nnum_nextn_predict_layers = "mtp_num_hidden_layers"\n'
+)
+TOP_LEVEL_ENTRIES = ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype")
+
+
+def test_where_a_family_keeps_its_config_fields_is_its_config_table(copy, pristine, tiny_ckpt, tmp_path):
+    """Where a family's config.json keeps its language model's fields, and what it calls them, is data: the
+    `[config]` table of its family.toml (mxforge/models/config_names.py). The throwaway family nests GLM-5.2's fields
+    in `text_config` and names the expert and MTP counts as Qwen3.5 MoE does (`num_experts`,
+    `mtp_num_hidden_layers`). Its fixture writes them there, its quantized output holds GLM-5.2's tensors with the
+    same decisions, keeps the nesting, and inspect names the fields as the family stores them."""
+    from mxforge.checkpoint import Checkpoint
+
+    _add_toy_family(copy, TOY_CONFIG)
+    models = copy / "mxforge/manifests/models"
+    flat = json.loads((models / "toy-moe.config.json").read_text())
+    renames = {"n_routed_experts": "num_experts", "num_nextn_predict_layers": "mtp_num_hidden_layers"}
+    nested = {k: v for k, v in flat.items() if k in TOP_LEVEL_ENTRIES}
+    nested["text_config"] = {renames.get(k, k): v for k, v in flat.items() if k not in TOP_LEVEL_ENTRIES}
+    (models / "toy-moe.config.json").write_text(json.dumps(nested, indent=2))
+    toy_src, toy_out, glm_out = tmp_path / "toy-src", tmp_path / "toy-out", tmp_path / "glm-out"
+    made = run_copy(copy, "fixture", str(toy_src), "--family", "toy_moe", "--preset", "tiny", "--quiet")
+    assert made.returncode == 0, made.stderr
+    glm_config = json.loads((tiny_ckpt / "config.json").read_text())
+    written = json.loads((toy_src / "config.json").read_text())
+    assert set(written) == set(nested) and "n_routed_experts" not in written["text_config"]
+    assert written["text_config"]["num_experts"] == glm_config["n_routed_experts"]
+    assert written["text_config"]["mtp_num_hidden_layers"] == glm_config["num_nextn_predict_layers"] == 1
+    assert written["text_config"]["hidden_size"] == glm_config["hidden_size"]  # the preset's, written nested
+    quantized = run_copy(copy, "quantize", str(toy_src), str(toy_out), "--quiet", "--workers", "1")
+    assert quantized.returncode == 0, quantized.stderr
+    cli("quantize", str(tiny_ckpt), str(glm_out), "--quiet", "--workers", "1", check=True)
+
+    def stored(root: Path) -> dict:
+        return {n: (i.dtype, i.shape) for n, i in Checkpoint.open(root).tensor_infos().items()}
+
+    assert stored(toy_out) == stored(glm_out)
+    out_config = json.loads((toy_out / "config.json").read_text())
+    glm_qc = json.loads((glm_out / "config.json").read_text())["quantization_config"]
+    assert sorted(out_config["quantization_config"]["exclude"]) == sorted(glm_qc["exclude"])
+    assert (
+        out_config["text_config"] == written["text_config"] and "quantization_config" not in out_config["text_config"]
+    )
+    shown = json.loads(run_copy(copy, "inspect", str(toy_out), "--json", "-").stdout)
+    assert shown["mtp"]["declared_by"] == ["text_config.num_hidden_layers", "text_config.mtp_num_hidden_layers"]
+    assert shown["mtp"]["present_layers"] == [glm_config["num_hidden_layers"]] and shown["mtp"]["complete"]
+    broken = tmp_path / "broken"
+    shutil.copytree(toy_src, broken)
+    (broken / "config.json").write_text(json.dumps({**written, "text_config": None}))
+    refused = run_copy(copy, "quantize", str(broken), str(tmp_path / "never"), "--quiet")
+    assert refused.returncode == 2 and "config.json: text_config is null; this family keeps" in refused.stderr, (
+        refused.stderr
+    )
+    assert not (tmp_path / "never" / "config.json").exists()
+
+
 def test_a_new_scale_rule_is_one_entry(copy, pristine, tiny_ckpt, tmp_path):
     """Another way to choose MXFP4's block scales: one ScaleRule in quantize/scale_rules.py; the shard kernels,
     the recipe's `scale_rule`, the --scale-rule option, the error report and the record in quantization_config

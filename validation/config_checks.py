@@ -125,11 +125,11 @@ def check_layout(
                     "mtp",
                     layout.layer_prefix(layer)[:-1],
                     "the checkpoint ships no MTP layer tensors "
-                    f"(num_nextn_predict_layers = {len(layout.mtp_layers)}, so {layout.layer_prefix(layer)}* is "
-                    "expected): "
+                    f"({layout.field_name('num_nextn_predict_layers')} = {len(layout.mtp_layers)}, so "
+                    f"{layout.layer_prefix(layer)}* is expected): "
                     "engines cannot build the draft model for speculative decoding",
                     "re-inject it from the bf16 source: mxforge fixup CKPT --mtp-from BF16_SRC --recipe RECIPE "
-                    "(or set num_nextn_predict_layers to 0 to ship without MTP)",
+                    f"(or set {layout.field_name('num_nextn_predict_layers')} to 0 to ship without MTP)",
                 )
             )
             continue

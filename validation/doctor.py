@@ -95,8 +95,9 @@ def undeclared_layer_notes(layout: MoeLayout, weight_map: Mapping[str, str]) -> 
         return []
     layers = sorted(beyond)
     tensors = sum(beyond.values())
+    nextn = layout.field_name("num_nextn_predict_layers")
     said = (
-        f"num_hidden_layers {layout.num_hidden_layers}, num_nextn_predict_layers "
+        f"{layout.field_name('num_hidden_layers')} {layout.num_hidden_layers}, {nextn} "
         f"{layout.config.get('num_nextn_predict_layers', 'absent')}"
     )
     first = layers[0]
@@ -105,7 +106,7 @@ def undeclared_layer_notes(layout: MoeLayout, weight_map: Mapping[str, str]) -> 
             f"{layout.layer_prefix(first)}* holds an MTP layer ({beyond[first]} tensors, eh_proj included) that "
             f"config.json does not declare ({said}): as declared, this checkpoint has no MTP layer, no engine builds "
             "it and it serves without speculative decoding; if it is the model's MTP layer, set "
-            f"num_nextn_predict_layers to {len(layers)} in config.json and validate again"
+            f"{nextn} to {len(layers)} in config.json and validate again"
         ]
     return [
         f"the checkpoint stores layer(s) {layers} ({tensors} tensors) beyond the {declared} layers config.json "

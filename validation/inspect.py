@@ -75,6 +75,10 @@ def inspect_checkpoint(root: "str | Path | CheckpointSource") -> dict:
         ),
     }
     mtp["present"] = bool(mtp["present_layers"])
+    # The config.json fields that declare the layers, as this family names them (Family.config)
+    mtp["declared_by"] = [
+        layout.field_name(f) if layout is not None else f for f in ("num_hidden_layers", "num_nextn_predict_layers")
+    ]
     mtp["complete"] = layout is not None and all(
         {t.name for t in layout.layer_tensors(i)} - layout.omittable() <= {weight_of_scale(n) or n for n in infos}
         for i in mtp_layers
@@ -182,11 +186,11 @@ def format_inspect(report: dict) -> str:
             f"  MTP: config declares layer(s) {m['expected_layers']} but the checkpoint has none of their tensors"
         )
     else:
-        lines.append("  MTP: none declared (num_nextn_predict_layers is 0 or absent)")
+        lines.append(f"  MTP: none declared ({m['declared_by'][1]} is 0 or absent)")
     if m["orphan_layers_beyond_config"]:
         lines.append(
             f"  beyond config.json: layer(s) {m['orphan_layers_beyond_config']} are stored but not declared "
-            "(num_hidden_layers + num_nextn_predict_layers): no engine builds them"
+            f"({' + '.join(m['declared_by'])}): no engine builds them"
         )
     q = report["quantization"]
     if q and q["weight_dtype"] is None:

@@ -58,7 +58,7 @@ def layout_of(config: Mapping[str, Any]) -> MoeLayout:
     Raises:
         ConfigError: unsupported family, or a required field missing or not an integer.
     """
-    return family_of(config).layout(config)
+    return family_of(config).layout_of(config)
 
 
 def family_named(name: str) -> Family:

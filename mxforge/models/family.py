@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Mapping
 
 from mxforge.errors import ConfigError
 from mxforge.manifest_io import load_manifest
+from mxforge.models.config_names import TOP_LEVEL, ConfigNames, parse_config_names
 from mxforge.models.layer_names import LINEAGE, LayerNames, parse_layer_names
 from mxforge.models.layout import FP8_LAYOUTS
 
@@ -50,10 +51,21 @@ class Family:
     # Where its layers are stored (the `[layers]` table; absent: `model.layers.{layer}`, MTP layers after the
     # decoder's, as the DeepSeek-V3 lineage stores them)
     layers: LayerNames = LINEAGE
+    # Where its config.json keeps the language model's fields and what it calls them (the `[config]` table; absent:
+    # at the top level, under the lineage's names)
+    config: ConfigNames = TOP_LEVEL
 
     @property
     def has_fp8_release(self) -> bool:
         return bool(self.fp8_format)
+
+    def layout_of(self, config: Mapping[str, Any]):
+        """This family's layout of config.json (built from its language model's fields, under mxforge's names).
+
+        Raises:
+            ConfigError: a required field missing or out of range, or the text config absent.
+        """
+        return self.layout(self.config.view(config))
 
     @property
     def reference_config(self) -> str:
@@ -159,6 +171,8 @@ def parse_family(
             value = tuple(value.items())
         elif key == "layers":
             value = parse_layer_names(value, bad)
+        elif key == "config":
+            value = parse_config_names(value, bad)
         elif not isinstance(value, str) or (key in REQUIRED_KEYS and not value):
             raise bad(key, "must be a non-empty string" if key in REQUIRED_KEYS else "must be a string")
         values[key] = value

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mxforge.checkpoint import write_index
 from mxforge.errors import ConfigError, MxforgeError
-from mxforge.models import DEFAULT_FAMILY, Family, family_named, layout_of
+from mxforge.models import DEFAULT_FAMILY, Family, family_named
 from mxforge.models.layout import FP8_BLOCK, FP8_LAYOUTS, fp8_inventory
 from mxforge.progress import byte_progress
 from mxforge.records import fields_of
@@ -102,12 +102,14 @@ def preset_config(preset: str, gib: float | None = None, family: Family | str | 
     settings = presets[preset]
     config = family.reference()
     config.pop("quantization_config", None)  # fixtures are bf16, whatever precision the family publishes in
-    config.update(settings.get("config", {}))
+    # A preset's config entries are the language model's fields, under mxforge's names (Family.config)
+    config = family.config.updated(config, settings.get("config", {}))
     if gib is not None and "default_gib" not in settings:
         raise ConfigError(f"--gib applies to the bench preset only, not {preset!r}")
     if "default_gib" in settings:
-        config["n_routed_experts"] = _experts_for_size(config, (gib or settings["default_gib"]) * 2**30)
-        config["num_experts_per_tok"] = min(int(config["num_experts_per_tok"]), config["n_routed_experts"])
+        experts = _experts_for_size(family, config, (gib or settings["default_gib"]) * 2**30)
+        top_k = min(int(family.config.view(config)["num_experts_per_tok"]), experts)
+        config = family.config.updated(config, {"n_routed_experts": experts, "num_experts_per_tok": top_k})
     return config, settings
 
 
@@ -117,11 +119,12 @@ def _family(family: Family | str | None) -> Family:
     return family if isinstance(family, Family) else family_named(family)
 
 
-def _experts_for_size(config: dict, target_bytes: float) -> int:
+def _experts_for_size(family: Family, config: dict, target_bytes: float) -> int:
     """Routed-expert count that brings the checkpoint closest to target_bytes (at least 1)."""
 
     def size(n: int) -> int:
-        return sum(t.nbytes for t in layout_of({**config, "n_routed_experts": n}).tensors())
+        sized = family.config.updated(config, {"n_routed_experts": n})
+        return sum(t.nbytes for t in family.layout_of(sized).tensors())
 
     base, per_expert = size(1), size(2) - size(1)
     return max(1, round((target_bytes - base) / per_expert) + 1)
@@ -324,8 +327,9 @@ def write_fixture(
     shard_count: int | None = None,
 ) -> FixtureResult:
     """Write a bf16 (or `precision="fp8"`: FP8, in the layout of the family's FP8 release) checkpoint of `family`
-    (default: DEFAULT_FAMILY) to `out` (created; must be empty or absent); `overrides` change config fields after the
-    preset's (e.g. `n_routed_experts`). `shard_count` splits it into that many shards instead of the preset's count (a
+    (default: DEFAULT_FAMILY) to `out` (created; must be empty or absent); `overrides` change the language model's
+    fields after the preset's, under mxforge's names (e.g. `n_routed_experts`; Family.config writes them where the
+    family keeps them). `shard_count` splits it into that many shards instead of the preset's count (a
     replica with fewer layers than the release cannot fill the release's exact shard count).
 
     Raises:
@@ -345,8 +349,8 @@ def write_fixture(
             "use --precision bf16"
         )
     config, settings = preset_config(preset, gib, family)
-    config.update(overrides or {})
-    layout = layout_of(config)
+    config = family.config.updated(config, overrides or {})
+    layout = family.layout_of(config)
     tensors = layout.tensors()
     data = lambda t: synth_weight(t, seed)  # noqa: E731
     if precision == "fp8":
@@ -372,6 +376,6 @@ def write_fixture(
             weight_map.update({t.name: name for t in shard})
     write_index(out, weight_map, total)
     for fname, make in SIDE_FILES.items():
-        write_json_atomic(out / fname, make(config))
+        write_json_atomic(out / fname, make(family.config.view(config)))  # the language model's fields
     write_json_atomic(out / "config.json", config)
     return FixtureResult(out, preset, family.name, len(tensors), len(shards), total, seed, precision)

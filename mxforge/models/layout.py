@@ -145,6 +145,11 @@ class MoeLayout:
     def __getitem__(self, key: str) -> Any:
         return self.config[key]
 
+    def field_name(self, field: str) -> str:
+        """Where config.json holds field `field` (mxforge's name), as messages name it: `num_nextn_predict_layers`,
+        Qwen3.5's `text_config.mtp_num_hidden_layers` (Family.config)."""
+        return self.family.config.where(field) if self.family is not None else field
+
     @property
     def layer_names(self) -> LayerNames:
         return self.family.layers if self.family is not None else LINEAGE

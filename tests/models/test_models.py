@@ -130,6 +130,23 @@ def test_families_do_not_overlap():
             "is missing: it goes with layers.mtp_block_modules",
         ),
         ({"layers": {"mtp_block": "mtp", "mtp_block_modules": ["f.c"]}}, "layers.mtp_block_modules", "must be a list"),
+        ({"config": "text_config"}, "config", "must be a table"),
+        ({"config": {"texts": "text_config"}}, "config.texts", "is not a config entry"),
+        ({"config": {"text": "text.config"}}, "config.text", "must be the name of a config.json entry"),
+        ({"config": {"text": 3}}, "config.text", "must be the name of a config.json entry"),
+        ({"config": {"fields": ["num_experts"]}}, "config.fields", "must be a table"),
+        ({"config": {"fields": {"n_routed_experts": "../x"}}}, "config.fields.n_routed_experts", "must name a"),
+        ({"config": {"fields": {"n_routed_experts": 5}}}, "config.fields.n_routed_experts", "must name a"),
+        (
+            {"config": {"fields": {"n_routed_experts": "num_experts", "n_shared_experts": "num_experts"}}},
+            "config.fields",
+            "names 'num_experts' for two fields",
+        ),
+        (
+            {"config": {"fields": {"n_routed_experts": "hidden_size", "hidden_size": "width"}}},
+            "config.fields",
+            "names 'hidden_size' for two fields",
+        ),
     ],
 )
 def test_a_bad_family_file_is_one_clear_error_naming_the_file_and_entry(change, entry, message):

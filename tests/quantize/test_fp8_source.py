@@ -54,7 +54,7 @@ def test_glm52_fp8_release_is_block_fp8_with_these_bf16_weights():
     that as 128x128 block FP8 with weight_scale_inv, with router, eh_proj, embeddings, lm_head and the indexer's
     weights_proj kept bf16; the neighbouring choices (DeepSeek-V3's set, weights_proj quantized) do not."""
     family = family_named("glm_moe_dsa")
-    bf16 = family.layout(family.reference()).tensors()
+    bf16 = family.layout_of(family.reference()).tensors()
     fp8 = fp8_block_inventory(bf16, family.fp8_bf16_weights)
     assert (len(fp8), sum(t.nbytes for t in fp8)) == (118629, 755617140416)
     assert sum(t.name.endswith("_scale_inv") for t in fp8) == 118629 - 59585
@@ -242,7 +242,7 @@ def test_fp8_fixture_is_the_release_layout_of_the_bf16_fixture(family, tmp_path)
     write_fixture(tmp_path / "bf16", "tiny", quiet=True, family=fam)
     write_fixture(tmp_path / "fp8", "tiny", quiet=True, family=fam, precision="fp8")
     ckpt = Checkpoint.open(tmp_path / "fp8")
-    planned = fp8_inventory(fam.layout(ckpt.config).tensors(), fam.fp8_format, fam.fp8_bf16_weights)
+    planned = fp8_inventory(fam.layout_of(ckpt.config).tensors(), fam.fp8_format, fam.fp8_bf16_weights)
     infos = ckpt.tensor_infos()
     assert {t.name: (t.dtype, t.shape) for t in planned} == {n: (i.dtype, i.shape) for n, i in infos.items()}
     precision = source_precision(ckpt.config)

@@ -31,6 +31,7 @@ def test_inspect_json_report(tiny_ckpt):
         "orphan_layers_beyond_config": [],
         "present": True,
         "complete": True,
+        "declared_by": ["num_hidden_layers", "num_nextn_predict_layers"],
     }
     assert r["layers"]["dense_layers"] == [0, 1, 2] and r["layers"]["moe_layers"] == [3, 4, 5, 6]
     assert r["layers"]["indexer_layers"] == [0, 1, 2, 6]
