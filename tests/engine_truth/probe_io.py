@@ -64,6 +64,12 @@ def allocated(decision: str) -> str:
 
 
 LINEAR, EXPERTS = "linear", "experts"
+# A case may name the MTP block's projection of [embedding, hidden] ("eh_proj" in the DeepSeek-V3 lineage, Qwen3.5's
+# "fc"); the answer reports it as "eh_proj" whatever its name.
+MTP_PROJ = "mtp_proj"
+# A case may name the class of the MTP draft's block sglang's probe records instead of building, by the end of its
+# name ("DecoderLayer" in the lineage; Qwen3.5's draft builds a whole one-layer "ForCausalLM" text model).
+DRAFT_BLOCK_CLASS = "draft_block_class"
 DRAFT_CLASS_ONLY = "draft_class_only"
 
 

@@ -69,11 +69,48 @@ PLATFORM = {
 }
 
 
-class Recorder:
-    """Stand-in for the draft's decoder block: remembers what it was built with."""
+def _unbuilt_stack(num_hidden_layers, layer_fn, *args, pp_rank=None, pp_size=None, **kwargs):
+    """Stand-in for the release's make_layers / make_pp_layers: a layer stack is recorded, not built (as the
+    lineage's `<Arch>Model` stacks are), returned in the shape its caller unpacks: the list, with the stage's range
+    where a pipeline rank is given (make_layers) or always (make_pp_layers, which passes none)."""
+    layers = __import__("torch").nn.ModuleList()
+    return layers if kwargs.pop("_list_only", False) else (layers, 0, num_hidden_layers)
 
-    def __init__(self, config, layer_id, quant_config=None, prefix="", **kwargs):
-        self.prefix, self.quant_config = prefix, quant_config
+
+STACKS = {
+    "make_layers": lambda n, fn, *a, pp_rank=None, pp_size=None, **k: _unbuilt_stack(
+        n, fn, _list_only=pp_rank is None or pp_size is None
+    ),
+    "make_pp_layers": lambda n, fn, *a, **k: _unbuilt_stack(n, fn),
+    "make_layers_non_pp": lambda n, fn, *a, **k: _unbuilt_stack(n, fn, _list_only=True),
+}
+
+
+class Recorder(stubs.StubBase):
+    """Stand-in for the target's layer stacks and the draft's decoder block: remembers what it was built with (the
+    `quant_config` and `prefix` arguments, bound by the signature of the class it replaces: a decoder block takes
+    `config, layer_id, quant_config, prefix`, Qwen3.5's draft model `config, quant_config, prefix`); what the model's
+    code reads back from it is inert (Qwen3.5 reads its vision tower's deepstack indexes)."""
+
+    _stub = True
+    _replaces: type | None = None
+
+    def __bool__(self):
+        return True
+
+    def __init__(self, *args, **kwargs):
+        import inspect
+
+        try:
+            bound = inspect.signature(self._replaces.__init__).bind(self, *args, **kwargs).arguments
+        except (TypeError, ValueError, AttributeError):  # no signature to bind to: keywords only
+            bound = kwargs
+        self.prefix, self.quant_config = bound.get("prefix", ""), bound.get("quant_config")
+
+
+def recorder_for(cls: type) -> type:
+    """A Recorder standing in for `cls`."""
+    return type(f"Recorded{cls.__name__}", (Recorder,), {"_replaces": cls, "_stub": True})
 
 
 def load(version: str) -> dict[str, types.ModuleType]:
@@ -84,7 +121,7 @@ def load(version: str) -> dict[str, types.ModuleType]:
 
     release = Release("sglang", version)
     sources = release.fetch(MODULES + release.package_modules(PKG + "layers.quantization.quark.schemes"))
-    utils = {**PLATFORM, **stubs.functions_from_source(release.fetch([UTILS])[UTILS], ("add_prefix",))}
+    utils = {**PLATFORM, **STACKS, **stubs.functions_from_source(release.fetch([UTILS])[UTILS], ("add_prefix",))}
     declare = {"declare_load_time_override": load_time_override(release)}
     finder = stubs.install(
         "sglang", sources, overrides={PKG + "utils": utils, UTILS: utils, OVERRIDES: declare}
@@ -256,7 +293,8 @@ def build(mods: dict, cls: type, hf, qc, suffix: str):
         # torch Linear of 2 x hidden by hidden, took half of a probe's time filling itself with random numbers).
         stack.enter_context(torch.device("meta"))
         for module, name in recorded(cls, suffix):
-            stack.enter_context(mock.patch.object(sys.modules[module], name, Recorder))
+            original = getattr(sys.modules[module], name)
+            stack.enter_context(mock.patch.object(sys.modules[module], name, recorder_for(original)))
         stack.enter_context(mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)))
         return loader._initialize_model(model_config, stubs.Namespace(), qc)
 
@@ -311,12 +349,26 @@ def probe_case(mods: dict, case: dict) -> dict:
         "packed_modules_mapping": dict(target_qc.packed_modules_mapping),
         "fused_shared_experts": fused_shared_experts(target_model),
         "decisions": {p: decide(mods, target_qc, p, k) for p, k in case["target"]},
+        # The stacks recorded instead of built (the lineage's `<Arch>Model`, Qwen3.5's vision tower): the prefix
+        # and whether they were handed the quant config
+        "recorded": {
+            path: {"prefix": o.prefix, "quantized": o.quant_config is not None}
+            for path, o in stubs.walk(target_model)
+            if isinstance(o, Recorder)
+        },
     }
     draft_hf = probe_io.hf_config(case["config"])
     draft_cls = model_class(mods, draft_architecture(mods, draft_hf))
     draft_qc = quant_config(mods, draft_cls, draft_hf, is_draft=True)
-    draft_model = build(mods, draft_cls, draft_hf, draft_qc, DRAFT_BLOCK)
-    block, eh = draft_model.model.decoder, draft_model.model.eh_proj
+    draft_model = build(mods, draft_cls, draft_hf, draft_qc, case.get(probe_io.DRAFT_BLOCK_CLASS, DRAFT_BLOCK))
+    built = list(stubs.walk(draft_model))
+    blocks = [o for _, o in built if isinstance(o, Recorder)]
+    if len(blocks) != 1:
+        raise LookupError(f"{draft_cls.__name__} built {len(blocks)} recorded blocks, not one")
+    block, proj = blocks[0], case.get(probe_io.MTP_PROJ, "eh_proj")
+    eh_path, eh = next(((p, o) for p, o in built if p.rpartition(".")[2] == proj), (None, None))
+    if eh is None:
+        raise LookupError(f"{draft_cls.__name__} has no {proj}")
     eh_kwargs = getattr(eh, "_stub_kwargs", {})
     draft = {
         "class": draft_cls.__name__,
@@ -326,7 +378,7 @@ def probe_case(mods: dict, case: dict) -> dict:
         "eh_proj": {
             "type": type(eh).__name__,
             "prefix": eh_kwargs.get("prefix"),
-            "decision": decide(mods, eh_kwargs.get("quant_config"), "model.eh_proj", probe_io.LINEAR),
+            "decision": decide(mods, eh_kwargs.get("quant_config"), eh_path, probe_io.LINEAR),
         },
         "fused_shared_experts": fused_shared_experts(draft_model),
         "decisions": {p: decide(mods, block.quant_config, p, k) for p, k in case["draft"]},

@@ -16,6 +16,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import inspect
+import re
 import sys
 import types
 from abc import ABCMeta
@@ -48,6 +49,13 @@ class StubMeta(ABCMeta):
 
     def __getitem__(cls, item):
         return cls
+
+    def register(cls, *args, **kwargs):
+        """ABCMeta's virtual-subclass registration for a class; otherwise a stub registry's decorator factory
+        (vLLM's `@CustomOp.register("name")`), which leaves what it decorates as it is."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], type):
+            return super().register(args[0])
+        return lambda obj: obj
 
     def __iter__(cls):  # without it, iteration would go through __getitem__ and never end
         return iter(())
@@ -204,6 +212,12 @@ class _StubLoader(importlib.abc.Loader):
         pass
 
 
+# An installed library's input preprocessing that an engine's multimodal model modules import (vLLM's qwen3_vl:
+# transformers' Qwen2-VL image processor, which needs torchvision and PIL, absent here, and its Qwen3-VL processor):
+# a stub in a probe process, where no image or video is ever processed and nothing of it decides quantization.
+PREPROCESSING = re.compile(r"^transformers\.models\.\w+\.((image|video)_)?processing_\w+$")
+
+
 class EngineFinder(importlib.abc.MetaPathFinder):
     """Resolves the engine's package from fetched sources and stubs; stubs missing third-party modules."""
 
@@ -222,6 +236,9 @@ class EngineFinder(importlib.abc.MetaPathFinder):
         self.real: set[str] = set()  # fetched modules and the packages above them; live: stubs see later adds
         self.stubbed: set[str] = set()
         self.add(sources)
+        # A stub module with overrides is a submodule, not a stub class, where a stub package's attribute names it
+        # (`from vllm.distributed import utils as dist_utils`)
+        self.real |= {m for m in self.overrides if self._is_engine(m)}
 
     def add(self, sources: dict[str, Path]) -> None:
         """More fetched modules (a model's, learned when the registry names it), importable from now on."""
@@ -245,6 +262,8 @@ class EngineFinder(importlib.abc.MetaPathFinder):
         return name == self.package or name.startswith(self.package + ".")
 
     def find_spec(self, name, path=None, target=None):
+        if PREPROCESSING.match(name) and name not in sys.modules:
+            return self._stub(name)
         if self._is_engine(name):
             src = self.sources.get(name)
             if src is not None:
@@ -413,3 +432,20 @@ def restore_packed_mappings(pristine: dict[type, dict]) -> None:
 
     for cls, mapping in pristine.items():
         cls.packed_modules_mapping = copy.deepcopy(mapping)
+
+
+def walk(obj, path: str = "", seen=None):
+    """(runtime name, object) for every module and stand-in layer reachable from a built model."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    yield path, obj
+    if not isinstance(obj, torch.nn.Module):
+        return
+    children = {**{k: v for k, v in vars(obj).items() if isinstance(v, StubBase)}, **obj._modules}
+    for name, child in children.items():
+        if child is not None:
+            yield from walk(child, f"{path}.{name}" if path else name, seen)

@@ -62,12 +62,17 @@ MODULES = [
 # Where the registry's model classes live. No model module is listed: the one the release's registry names for a
 # case's architecture (target, and the draft's from SpeculativeConfig) is fetched when asked for, with the model
 # modules it imports (Release.import_closure), so a family is learned from its config's architectures.
-MODEL_PACKAGES = (MODELS, "vllm.models.")
+# Layer modules whose classes build a model's quantizable linears themselves (the gated-delta-net linear attention
+# of Qwen3-Next / Qwen3.5: in_proj_qkvz, in_proj_ba, out_proj; its state-dtype base and helpers) are fetched with
+# the model modules that import them; their kernels (mamba ops) stay stubs.
+MAMBA = "vllm.model_executor.layers.mamba."
+MODEL_PACKAGES = (MODELS, "vllm.models.", MAMBA + "gdn.", MAMBA + "abstract", MAMBA + "mamba_utils")
 OPTIONAL = [MODELS + "expert_substitution", "vllm.model_executor.layers.fused_moe.expert_substitution"]
 SOURCE_ONLY = (  # methods of pydantic config classes (their modules cannot be imported with stubs)
     ("vllm.config.vllm", "VllmConfig._get_quantization_config"),
     ("vllm.config.speculative", "SpeculativeConfig.hf_config_override"),
     ("vllm.config.model", "ModelConfig.use_mla"),  # a property: called with the model config
+    ("vllm.transformers_utils.config", "get_hf_text_config"),  # ModelConfig.hf_text_config: a multimodal model's LM
 )
 LINEAR_CLASSES = (
     "LinearBase",
@@ -195,7 +200,13 @@ class InertAttentionBase(torch.nn.Module):
             return stubs.StubBase()
 
 
-def overrides() -> dict[str, dict]:
+DISTRIBUTED_UTILS = "vllm.distributed.utils"
+UTILS_OWN = ("ensure_divisibility", "divide")  # the release's own (a multimodal tower's attention sizes its heads)
+
+
+def overrides(release: Release) -> dict[str, dict]:
+    path = release.fetch([DISTRIBUTED_UTILS]).get(DISTRIBUTED_UTILS)
+    own = stubs.functions_from_source(path, UTILS_OWN) if path is not None else {}
     linear = {}
     base = stubs.stub_class("vllm.model_executor.layers.linear.LinearBase")
     for name in LINEAR_CLASSES[1:]:
@@ -214,9 +225,9 @@ def overrides() -> dict[str, dict]:
     return {
         "vllm.platforms": {"current_platform": RocmPlatform()},
         "vllm.platforms.rocm": {k: _value(v) for k, v in ROCM_ARCH.items()},
-        "vllm.distributed": ONE_GPU,
+        "vllm.distributed": {**ONE_GPU, **own},
         "vllm.distributed.parallel_state": ONE_GPU,
-        "vllm.distributed.utils": {"get_pp_indices": lambda n, rank, size: (0, n)},
+        DISTRIBUTED_UTILS: {"get_pp_indices": lambda n, rank, size: (0, n), **own},
         "vllm.model_executor.offloader": {"get_offloader": _value(stubs.Namespace(wrap_modules=list))},
         "vllm.model_executor.layers.linear": linear,
         FUSED_MOE: {"RoutedExperts": routed, "GateLinear": gate, **experts},
@@ -237,7 +248,7 @@ def load(version: str) -> dict:
         raise LookupError(f"vllm {version} has no {missing}")
     source_only = release.fetch([m for m, _ in SOURCE_ONLY])
     # aiter (ROCm kernels) is present, as on an AMD host: a stub
-    finder = stubs.install("vllm", sources, overrides=overrides())
+    finder = stubs.install("vllm", sources, overrides=overrides(release))
     # the package re-exports the real base of the MoE quant methods (its __init__ is not executed)
     base = importlib.import_module(FUSED_MOE + ".fused_moe_method_base").FusedMoEMethodBase
     setattr(importlib.import_module(FUSED_MOE), "FusedMoEMethodBase", base)
@@ -274,10 +285,11 @@ def model_class(mods: dict, arch: str) -> type:
 def model_config(mods: dict, hf, max_model_len: int = 4096):
     """The server's ModelConfig for `hf` (config.json as loaded): a record of the fields the code reads, with
     `use_mla` computed by the release (`ModelConfig.use_mla`, the arch convertor's `is_deepseek_mla`)."""
+    text = mods["get_hf_text_config"](hf)
     mc = stubs.stub_class("vllm.config.ModelConfig")(
         model="/nonexistent",
         hf_config=hf,
-        hf_text_config=hf,
+        hf_text_config=text,
         quantization="quark",
         quantization_config=None,
         dtype=torch.bfloat16,
@@ -292,7 +304,7 @@ def model_config(mods: dict, hf, max_model_len: int = 4096):
         architectures=list(hf.architectures),
         using_transformers_backend=_value(False),
     )  # the registry resolved a vLLM class, not the Transformers backend
-    convertor = mods["vllm.transformers_utils.model_arch_config_convertor"].ModelArchConfigConvertorBase(hf, hf)
+    convertor = mods["vllm.transformers_utils.model_arch_config_convertor"].ModelArchConfigConvertorBase(hf, text)
     mc.is_deepseek_mla = convertor.is_deepseek_mla()
     mc.use_mla = mods["ModelConfig.use_mla"](mc)
     return mc
@@ -435,26 +447,10 @@ def _decision(mods: dict, method, layer, is_linear: bool) -> str:
     return probe_io.other(name, dtype, getattr(scheme, "weight_qscheme", None))
 
 
-def walk(obj, path: str = "", seen=None):
-    """(runtime name, object) for every module and stand-in layer reachable from a built model."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    yield path, obj
-    if isinstance(obj, torch.nn.Module):
-        children = {**{k: v for k, v in vars(obj).items() if isinstance(v, stubs.StubBase)}, **obj._modules}
-    else:
-        return
-    for name, child in children.items():
-        if child is not None:
-            yield from walk(child, f"{path}.{name}" if path else name, seen)
-
-
 def fused_shared_experts(mods: dict, model) -> int | str:
     """Shared experts the built MoE blocks append to their routed-expert bank (DeepseekV2MoE's per-layer
     decision, the fusion gate); "mixed:k/n" when only k of n MoE blocks fuse."""
-    blocks = [m for _, m in walk(model) if is_moe_block(m)]
+    blocks = [m for _, m in stubs.walk(model) if is_moe_block(m)]
     if not blocks and getattr(model.config, "n_routed_experts", None):
         raise LookupError(
             f"{type(model).__name__} built no MoE block that decides its own shared-expert fusion (sets "
@@ -480,7 +476,7 @@ def loader_fuses(mods: dict, model) -> bool | None:
     model has no such flag, its loader never does)."""
     flags = [
         m.__dict__["is_fused_shared_expert_enabled"]
-        for _, m in walk(model)
+        for _, m in stubs.walk(model)
         if "is_fused_shared_expert_enabled" in getattr(m, "__dict__", {}) and not is_moe_block(m)
     ]
     return bool(flags[0]) if flags else None
@@ -513,9 +509,14 @@ def build(mods: dict, cls: type, vcfg, model_cfg, wanted: dict[str, str]):
     blocks: list[str] = []
     patches = []
     module = sys.modules[cls.__module__]
-    for name, value in vars(module).items():
-        if isinstance(value, type) and name.endswith("DecoderLayer") and issubclass(value, torch.nn.Module):
-            patches.append(mock.patch.object(module, name, _recording_block(value, blocks)))
+    classes = {
+        value
+        for name, value in vars(module).items()
+        if isinstance(value, type) and name.endswith("DecoderLayer") and issubclass(value, torch.nn.Module)
+    }
+    built: set[int] = set()
+    for value in classes:
+        patches.append(mock.patch.object(value, "__init__", _recording_init(value.__init__, blocks, built)))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
@@ -526,13 +527,18 @@ def build(mods: dict, cls: type, vcfg, model_cfg, wanted: dict[str, str]):
     return model, rec, blocks
 
 
-def _recording_block(cls: type, blocks: list[str]) -> type:
-    def __init__(self, *args, **kwargs):
-        prefix = kwargs.get("prefix", args[1] if len(args) > 1 and isinstance(args[1], str) else None)
-        blocks.append(prefix)
-        cls.__init__(self, *args, **kwargs)
+def _recording_init(init, blocks: list[str], built: set[int]):
+    """A decoder-layer class's own constructor that first records the prefix its block is built with, once per
+    block (a subclass's constructor calling its base's records once). The class itself is kept, not replaced by a
+    subclass: a model's code may name its bases (Qwen3.5's `super(Qwen3NextDecoderLayer, self)`)."""
 
-    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+    def __init__(self, *args, **kwargs):
+        if id(self) not in built:
+            built.add(id(self))
+            blocks.append(kwargs.get("prefix", args[1] if len(args) > 1 and isinstance(args[1], str) else None))
+        init(self, *args, **kwargs)
+
+    return __init__
 
 
 def decisions(mods: dict, rec: Build, model, qc, wanted: dict[str, str]) -> tuple[dict, list]:
@@ -541,7 +547,7 @@ def decisions(mods: dict, rec: Build, model, qc, wanted: dict[str, str]) -> tupl
     layer never consults the quant config); a module the model never builds is decided by the model's
     quant config for a layer of its kind, and listed as unbuilt."""
     out, unbuilt = {}, []
-    paths = dict(walk(model))
+    paths = dict(stubs.walk(model))
     for prefix, kind in wanted.items():
         obj = paths.get(prefix)
         if prefix in rec.decisions:
@@ -587,9 +593,10 @@ def probe_case(mods: dict, case: dict) -> dict:
             raise RuntimeError(f"{draft_cls.__name__} built {len(blocks)} decoder blocks: {blocks}")
         block = blocks[0]
         under = [o for p, o in rec.built.items() if p.startswith(block + ".")]
-        eh_path, eh = next(((p, o) for p, o in walk(draft_model) if p.rpartition(".")[2] == "eh_proj"), (None, None))
+        proj = case.get(probe_io.MTP_PROJ, "eh_proj")  # the MTP block's projection of [embedding, hidden]
+        eh_path, eh = next(((p, o) for p, o in stubs.walk(draft_model) if p.rpartition(".")[2] == proj), (None, None))
         if eh is None:
-            raise LookupError(f"{draft_cls.__name__} has no eh_proj")
+            raise LookupError(f"{draft_cls.__name__} has no {proj}")
         stand_in = isinstance(eh, stubs.StubBase)  # else a torch layer, which never consults the quant config
         draft = {
             "class": draft_cls.__name__,
