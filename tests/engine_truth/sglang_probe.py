@@ -119,6 +119,7 @@ def load(version: str) -> dict[str, types.ModuleType]:
     import torch  # noqa: F401  (real torch and transformers first, so stubs never shadow them)
     import transformers  # noqa: F401
 
+    torch.compile = _uncompiled  # a decorator applied at import (glm5_next.py's helpers) would import inductor
     release = Release("sglang", version)
     sources = release.fetch(MODULES + release.package_modules(PKG + "layers.quantization.quark.schemes"))
     utils = {**PLATFORM, **STACKS, **stubs.functions_from_source(release.fetch([UTILS])[UTILS], ("add_prefix",))}
@@ -127,8 +128,79 @@ def load(version: str) -> dict[str, types.ModuleType]:
         "sglang", sources, overrides={PKG + "utils": utils, UTILS: utils, OVERRIDES: declare}
     )  # aiter (ROCm kernels) is present, as on an AMD host: a stub
     mods = {m[len(PKG) :]: importlib.import_module(m) for m in MODULES if m in sources}
-    mods.update(_finder=finder, _release=release, _entries=entry_modules(release))
+    mods.update(_finder=finder, _release=release, _entries=entry_modules(release), _configs=config_registry(release))
     return mods
+
+
+# Where get_config's registry of sglang's own config classes lives (a package from 0.5.20, one module before)
+REGISTRY_MODULES = (PKG + "utils.hf_transformers.common", PKG + "utils.hf_transformers_utils")
+CONFIGS = PKG + "configs"
+
+
+def config_registry(release: Release) -> dict[str, tuple[str, str]]:
+    """sglang's own config classes, model type -> (module, class): get_config re-reads a model type in
+    `_CONFIG_REGISTRY` with its class (GLM-5.3-Flash's Glm5NextConfig, Qwen3.5's Qwen3_5MoeConfig), not
+    transformers'. The registry lists classes imported from the configs package; each class's model_type is read
+    from its module's source. Nothing is executed."""
+    import ast
+
+    source = next((s for m in REGISTRY_MODULES if "_CONFIG_REGISTRY" in (s := release.source(m) or "")), "")
+    listed: set[str] = set()
+    for node in ast.parse(source).body:
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
+        if isinstance(target, ast.Name) and target.id == "_CONFIG_REGISTRY" and node.value is not None:
+            listed |= {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name) and n.id.endswith("Config")}
+    where = {
+        alias.name: node.module
+        for node in ast.parse(release.source(CONFIGS) or "").body
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(CONFIGS + ".")
+        for alias in node.names
+        if alias.name in listed
+    }
+    out: dict[str, tuple[str, str]] = {}
+    for module in sorted(set(where.values())):
+        for node in ast.parse(release.source(module) or "").body:
+            if isinstance(node, ast.ClassDef) and where.get(node.name) == module:
+                model_type = next(
+                    (
+                        b.value.value
+                        for b in node.body
+                        if isinstance(b, ast.Assign)
+                        and any(getattr(t, "id", None) == "model_type" for t in b.targets)
+                        and isinstance(b.value, ast.Constant)
+                    ),
+                    None,
+                )
+                if model_type:
+                    out[model_type] = (module, node.name)
+    return out
+
+
+def hf_config(mods: dict, config: dict):
+    """config.json as the release's get_config loads it: with sglang's own config class where its registry has
+    the model type, else as AutoConfig does (probe_io.hf_config)."""
+    import copy
+
+    entry = mods["_configs"].get(config.get("model_type"))
+    if entry is None:
+        return probe_io.hf_config(config)
+    module, name = entry
+    cls = getattr(mods["_finder"].import_model(mods["_release"], module, (CONFIGS + ".",), mods["_pristine"]), name)
+    own = cls.from_dict(copy.deepcopy(config))
+    if any(isinstance(getattr(own, key, None), dict) for key in getattr(cls, "sub_configs", {})):
+        # a class written for the older transformers the release pins (0.5.9: 4.57.1, 0.5.10: 5.3.0) leaves its
+        # sub-configs as dicts under the probe's: loaded as AutoConfig does instead
+        return probe_io.hf_config(config)
+    return own
+
+
+def _uncompiled(fn=None, **options):
+    """Stands in for torch.compile: the function as written (kernels are out of the probe's scope)."""
+    return fn if fn is not None else (lambda f: f)
 
 
 def entry_modules(release: Release) -> dict[str, str]:
@@ -339,8 +411,8 @@ def probe_case(mods: dict, case: dict) -> dict:
     stubs.SERVER_STATE.clear()
     stubs.restore_packed_mappings(mods["_pristine"])
     if case.get(probe_io.DRAFT_CLASS_ONLY):  # a family the release does not build: which class it would draft with
-        return {"draft": {"class": draft_architecture(mods, probe_io.hf_config(case["config"]))}}
-    hf = probe_io.hf_config(case["config"])
+        return {"draft": {"class": draft_architecture(mods, hf_config(mods, case["config"]))}}
+    hf = hf_config(mods, case["config"])
     target_cls = model_class(mods, hf.architectures[0])
     target_qc = quant_config(mods, target_cls, hf, is_draft=False)
     target_model = build(mods, target_cls, hf, target_qc, TARGET_STACK)
@@ -357,7 +429,7 @@ def probe_case(mods: dict, case: dict) -> dict:
             if isinstance(o, Recorder)
         },
     }
-    draft_hf = probe_io.hf_config(case["config"])
+    draft_hf = hf_config(mods, case["config"])
     draft_cls = model_class(mods, draft_architecture(mods, draft_hf))
     draft_qc = quant_config(mods, draft_cls, draft_hf, is_draft=True)
     draft_model = build(mods, draft_cls, draft_hf, draft_qc, case.get(probe_io.DRAFT_BLOCK_CLASS, DRAFT_BLOCK))

@@ -319,6 +319,24 @@ def install(
     return finder
 
 
+def literal_from_source(source: str | None, name: str) -> dict:
+    """The dict a module assigns to top-level `name`, read from its source without executing it: a dict literal,
+    or a call with constant keyword arguments (`LazyConfigDict(glm5_next="Glm5NextConfig", ...)`); empty where the
+    module or the assignment is absent (a release before it)."""
+    import ast
+
+    for node in ast.parse(source or "").body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
+            value = node.value
+            if isinstance(value, ast.Call):
+                return {k.arg: ast.literal_eval(k.value) for k in value.keywords if k.arg is not None}
+            return ast.literal_eval(value)
+    return {}
+
+
 def functions_from_source(path: Path, names: tuple[str, ...], module: str | None = None) -> dict:
     """The release's own definitions of `names` (plain functions, or static methods named "Class.method")
     from `path`, without executing that module: for small utilities (`add_prefix`) that live in modules

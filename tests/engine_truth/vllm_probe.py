@@ -262,10 +262,37 @@ def load(version: str) -> dict:
         mods[name] = stubs.functions_from_source(source_only[module], (name,), module=module)[name]
     mods["_pristine"] = stubs.packed_mappings("vllm")
     mods["_finder"], mods["_release"] = finder, release
+    mods["_config_classes"] = config_registry(release)
     for module in EMULATION_MODULES:
         if module in mods:
             mods[module].logger = LOG
     return mods
+
+
+CONFIGS = "vllm.transformers_utils.config"
+
+
+def config_registry(release: Release) -> dict[str, tuple[str, str]]:
+    """The release's own config classes, model type -> (module, class): `_CONFIG_REGISTRY` (its get_config builds
+    these model types with them, not with transformers') resolved through its configs package's `_CLASS_TO_MODULE`.
+    Both are literals in the source, read without executing those modules."""
+    registry = stubs.literal_from_source(release.source(CONFIGS), "_CONFIG_REGISTRY")
+    modules = stubs.literal_from_source(release.source(CONFIGS + "s"), "_CLASS_TO_MODULE")
+    return {t: (modules[c], c) for t, c in registry.items() if c in modules}
+
+
+def hf_config(mods: dict, config: dict):
+    """config.json as the release's get_config loads it: with the release's own config class where its registry
+    has the model type (GLM-5.3-Flash's Glm5NextConfig in 0.30-0.31, which derives `is_moe`), else as
+    AutoConfig does (probe_io.hf_config)."""
+    import copy
+
+    entry = mods["_config_classes"].get(config.get("model_type"))
+    if entry is None:
+        return probe_io.hf_config(config)
+    module, name = entry
+    cls = getattr(mods["_finder"].import_model(mods["_release"], module, (CONFIGS + "s.",), mods["_pristine"]), name)
+    return cls.from_dict(copy.deepcopy(config))
 
 
 def model_class(mods: dict, arch: str) -> type:
@@ -310,7 +337,7 @@ def model_config(mods: dict, hf, max_model_len: int = 4096):
     return mc
 
 
-def vllm_config(target_mc, qc, draft_mc=None):
+def vllm_config(mods: dict, target_mc, qc, draft_mc=None):
     """The server's VllmConfig with default settings on one GPU (a record of the fields the code reads)."""
     cfg = stubs.stub_class("vllm.config.VllmConfig")
     parallel = stubs.stub_class("vllm.config.ParallelConfig")(
@@ -338,18 +365,41 @@ def vllm_config(target_mc, qc, draft_mc=None):
             kv_cache_dtype=None,
         )
     )
-    return cfg(
+    return server_config(
+        mods,
+        cfg,
         model_config=target_mc,
         quant_config=qc,
         parallel_config=parallel,
         speculative_config=spec,
         scheduler_config=stubs.Namespace(max_num_batched_tokens=8, max_num_seqs=1),
-        cache_config=stubs.stub_class("vllm.config.CacheConfig")(cache_dtype="auto", block_size=64),
+        cache_config=stubs.stub_class("vllm.config.CacheConfig")(
+            cache_dtype="auto", block_size=64, mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto"
+        ),  # the server defaults (linear-attention state dtypes: the model's)
         load_config=stubs.Namespace(load_format="auto", device=None, model_loader_extra_config={}),
         device_config=stubs.Namespace(device=torch.device("meta")),
         lora_config=None,
         kv_transfer_config=None,
     )
+
+
+def server_config(mods: dict, cls: type, **fields):
+    """A VllmConfig record whose `with_hf_config` (how a multimodal model builds its language model under the
+    text config: GLM-5.3-Flash's init_vllm_registered_model) gives the same server settings with the model config
+    rebuilt for that config, as the release's method does."""
+    import copy
+    import types
+
+    config = cls(**fields)
+
+    def with_hf_config(self, hf_config, architectures=None):
+        if architectures is not None:
+            hf_config = copy.deepcopy(hf_config)
+            hf_config.architectures = architectures
+        return server_config(mods, cls, **{**fields, "model_config": model_config(mods, hf_config)})
+
+    config.with_hf_config = types.MethodType(with_hf_config, config)
+    return config
 
 
 def quant_config(mods: dict, mc):
@@ -360,7 +410,7 @@ def quant_config(mods: dict, mc):
 
 def draft_hf_config(mods: dict, config: dict):
     """The MTP draft's hf_config: the target's config.json through `SpeculativeConfig.hf_config_override`."""
-    return mods["SpeculativeConfig.hf_config_override"](probe_io.hf_config(config))
+    return mods["SpeculativeConfig.hf_config_override"](hf_config(mods, config))
 
 
 class Build:
@@ -451,6 +501,14 @@ def fused_shared_experts(mods: dict, model) -> int | str:
     """Shared experts the built MoE blocks append to their routed-expert bank (DeepseekV2MoE's per-layer
     decision, the fusion gate); "mixed:k/n" when only k of n MoE blocks fuse."""
     blocks = [m for _, m in stubs.walk(model) if is_moe_block(m)]
+    # Routed-expert banks built with no shared expert by blocks that never decide fusion (vLLM 0.30's Glm5NextMoE)
+    banks = [
+        kw
+        for _, m in stubs.walk(model)
+        if "num_experts" in (kw := getattr(m, "__dict__", {}).get("_stub_kwargs") or {})
+    ]
+    if not blocks and banks and not any(b.get("n_shared_experts") or b.get("fuse_shared_experts") for b in banks):
+        return 0
     if not blocks and getattr(model.config, "n_routed_experts", None):
         raise LookupError(
             f"{type(model).__name__} built no MoE block that decides its own shared-expert fusion (sets "
@@ -522,7 +580,10 @@ def build(mods: dict, cls: type, vcfg, model_cfg, wanted: dict[str, str]):
             stack.enter_context(p)
         stack.enter_context(torch.device("meta"))
         stack.enter_context(stubs.recording(rec))
-        stack.enter_context(mock.patch.object(loader, "get_model_architecture", lambda mc: (cls, cls.__name__)))
+        # the registry's class for a model config's architecture (a multimodal model initializes its language model
+        # from the text config: GLM-5.3-Flash's Glm5NextForCausalLM)
+        resolve = lambda mc: (cls, cls.__name__) if mc is model_cfg else (model_class(mods, mc.architectures[0]),) * 2  # noqa: E731
+        stack.enter_context(mock.patch.object(loader, "get_model_architecture", resolve))
         model = loader.initialize_model(vcfg, model_class=cls, model_config=model_cfg)
     return model, rec, blocks
 
@@ -567,12 +628,12 @@ def probe_case(mods: dict, case: dict) -> dict:
     target's quant config object; class state and environment start fresh for every case."""
     stubs.restore_packed_mappings(mods["_pristine"])
     with server_env(case.get("env", {}), mods):
-        hf = probe_io.hf_config(case["config"])
+        hf = hf_config(mods, case["config"])
         target_mc = model_config(mods, hf)
         target_cls = model_class(mods, hf.architectures[0])
         qc = quant_config(mods, target_mc)
         wanted = {p: k for p, k in case["target"]}
-        target_model, rec, _ = build(mods, target_cls, vllm_config(target_mc, qc), target_mc, wanted)
+        target_model, rec, _ = build(mods, target_cls, vllm_config(mods, target_mc, qc), target_mc, wanted)
         target_dec, target_unbuilt = decisions(mods, rec, target_model, qc, wanted)
         target = {
             "class": target_cls.__name__,
@@ -587,7 +648,7 @@ def probe_case(mods: dict, case: dict) -> dict:
         draft_mc = model_config(mods, draft_hf)
         draft_cls = model_class(mods, draft_hf.architectures[0])
         wanted = {p: k for p, k in case["draft"]}
-        draft_model, rec, blocks = build(mods, draft_cls, vllm_config(target_mc, qc, draft_mc), draft_mc, wanted)
+        draft_model, rec, blocks = build(mods, draft_cls, vllm_config(mods, target_mc, qc, draft_mc), draft_mc, wanted)
         draft_dec, draft_unbuilt = decisions(mods, rec, draft_model, qc, wanted)
         if len(blocks) != 1:
             raise RuntimeError(f"{draft_cls.__name__} built {len(blocks)} decoder blocks: {blocks}")
