@@ -73,12 +73,25 @@ DRAFT_BLOCK_CLASS = "draft_block_class"
 DRAFT_CLASS_ONLY = "draft_class_only"
 
 
-def hf_config(config: dict):
-    """config.json as AutoConfig.from_pretrained loads it: the model type's own config class."""
+def hf_config(config: dict, mods: dict | None = None):
+    """config.json as the server's get_config loads it: with the release's own config class where its registry
+    (`mods["_config_classes"]`: model type -> (module, class), imported with what it imports from the package
+    `mods["_config_package"]`) lists the model type (GLM-5.3-Flash's Glm5NextConfig: vLLM 0.30-0.31 derives
+    `is_moe` in it, sglang copies top-level fields). Else, and where the release's class was written for an older
+    transformers than the probe's and leaves its sub-configs as dicts (sglang 0.5.9 pins 4.57.1, 0.5.10 5.3.0),
+    as AutoConfig.from_pretrained does: the model type's transformers class."""
     import copy
 
     import transformers
 
+    entry = (mods or {}).get("_config_classes", {}).get(config.get("model_type"))
+    if entry is not None:
+        module, name = entry
+        within = (mods["_config_package"],)
+        cls = getattr(mods["_finder"].import_model(mods["_release"], module, within, mods["_pristine"]), name)
+        own = cls.from_dict(copy.deepcopy(config))
+        if not any(isinstance(getattr(own, key, None), dict) for key in getattr(cls, "sub_configs", {})):
+            return own
     mapping, model_type = transformers.CONFIG_MAPPING, config.get("model_type")
     cls = mapping[model_type] if model_type in mapping else transformers.PretrainedConfig  # a lazy mapping: no .get
     return cls.from_dict(copy.deepcopy(config))
@@ -107,6 +120,22 @@ def serve(load, probe_case) -> None:
             answers[case["name"]] = {"error": traceback.format_exc(limit=-6)}
     with open(answer_path, "w") as f:
         json.dump({"version": version, "cases": answers}, f, indent=1, sort_keys=True)
+
+
+def run_releases(releases: list[tuple[str, str]], cases_of) -> dict[tuple[str, str], dict]:
+    """Each (engine, release)'s answers to `cases_of(engine)`, one probe process per release, two at a time (a probe
+    is a process of its own: the two use both cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2, thread_name_prefix="probe") as pool:
+        futures = {(e, r): pool.submit(run_probe, e, r, cases_of(e)) for e, r in releases}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def decisions(part: dict) -> dict[str, str]:
+    """A target's or draft's decisions by runtime prefix, without the mark of an emulation the probe left to a
+    stand-in (EMULATION_UNKNOWN): what an engine-truth pin compares."""
+    return {prefix: d.removesuffix(EMULATION_UNKNOWN) for prefix, d in part["decisions"].items()}
 
 
 def run_probe(engine: str, version: str, cases: list[dict], timeout: float = 600) -> dict:

@@ -128,7 +128,9 @@ def load(version: str) -> dict[str, types.ModuleType]:
         "sglang", sources, overrides={PKG + "utils": utils, UTILS: utils, OVERRIDES: declare}
     )  # aiter (ROCm kernels) is present, as on an AMD host: a stub
     mods = {m[len(PKG) :]: importlib.import_module(m) for m in MODULES if m in sources}
-    mods.update(_finder=finder, _release=release, _entries=entry_modules(release), _configs=config_registry(release))
+    mods.update(_finder=finder, _release=release, _entries=entry_modules(release))
+    mods.update(_config_classes=config_registry(release), _config_package=CONFIGS + ".")
+    mods.update(_pristine=stubs.packed_mappings("sglang"))
     return mods
 
 
@@ -145,15 +147,10 @@ def config_registry(release: Release) -> dict[str, tuple[str, str]]:
     import ast
 
     source = next((s for m in REGISTRY_MODULES if "_CONFIG_REGISTRY" in (s := release.source(m) or "")), "")
-    listed: set[str] = set()
-    for node in ast.parse(source).body:
-        target = (
-            node.target
-            if isinstance(node, ast.AnnAssign)
-            else (node.targets[0] if isinstance(node, ast.Assign) else None)
-        )
-        if isinstance(target, ast.Name) and target.id == "_CONFIG_REGISTRY" and node.value is not None:
-            listed |= {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name) and n.id.endswith("Config")}
+    registry = stubs.assigned(ast.parse(source).body, "_CONFIG_REGISTRY")
+    listed = (
+        {n.id for n in ast.walk(registry) if isinstance(n, ast.Name) and n.id.endswith("Config")} if registry else set()
+    )
     where = {
         alias.name: node.module
         for node in ast.parse(release.source(CONFIGS) or "").body
@@ -165,37 +162,10 @@ def config_registry(release: Release) -> dict[str, tuple[str, str]]:
     for module in sorted(set(where.values())):
         for node in ast.parse(release.source(module) or "").body:
             if isinstance(node, ast.ClassDef) and where.get(node.name) == module:
-                model_type = next(
-                    (
-                        b.value.value
-                        for b in node.body
-                        if isinstance(b, ast.Assign)
-                        and any(getattr(t, "id", None) == "model_type" for t in b.targets)
-                        and isinstance(b.value, ast.Constant)
-                    ),
-                    None,
-                )
-                if model_type:
-                    out[model_type] = (module, node.name)
+                model_type = stubs.assigned(node.body, "model_type")
+                if isinstance(model_type, ast.Constant) and model_type.value:
+                    out[model_type.value] = (module, node.name)
     return out
-
-
-def hf_config(mods: dict, config: dict):
-    """config.json as the release's get_config loads it: with sglang's own config class where its registry has
-    the model type, else as AutoConfig does (probe_io.hf_config)."""
-    import copy
-
-    entry = mods["_configs"].get(config.get("model_type"))
-    if entry is None:
-        return probe_io.hf_config(config)
-    module, name = entry
-    cls = getattr(mods["_finder"].import_model(mods["_release"], module, (CONFIGS + ".",), mods["_pristine"]), name)
-    own = cls.from_dict(copy.deepcopy(config))
-    if any(isinstance(getattr(own, key, None), dict) for key in getattr(cls, "sub_configs", {})):
-        # a class written for the older transformers the release pins (0.5.9: 4.57.1, 0.5.10: 5.3.0) leaves its
-        # sub-configs as dicts under the probe's: loaded as AutoConfig does instead
-        return probe_io.hf_config(config)
-    return own
 
 
 def _uncompiled(fn=None, **options):
@@ -411,8 +381,8 @@ def probe_case(mods: dict, case: dict) -> dict:
     stubs.SERVER_STATE.clear()
     stubs.restore_packed_mappings(mods["_pristine"])
     if case.get(probe_io.DRAFT_CLASS_ONLY):  # a family the release does not build: which class it would draft with
-        return {"draft": {"class": draft_architecture(mods, hf_config(mods, case["config"]))}}
-    hf = hf_config(mods, case["config"])
+        return {"draft": {"class": draft_architecture(mods, probe_io.hf_config(case["config"], mods))}}
+    hf = probe_io.hf_config(case["config"], mods)
     target_cls = model_class(mods, hf.architectures[0])
     target_qc = quant_config(mods, target_cls, hf, is_draft=False)
     target_model = build(mods, target_cls, hf, target_qc, TARGET_STACK)
@@ -429,7 +399,7 @@ def probe_case(mods: dict, case: dict) -> dict:
             if isinstance(o, Recorder)
         },
     }
-    draft_hf = hf_config(mods, case["config"])
+    draft_hf = probe_io.hf_config(case["config"], mods)
     draft_cls = model_class(mods, draft_architecture(mods, draft_hf))
     draft_qc = quant_config(mods, draft_cls, draft_hf, is_draft=True)
     draft_model = build(mods, draft_cls, draft_hf, draft_qc, case.get(probe_io.DRAFT_BLOCK_CLASS, DRAFT_BLOCK))
@@ -458,11 +428,5 @@ def probe_case(mods: dict, case: dict) -> dict:
     return {"target": target, "draft": draft}
 
 
-def load_release(version: str) -> dict:
-    mods = load(version)
-    mods["_pristine"] = stubs.packed_mappings("sglang")
-    return mods
-
-
 if __name__ == "__main__":
-    probe_io.serve(load_release, probe_case)
+    probe_io.serve(load, probe_case)

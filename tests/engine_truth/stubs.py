@@ -319,22 +319,32 @@ def install(
     return finder
 
 
+def assigned(body: list, name: str):
+    """The expression a list of statements (a module's or a class's body, as ast parsed it) assigns to `name`
+    (`name = ...` or `name: T = ...`); None where none does."""
+    import ast
+
+    for node in body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
+            return node.value
+    return None
+
+
 def literal_from_source(source: str | None, name: str) -> dict:
     """The dict a module assigns to top-level `name`, read from its source without executing it: a dict literal,
     or a call with constant keyword arguments (`LazyConfigDict(glm5_next="Glm5NextConfig", ...)`); empty where the
     module or the assignment is absent (a release before it)."""
     import ast
 
-    for node in ast.parse(source or "").body:
-        targets = (
-            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-        )
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and node.value is not None:
-            value = node.value
-            if isinstance(value, ast.Call):
-                return {k.arg: ast.literal_eval(k.value) for k in value.keywords if k.arg is not None}
-            return ast.literal_eval(value)
-    return {}
+    value = assigned(ast.parse(source or "").body, name)
+    if value is None:
+        return {}
+    if isinstance(value, ast.Call):
+        return {k.arg: ast.literal_eval(k.value) for k in value.keywords if k.arg is not None}
+    return ast.literal_eval(value)
 
 
 def functions_from_source(path: Path, names: tuple[str, ...], module: str | None = None) -> dict:

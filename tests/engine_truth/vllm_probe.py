@@ -262,7 +262,7 @@ def load(version: str) -> dict:
         mods[name] = stubs.functions_from_source(source_only[module], (name,), module=module)[name]
     mods["_pristine"] = stubs.packed_mappings("vllm")
     mods["_finder"], mods["_release"] = finder, release
-    mods["_config_classes"] = config_registry(release)
+    mods["_config_classes"], mods["_config_package"] = config_registry(release), CONFIGS + "s."
     for module in EMULATION_MODULES:
         if module in mods:
             mods[module].logger = LOG
@@ -279,20 +279,6 @@ def config_registry(release: Release) -> dict[str, tuple[str, str]]:
     registry = stubs.literal_from_source(release.source(CONFIGS), "_CONFIG_REGISTRY")
     modules = stubs.literal_from_source(release.source(CONFIGS + "s"), "_CLASS_TO_MODULE")
     return {t: (modules[c], c) for t, c in registry.items() if c in modules}
-
-
-def hf_config(mods: dict, config: dict):
-    """config.json as the release's get_config loads it: with the release's own config class where its registry
-    has the model type (GLM-5.3-Flash's Glm5NextConfig in 0.30-0.31, which derives `is_moe`), else as
-    AutoConfig does (probe_io.hf_config)."""
-    import copy
-
-    entry = mods["_config_classes"].get(config.get("model_type"))
-    if entry is None:
-        return probe_io.hf_config(config)
-    module, name = entry
-    cls = getattr(mods["_finder"].import_model(mods["_release"], module, (CONFIGS + "s.",), mods["_pristine"]), name)
-    return cls.from_dict(copy.deepcopy(config))
 
 
 def model_class(mods: dict, arch: str) -> type:
@@ -410,7 +396,7 @@ def quant_config(mods: dict, mc):
 
 def draft_hf_config(mods: dict, config: dict):
     """The MTP draft's hf_config: the target's config.json through `SpeculativeConfig.hf_config_override`."""
-    return mods["SpeculativeConfig.hf_config_override"](hf_config(mods, config))
+    return mods["SpeculativeConfig.hf_config_override"](probe_io.hf_config(config, mods))
 
 
 class Build:
@@ -628,7 +614,7 @@ def probe_case(mods: dict, case: dict) -> dict:
     target's quant config object; class state and environment start fresh for every case."""
     stubs.restore_packed_mappings(mods["_pristine"])
     with server_env(case.get("env", {}), mods):
-        hf = hf_config(mods, case["config"])
+        hf = probe_io.hf_config(case["config"], mods)
         target_mc = model_config(mods, hf)
         target_cls = model_class(mods, hf.architectures[0])
         qc = quant_config(mods, target_mc)

@@ -24,7 +24,6 @@ one routed expert and eh_proj of the MTP layer under their checkpoint names `mod
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 
 import pytest
@@ -142,13 +141,7 @@ RELEASES = [
 @pytest.fixture(scope="module")
 def measured() -> dict:
     """Every release's answers, one probe process per release."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = {(e, r): pool.submit(probe_io.run_probe, e, r, _cases(e)) for e, r in RELEASES}
-        return {key: f.result() for key, f in futures.items()}
-
-
-def _drop(decision: str) -> str:
-    return decision.removesuffix(probe_io.EMULATION_UNKNOWN)
+    return probe_io.run_releases(RELEASES, _cases)
 
 
 def _reaches_draft(engine: str, release: str, name: str) -> bool:
@@ -168,8 +161,8 @@ def test_each_release_builds_glm5_next_target_and_draft_as_pinned(measured, engi
     d, b = DECODER[engine], DRAFT_BLOCK[engine]
     for name in EXCLUDES:
         target, draft = answers[name]["target"], answers[name]["draft"]
-        t = {k: _drop(x) for k, x in target["decisions"].items()}
-        dd = {k: _drop(x) for k, x in draft["decisions"].items()}
+        t = probe_io.decisions(target)
+        dd = probe_io.decisions(draft)
         assert target["class"] == "Glm5NextForConditionalGeneration" and target["fused_shared_experts"] == 0
         assert draft["block_prefix"] == b and draft["fused_shared_experts"] == 0, (name, draft)
         assert t[f"{d}1.mlp.experts"] == probe_io.MXFP4, (name, t)

@@ -22,7 +22,6 @@ and `experts` (plus one routed expert of the MTP layer kept bf16). What they sho
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 
 import pytest
@@ -112,9 +111,7 @@ RELEASES = [(p.engine, release) for p in all_profiles("glm_moe_dsa") for release
 @pytest.fixture(scope="module")
 def measured() -> dict:
     """Every release's answers, one probe process per release."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = {(e, r): pool.submit(probe_io.run_probe, e, r, _cases(e)) for e, r in RELEASES}
-        return {key: f.result() for key, f in futures.items()}
+    return probe_io.run_releases(RELEASES, _cases)
 
 
 def _version(release: str) -> tuple[int, ...]:
@@ -131,10 +128,6 @@ def _whole_draft_dropped(release: str, exclude: list[str]) -> bool:
     return any("mlp.experts" in e for e in mtp)
 
 
-def _drop(decision: str) -> str:
-    return decision.removesuffix(probe_io.EMULATION_UNKNOWN)
-
-
 @pytest.mark.parametrize(("engine", "release"), RELEASES, ids=[f"{e}-{r}" for e, r in RELEASES])
 def test_each_release_builds_qwen3_5_moe_target_and_draft_as_pinned(measured, engine, release):
     answers = measured[engine, release]
@@ -143,8 +136,8 @@ def test_each_release_builds_qwen3_5_moe_target_and_draft_as_pinned(measured, en
     d, v = DECODER[engine], VISUAL[engine]
     for name, exclude in EXCLUDES.items():
         target, draft = answers[name]["target"], answers[name]["draft"]
-        t = {k: _drop(x) for k, x in target["decisions"].items()}
-        dd = {k: _drop(x) for k, x in draft["decisions"].items()}
+        t = probe_io.decisions(target)
+        dd = probe_io.decisions(draft)
         assert target["class"] == "Qwen3_5MoeForConditionalGeneration" and target["fused_shared_experts"] == 0
         # The linear attention, full attention and experts of the decoder: MXFP4; the excluded o_proj, found under
         # the engine's runtime name: bf16
