@@ -1,10 +1,11 @@
 """The few source files of an engine release, fetched from its wheel on PyPI by HTTP range requests.
 
-A wheel is a zip: one request reads its central directory, then one per member read. Files land in
-`<cache>/engine-wheels/<dist>-<version>/` (the user cache dir: $MXFORGE_CACHE or ~/.cache/mxforge),
-beside `wheel.json` (which wheel, its sha256 on PyPI, and every member name), so a release is fetched
-once and later runs need no network. `wheel_metadata` reads a release's METADATA (its Requires-Dist) the same
-way; `released_versions` keeps a package's list of releases there too.
+A wheel is a zip: its central directory is read once (a few range requests) and kept in `wheel.json` as an
+index (where each member lies), then each member is one range request, FETCH_THREADS at a time, checked against
+its CRC-32. Files land in `<cache>/engine-wheels/<dist>-<version>/` (the user cache dir: $MXFORGE_CACHE or
+~/.cache/mxforge), beside `wheel.json` (which wheel, its sha256 on PyPI, every member name and the index), so a
+release is fetched once and later runs need no network. `wheel_metadata` reads a release's METADATA (its
+Requires-Dist) the same way; `released_versions` keeps a package's list of releases there too.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 import time
 import urllib.error
 import urllib.request
 import zipfile
+import zlib
 from pathlib import Path
 
 from source_imports import imported_modules
@@ -26,6 +29,9 @@ SIMPLE = "https://pypi.org/simple"  # PEP 691 JSON; what pip reads, so reachable
 TIMEOUT_S = 60
 ATTEMPTS = 4
 MAX_MEMBER_BYTES = 16 << 20
+FETCH_THREADS = 8  # members fetched at once: a cold release is hundreds of small range requests
+LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
+EXTRA_GUESS = 64  # extra-field bytes asked for with a member (more are fetched when a header has more)
 
 
 class FetchError(RuntimeError):
@@ -167,12 +173,11 @@ class Release:
         self.dist, self.version = dist, version
         self.root = cache_root() / f"{dist}-{version}"
         meta = self.root / "wheel.json"
-        if meta.exists():
-            self.meta = json.loads(meta.read_text())
-        else:
+        self.meta = json.loads(meta.read_text()) if meta.exists() else {}
+        if "index" not in self.meta:  # first use (or a cache written before the index was kept)
             wheel = _choose_wheel(dist, version)
             with self._zip(wheel["url"], wheel["size"]) as z:
-                names = z.namelist()
+                infos = [i for i in z.infolist() if i.filename.endswith(".py")]
             self.meta = {
                 "dist": dist,
                 "version": version,
@@ -180,11 +185,16 @@ class Release:
                 "url": wheel["url"],
                 "size": wheel["size"],
                 "sha256": wheel["hashes"]["sha256"],
-                "members": [n for n in names if n.endswith(".py")],
+                "members": [i.filename for i in infos],
+                # where each member lies: [local header offset, compressed size, size, method, CRC-32], so a member
+                # is one range request, without reading the central directory again
+                "index": {
+                    i.filename: [i.header_offset, i.compress_size, i.file_size, i.compress_type, i.CRC] for i in infos
+                },
             }
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = meta.with_name(f"{meta.name}.{os.getpid()}.partial")  # probes of one release may fetch at once
-            tmp.write_text(json.dumps(self.meta, indent=1))
+            tmp.write_text(json.dumps(self.meta))
             tmp.replace(meta)
         self.members = set(self.meta["members"])
 
@@ -224,35 +234,56 @@ class Release:
         platform's branch is chosen when the code runs)."""
         known = {m[:-3].removesuffix("/__init__").replace("/", ".") for m in self.members}
         seen: set[str] = set()
-        todo = list(roots)
-        while todo:
-            module = todo.pop()
-            if module in seen or module not in known:
-                continue
-            seen.add(module)
-            parent = module.rpartition(".")[0]
-            todo += [parent] if parent.startswith(within) else []
-            path = self.fetch([module])[module]
-            todo += [m for m in imported_modules(module, path, known) if m.startswith(within)]
+        todo = set(roots)
+        while todo:  # one import level at a time, each level's files fetched together
+            level = sorted(m for m in todo - seen if m in known)
+            seen.update(level)
+            paths = self.fetch(level)
+            todo = set()
+            for module in level:
+                parent = module.rpartition(".")[0]
+                todo |= {parent} if parent.startswith(within) else set()
+                todo |= {m for m in imported_modules(module, paths[module], known) if m.startswith(within)}
         return sorted(seen)
 
     def fetch(self, modules: list[str]) -> dict[str, Path]:
-        """Local paths of the modules this release has (fetched once); absent modules are left out."""
+        """Local paths of the modules this release has (fetched once, FETCH_THREADS members at a time); absent
+        modules are left out."""
+        from concurrent.futures import ThreadPoolExecutor
+
         wanted = {m: self.member_of(m) for m in modules}
-        missing = [mem for mem in wanted.values() if mem and not (self.root / mem).exists()]
+        missing = sorted({mem for mem in wanted.values() if mem and not (self.root / mem).exists()})
         if missing:
-            with self._zip(self.meta["url"], self.meta["size"]) as z:
-                for mem in missing:
-                    info = z.getinfo(mem)
-                    if info.file_size > MAX_MEMBER_BYTES:
-                        raise FetchError(f"{self.meta['wheel']}: {mem} is {info.file_size} bytes; refusing")
-                    data = z.read(mem)  # zipfile checks the member's CRC-32
-                    out = self.root / mem
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")
-                    tmp.write_bytes(data)
-                    tmp.replace(out)
+            with ThreadPoolExecutor(min(FETCH_THREADS, len(missing))) as pool:
+                list(pool.map(self._fetch_member, missing))
         return {m: self.root / mem for m, mem in wanted.items() if mem}
+
+    def _fetch_member(self, mem: str) -> None:
+        """One member from the wheel, by the range its index entry gives, checked (size, CRC-32) and written
+        atomically."""
+        offset, packed, size, method, crc = self.meta["index"][mem]
+        if size > MAX_MEMBER_BYTES or packed > MAX_MEMBER_BYTES:
+            raise FetchError(f"{self.meta['wheel']}: {mem} is {size} bytes; refusing")
+        end = min(offset + LOCAL_HEADER + len(mem.encode()) + EXTRA_GUESS + packed, self.meta["size"])
+        raw = _get(self.meta["url"], {"Range": f"bytes={offset}-{end - 1}"})
+        if len(raw) < LOCAL_HEADER or raw[:4] != b"PK\x03\x04":
+            raise FetchError(f"{self.meta['wheel']}: no local header for {mem} at {offset}")
+        name_len, extra_len = struct.unpack("<HH", raw[26:30])
+        start = LOCAL_HEADER + name_len + extra_len
+        if start + packed > len(raw):  # a longer extra field than guessed: the rest of the member
+            more = _get(self.meta["url"], {"Range": f"bytes={offset + len(raw)}-{offset + start + packed - 1}"})
+            raw += more
+        body = raw[start : start + packed]
+        if method == zipfile.ZIP_DEFLATED:
+            inflate = zlib.decompressobj(-zlib.MAX_WBITS)
+            data = inflate.decompress(body, size + 1) + inflate.flush()
+        elif method == zipfile.ZIP_STORED:
+            data = body
+        else:
+            raise FetchError(f"{self.meta['wheel']}: {mem} is compressed with method {method}; not read")
+        if len(data) != size or zlib.crc32(data) != crc:
+            raise FetchError(f"{self.meta['wheel']}: {mem} fails its size or CRC-32 check (a broken transfer)")
+        _write_atomic(self.root / mem, data)
 
     def source(self, module: str) -> str | None:
         paths = self.fetch([module])
