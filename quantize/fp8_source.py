@@ -10,7 +10,8 @@ a new layout is an entry and, for a new quant_method, a reader: tests/test_exten
   config_groups whose weights are {num_bits 8, type float, symmetric, strategy channel | tensor}}), the layout of
   zai-org/GLM-4.5-FP8 (and 4.6 / 4.7-FP8, channel): each quantized `X.weight` is F8_E4M3 with `X.weight_scale` (F32 or
   BF16) of shape [out, 1] (channel) or one value (tensor), and a static `X.input_scale` (activations; consumed, not
-  written: the output's weights are bf16 / MXFP4, its activations dynamic).
+  written: the output's activations are dynamic). A weight a recipe keeps as stored becomes FP8 PTPC: the same codes,
+  one float32 scale per output row (the channel's own, or the tensor's repeated), activations dynamic per token.
 
 Dequantization is the reference's: DeepSeek-V3's `inference/kernel.py` `weight_dequant` for block FP8 (transformers'
 fine-grained FP8 dequantization, sglang's and vLLM's block dequant agree), compressed-tensors' `_dequantize` (what its
@@ -53,6 +54,9 @@ class Fp8Scheme:
     # "BF16", that product rounded to the bf16 it stands for (compressed-tensors' decompression; Quark reads no
     # compressed-tensors source). A kept weight is always that bf16.
     quantized_from: str = "BF16"
+    # the registry format (mxforge/formats/) a weight a recipe keeps as the source stores it is written in: its codes
+    # byte for byte, its scales as that format stores them (quantize/plan.py checks they fit exactly)
+    kept_as: str = "fp8_ptpc"
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
@@ -81,6 +85,7 @@ FP8_SCHEMES = {
             "weight_block_size [{rows}, {cols}]",
             _BLOCK_FP8,
             quantized_from="F32",
+            kept_as="fp8_block",  # as Quark's file-to-file keeps it
         ),
         Fp8Scheme(
             "channel",

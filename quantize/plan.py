@@ -7,9 +7,11 @@ Headers carry no `__metadata__`, as Quark's file-to-file writes them.
 
 FP8 sources (fp8_source.py): an F8_E4M3 weight is read as the bf16 its scales make of it, so it is quantized from
 that bf16, or kept as that bf16; its scales (`weight_scale_inv`, or compressed-tensors' `weight_scale` and the
-module's static `input_scale`) are consumed (fate "scale"), not written. A block-FP8 weight a recipe keeps as the
-source stores it (fate "kept_source") is written byte for byte with its scales renamed as Quark keeps them
-(`X.weight_scale_inv` -> `X.weight_scale`, mxforge/formats/fp8_block.py).
+module's static `input_scale`) are consumed (fate "scale"), not written. An FP8 weight a recipe keeps as the source
+stores it (fate "kept_source") keeps its codes byte for byte, its scales written as its layout's `kept_as` format
+stores them: block FP8 as Quark keeps it (`X.weight_scale_inv` -> `X.weight_scale`, the same bytes,
+mxforge/formats/fp8_block.py), compressed-tensors' per-channel or per-tensor scales as FP8 PTPC (one float32 scale
+per output row, the same values; its input_scale is not written: PTPC's activations are dynamic).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
 from mxforge.errors import CheckpointError, ConfigError
-from mxforge.formats import FP8_BLOCK, ElementFormat
+from mxforge.formats import ElementFormat, format_named
 from mxforge.models import MoeLayout, layout_of
 from mxforge.quantize.fp8_source import BF16, FP8_DTYPE, SCALE_DTYPES, SourcePrecision, source_precision
 from mxforge.quantize.recipe import Recipe, is_linear_weight_name
@@ -42,6 +46,16 @@ class Fp8Scale:
     block: tuple[int, int]
     grid: tuple[int, int]
     quantized_from: str = "BF16"  # what the weight is quantized from: the dequantized F32 or BF16 (Fp8Scheme's)
+    kept_as: str = "fp8_block"  # the registry format a weight kept as stored is written in (Fp8Scheme's)
+
+    def kept_scales(self, grid: np.ndarray, fmt: ElementFormat, shape: tuple[int, ...]) -> np.ndarray:
+        """The source's scales `grid` (float32, one per source block) as `fmt` stores them for a weight of `shape`:
+        each of the format's scales is the scale of the source block it lies in (exact where the blocks nest, as
+        _kept_source_format checks: a per-tensor scale repeated per row, per-channel or block scales as they are)."""
+        (fr, fc), (sr, sc) = fmt.scale_cell(shape), self.block
+        rows = np.arange(-(-shape[0] // fr)) * fr // sr
+        cols = np.arange(-(-shape[1] // fc)) * fc // sc
+        return np.ascontiguousarray(grid[rows][:, cols]).reshape(fmt.packed_shapes(shape)[1])
 
 
 @dataclass(frozen=True)
@@ -135,14 +149,19 @@ class QuantizePlan:
         return sorted(n.removesuffix(".weight") for n in self.names("kept"))
 
     def source_modules(self) -> list[str]:
-        """Weights kept as the source stores them (fate "kept_source") as module names."""
-        return sorted(n.removesuffix(".weight") for n in self.names("kept_source"))
+        """Weights kept as the source stores them in a format mxforge only keeps (block FP8, fate "kept_source"),
+        as module names: their layer configs are the ones Quark's keep writes."""
+        return sorted(
+            t.source.name.removesuffix(".weight")
+            for t in self.tensors()
+            if t.fate == "kept_source" and t.format is not None and t.format.kept_only
+        )
 
     def quantization_config(self, recipe: Recipe, source_quantization_config: dict | None) -> dict:
         """The output's quantization_config (what quantize writes and the plan check judges): the recipe's scheme,
         the kept modules excluded, and layer configs for the modules stored in another format than the global one
-        and for each module kept as the source stores it (Quark's own, derived from the source's
-        `source_quantization_config`: formats/quark.kept_layer_config)."""
+        and for each module kept as the source stores it (block FP8: Quark's own, derived from the source's
+        `source_quantization_config`, formats/quark.kept_layer_config; another format: that format's)."""
         kept = self.source_modules()
         layer: dict = {}
         if kept:
@@ -152,11 +171,12 @@ class QuantizePlan:
         return recipe.quantization_config(self.excluded_modules(), self.module_formats(), {m: layer for m in kept})
 
     def module_formats(self) -> dict[str, ElementFormat]:
-        """Every quantized weight's module name -> the element format it is stored in."""
+        """Every weight stored in a format mxforge quantizes to (quantized, or kept from the source as such: a
+        compressed-tensors weight kept as FP8 PTPC), module name -> that format."""
         return {
             t.source.name.removesuffix(".weight"): t.format
             for t in self.tensors()
-            if t.fate == "quantized" and t.format is not None
+            if t.fate in ("quantized", "kept_source") and t.format is not None and not t.format.kept_only
         }
 
 
@@ -259,6 +279,7 @@ def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: Source
             precision.block_of(info.shape),
             precision.scale_shape(info.shape),
             precision.fp8.quantized_from,
+            precision.fp8.kept_as,
         )
     return out
 
@@ -294,22 +315,27 @@ def plan_tensor(info: TensorInfo, recipe: Recipe, layout: MoeLayout, fp8_scale: 
 
 
 def _kept_source_format(info: TensorInfo, fp8_scale: Fp8Scale) -> ElementFormat:
-    """The format an FP8 weight kept as the source stores it is in: block FP8, whose tiles and float32 scale grid
-    its scales must be (those are what Quark keeps and the engines load).
+    """The format an FP8 weight kept as the source stores it is written in (its layout's `kept_as`): block FP8 as
+    Quark keeps it (the same tiles, float32 scales: Quark restates the source's block in the config), or FP8 PTPC
+    for compressed-tensors' per-channel and per-tensor scales (each row's scale the one covering it).
 
     Raises:
-        ConfigError: another FP8 layout (compressed-tensors' per-channel or per-tensor scales, other tiles), naming
+        ConfigError: the scales cannot be written in that format exactly (other tiles, bf16 block scales), naming
             the tensor and what to do.
     """
-    fmt = FP8_BLOCK
-    grid = fmt.packed_shapes(info.shape)[1]
-    scale = fp8_scale.info
-    if fp8_scale.block != (fmt.block_rows, fmt.block) or scale.dtype != fmt.scale.dtype or scale.shape != grid:
+    fmt = format_named(fp8_scale.kept_as)
+    scale, shape = fp8_scale.info, info.shape
+    cell, block = fmt.scale_cell(shape), fp8_scale.block
+    if fmt.kept_only:  # Quark's keep: the source's bytes, its block restated
+        fits = block == cell and scale.dtype == fmt.scale.dtype
+    else:  # each of the format's scales inside one source block: repeated, exact in float32
+        fits = block[0] % cell[0] == 0 and block[1] % cell[1] == 0
+    if not fits:
         raise ConfigError(
             f"tensor {info.name!r} {list(info.shape)}: the recipe keeps it as the source stores it "
             f'(format = "source"), but its scales {scale.name!r} are {scale.dtype}{list(scale.shape)} for '
-            f"{fp8_scale.block[0]}x{fp8_scale.block[1]} weights: mxforge keeps only {fmt.title} "
-            f"({fmt.describe()}; {fmt.scale.dtype}{list(grid)} here), as Quark does. Keep it bf16 (drop "
+            f"{block[0]}x{block[1]} weights: mxforge keeps such weights only as {fmt.title} ({fmt.describe()}; "
+            f"{fmt.scale.dtype}{list(fmt.packed_shapes(shape)[1])} here), as Quark does. Keep it bf16 (drop "
             'format = "source") or quantize it',
             tensor=info.name,
         )

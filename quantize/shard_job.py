@@ -271,7 +271,8 @@ def _stream_tensors(
                 _copy_tensor(reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job))
                 assert t.format is not None and t.fp8_scale is not None, f"{t.source.name}: planned as kept_source"
                 scale_at = plan.offsets[t.format.scale_name(t.source.name)]
-                _pwrite_all(out_fd, scales[t.source.name].astype("<f4").tobytes(), scale_at, _out_path(job))
+                kept = t.fp8_scale.kept_scales(scales[t.source.name], t.format, t.source.shape)
+                _pwrite_all(out_fd, kept.astype("<f4").tobytes(), scale_at, _out_path(job))
             elif t.fp8_scale is not None:
                 _dequantize_tensor(
                     reader, out_fd, t, plan.offsets[t.source.name], progress, _out_path(job), scales[t.source.name]

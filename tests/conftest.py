@@ -3,6 +3,7 @@ Shared constants and helpers are in helpers.py."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -112,9 +113,11 @@ def hub(tmp_path, tiny_ckpt):
     h.stop()
 
 
-# The engines whose releases load block FP8 kept as stored (manifests/engines: formats); a keep-source recipe's run
-# selects them, as its users must (sglang refuses or mis-loads it in every release: the plan check says so).
-KEEP_SOURCE_ENGINES = "vllm"
+# The engines whose releases load FP8 kept as stored in that format (manifests/engines: formats), by the format a
+# source layout keeps its weights in (Fp8Scheme.kept_as): a keep-source recipe's run selects them, as its users must
+# (sglang refuses or mis-loads block FP8 in every release: the plan check says so). Absent: every engine loads it
+# (compressed-tensors FP8 kept as FP8 PTPC).
+KEEP_SOURCE_ENGINES = {"fp8_block": "vllm"}
 
 
 @pytest.fixture(scope="session")
@@ -129,6 +132,7 @@ def family_cases(tmp_path_factory, fixture_ckpt):
     from engine_truth import matrix
 
     from mxforge.models import family_named
+    from mxforge.quantize.fp8_source import source_precision
 
     built: dict[str, dict] = {}
 
@@ -161,9 +165,11 @@ def family_cases(tmp_path_factory, fixture_ckpt):
             if family.has_fp8_release:  # the default recipe, and each that keeps FP8 as stored, on the FP8 release
                 preset, kwargs = matrix.fixture_args("e6", family)
                 fp8 = fixture_ckpt(preset, family.name, "fp8", **kwargs)[0]
+                kept_as = source_precision(json.loads((fp8 / "config.json").read_text())).fp8.kept_as
+                only = KEEP_SOURCE_ENGINES.get(kept_as)
                 for recipe in [family.recipes[0], *matrix.keep_source_recipes(family)]:
                     name = f"run-fp8-{recipe}"
-                    engines = [] if recipe == family.recipes[0] else ["--engines", KEEP_SOURCE_ENGINES]
+                    engines = [] if recipe == family.recipes[0] or only is None else ["--engines", only]
                     cli(
                         "run",
                         str(fp8),
@@ -176,7 +182,7 @@ def family_cases(tmp_path_factory, fixture_ckpt):
                         "--quiet",
                         check=True,
                     )
-                    chosen = None if not engines else (KEEP_SOURCE_ENGINES,)
+                    chosen = (only,) if engines else None
                     out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4", chosen)
             built[family_name] = out
         return built[family_name]

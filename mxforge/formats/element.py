@@ -174,6 +174,10 @@ class ElementFormat:
         per-channel format)."""
         return 1 if self.block is None else -(-inner // self.block)
 
+    def scale_cell(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The rows x columns of a 2-D weight of `shape` that one scale covers (a per-channel format's: one row)."""
+        return self.block_rows, shape[1] if self.block is None else self.block
+
     def scale_grid_rows(self, rows: int) -> int:
         """Rows of the stored scale tensor for `rows` output rows (a 2-D block format's tile rows)."""
         return -(-rows // self.block_rows)

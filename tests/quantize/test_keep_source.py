@@ -11,20 +11,31 @@ Quark's single-device driver (`quantize_model_per_safetensor`) with Quark's own 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import cli, one_error_line
 from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME
-from mxforge.formats import FP8_BLOCK, MXFP4, format_of_spec
+from mxforge.errors import ConfigError
+from mxforge.fixups.fixup import layer_config_of
+from mxforge.formats import FP8_BLOCK, MXFP4, format_named, format_of_spec
 from mxforge.models import family_named
 from mxforge.models.fixture import write_fixture
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
+from mxforge.quantize.plan import Fp8Scale, plan_tensor
+from mxforge.quantize.recipe import load_recipe
+from mxforge.safetensors_io import TensorInfo
 
-FAMILIES = [f for f in ("glm_moe_dsa", "deepseek_v3") if family_named(f).has_fp8_release]
+FP8_PTPC = format_named("fp8_ptpc")
+
+FAMILIES = [f for f in ("glm_moe_dsa", "deepseek_v3") if family_named(f).fp8_format == "block"]
+# compressed-tensors FP8 (per-channel weight_scale, static input_scale): kept as FP8 PTPC
+CT_FAMILY = "glm4_moe"
 
 
 def _keep_recipe(family: str) -> str:
@@ -162,19 +173,112 @@ def test_keep_fp8_output_is_byte_identical_to_quarks_keep_mode(kept, tmp_path, m
     assert ours_cfg == their_cfg
 
 
-def test_keeping_compressed_tensors_fp8_as_stored_is_refused_naming_the_tensor(tmp_path):
-    """compressed-tensors FP8 (per-channel scales) is not block FP8: a rule keeping it as stored is one line naming
-    the tensor and what to do (Quark refuses such a source in keep mode too)."""
-    write_fixture(tmp_path / "ct", "tiny", seed=0, quiet=True, family="glm4_moe", precision="fp8")
-    recipe = tmp_path / "keep.toml"
-    recipe.write_text(
-        'name = "keep"\nscheme = "mxfp4"\n[[keep]]\nkinds = ["attention"]\nformat = "source"\n'
-        '[[quantize]]\nkinds = ["experts"]\n'
-    )
-    line = one_error_line(cli("quantize", str(tmp_path / "ct"), str(tmp_path / "out"), "--recipe", str(recipe)))
-    assert 'the recipe keeps it as the source stores it (format = "source")' in line and "self_attn" in line
-    assert "mxforge keeps only FP8 block" in line and "Keep it bf16" in line
-    assert not (tmp_path / "out" / "config.json").exists()
+@pytest.fixture(scope="module")
+def ct_kept(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(GLM-4.5's tiny compressed-tensors FP8 fixture, its keep-fp8 output, its default-recipe output)."""
+    root = tmp_path_factory.mktemp("keep-ct")
+    write_fixture(root / "fp8", "tiny", seed=0, quiet=True, family=CT_FAMILY, precision="fp8")
+    for name, recipe in (("out", _keep_recipe(CT_FAMILY)), ("default", family_named(CT_FAMILY).recipes[0])):
+        cli("quantize", str(root / "fp8"), str(root / name), "--recipe", recipe, "--quiet", check=True)
+    return root / "fp8", root / "out", root / "default"
+
+
+def test_kept_compressed_tensors_weights_are_the_source_codes_as_fp8_ptpc(ct_kept, tmp_path):
+    """Each compressed-tensors FP8 weight the recipe keeps is the source's E4M3 codes byte for byte with its
+    per-channel weight_scale as FP8 PTPC's float32 [out] scales (the same values), no input_scale left; those modules
+    have the layer config a module quantized to FP8 PTPC gets (the attn-fp8 recipe's, on the same source) and are not
+    excluded; the experts are MXFP4."""
+    src, out, _ = ct_kept
+    s, o = _tensors(src), _tensors(out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    kept_fp8 = sorted(n for n, t in o.items() if t.dtype == torch.float8_e4m3fn)
+    assert kept_fp8 and not [n for n in o if n.endswith("input_scale")]
+    attn = tmp_path / "attn"
+    recipe = next(r for r in family_named(CT_FAMILY).recipes if r.endswith("-attn-fp8"))
+    cli("quantize", str(src), str(attn), "--recipe", recipe, "--quiet", check=True)
+    attn_qc = json.loads((attn / "config.json").read_text())["quantization_config"]
+    for name in kept_fp8:
+        module = name.removesuffix(".weight")
+        assert torch.equal(o[name].view(torch.uint8), s[name].view(torch.uint8)), name
+        scale = o[name + FP8_PTPC.scale_suffix]
+        assert scale.dtype == torch.float32 and torch.equal(scale, s[name + "_scale"].float().flatten()), name
+        layer = layer_config_of(qc, module)
+        assert layer is not None and format_of_spec(layer["weight"]) is FP8_PTPC, module
+        assert layer == layer_config_of(attn_qc, "model.layers.0.self_attn.q_proj"), module
+        assert module not in qc["exclude"]
+    kinds = [".self_attn.", ".mlp.gate_proj", ".shared_experts."]
+    assert all(any(k in n for n in kept_fp8) for k in kinds) and not any(".mlp.experts." in n for n in kept_fp8)
+    assert any(".mlp.experts." in n and t.dtype == torch.uint8 for n, t in o.items())
+    assert format_of_spec(qc["global_quant_config"]["weight"]) is MXFP4
+    report = json.loads((out / QUANTIZE_NAME).read_text())
+    assert report["counts"]["kept_source"] == len(kept_fp8) == len(report["tensors"]["kept_source"])
+
+
+def test_dequantize_turns_kept_compressed_tensors_fp8_into_the_bf16_the_default_recipe_keeps(ct_kept, tmp_path):
+    """`mxforge dequantize` of the keep-fp8 output writes, for each kept FP8 weight, the bf16 the default recipe
+    keeps from the same source (compressed-tensors' own dequantization: tests/quantize/test_fp8_source.py), and the
+    MXFP4 experts as the default output's: the two recipes differ only in how they store those weights."""
+    _, out, default = ct_kept
+    for d in (out, default):
+        cli("dequantize", str(d), str(tmp_path / d.name), "--quiet", check=True)
+    a, b = _tensors(tmp_path / out.name), _tensors(tmp_path / default.name)
+    assert set(a) == set(b)
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])][:5]
+
+
+def test_kept_compressed_tensors_output_validates_in_every_release_after_fixup(ct_kept, tmp_path):
+    """The keep-fp8 output of a compressed-tensors source, fixed up, validates in every release of every engine:
+    FP8 PTPC loads in sglang and vLLM alike (unlike block FP8, which only vLLM loads); sglang needs its shared-expert
+    fusion off for the MTP layer's FP8 shared expert beside MXFP4 routed experts, as validate says."""
+    _, out, _ = ct_kept
+    fixed = tmp_path / "fixed"
+    shutil.copytree(out, fixed)
+    cli("fixup", str(fixed), "--quiet", check=True)
+    report = tmp_path / "validate.json"
+    proc = cli("validate", str(fixed), "--json", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    releases = json.loads(report.read_text())["releases"]
+    assert {r["engine"].split("-")[0] for r in releases} == {"sglang", "vllm"} and all(r["ok"] for r in releases)
+
+
+ATTN = "model.layers.0.self_attn.q_proj"
+
+
+def _layout():
+    family = family_named(CT_FAMILY)
+    return family.layout_of(family.reference())
+
+
+@pytest.mark.parametrize(
+    "block,scale_shape,dtype",
+    [((8, 64), (1,), "F32"), ((1, 64), (8, 1), "BF16")],
+    ids=["per-tensor", "per-channel"],
+)
+def test_a_per_tensor_or_per_channel_scale_is_kept_as_one_float32_scale_per_row(block, scale_shape, dtype):
+    """A compressed-tensors weight kept as stored: per tensor, its one scale repeated for each row; per channel,
+    each row's own, as float32 (a BF16 scale is exact in float32)."""
+    weight = TensorInfo(f"{ATTN}.weight", "F8_E4M3", (8, 64), 0, 512)
+    scale = TensorInfo(f"{ATTN}.weight_scale", dtype, scale_shape, 512, 544)
+    grid = (8 // block[0], 64 // block[1])
+    fp8 = Fp8Scale("s.safetensors", scale, block, grid, kept_as="fp8_ptpc")
+    plan = plan_tensor(weight, load_recipe(_keep_recipe(CT_FAMILY)), _layout(), fp8)
+    assert plan.fate == "kept_source" and plan.format is FP8_PTPC
+    values = np.arange(1, grid[0] + 1, dtype=np.float32).reshape(grid) / 4
+    kept = fp8.kept_scales(values, FP8_PTPC, weight.shape)
+    assert kept.shape == (8,) and list(kept) == [values[r * grid[0] // 8, 0] for r in range(8)]
+
+
+def test_block_fp8_in_other_tiles_than_quarks_is_refused_naming_the_tensor():
+    """Block FP8 kept as stored is Quark's keep: 128x128 float32 tiles only. Other tiles (or BF16 tile scales) are
+    one error naming the tensor and what to do."""
+    weight = TensorInfo(f"{ATTN}.weight", "F8_E4M3", (128, 128), 0, 16384)
+    scale = TensorInfo(f"{ATTN}.weight_scale_inv", "F32", (2, 2), 16384, 16400)
+    fp8 = Fp8Scale("s.safetensors", scale, (64, 64), (2, 2), kept_as="fp8_block")
+    with pytest.raises(ConfigError) as e:
+        plan_tensor(weight, load_recipe(_keep_recipe(CT_FAMILY)), _layout(), fp8)
+    line = str(e.value)
+    assert 'the recipe keeps it as the source stores it (format = "source")' in line and ATTN in line
+    assert "64x64 weights" in line and "only as FP8 block" in line and "Keep it bf16" in line
 
 
 @pytest.mark.parametrize(

@@ -75,9 +75,12 @@ def test_streamed_fp8_run_pushes_the_same_bytes_as_sequential(fp8_hub, tmp_path,
 
 
 KEEP_FP8 = [(f.name, r) for f in FAMILIES if f.has_fp8_release for r in f.recipes if r.endswith("-keep-fp8")]
+# block FP8 kept as stored loads in vLLM only; compressed-tensors FP8 is kept as FP8 PTPC, which every engine loads
+KEEP_BLOCK = [(f, r) for f, r in KEEP_FP8 if family_named(f).fp8_format == "block"]
+KEEP_PTPC = [(f, r) for f, r in KEEP_FP8 if (f, r) not in KEEP_BLOCK]
 
 
-@pytest.mark.parametrize("family,recipe", KEEP_FP8, ids=[r for _, r in KEEP_FP8])
+@pytest.mark.parametrize("family,recipe", KEEP_BLOCK, ids=[r for _, r in KEEP_BLOCK])
 def test_keep_fp8_recipe_pushes_for_the_releases_that_load_it_and_is_refused_for_the_others(
     fp8_hub, tmp_path, family, recipe
 ):
@@ -99,3 +102,20 @@ def test_keep_fp8_recipe_pushes_for_the_releases_that_load_it_and_is_refused_for
     card = pushed_files(fp8_hub, f"alice/{recipe}")["README.md"].decode()
     intro = card.split("## ")[0]
     assert "FP8 block" in card and "kept loadable in vllm (validated below)" in intro and "sglang" not in intro
+
+
+@pytest.mark.parametrize("family,recipe", KEEP_PTPC, ids=[r for _, r in KEEP_PTPC])
+def test_keep_fp8_recipe_of_a_compressed_tensors_release_pushes_for_every_release(fp8_hub, tmp_path, family, recipe):
+    """A compressed-tensors FP8 release's keep-fp8 recipe (its FP8 kept as FP8 PTPC): the pipeline pushes, for the
+    default engine selection, a checkpoint that validates in every sglang and vLLM release, whose kept weights are
+    the release's codes (FP8 PTPC), without the release's input scales, and whose card lists FP8 PTPC."""
+    out = tmp_path / "run"
+    report = _run(fp8_hub, tmp_path, family, out, f"alice/{recipe}", "--recipe", recipe, "--no-stream")
+    engines = report["stages"]["validate"]["report"]["engines"]
+    assert {e.split("==")[0] for e in engines} == {"sglang", "vllm"} and all(engines.values()), engines
+    counts = report["stages"]["quantize"]["report"]["counts"]
+    assert counts["kept_source"] > 0
+    pushed = pushed_files(fp8_hub, f"alice/{recipe}")
+    index = json.loads(pushed["model.safetensors.index.json"])
+    assert not any(n.endswith(".input_scale") for n in index["weight_map"])
+    assert "FP8 PTPC" in pushed["README.md"].decode()

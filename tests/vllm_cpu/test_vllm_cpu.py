@@ -148,8 +148,8 @@ BROKEN = {
 class Family:
     """One family's fixtures, its `mxforge run` outputs, broken variants and validate's verdicts (built once), and
     its vLLM runs per release (runs(release), computed once per release: two runner processes). `source` is the
-    bf16 fixture; a family with a block-FP8 release also has `fp8`, its FP8 fixture, from which the keep-FP8
-    recipes (fp8_recipes) run, and `ragged`, the FP8 replica with RAGGED_TILES."""
+    bf16 fixture; a family with an FP8 release also has `fp8`, its FP8 fixture, from which the keep-FP8
+    recipes (fp8_recipes) run, and, for block FP8, `ragged`, the FP8 replica with RAGGED_TILES."""
 
     def __init__(self, family: str, root: Path, source: Path, fp8: Path | None = None, ragged: Path | None = None):
         self.family, self.root, self.source, self.fp8, self.ragged = family, root, source, fp8, ragged
@@ -261,7 +261,7 @@ class Family:
         for variant, (ckpt, *_) in self.broken().items():
             names.append(f"broken/{variant}")
             jobs.append(self.job(ckpt, []))
-        if self.fp8_recipes:
+        if self.ragged is not None:
             names.append("ragged")
             jobs.append(self.job(self.ragged_output()[0], [], load_only=True))
         out = dict(zip(names, run_vllm(release, work, "outputs", jobs), strict=True))
@@ -325,24 +325,35 @@ def measured_weight_error(ckpt: Path) -> dict[str, float]:
 
 
 def _bf16_of_fp8(src: Path, out: Path) -> Path:
-    """Write `out`, the bf16 checkpoint a block-FP8 checkpoint `src` encodes (DeepSeek's fp8_cast_bf16.py): each
-    F8_E4M3 `X.weight` times its `X.weight_scale_inv` tile (config's weight_block_size) in float32, rounded to bf16;
-    the scales dropped, every other tensor as stored, config.json without its quantization_config."""
+    """Write `out`, the bf16 checkpoint an FP8 checkpoint `src` encodes: each F8_E4M3 `X.weight` times its scale in
+    float32, rounded to bf16 (block FP8, DeepSeek's fp8_cast_bf16.py: its `X.weight_scale_inv` tile, config's
+    weight_block_size; compressed-tensors, its decompression: `X.weight_scale` per row or per tensor); the scales and
+    input scales dropped, every other tensor as stored, config.json without its quantization_config."""
     import torch
     from safetensors.torch import load_file, save_file
 
     out.mkdir()
     config = json.loads((src / "config.json").read_text())
-    rows, cols = config.pop("quantization_config")["weight_block_size"]
+    block = config.pop("quantization_config").get("weight_block_size")
+    scales = (".weight_scale_inv", ".weight_scale")
     index = json.loads((src / "model.safetensors.index.json").read_text())
     for shard in sorted(set(index["weight_map"].values())):
         tensors = load_file(str(src / shard))
-        for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
-            scale, weight = tensors.pop(name), tensors[name.removesuffix("_scale_inv")]
-            tiles = scale.repeat_interleave(rows, 0)[: weight.shape[0]].repeat_interleave(cols, 1)[:, : weight.shape[1]]
-            tensors[name.removesuffix("_scale_inv")] = (weight.float() * tiles).to(torch.bfloat16)
+        for name in [n for n in tensors if n.endswith(scales)]:
+            scale, weight_name = tensors.pop(name).float(), name.rpartition(".")[0] + ".weight"
+            weight = tensors[weight_name]
+            if block:
+                rows, cols = block
+                scale = scale.repeat_interleave(rows, 0)[: weight.shape[0]].repeat_interleave(cols, 1)
+                scale = scale[:, : weight.shape[1]]
+            else:
+                scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
+            tensors[weight_name] = (weight.float() * scale).to(torch.bfloat16)
+        for name in [n for n in tensors if n.endswith(".input_scale")]:
+            del tensors[name]
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
-    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.endswith(".weight_scale_inv")}
+    dropped = (*scales, ".input_scale")
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.endswith(dropped)}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for side in src.iterdir():
@@ -389,7 +400,8 @@ def _check_draft_allocation(fam: Family, release: str, recipe: str, got: dict) -
 
 
 def _check_kept_fp8(fam: Family, recipe: str, got: dict) -> None:
-    """A keep-FP8 recipe's output: vLLM allocated its kept block-FP8 weights FP8 (not bf16), target and draft."""
+    """A keep-FP8 recipe's output: vLLM allocated its kept FP8 weights (block FP8, or compressed-tensors' as FP8
+    PTPC) FP8, not bf16, target and draft."""
     if recipe not in fam.fp8_recipes:
         return
     for role in ("target", "draft"):
@@ -422,6 +434,7 @@ def families(fixture_ckpt, tmp_path_factory):
             fp8 = ragged = None
             if _fp8_recipes(family):
                 fp8 = fixture_ckpt("tiny", family, "fp8", **overrides)[0]
+            if _ragged_applies(family):
                 ragged = fixture_ckpt("tiny", family, "fp8", **overrides, **RAGGED_TILES)[0]
             built[family] = Family(family, tmp_path_factory.mktemp(f"vllm-{family}"), source, fp8, ragged)
         return built[family]
@@ -445,6 +458,12 @@ def _recipes(family: str) -> list[str]:
 def _fp8_recipes(family: str) -> list[str]:
     """The family's keep-FP8 recipes, run from its FP8 fixture."""
     return keep_source_recipes(family_named(family))
+
+
+def _ragged_applies(family: str) -> bool:
+    """Whether the family's keep-FP8 output has block-FP8 merges (whole 128-row tiles or not: RAGGED_TILES); a
+    compressed-tensors release's is FP8 PTPC, one scale per row, which any width merges."""
+    return bool(_fp8_recipes(family)) and family_named(family).fp8_format == "block"
 
 
 @pytest.mark.parametrize(
@@ -548,7 +567,7 @@ def test_vllm_builds_and_loads_sparse_attention_models(families, release, family
 
 @pytest.mark.parametrize(
     ("release", "family"),
-    _params([(r, f) for r in RELEASES for f in ALL_FAMILIES if runs_here(r, f) and _fp8_recipes(f)]),
+    _params([(r, f) for r in RELEASES for f in ALL_FAMILIES if runs_here(r, f) and _ragged_applies(f)]),
 )
 def test_vllm_loads_a_replica_with_ragged_fp8_tiles_exactly_when_validate_says_it_does(families, release, family):
     """A keep-FP8 output whose merged block-FP8 shards are not whole 128-row tiles (RAGGED_TILES: q_lora_rank
