@@ -122,6 +122,16 @@ def serve(load, probe_case) -> None:
         json.dump({"version": version, "cases": answers}, f, indent=1, sort_keys=True)
 
 
+def exclude_cases(config: dict, excludes: dict[str, list[str]], **fields) -> list[dict]:
+    """One request case per named exclude list: `config` with its quantization_config's `exclude` replaced, and
+    `fields` (the case's "target", "draft" and any other keys) as given."""
+    qc = config["quantization_config"]
+    return [
+        {"name": name, "config": {**config, "quantization_config": {**qc, "exclude": exclude}}, **fields}
+        for name, exclude in excludes.items()
+    ]
+
+
 def run_releases(releases: list[tuple[str, str]], cases_of) -> dict[tuple[str, str], dict]:
     """Each (engine, release)'s answers to `cases_of(engine)`, one probe process per release, two at a time (a probe
     is a process of its own: the two use both cores)."""

@@ -264,15 +264,15 @@ class Release:
         offset, packed, size, method, crc = self.meta["index"][mem]
         if size > MAX_MEMBER_BYTES or packed > MAX_MEMBER_BYTES:
             raise FetchError(f"{self.meta['wheel']}: {mem} is {size} bytes; refusing")
-        end = min(offset + LOCAL_HEADER + len(mem.encode()) + EXTRA_GUESS + packed, self.meta["size"])
-        raw = _get(self.meta["url"], {"Range": f"bytes={offset}-{end - 1}"})
+        remote = _RangeFile(self.meta["url"], self.meta["size"])  # each read one range request, its length checked
+        remote.seek(offset)
+        raw = remote.read(LOCAL_HEADER + len(mem.encode()) + EXTRA_GUESS + packed)
         if len(raw) < LOCAL_HEADER or raw[:4] != b"PK\x03\x04":
             raise FetchError(f"{self.meta['wheel']}: no local header for {mem} at {offset}")
         name_len, extra_len = struct.unpack("<HH", raw[26:30])
         start = LOCAL_HEADER + name_len + extra_len
         if start + packed > len(raw):  # a longer extra field than guessed: the rest of the member
-            more = _get(self.meta["url"], {"Range": f"bytes={offset + len(raw)}-{offset + start + packed - 1}"})
-            raw += more
+            raw += remote.read(start + packed - len(raw))
         body = raw[start : start + packed]
         if method == zipfile.ZIP_DEFLATED:
             inflate = zlib.decompressobj(-zlib.MAX_WBITS)

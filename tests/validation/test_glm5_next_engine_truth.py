@@ -117,16 +117,7 @@ def _cases(engine: str) -> list[dict]:
         [f"{b}.self_attn.{MLA_A[engine]}", probe_io.LINEAR],
         [f"{b}.self_attn.o_proj", probe_io.LINEAR],
     ]
-    config = _config()
-    return [
-        {
-            "name": name,
-            "config": {**config, "quantization_config": {**config["quantization_config"], "exclude": exclude}},
-            "target": target,
-            "draft": draft,
-        }
-        for name, exclude in EXCLUDES.items()
-    ]
+    return probe_io.exclude_cases(_config(), EXCLUDES, target=target, draft=draft)
 
 
 FIRST = {"sglang": Version("0.5.20"), "vllm": Version("0.30.0")}  # the first releases that register the family

@@ -91,18 +91,9 @@ def _cases(engine: str) -> list[dict]:
         [v + "blocks.0.attn.qkv", probe_io.LINEAR],
         [v + "blocks.1.attn.qkv", probe_io.LINEAR],
     ]
-    config = _config()
-    return [
-        {
-            "name": name,
-            "config": {**config, "quantization_config": {**config["quantization_config"], "exclude": exclude}},
-            "target": target,
-            "draft": DRAFT,
-            probe_io.MTP_PROJ: "fc",
-            probe_io.DRAFT_BLOCK_CLASS: "ForCausalLM",  # sglang's draft builds a one-layer Qwen3_5ForCausalLM
-        }
-        for name, exclude in EXCLUDES.items()
-    ]
+    # sglang's draft builds a one-layer Qwen3_5ForCausalLM; its MTP projection is Qwen3.5's `fc`
+    special = {probe_io.MTP_PROJ: "fc", probe_io.DRAFT_BLOCK_CLASS: "ForCausalLM"}
+    return probe_io.exclude_cases(_config(), EXCLUDES, target=target, draft=DRAFT, **special)
 
 
 RELEASES = [(p.engine, release) for p in all_profiles("glm_moe_dsa") for release in p.read]
