@@ -104,6 +104,8 @@ def preset_config(preset: str, gib: float | None = None, family: Family | str | 
     config.pop("quantization_config", None)  # fixtures are bf16, whatever precision the family publishes in
     # A preset's config entries are the language model's fields, under mxforge's names (Family.config)
     config = family.config.updated(config, settings.get("config", {}))
+    if settings.get("vision"):  # a preset's `vision` entries: the vision tower's config (a multimodal family's)
+        config["vision_config"] = {**config.get("vision_config", {}), **settings["vision"]}
     if gib is not None and "default_gib" not in settings:
         raise ConfigError(f"--gib applies to the bench preset only, not {preset!r}")
     if "default_gib" in settings:
@@ -172,14 +174,15 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little") >> 1
 
 
-def synth_weight(t: PlannedTensor, seed: int):
-    """A deterministic tensor shaped like trained weights (imports torch lazily)."""
+def synth_weight(t: PlannedTensor, seed: int, norm_center: float | None = None):
+    """A deterministic tensor shaped like trained weights (imports torch lazily); a norm's weight (`norm_center`: its
+    family's MoeLayout.norm_center) near that value."""
     import torch
 
     gen = torch.Generator().manual_seed(tensor_seed(seed, t.name))
     numel = max(1, t.nbytes // (4 if t.dtype == "F32" else 2))
-    if t.name.endswith("norm.weight"):
-        x = 1.0 + 0.05 * torch.randn(numel, generator=gen)
+    if norm_center is not None:
+        x = norm_center + 0.05 * torch.randn(numel, generator=gen)
     elif t.name.endswith("e_score_correction_bias"):
         x = 1e-3 * torch.randn(numel, generator=gen)
     elif t.name.endswith(".bias"):
@@ -264,7 +267,9 @@ def fp8_ignore(tensors: list[PlannedTensor]) -> list[str]:
     )
 
 
-def _fp8_data(seed: int, bf16_shapes: dict[str, tuple[int, ...]], fp8_format: str, tensors: list[PlannedTensor]):
+def _fp8_data(
+    seed: int, bf16_shapes: dict[str, tuple[int, ...]], fp8_format: str, tensors: list[PlannedTensor], layout
+):
     """Each tensor's data for an FP8 fixture: a weight and its scales come from one quantization of the bf16
     fixture's weight (whichever is written first computes all; safetensors order may put the scales first)."""
     import torch
@@ -279,7 +284,7 @@ def _fp8_data(seed: int, bf16_shapes: dict[str, tuple[int, ...]], fp8_format: st
             return pending.pop(t.name)
         weight = owner.get(t.name)
         if weight is None:
-            return synth_weight(t, seed)
+            return synth_weight(t, seed, layout.norm_center(t.name))
         parts = parts_of(weight, synth_weight(PlannedTensor(weight, "BF16", bf16_shapes[weight]), seed), seed)
         parts[weight] = parts[weight].view(torch.uint8)
         pending.update(parts)
@@ -352,11 +357,11 @@ def write_fixture(
     config = family.config.updated(config, overrides or {})
     layout = family.layout_of(config)
     tensors = layout.tensors()
-    data = lambda t: synth_weight(t, seed)  # noqa: E731
+    data = lambda t: synth_weight(t, seed, layout.norm_center(t.name))  # noqa: E731
     if precision == "fp8":
         bf16_shapes = {t.name: t.shape for t in tensors}
         tensors = fp8_inventory(tensors, family.fp8_format, family.fp8_bf16_weights)
-        data = _fp8_data(seed, bf16_shapes, family.fp8_format, tensors)
+        data = _fp8_data(seed, bf16_shapes, family.fp8_format, tensors, layout)
         config["quantization_config"] = FP8_WRITERS[family.fp8_format][1](fp8_ignore(tensors))
     shards = plan_shards(tensors, shard_count or settings.get("shards"), settings.get("shard_bytes"))
     sparse = bool(settings.get("sparse", False))

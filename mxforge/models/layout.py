@@ -62,6 +62,13 @@ FIELD_LIMITS: dict[str, tuple[int, int]] = {
     "index_skip_topk_offset": (0, 1_024),
     "num_key_value_heads": (1, 2_048),
     "head_dim": (1, 4_096),
+    "shared_expert_intermediate_size": (1, 131_072),  # Qwen3.5 MoE's
+    "linear_num_key_heads": (1, 1_024),
+    "linear_num_value_heads": (1, 1_024),
+    "linear_key_head_dim": (1, 4_096),
+    "linear_value_head_dim": (1, 4_096),
+    "linear_conv_kernel_dim": (1, 64),
+    "full_attention_interval": (1, 1_024),
 }
 FIELD_LIMIT_DEFAULT = (0, 1 << 20)
 # Per-layer lists config.json may give (one entry per decoder layer): the values each entry may take.
@@ -85,6 +92,8 @@ class MoeLayout:
     # Whether each MTP layer stores its own output head and embedding (shared_head.head, embed_tokens: DeepSeek-V3,
     # GLM-4.5) besides its shared_head.norm.
     MTP_OWN_HEAD: ClassVar[bool] = False
+    # The MTP layer's projection of [embedding, hidden] (layer-relative module name; Qwen3.5: "fc")
+    MTP_PROJ: ClassVar[str] = "eh_proj"
 
     def __post_init__(self):
         missing = [k for k in self.REQUIRED_FIELDS if k not in self.config]
@@ -144,6 +153,11 @@ class MoeLayout:
 
     def __getitem__(self, key: str) -> Any:
         return self.config[key]
+
+    def norm_center(self, name: str) -> float | None:
+        """What a trained norm weight `name` lies near (fixtures draw it so): 1 for the lineage's RMSNorm (x * w);
+        None: not a norm."""
+        return 1.0 if name.endswith("norm.weight") else None
 
     def field_name(self, field: str) -> str:
         """Where config.json holds field `field` (mxforge's name), as messages name it: `num_nextn_predict_layers`,

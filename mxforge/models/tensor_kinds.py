@@ -21,6 +21,7 @@ KINDS = (
     "attention",
     "mtp_proj",
     "embeddings",
+    "vision",
     "other",
 )
 
