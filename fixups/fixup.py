@@ -18,6 +18,7 @@ import difflib
 import fnmatch
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,11 @@ class FixupResult:
             for a in self.applied
             if a["fixup"] == "mtp_inject"
         ]
+        lines += [
+            f"  ~ {a['entry']} -> {a['replaced_by'][0]} (for {', '.join(a['engines'])}: {a['why']})"
+            for a in self.applied
+            if a["fixup"] == "block_entry_rewrite"
+        ]
         aliases = [a for a in self.applied if a["fixup"] == "alias"]
         lines += [f"  + {a['entry']} (for {', '.join(a['engines'])}: {a['why']})" for a in aliases[:MAX_LISTED]]
         if len(aliases) > MAX_LISTED:
@@ -137,6 +143,46 @@ def rewrite_globs(entries: list[str], loaded: LoadedCheckpoint) -> tuple[list[st
             else f"exclude entry {entry!r} is a glob no engine understands and covers no module stored bf16: removed"
         )
     return list(dict.fromkeys(out)), applied, warnings
+
+
+def block_entry_rewrites(
+    entries: list[str], loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict | None = None
+) -> tuple[list[str], dict[str, dict]]:
+    """Exact entries under the MTP block's prefix (Qwen3.5's `mtp.fc`...) rewritten as `re:` entries matching that
+    name alone, where a release's draft would otherwise build itself unquantized on seeing them
+    (`DraftRule.block_entry_switch`, which tests the entry's text: sglang 0.5.12-0.5.20's `startswith("mtp.")`)
+    while the checkpoint stores some of its MTP modules quantized. Every engine matches a `re:` entry by `re.match`,
+    so the module stays excluded everywhere; entries naming the routed experts are left (a release that decides the
+    experts by child entries matches exact names only). Returns the entries as written and, by original entry, the
+    record of each rewrite."""
+    block = loaded.layout.layer_names.mtp_block
+    switching = [p for p in profiles if p.draft.block_entry_switch != "none"]
+    quantized_mtp = any(s.form != BF16 for name, s in loaded.stored.items() if loaded.layout.in_mtp_layer(name))
+    if not (block and switching and quantized_mtp):
+        return entries, {}
+    rewritten = {e: "re:" + re.escape(e) + "$" for e in entries if e.startswith(block + ".") and "mlp.experts" not in e}
+    fixes = [
+        p.name
+        for p in switching
+        if engine_view(p, loaded.layout, loaded.linears, entries, qc).roles[DRAFT].unquantized
+        and not engine_view(p, loaded.layout, loaded.linears, [rewritten.get(e, e) for e in entries], qc)
+        .roles[DRAFT]
+        .unquantized
+    ]
+    if not fixes:
+        return entries, {}
+    applied = {
+        e: {
+            "fixup": "block_entry_rewrite",
+            "entry": e,
+            "replaced_by": [r],
+            "engines": fixes,
+            "why": f"an exact entry under {block}. makes the draft build itself unquantized, though the checkpoint "
+            "stores MTP modules quantized; the regex excludes the same module in every release",
+        }
+        for e, r in rewritten.items()
+    }
+    return [rewritten.get(e, e) for e in entries], applied
 
 
 def alias_entries(profile: EngineProfile, module: EngineModule) -> list[str]:
@@ -239,7 +285,8 @@ def needed_layer_configs(loaded: LoadedCheckpoint, profiles: list[EngineProfile]
                     if scheme_format(profile, config) != format_named(form):
                         continue  # the release would not load the module's own config as stored: validate says why
                     head, _, proj = module.runtime.rpartition(".")
-                    shards = profile.fused.get(proj, ()) if not module.is_experts and proj in profile.packed else ()
+                    packed = profile.packed_in(module.is_mtp)
+                    shards = profile.fused.get(proj, ()) if not module.is_experts and proj in packed else ()
                     for entry in [f"{head}.{s}" for s in shards] or [module.runtime]:
                         if entry in (qc.get("layer_quant_config") or {}):
                             continue
@@ -291,7 +338,11 @@ def fixed_quantization_config(
     """
     entries, applied, warnings = rewrite_globs(exclude_entries(qc), loaded)
     aliases = needed_aliases(entries, loaded, profiles, qc)
-    fixed_qc = {**qc, "exclude": entries + [a["entry"] for a in aliases]}
+    written, rewritten = block_entry_rewrites(entries + [a["entry"] for a in aliases], loaded, profiles, qc)
+    for a in aliases:  # an alias under the MTP block's prefix is written as its regex from the start
+        a["entry"] = rewritten.pop(a["entry"], {"replaced_by": [a["entry"]]})["replaced_by"][0]
+    applied += rewritten.values()
+    fixed_qc = {**qc, "exclude": written}
     layer_aliases = needed_layer_configs(loaded, profiles, fixed_qc)
     if layer_aliases:  # first: Quark's and the engines' matching take the first pattern that matches
         fixed_qc["layer_quant_config"] = {

@@ -124,7 +124,7 @@ KEEP_SOURCE_ENGINES = {"fp8_block": "vllm"}
 def family_cases(tmp_path_factory, fixture_ckpt):
     """The engine-conformance matrix of one model family, built on first use and once per session for every
     suite that judges it (engine truth, local-vs-remote): tests/engine_truth/matrix.py's export styles at 6
-    routed experts and at the family's real layout (matrix.SIZES), before and after fixup, plus the real pipeline's
+    routed experts and at the family's real layout (matrix.sizes), before and after fixup, plus the real pipeline's
     output per recipe (and the mse scale rule, whose record in quantization_config every release must accept),
     and the real pipeline's output from the same replica as the family's FP8 release stores it (--precision fp8),
     with the default recipe and with each recipe that keeps the FP8 as stored.
@@ -141,7 +141,7 @@ def family_cases(tmp_path_factory, fixture_ckpt):
             family = family_named(family_name)
             root = tmp_path_factory.mktemp(f"conformance-{family_name}")
             srcs = {}
-            for size in matrix.SIZES:
+            for size in matrix.sizes(family):
                 preset, kwargs = matrix.fixture_args(size, family)
                 srcs[size] = fixture_ckpt(preset, family.name, **kwargs)[0]
             out = {c.name: c for c in matrix.export_cases(root, srcs, family)}

@@ -39,7 +39,7 @@ AMD = BASE + [f"*layers.{MTP}.*"]  # ... and the whole MTP layer
 # Release behaviours of the GLM family's engine profiles, proven against each release's own code by
 # test_engine_conformance.py (the `engines` suite); the offline tests build their expectations on them.
 # sglang before GLM's own draft class (0.5.16): MTP exclusions written as model.layers.N.* never reach the draft.
-BEFORE_GLM_DRAFT = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15"}
+BEFORE_GLM_DRAFT = {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.12", "sglang-0.5.15"}
 # Releases whose draft builds eh_proj as a plain nn.Linear: never quantized.
 EH_PROJ_LINEAR = {"sglang-0.5.9", "sglang-0.5.10", "vllm-0.30.0", "vllm-0.31.0"}
 # Releases without the "any <layer>.mlp.experts.* entry excludes the experts" rule.
@@ -47,6 +47,7 @@ NO_EXPERT_CHILD_RULE = {
     "sglang-0.5.9",
     "sglang-0.5.10",
     "sglang-0.5.11",
+    "sglang-0.5.12",
     "sglang-0.5.15",
     "sglang-0.5.16",
     "sglang-0.5.18",

@@ -85,11 +85,14 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
         return Verdict(module, BF16, f"{profile.name} never quantizes {module.local}")
     role = view.roles[module.role]
     if role.unquantized:
-        return Verdict(
-            module, BF16, f"the whole draft is built unquantized ({profile.draft.class_name} finds its layer excluded)"
+        finds = (
+            "an exclude entry under its block's prefix"
+            if profile.draft.block_entry_switch != "none" and not profile.draft.whole_draft_switch
+            else "its layer excluded"
         )
+        return Verdict(module, BF16, f"the whole draft is built unquantized ({profile.draft.class_name} finds {finds})")
     try:
-        excluded = engine_excludes(profile, module.runtime, module.is_experts, role.entries)
+        excluded = engine_excludes(profile, module.runtime, module.is_experts, role.entries, module.is_mtp)
     except ShardsDisagree as e:
         return Verdict(module, None, "shards disagree", e)
     if excluded:

@@ -84,14 +84,17 @@ class ExcludeList:
         return None
 
 
-def engine_excludes(profile: EngineProfile, prefix: str, is_experts: bool, entries: ExcludeList) -> bool:
-    """Whether `profile`'s engine builds module `prefix` unquantized because of `entries` (should_ignore_layer).
+def engine_excludes(
+    profile: EngineProfile, prefix: str, is_experts: bool, entries: ExcludeList, is_draft: bool = False
+) -> bool:
+    """Whether `profile`'s engine builds module `prefix` (of the draft's model: `is_draft`) unquantized because of
+    `entries` (should_ignore_layer).
 
     Raises:
         ShardsDisagree: `prefix` is a packed fused module decided by its shards, and they disagree.
     """
     head, _, proj = prefix.rpartition(".")
-    packed = proj in profile.packed
+    packed = proj in profile.packed_in(is_draft)
     if (profile.fused_name_first or not packed) and entries.matching_entry(prefix):
         return True
     if is_experts and profile.expert_child_entries and prefix in entries.parents:
@@ -128,6 +131,7 @@ class RoleView:
     layer_configs: dict = field(default_factory=dict)  # layer_quant_config: fnmatch pattern -> layer config
     global_config: dict | None = None
     gate_layer_configs: dict = field(default_factory=dict)  # those its fusion gate reads (before any draft remap)
+    packed: frozenset[str] = frozenset()  # its fused modules decided by their shards (EngineProfile.packed_in)
 
 
 def role_views(
@@ -139,7 +143,12 @@ def role_views(
     layer_configs: dict = raw_layers if isinstance(raw_layers, dict) else {}
     global_config: dict | None = raw_global if isinstance(raw_global, dict) else None
     main = ExcludeList(tuple(exclude))
-    views = {TARGET: RoleView(main, main, False, layer_configs, global_config, layer_configs)}
+    target, target_configs = main, layer_configs
+    if profile.runtime_prefixes:  # the release's own mapper renames entries and keys as it renames the modules
+        target = ExcludeList(tuple(dict.fromkeys(profile.runtime_name(e) for e in main.entries)))
+        target_configs = {profile.runtime_name(k): v for k, v in layer_configs.items()}
+    views = {TARGET: RoleView(target, target, False, target_configs, global_config, target_configs, profile.packed)}
+    draft_packed = profile.packed_in(True)
     mapped, mapped_configs = main, layer_configs
     if profile.exclude_source == "mapped" and profile.draft.name_mapper:
         mapped = ExcludeList(tuple(dict.fromkeys(map_name(profile, e) for e in main.entries)))
@@ -147,17 +156,30 @@ def role_views(
         mapped_configs = {map_name(profile, k): v for k, v in layer_configs.items()}
     mtp = layout.mtp_layers
     if not mtp:
-        views[DRAFT] = RoleView(mapped, mapped, False, mapped_configs, global_config, mapped_configs)
+        views[DRAFT] = RoleView(mapped, mapped, False, mapped_configs, global_config, mapped_configs, draft_packed)
         return views
     layer = mtp[0]
     prefix = layout.layer_prefix(layer)
-    whole = profile.draft.whole_draft_switch and bool(mapped.matching_entry(map_name(profile, prefix[:-1])))
+    whole = (profile.draft.whole_draft_switch and bool(mapped.matching_entry(map_name(profile, prefix[:-1])))) or (
+        _block_entry_switches(profile, layout, main)
+    )
     entries, configs = mapped, mapped_configs
     if profile.draft.remap_mtp_entries:
         entries = _with_mtp_remap(profile, mapped, layer, prefix)
         configs = {_draft_name(profile, k, layer, prefix): v for k, v in mapped_configs.items()}
-    views[DRAFT] = RoleView(entries, mapped, whole, configs, global_config, mapped_configs)
+    views[DRAFT] = RoleView(entries, mapped, whole, configs, global_config, mapped_configs, draft_packed)
     return views
+
+
+def _block_entry_switches(profile: EngineProfile, layout: MoeLayout, entries: ExcludeList) -> bool:
+    """Whether an entry under the MTP block's prefix, as stored, makes the draft build itself unquantized
+    (`DraftRule.block_entry_switch`: sglang's Qwen3.5 draft tests `entry.startswith("mtp.")`, from 0.5.21 only for
+    entries that name `mlp.experts`)."""
+    switch, block = profile.draft.block_entry_switch, layout.layer_names.mtp_block
+    if switch == "none" or not block:
+        return False
+    under = [e for e in entries.entries if e.startswith(block + ".")]
+    return any("mlp.experts" in e for e in under) if switch == "experts" else bool(under)
 
 
 def module_config(profile: EngineProfile, view: RoleView, prefix: str, is_experts: bool) -> dict | None:
@@ -168,7 +190,7 @@ def module_config(profile: EngineProfile, view: RoleView, prefix: str, is_expert
         SchemeError: shards (or pinned experts) with different configs.
     """
     head, _, proj = prefix.rpartition(".")
-    if proj in profile.packed:
+    if proj in view.packed and profile.fused[proj] != (proj,):  # not one packed as itself (vLLM's vision "qkv")
         configs = [module_config(profile, view, f"{head}.{s}" if head else s, False) for s in profile.fused[proj]]
         if any(c != configs[0] for c in configs):
             raise SchemeError(f"different layer configs for the shards of {prefix}")

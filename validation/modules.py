@@ -89,7 +89,7 @@ def engine_modules(
     (target / draft) listed in `fused_roles` the shared expert is loaded into the routed-expert bank."""
     linears = linears if linears is not None else checkpoint_linears(layout)
     modules = [
-        EngineModule(name, name, name, (lin,), False, False, profile.quantizable(name, False))
+        EngineModule(profile.runtime_name(name), name, name, (lin,), False, False, profile.quantizable(name, False))
         for name, lin in linears[None].others.items()
     ]
     for layer in layout.all_layers:
@@ -124,7 +124,7 @@ def _layer_modules(
     out = []
     for local, members in groups.items():
         checkpoint = layout.module_name(layer, local)
-        runtime = profile.mtp_runtime_name(layer, local) if is_mtp else checkpoint
+        runtime = profile.mtp_runtime_name(layer, local) if is_mtp else profile.runtime_name(checkpoint)
         experts = local == "mlp.experts"
         out.append(
             EngineModule(
@@ -134,7 +134,7 @@ def _layer_modules(
                 tuple(members),
                 experts,
                 is_mtp,
-                profile.quantizable(local, is_mtp),
+                profile.quantizable(local, is_mtp and local == layout.MTP_PROJ),
                 fused_shared=experts and fuse_shared,
                 layer=layer,
             )

@@ -27,6 +27,9 @@ from mxforge.models import Family, family_named
 
 ENGINES = ("sglang", "vllm")
 VETOES = ("none", "shared-expert-entry", "shared-expert-entry-outside-draft")
+# When an exclude entry under the MTP block's own prefix (a family's `[layers] mtp_block`, Qwen3.5's `mtp.`) makes
+# the draft build itself unquantized: never, any such entry, or one naming the routed experts (`mlp.experts`)
+BLOCK_ENTRY_SWITCHES = ("none", "any", "experts")
 SOURCES = ("raw", "mapped")
 LAYER_CONFIG_MATCHES = ("fnmatch", "substring-or-fnmatch")
 
@@ -43,6 +46,11 @@ class DraftRule:
     name_mapper: tuple[tuple[str, str], ...]  # substring replacements applied to every entry (replacing it)
     remap_mtp_entries: bool  # model.layers.N.X entries also added under the draft's names
     whole_draft_switch: bool  # `model.layers.N` excluded -> the whole draft unquantized
+    # An entry starting with the MTP block's prefix (`mtp.`) -> the whole draft unquantized: BLOCK_ENTRY_SWITCHES
+    block_entry_switch: str = "none"
+    # The draft's own packed modules where its class declares others than the target's (sglang's Qwen3.5 draft: only
+    # what the loader adds); None: the target's
+    packed: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,9 @@ class EngineProfile:
     # format's scale tiles in rows (block FP8: vLLM's fp8_utils.py::validate_fp8_block_shape raises otherwise)
     formats_tiled_merges: frozenset[str]
     fused: dict[str, tuple[str, ...]]  # fused module -> the checkpoint linears it is built from
-    never_quantized: frozenset[str]  # layer-relative or global module names built unquantized
+    # Layer-relative or global module names built unquantized; an entry ending in "." names every global module under
+    # that prefix (a vision tower the release builds without the quantization config)
+    never_quantized: frozenset[str]
     # Excluded linears whose name contains one of these are loaded bf16, then re-quantized to MXFP4 after
     # loading when the checkpoint's global weight dtype is fp4 (vLLM 0.30.0's dynamic_mxfp4_quant for DeepSeek).
     requantized_when_excluded: tuple[str, ...]
@@ -112,6 +122,10 @@ class EngineProfile:
     serve_speculative: str  # the options that add MTP speculative decoding to it
     serve_source: tuple[str, ...]
     anchors: tuple[Anchor, ...]
+    # Where the target's modules are built, as (checkpoint prefix, runtime prefix) pairs the release's own name mapper
+    # applies to module names and `exclude` entries alike (vLLM's hf_to_vllm_mapper: Qwen3.5's
+    # `model.language_model.` -> `language_model.model.`); empty: the checkpoint's names
+    runtime_prefixes: tuple[tuple[str, str], ...] = ()
 
     @property
     def serve_command(self) -> str:
@@ -134,11 +148,23 @@ class EngineProfile:
             and any(s in runtime for s in self.requantized_when_excluded)
         )
 
-    def quantizable(self, local: str, is_mtp: bool) -> bool:
-        """Whether this engine builds module `local` with the checkpoint's quantization method at all."""
-        if local in self.never_quantized:
+    def quantizable(self, local: str, mtp_proj: bool) -> bool:
+        """Whether this engine builds module `local` with the checkpoint's quantization method at all (`mtp_proj`: it
+        is an MTP layer's projection of [embedding, hidden], eh_proj or Qwen3.5's fc)."""
+        if local in self.never_quantized or any(p.endswith(".") and local.startswith(p) for p in self.never_quantized):
             return False
-        return self.draft.eh_proj_quantizable if (is_mtp and local == "eh_proj") else True
+        return self.draft.eh_proj_quantizable if mtp_proj else True
+
+    def runtime_name(self, name: str) -> str:
+        """A target module's or `exclude` entry's name as the release maps it (`runtime_prefixes`)."""
+        for old, new in self.runtime_prefixes:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    def packed_in(self, is_draft: bool) -> frozenset[str]:
+        """The fused modules decided by their shards' entries in the target's or the draft's model."""
+        return self.draft.packed if is_draft and self.draft.packed is not None else self.packed
 
     @property
     def label(self) -> str:
@@ -271,6 +297,8 @@ def _load(name: str, family: str) -> EngineProfile:
                 tuple(tuple(p) for p in dr["name_mapper"]),
                 bool(dr["remap_mtp_entries"]),
                 bool(dr["whole_draft_switch"]),
+                dr.get("block_entry_switch", "none"),
+                frozenset(dr["packed"]) if "packed" in dr else None,
             ),
             fusion=FusionRule(
                 bool(fu["target"]),
@@ -281,6 +309,7 @@ def _load(name: str, family: str) -> EngineProfile:
                 bool(fu.get("target_refusal_reaches_draft", False)),
                 tuple(fu.get("layer_config_bases", ())),
             ),
+            runtime_prefixes=tuple(tuple(p) for p in mod.get("runtime_prefixes", ())),
             serve_base=sv["command"],
             serve_speculative=sv["speculative"],
             serve_source=tuple(sv["source"]),
@@ -301,10 +330,13 @@ def _check(p: EngineProfile, where: str, family_from_later_release: bool = False
         p.exclude_source not in SOURCES
         or p.fusion.veto not in VETOES
         or p.layer_config_match not in LAYER_CONFIG_MATCHES
+        or p.draft.block_entry_switch not in BLOCK_ENTRY_SWITCHES
+        or any(len(pair) != 2 or not all(isinstance(x, str) and x for x in pair) for pair in p.runtime_prefixes)
     ):
         raise ConfigError(
             f"{where}: exclude.source must be one of {SOURCES}, fusion.veto one of {VETOES}, "
-            f"schemes.layer_config_match one of {LAYER_CONFIG_MATCHES}"
+            f"schemes.layer_config_match one of {LAYER_CONFIG_MATCHES}, draft.block_entry_switch one of "
+            f"{BLOCK_ENTRY_SWITCHES}, modules.runtime_prefixes [checkpoint prefix, runtime prefix] pairs"
         )
     outside = [v for v in p.read if Version(v) not in p.releases]
     if not p.read or outside or (p.read[0] != p.name.split("-", 1)[1] and not family_from_later_release):
@@ -312,7 +344,7 @@ def _check(p: EngineProfile, where: str, family_from_later_release: bool = False
             f"{where}: `read` must list the releases read, all inside {p.releases}, starting with the "
             f"release the file is named after (outside the range: {outside})"
         )
-    unknown = p.packed - set(p.fused)
+    unknown = (p.packed | (p.draft.packed or frozenset())) - set(p.fused)
     if unknown:
         raise ConfigError(f"{where}: exclude.packed names {sorted(unknown)}, which modules.fused does not define")
     for key, names in (

@@ -109,6 +109,8 @@ def describe(fixup: FixupResult, labels: dict[str, str], before: str, after: str
                 f"| glob rewritten | `{a['entry']}` -> {len(a['replaced_by'])} exact name(s) | every release "
                 f"| {a['why']} |"
             )
+        elif a["fixup"] == "block_entry_rewrite":
+            lines.append(f"| rewritten | `{a['entry']}` -> `{a['replaced_by'][0]}` | {releases} | {a['why']} |")
         else:
             lines.append(f"| added | `{a['entry']}` | {releases} | {a['why']} |")
     if len(fixup.applied) > len(shown):

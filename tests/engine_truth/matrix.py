@@ -39,6 +39,30 @@ NULL_LAYER_CONFIG = {"weight": None, "input_tensors": None, "output_tensors": No
 SIZES = ("e6", "e256")
 
 
+def sizes(family: Family) -> tuple[str, ...]:
+    """The sizes of the matrix a family is judged at: both, unless every layer of the family is MoE (Qwen3.5), so
+    that its real layout has no dense layers to stand in for the MoE ones (40 layers of 256 experts); no release
+    fuses its shared expert, the one gate that reads the expert count."""
+    layout = family.layout_of(preset_config("tiny", family=family)[0])
+    return SIZES if any(not layout.is_moe(n) for n in range(layout.num_hidden_layers)) else SIZES[:1]
+
+
+# What a family's probe cases must say beyond config.json (probe_io): the MTP block's projection where it is not
+# the lineage's eh_proj, and the class that ends sglang's draft block's name where the draft builds a whole
+# one-layer text model (Qwen3.5's Qwen3_5ForCausalLMMTP builds Qwen3_5ForCausalLM under `mtp`, its layer at
+# `mtp.layers.0`).
+DRAFT_BLOCK_CLASSES = {"qwen3_5_moe": "ForCausalLM"}
+
+
+def probe_hints(family: Family, layout: MoeLayout) -> dict:
+    hints: dict = {}
+    if layout.MTP_PROJ != "eh_proj":
+        hints[probe_io.MTP_PROJ] = layout.MTP_PROJ
+    if family.name in DRAFT_BLOCK_CLASSES:
+        hints[probe_io.DRAFT_BLOCK_CLASS] = DRAFT_BLOCK_CLASSES[family.name]
+    return hints
+
+
 def fixture_args(size: str, family: Family) -> tuple[str, dict]:
     """(`mxforge fixture` preset, keyword arguments: config overrides and shard count) of a size of the matrix.
 
@@ -54,9 +78,36 @@ def fixture_args(size: str, family: Family) -> tuple[str, dict]:
     return "full-layout", {"first_k_dense_replace": layers - 2, "shard_count": 16}
 
 
+def _layout(src: Path) -> MoeLayout:
+    from mxforge.models import layout_of
+
+    return layout_of(json.loads((src / "config.json").read_text()))
+
+
 def first_moe_layer(src: Path) -> int:
     """The first MoE decoder layer of a checkpoint (the styles that keep one layer's experts bf16 use it)."""
-    return int(json.loads((src / "config.json").read_text())["first_k_dense_replace"])
+    layout = _layout(src)
+    return next(n for n in range(layout.num_hidden_layers) if layout.is_moe(n))
+
+
+def mtp_names(src: Path) -> tuple[str, str, str]:
+    """(a glob of the whole MTP block, the MTP layer's prefix with its dot, its projection's name) as the checkpoint
+    stores them: `*layers.78.*`, `model.layers.78.`, `model.layers.78.eh_proj`; Qwen3.5's `mtp.*`, `mtp.layers.0.`,
+    `mtp.fc`."""
+    layout = _layout(src)
+    n = layout.mtp_layers[0]
+    block = layout.layer_names.mtp_block
+    return (f"{block}.*" if block else f"*layers.{n}.*"), layout.layer_prefix(n), layout.module_name(n, layout.MTP_PROJ)
+
+
+def shared_expert(src: Path) -> str:
+    """The MTP layer's shared expert module as the checkpoint names it (`mlp.shared_experts`, Qwen3.5's singular)."""
+    layout = _layout(src)
+    n = layout.mtp_layers[0]
+    local = next(
+        layout.locate(t.name)[1] for t in layout.layer_tensors(n) if layout.kind_of(t.name) == "shared_experts"
+    )
+    return local.split(".")[0] + "." + local.split(".")[1]
 
 
 @dataclass
@@ -88,35 +139,35 @@ def export_cases(root: Path, srcs: dict[str, Path], family: Family) -> list[Case
     cases = []
     default, mtp_bf16 = family.recipes[0], family.recipes[1]
     for size, src in srcs.items():
-        n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
-        mtp = f"*layers.{n}."
+        whole_mtp, prefix, proj = mtp_names(src)
+        mtp, shared = "*" + prefix, shared_expert(src)
         styles = {
             "recipe-default": lambda out: recipe_export(src, out, default),
             "recipe-mtp-bf16": lambda out: recipe_export(src, out, mtp_bf16),
             # Quark resolves its globs into exact names on export; here the whole MTP layer stays bf16.
-            "amd-whole-mtp": lambda out: write_quark_like(src, out, BASE + [mtp + "*"]),
+            "amd-whole-mtp": lambda out: write_quark_like(src, out, BASE + [whole_mtp]),
             # The same exclusions written as globs, as hand-edited exports carry them.
-            "amd-globs": lambda out: write_quark_like(src, out, BASE + [mtp + "*"], glob_exclude=True),
+            "amd-globs": lambda out: write_quark_like(src, out, BASE + [whole_mtp], glob_exclude=True),
             # The write-up's recipe: MTP shared expert and eh_proj kept, as globs.
             "wafer-globs": lambda out: write_quark_like(
-                src, out, BASE + [mtp + "mlp.shared_experts*", mtp + "eh_proj"], glob_exclude=True
+                src, out, BASE + [mtp + shared + "*", "*" + proj], glob_exclude=True
             ),
             # Exact names, but the MTP layer's bf16 modules as one `re:` entry.
-            "re-mtp": lambda out: _regex_mtp(src, out, n),
+            "re-mtp": lambda out: _regex_mtp(src, out, prefix, shared, proj),
             # The MTP layer's bf16 modules given a layer config that quantizes nothing, not an exclude entry.
-            "lqc-mtp": lambda out: _layer_config_mtp(src, out, n),
+            "lqc-mtp": lambda out: _layer_config_mtp(src, out, prefix, shared, proj),
             # The recipe's output declaring MXFP4 weights without MXFP4 activations (scheme w_mxfp4).
             "weights-only": lambda out: _weights_only(src, out, default),
             # Hand-written exports: fused modules named by their fused names (each engine's), not their shards.
-            "fused-names": lambda out: _fused_names(src, out),
+            "fused-names": lambda out: _fused_names(src, out, family),
             # One decoder layer's routed experts kept bf16, excluded expert by expert (Quark's exact names).
             "experts-bf16": lambda out: write_quark_like(
-                src, out, BASE + [mtp + "*", f"*layers.{first_moe_layer(src)}.mlp.experts.*"]
+                src, out, BASE + [whole_mtp, "*" + _layout(src).layer_prefix(first_moe_layer(src)) + "mlp.experts.*"]
             ),
             # Layer 3's experts pinned to MXFP4 expert by expert in layer_quant_config; the global config weights-only.
             "lqc-experts": lambda out: _pinned_experts(src, out, default),
             # The MTP layer excluded by its bare layer name as well.
-            "layer-entry": lambda out: _layer_entry(src, out, n),
+            "layer-entry": lambda out: _layer_entry(src, out, whole_mtp, prefix),
         }
         for recipe in bf16_recipes(family)[2:]:  # the mixed-precision recipes (attention, MTP layer in FP8 PTPC)
             styles[f"recipe-{recipe}"] = lambda out, recipe=recipe: recipe_export(src, out, recipe)
@@ -146,14 +197,13 @@ def bf16_recipes(family: Family) -> list[str]:
     return [r for r in family.recipes if r not in keep_source_recipes(family)]
 
 
-def _regex_mtp(src: Path, out: Path, n: int) -> None:
-    write_quark_like(src, out, BASE + [f"*layers.{n}.mlp.shared_experts*", f"*layers.{n}.eh_proj"])
-    prefix = f"model.layers.{n}."
+def _regex_mtp(src: Path, out: Path, prefix: str, shared: str, proj: str) -> None:
+    write_quark_like(src, out, BASE + [f"*{prefix}{shared}*", f"*{proj}"])
     _edit_qc(
         out,
         lambda qc: qc.update(
-            exclude=[e for e in qc["exclude"] if not e.startswith(prefix)]
-            + ["re:" + re.escape(prefix) + r"(self_attn\..*|mlp\.shared_experts\..*|eh_proj)$"]
+            exclude=[e for e in qc["exclude"] if not (e.startswith(prefix) or e == proj)]
+            + ["re:" + re.escape(prefix) + rf"(self_attn\..*|{re.escape(shared)}\..*)$", "re:" + re.escape(proj) + "$"]
         ),
     )
 
@@ -164,30 +214,30 @@ def _edit_qc(out: Path, edit) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _layer_config_mtp(src: Path, out: Path, n: int) -> None:
-    groups = [f"*layers.{n}.self_attn*", f"*layers.{n}.mlp.shared_experts*", f"*layers.{n}.eh_proj"]
+def _layer_config_mtp(src: Path, out: Path, prefix: str, shared: str, proj: str) -> None:
+    groups = [f"*{prefix}self_attn*", f"*{prefix}{shared}*", f"*{proj}"]
     write_quark_like(src, out, BASE + groups[1:])
-    prefix = f"model.layers.{n}."
 
     def edit(qc: dict) -> None:
-        qc["exclude"] = [e for e in qc["exclude"] if not e.startswith(prefix)]
+        qc["exclude"] = [e for e in qc["exclude"] if not (e.startswith(prefix) or e == proj)]
         qc["layer_quant_config"] = {g: dict(NULL_LAYER_CONFIG) for g in groups}
 
     _edit_qc(out, edit)
 
 
-def _fused_names(src: Path, out: Path) -> None:
-    """Every excluded shard group replaced by the fused module's names (sglang's and vLLM's)."""
-    write_quark_like(src, out, BASE)
-    fused = {
-        "q_a_proj": ["fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj"],
-        "kv_a_proj_with_mqa": [],
-        "q_proj": ["qkv_proj"],
-        "k_proj": [],
-        "v_proj": [],
-        "gate_proj": ["gate_up_proj"],
-        "up_proj": [],
-    }
+def _fused_names(src: Path, out: Path, family: Family) -> None:
+    """Every excluded shard group replaced by the fused module's names (every release's of the family: sglang's
+    `fused_qkv_a_proj_with_mqa`, vLLM's `fused_qkv_a_proj`)."""
+    from mxforge.validation.profiles import all_profiles
+
+    write_quark_like(src, out, BASE + ["*linear_attn.in_proj*"])
+    fused: dict[str, list[str]] = {}
+    for profile in all_profiles(family):
+        for name, shards in profile.fused.items():
+            fused.setdefault(shards[0], [])
+            fused[shards[0]] += [] if name in fused[shards[0]] else [name]
+            for shard in shards[1:]:
+                fused.setdefault(shard, [])
 
     def edit(qc: dict) -> None:
         entries = []
@@ -199,22 +249,21 @@ def _fused_names(src: Path, out: Path) -> None:
     _edit_qc(out, edit)
 
 
-def _layer_entry(src: Path, out: Path, n: int) -> None:
-    write_quark_like(src, out, BASE + [f"*layers.{n}.*"])
-    _edit_qc(out, lambda qc: qc["exclude"].append(f"model.layers.{n}"))
+def _layer_entry(src: Path, out: Path, whole_mtp: str, prefix: str) -> None:
+    write_quark_like(src, out, BASE + [whole_mtp])
+    _edit_qc(out, lambda qc: qc["exclude"].append(prefix[:-1]))
 
 
 def _pinned_experts(src: Path, out: Path, recipe: str) -> None:
     recipe_export(src, out, recipe)
-    experts = int(json.loads((src / "config.json").read_text())["n_routed_experts"])
-    layer = first_moe_layer(src)
+    layout = _layout(src)
+    experts = int(layout["n_routed_experts"])
+    prefix = layout.layer_prefix(first_moe_layer(src))
 
     def edit(qc: dict) -> None:
         spec = json.loads(json.dumps(qc["global_quant_config"]))
         qc["layer_quant_config"] = {
-            f"model.layers.{layer}.mlp.experts.{k}.{p}": spec
-            for k in range(experts)
-            for p in ("gate_proj", "up_proj", "down_proj")
+            f"{prefix}mlp.experts.{k}.{p}": spec for k in range(experts) for p in ("gate_proj", "up_proj", "down_proj")
         }
         qc["global_quant_config"]["input_tensors"] = None
 
@@ -261,10 +310,10 @@ def stand_ins(layout: MoeLayout) -> frozenset[int]:
     return frozenset(n for n in dense[1:-1] if not any(str(m).startswith(str(n)) for m in layout.mtp_layers))
 
 
-def compared(module, stand_in: frozenset[int]) -> bool:
+def compared(module, stand_in: frozenset[int], proj: str = "eh_proj") -> bool:
     """Whether the probe is asked for a module's decision and mxforge's is compared with it (eh_proj is
     answered on its own)."""
-    if not module.quantizable or (module.is_mtp and module.local == "eh_proj"):
+    if not module.quantizable or (module.is_mtp and module.local == proj):
         return False
     return module.layer not in stand_in
 
@@ -275,13 +324,14 @@ def asked(profile: EngineProfile, loaded) -> dict[str, list[list[str]]]:
     stand_in = stand_ins(loaded.layout)
     for view in views(profile, loaded):
         for m in view.modules:
-            if compared(m, stand_in):
+            if compared(m, stand_in, loaded.layout.MTP_PROJ):
                 out[m.role][m.runtime] = probe_io.EXPERTS if m.is_experts else probe_io.LINEAR
     return {role: [[p, k] for p, k in sorted(mods.items())] for role, mods in out.items()}
 
 
 def request(profile: EngineProfile, case: Case, loaded) -> dict:
-    return {"name": case.name, "config": loaded.ckpt.config, **asked(profile, loaded)}
+    hints = probe_hints(loaded.layout.family, loaded.layout)
+    return {"name": case.name, "config": loaded.ckpt.config, **asked(profile, loaded), **hints}
 
 
 def _form(decision: str) -> str:
@@ -324,18 +374,26 @@ def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:
         if a.get("unbuilt"):  # probes that build the model say which asked-for modules it never builds
             out.append(f"{role} modules the release never builds: {', '.join(a['unbuilt'][:4])}")
     for role, a in ((TARGET, t), (DRAFT, d)):
-        expect(f"{role} packed-module mapping", sorted(profile.packed), sorted(a["packed_modules_mapping"]))
+        expect(
+            f"{role} packed-module mapping",
+            sorted(profile.packed_in(role == DRAFT)),
+            sorted(a["packed_modules_mapping"]),
+        )
         expect(f"{role} shared-expert fusion", int(role in view.fused), a["fused_shared_experts"])
     if layer is not None:
-        expect("draft block prefix", profile.draft.block_prefix.format(layer=layer), d["block_prefix"])
+        # where sglang's draft block is a whole one-layer text model (probe_hints), our block is its layer 0
+        block = d["block_prefix"] + (
+            ".layers.0" if loaded.layout.family.name in DRAFT_BLOCK_CLASSES and profile.engine == "sglang" else ""
+        )
+        expect("draft block prefix", profile.draft.block_prefix.format(layer=layer), block)
         expect("whole draft quantized", not view.roles[DRAFT].unquantized, d["block_quantized"])
-        eh = next((m for m in view.modules if m.is_mtp and m.local == "eh_proj"), None)
+        eh = next((m for m in view.modules if m.is_mtp and m.local == loaded.layout.MTP_PROJ), None)
         if eh is not None:
             expect("eh_proj prefix", eh.runtime, d["eh_proj"]["prefix"] or eh.runtime)
             expect("eh_proj decision", _mine(view, eh), _form(d["eh_proj"]["decision"]))
     for v in every_view:
         for m in v.modules:
-            if not compared(m, stand_in):
+            if not compared(m, stand_in, loaded.layout.MTP_PROJ):
                 continue
             theirs = (t if m.role == TARGET else d)["decisions"].get(m.runtime)
             emulation = probe_io.emulation(theirs) if theirs else False

@@ -470,6 +470,7 @@ def test_quark_file_to_file_export_of_the_published_recipe_is_fixed_then_pushed(
         "sglang-0.5.9",
         "sglang-0.5.10",
         "sglang-0.5.11",
+        "sglang-0.5.12",
         "sglang-0.5.15",
     }
     assert {p.check for p in report.problems} == {"engine"}

@@ -153,6 +153,78 @@ def test_glm4_moe_lite_figures():
     assert not any(".indexer." in n or "q_proj" in n for n in by_name)
 
 
+def test_qwen3_5_moe_figures():
+    """Qwen3.5-35B-A3B's inventory, derived from its config: 40 layers, every fourth full attention (gated: q_proj
+    twice the heads' width), the rest gated delta nets; 256 routed experts, one shared expert with its one-row gate in
+    every layer; the 27-block vision tower; the MTP block under `mtp`. 35.95 B parameters: the model's "35B"."""
+    tensors, by_name = full_layout(family_named("qwen3_5_moe"))
+    count, parameters, size = totals(tensors)
+    assert (count, parameters) == (32451, 35951822704) and 35e9 <= parameters < 36e9
+    text = "model.language_model.layers."
+    assert by_name[text + "0.linear_attn.in_proj_qkv.weight"].shape == (2 * 16 * 128 + 32 * 128, 2048)
+    assert by_name[text + "0.linear_attn.conv1d.weight"].shape == (8192, 1, 4)
+    assert by_name[text + "3.self_attn.q_proj.weight"].shape == (2 * 16 * 256, 2048)
+    assert text + "3.linear_attn.out_proj.weight" not in by_name and text + "4.self_attn.o_proj.weight" not in by_name
+    assert by_name[text + "39.mlp.experts.255.down_proj.weight"].shape == (2048, 512)
+    assert by_name[text + "39.mlp.shared_expert_gate.weight"].shape == (1, 2048)
+    assert by_name["mtp.fc.weight"].shape == (2048, 4096) and "mtp.layers.0.self_attn.q_proj.weight" in by_name
+    assert by_name["model.visual.merger.linear_fc2.weight"].shape == (2048, 4608)
+    assert sum(n.startswith("model.visual.blocks.") for n in by_name) == 27 * 12
+
+
+def test_qwen3_5_moe_tiny_matches_what_transformers_saves(tmp_path):
+    """Outside `mtp.*` (which transformers does not build), the tiny fixture's names and shapes equal what
+    `Qwen3_5MoeForConditionalGeneration.save_pretrained` writes for its config: text model, head and vision tower,
+    routed experts one by one."""
+    import transformers
+
+    write_fixture(tmp_path / "q", "tiny", family="qwen3_5_moe", quiet=True)
+    ckpt = Checkpoint.open(tmp_path / "q")
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=ckpt.config["text_config"], vision_config=ckpt.config["vision_config"]
+    )
+    transformers.Qwen3_5MoeForConditionalGeneration(config).save_pretrained(tmp_path / "hf")
+    theirs = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(f, "pt") as s:
+            theirs.update({k: tuple(s.get_slice(k).get_shape()) for k in s.keys()})
+    ours = {k: v.shape for k, v in ckpt.tensor_infos().items() if not k.startswith("mtp.")}
+    assert ours == theirs
+    layout = layout_of(ckpt.config)
+    assert [layout.attention_type(n) for n in layout.all_layers] == ["linear_attention"] * 3 + ["full_attention"] * 2
+
+
+def test_qwen3_5_moe_fixup_writes_mtp_entries_sglang_0_5_12_reads_without_dropping_the_draft(tmp_path):
+    """The default recipe keeps `mtp.fc` (vLLM quantizes it unless excluded) and the MTP layer's attention and shared
+    expert bf16, its routed experts MXFP4. sglang 0.5.12-0.5.20 build the whole draft unquantized as soon as an
+    `exclude` entry starts with "mtp." (measured: test_qwen3_5_engine_truth.py), so those releases would allocate
+    bf16 experts; fixup writes each such entry as a `re:` entry that excludes the same module in every release, and
+    0.5.9's fused modules by their fused names (its loader gives the model no packed modules)."""
+    from mxforge.validation.profiles import all_profiles
+    from mxforge.validation.validate import validate_checkpoint
+
+    write_fixture(tmp_path / "src", "tiny", family="qwen3_5_moe", quiet=True)
+    assert cli("quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--quiet").returncode == 0
+    report = validate_checkpoint(tmp_path / "q")
+    # sglang before 0.5.21: the draft decides the MTP layer's qkv_proj by that fused name alone (its class declares no
+    # packed modules; 0.5.9's target none either), and 0.5.12-0.5.20 switch the draft's quantization off
+    failing = {r["profile"] for r in report.releases() if not r["ok"]}
+    assert failing == {
+        p.name for p in all_profiles("qwen3_5_moe") if p.engine == "sglang" and p.draft.packed != p.packed
+    }
+    dropped = next(p for p in report.problems if p.engine == "sglang-0.5.12")
+    assert dropped.subject == "mtp.layers.0.mlp.experts" and "exclude entry under its block's prefix" in dropped.message
+    proc = cli("fixup", str(tmp_path / "q"), "--json", "-")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exclude = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["exclude"]
+    assert not [e for e in exclude if e.startswith("mtp.")]
+    assert "re:mtp\\.fc$" in exclude and "re:mtp\\.layers\\.0\\.self_attn\\.qkv_proj$" in exclude
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkvz" in exclude  # sglang 0.5.9's fused name
+    assert "model.visual.blocks.0.attn.qkv" in exclude  # vLLM builds the vision tower with the quant config
+    report = validate_checkpoint(tmp_path / "q")
+    assert report.ok and report.verdict() == "loads: sglang 0.5.9-0.5.23, vllm 0.30.0-0.33.0", report.format()
+
+
 @pytest.mark.parametrize(
     "family_name,model",
     [

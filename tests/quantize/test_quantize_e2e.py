@@ -104,6 +104,7 @@ def test_every_source_tensor_accounted_for(tiny_ckpt, quantized_tiny):
         "sglang-0.5.9",
         "sglang-0.5.10",
         "sglang-0.5.11",
+        "sglang-0.5.12",
         "sglang-0.5.15",
     }
     config = json.loads((out / "config.json").read_text())

@@ -27,6 +27,7 @@ def test_quantize_then_validate_fails_old_sglang_then_fixup_passes_everywhere(qu
         "sglang-0.5.9",
         "sglang-0.5.10",
         "sglang-0.5.11",
+        "sglang-0.5.12",
         "sglang-0.5.15",
     }  # before GLM's own draft class
     assert report["engines"]["sglang==0.5.15.post1"] is False and report["engines"]["sglang==0.5.16"] is True

@@ -262,7 +262,14 @@ def test_shared_expert_fusion_at_256_experts(full_layout_ckpt, tmp_path):
     write_quark_like(full_layout_ckpt, ckpt, BASE + [f"*layers.{mtp}.mlp.shared_experts*", f"*layers.{mtp}.eh_proj"])
     report = validate_checkpoint(ckpt)
     fused = {p.engine for p in report.requirements if "shared-expert fusion" in p.message}
-    assert fused == {"sglang-0.5.9", "sglang-0.5.10", "sglang-0.5.11", "sglang-0.5.15", "sglang-0.5.22"}
+    assert fused == {
+        "sglang-0.5.9",
+        "sglang-0.5.10",
+        "sglang-0.5.11",
+        "sglang-0.5.12",
+        "sglang-0.5.15",
+        "sglang-0.5.22",
+    }
     assert "serve with --disable-shared-experts-fusion (no exclude entry" in next(
         p.remedy for p in report.requirements if p.engine == "sglang-0.5.11"
     )
@@ -274,6 +281,7 @@ def test_shared_expert_fusion_at_256_experts(full_layout_ckpt, tmp_path):
         "sglang-0.5.9",
         "sglang-0.5.10",
         "sglang-0.5.11",
+        "sglang-0.5.12",
         "sglang-0.5.15",
     }
     assert "sglang 0.5.9-0.5.15.post1 (with --disable-shared-experts-fusion)" in report.verdict()
