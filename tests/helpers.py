@@ -56,6 +56,24 @@ NO_EXPERT_CHILD_RULE = {
 
 # The loopback Hub's users (conftest.py's `hub`): alice holds TOKEN, bob OTHER_TOKEN. Neither may ever be
 # written into a file, a report or an error message.
+# A block-FP8 replica whose merged kept-FP8 shards are not whole 128-row tiles (vLLM's validate_fp8_block_shape), per
+# family: (config overrides of the tiny preset, [(a merged module then ragged, its first shard)]). The lineage's:
+# q_lora_rank 64 (fused_qkv_a_proj's q_a_proj shard) and the expert width 64 (the MTP layer's kept shared experts);
+# Qwen3.5's: the shared expert's width 64 (the MTP layer's shared expert is kept FP8; its gate and up shards merge).
+RAGGED_TILES = {
+    "qwen3_5_moe": ({"shared_expert_intermediate_size": 64}, [(".mlp.shared_expert.gate_up_proj", "gate_proj")]),
+}
+RAGGED_TILES_LINEAGE = (
+    {"q_lora_rank": 64, "moe_intermediate_size": 64},
+    [(".self_attn.fused_qkv_a_proj", "q_a_proj"), (".shared_experts.gate_up_proj", "gate_proj")],
+)
+
+
+def ragged_tiles(family: str) -> tuple[dict, list[tuple[str, str]]]:
+    """(overrides, [(ragged merged module suffix, its first shard)]) of `family`'s RAGGED_TILES replica."""
+    return RAGGED_TILES.get(family, RAGGED_TILES_LINEAGE)
+
+
 TOKEN = "hf_mxforgeTESTtokenDoNotLeak0123456789"
 OTHER_TOKEN = "hf_otherUserToken9876543210"
 

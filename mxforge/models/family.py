@@ -48,6 +48,9 @@ class Family:
     # config's `ignore` list); every other 2-D linear weight is e4m3 with its scales. "" = no FP8 release known.
     fp8_format: str = ""
     fp8_bf16_weights: str = ""
+    # The quantization_config key under which a block-FP8 release lists the modules it keeps bf16 (Qwen's:
+    # "modules_to_not_convert"); "" = none (DeepSeek's and GLM's list nothing).
+    fp8_ignore_key: str = ""
     # Where its layers are stored (the `[layers]` table; absent: `model.layers.{layer}`, MTP layers after the
     # decoder's, as the DeepSeek-V3 lineage stores them)
     layers: LayerNames = LINEAGE
@@ -181,6 +184,8 @@ def parse_family(
     fp8_format, fp8_bf16 = values.get("fp8_format", ""), values.get("fp8_bf16_weights", "")
     if fp8_format and fp8_format not in FP8_LAYOUTS:
         raise bad("fp8_format", f"{fp8_format!r} is not an FP8 layout (known: {', '.join(FP8_LAYOUTS)})")
+    if values.get("fp8_ignore_key") and fp8_format != "block":
+        raise bad("fp8_ignore_key", 'is for a block-FP8 release (fp8_format = "block")')
     if bool(fp8_format) != bool(fp8_bf16):
         raise bad("fp8_bf16_weights" if fp8_format else "fp8_format", "must be given with the other FP8 entry")
     try:

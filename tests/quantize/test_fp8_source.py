@@ -247,7 +247,12 @@ def test_fp8_fixture_is_the_release_layout_of_the_bf16_fixture(family, tmp_path)
     assert {t.name: (t.dtype, t.shape) for t in planned} == {n: (i.dtype, i.shape) for n, i in infos.items()}
     precision = source_precision(ckpt.config)
     if fam.fp8_format == "block":
-        assert ckpt.config["quantization_config"] == FP8_QUANTIZATION_CONFIG
+        listed = {}
+        if fam.fp8_ignore_key:  # the release's bf16 Linear modules, listed (Qwen's modules_to_not_convert)
+            linear = [n for n, i in infos.items() if n.endswith(".weight") and len(i.shape) == 2]
+            kept = sorted(n.removesuffix(".weight") for n in linear if re.search(fam.fp8_bf16_weights, n))
+            listed = {fam.fp8_ignore_key: [n for n in kept if "embed_tokens" not in n]}
+        assert ckpt.config["quantization_config"] == {**FP8_QUANTIZATION_CONFIG, **listed}
     else:
         kept = sorted(n.removesuffix(".weight") for n, i in infos.items() if re.search(fam.fp8_bf16_weights, n))
         assert ckpt.config["quantization_config"]["ignore"] == [n for n in kept if "embed_tokens" not in n]

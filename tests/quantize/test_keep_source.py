@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import cli, one_error_line
+from helpers import cli, one_error_line, ragged_tiles
 from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME
@@ -33,7 +33,7 @@ from mxforge.safetensors_io import TensorInfo
 
 FP8_PTPC = format_named("fp8_ptpc")
 
-FAMILIES = [f for f in ("glm_moe_dsa", "deepseek_v3") if family_named(f).fp8_format == "block"]
+FAMILIES = [f for f in ("glm_moe_dsa", "deepseek_v3", "qwen3_5_moe") if family_named(f).fp8_format == "block"]
 # compressed-tensors FP8 (per-channel weight_scale, static input_scale): kept as FP8 PTPC
 CT_FAMILY = "glm4_moe"
 
@@ -144,11 +144,14 @@ def test_keep_fp8_output_is_byte_identical_to_quarks_keep_mode(kept, tmp_path, m
     src, out = kept
     monkeypatch.setattr(f2f, "_weight_dequant_fp8", _dequant_fp8_torch)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    exclude = sorted([*qc["exclude"], *qc["layer_quant_config"]])
+    source = _tensors(src)
+    # Quark's file-to-file quantizes every `.weight` it is not told to exclude, 3-D ones too (Qwen3.5's gated-delta-net
+    # conv1d, which every engine builds unquantized and no exclude list names): a Quark user excludes them as well
+    unlisted = {n.removesuffix(".weight") for n, t in source.items() if n.endswith(".weight") and t.dim() > 2}
+    exclude = sorted({*qc["exclude"], *qc["layer_quant_config"], *unlisted})
     dst = tmp_path / "quark"
     quark_keep_mode(f2f, src, dst, QConfig(global_quant_config=MXFP4Scheme().config, exclude=exclude))
     report = json.loads((out / QUANTIZE_NAME).read_text())
-    source = _tensors(src)
     as_bf16 = {n for n in report["tensors"]["kept"] if source[n].dtype == torch.float8_e4m3fn}
     ours, theirs = _tensors(out), _tensors(dst)
     assert set(theirs) == set(ours) | {n + "_scale" for n in as_bf16}
@@ -168,7 +171,7 @@ def test_keep_fp8_output_is_byte_identical_to_quarks_keep_mode(kept, tmp_path, m
     modules = {n.removesuffix(".weight") for n in as_bf16}
     theirs_qc = their_cfg["quantization_config"]
     theirs_qc["layer_quant_config"] = {k: v for k, v in theirs_qc["layer_quant_config"].items() if k not in modules}
-    theirs_qc["exclude"] = sorted([*theirs_qc["exclude"], *modules])
+    theirs_qc["exclude"] = sorted({*theirs_qc["exclude"], *modules} - unlisted)
     ours_cfg["quantization_config"]["exclude"] = sorted(ours_cfg["quantization_config"]["exclude"])
     assert ours_cfg == their_cfg
 
@@ -301,8 +304,8 @@ def test_dequantize_turns_kept_block_fp8_into_the_bf16_it_stands_for(kept, tmp_p
     src, out = kept
     cli("dequantize", str(out), str(tmp_path / "bf16"), "--quiet", check=True)
     s, d = _tensors(src), _tensors(tmp_path / "bf16")
-    kept_fp8 = [n for n, t in s.items() if t.dtype == torch.float8_e4m3fn and n + "_scale_inv" in s]
-    kept_fp8 = [n for n in kept_fp8 if ".mlp.experts." not in n and ".shared_experts." not in n]
+    kept_source = json.loads((out / QUANTIZE_NAME).read_text())["tensors"]["kept_source"]
+    kept_fp8 = [n for n in kept_source if s[n].dtype == torch.float8_e4m3fn and n + "_scale_inv" in s]
     assert kept_fp8 and not any(n.endswith("_scale") for n in d)
     for name in kept_fp8:
         rows, cols = s[name].shape
@@ -313,11 +316,12 @@ def test_dequantize_turns_kept_block_fp8_into_the_bf16_it_stands_for(kept, tmp_p
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_replica_whose_merged_block_fp8_shards_are_ragged_tiles_is_refused_for_vllm(family, tmp_path):
     """vLLM builds a merged block-FP8 GEMM only when every shard but the last is whole 128-row tiles
-    (validate_fp8_block_shape; loaded for real in tests/vllm_cpu): a replica with q_lora_rank and the shared
-    expert's width 64 kept block FP8 fails validate for every vLLM release, naming the module, the shard and the
-    rule, and `mxforge run` refuses the recipe before quantizing; the family's tiny fixture (whole tiles) passes."""
+    (validate_fp8_block_shape; loaded for real in tests/vllm_cpu): a replica whose kept block-FP8 merges are ragged
+    (helpers.RAGGED_TILES: the lineage's q_lora_rank and expert width 64, Qwen3.5's shared expert width 64) fails
+    validate for every vLLM release, naming the module, the shard and the rule, and `mxforge run` refuses the recipe
+    before quantizing; the family's tiny fixture (whole tiles) passes."""
     src = tmp_path / "fp8"
-    ragged = {"q_lora_rank": 64, "moe_intermediate_size": 64}
+    ragged, merged = ragged_tiles(family)
     write_fixture(src, "tiny", seed=0, quiet=True, family=family, precision="fp8", overrides=ragged)
     recipe, out = _keep_recipe(family), tmp_path / "out"
     cli("quantize", str(src), str(out), "--recipe", recipe, "--quiet", check=True)
@@ -326,15 +330,15 @@ def test_a_replica_whose_merged_block_fp8_shards_are_ragged_tiles_is_refused_for
     assert proc.returncode == 1, proc.stdout + proc.stderr
     verdict = json.loads(report.read_text())
     assert verdict["releases"] and not any(r["ok"] for r in verdict["releases"]), verdict["releases"]
-    fused = [p for p in verdict["problems"] if p["subject"].endswith(".self_attn.fused_qkv_a_proj")]
-    assert fused and all(p["engine"].startswith("vllm") for p in verdict["problems"]), verdict["problems"]
-    assert "q_a_proj (not the last shard) has 64 rows" in fused[0]["message"]
-    assert "is not divisible by weight quantization block_n = 128" in fused[0]["message"]
-    shared = [p["subject"] for p in verdict["problems"] if p["subject"].endswith("shared_experts.gate_up_proj")]
-    assert shared, "the MTP layer's kept shared expert (gate/up 64 rows each) is not named"
+    assert all(p["engine"].startswith("vllm") for p in verdict["problems"]), verdict["problems"]
+    for suffix, shard in merged:
+        named = [p for p in verdict["problems"] if p["subject"].endswith(suffix)]
+        assert named, f"{suffix} (its shards 64 rows each) is not named"
+        assert f"{shard} (not the last shard) has 64 rows" in named[0]["message"]
+        assert "is not divisible by weight quantization block_n = 128" in named[0]["message"]
 
     line = one_error_line(cli("run", str(src), str(tmp_path / "run"), "--recipe", recipe, "--engines", "vllm"))
-    assert "fused_qkv_a_proj" in line and "not divisible by weight quantization block_n" in line
+    assert merged[0][0].rsplit(".", 1)[1] in line and "not divisible by weight quantization block_n" in line
     assert not (tmp_path / "run" / "mxfp4" / "config.json").exists()
 
     whole = tmp_path / "whole"
