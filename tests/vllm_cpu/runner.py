@@ -5,7 +5,7 @@
 
 JOBS is a list of jobs, run one after another in this process (vLLM's import, seconds, is paid once); OUT the list
 of their results. A job: {"model": dir, "speculative": bool, "prompts": [[token ids]], "passes": [...],
-"stop_after_load": bool}.
+"stop_after_load": bool, "language_model_only": bool (a multimodal model built without its vision tower)}.
 With stop_after_load (for a model whose attention cannot run here: DeepSeek sparse attention, whose backend the
 stand-in picks) the run stops once target and draft are built and loaded, before the KV cache is set up: its OUT
 then has "quantized" and no passes. Otherwise the engine is built once
@@ -178,6 +178,8 @@ def run_job(job: dict) -> dict:
             speculative_config=spec,
             seed=0,
             enable_prefix_caching=False,  # passes repeat the prompts: each must be computed again, not read back
+            # a multimodal model: its language model alone (no vision tower, no image processor to build)
+            **({"language_model_only": True} if job.get("language_model_only") else {}),
         )
     except Exception as e:  # where vLLM refuses the checkpoint: reported for the test to compare
         if not _caused_by_stop(e):
