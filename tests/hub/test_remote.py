@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_truth import matrix
 from helpers import AMD, TOKEN, hub_env, one_error_line, run_cli
 from quark_like import write_quark_like
 
 from mxforge.checkpoint import INDEX_NAME
 from mxforge.fixups.fixup import fixup_checkpoint
-from mxforge.models import FAMILIES
+from mxforge.models import FAMILIES, family_named
 from mxforge.validation.validate import validate_checkpoint
 
 SHARD = "model-00002-of-00003.safetensors"
@@ -273,7 +274,9 @@ def test_remote_and_local_agree_on_the_conformance_cases(family, family_cases, h
     cases of the engine conformance suite of each model family (tests/engine_truth/matrix.py; remote_cases says
     which); the session builds the cases once for both suites."""
     cases = remote_cases(family_cases(family))
-    assert {c.name.split("/", 2)[1] for c in cases if c.name.startswith("e256/")} == set(REMOTE_E256_STYLES)
+    real_size = {c.name.split("/", 2)[1] for c in cases if c.name.startswith("e256/")}
+    # a family judged at 6 experts only (engine_truth.matrix.sizes: Qwen3.5, every layer MoE) has no real-size case
+    assert real_size == (set(REMOTE_E256_STYLES) if "e256" in matrix.sizes(family_named(family)) else set())
     assert {c.name.split("/", 2)[1] for c in cases} == {n.split("/", 2)[1] for n in family_cases(family)}
     repos = {}
     for case in cases:

@@ -151,8 +151,8 @@ def test_run_refuses_a_format_no_selected_release_loads_and_warns_where_it_runs_
     proc = run_cli("run", str(tiny_ckpt), str(tmp_path / "all"), "--recipe", str(recipe), "--quiet", timeout=600)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
-    sglang = "sglang-0.5.9, sglang-0.5.10, sglang-0.5.11, sglang-0.5.15, sglang-0.5.16, sglang-0.5.18, sglang-0.5.19"
-    assert f"its output would not load in {sglang}, sglang-0.5.21, sglang-0.5.22 even after" in line, line
+    sglang = "sglang-0.5.9, sglang-0.5.10, sglang-0.5.11, sglang-0.5.12, sglang-0.5.15, sglang-0.5.16, sglang-0.5.18"
+    assert f"its output would not load in {sglang}, sglang-0.5.19, sglang-0.5.21, sglang-0.5.22 even after" in line
     assert "vllm" not in line.split("even after")[0] and "MXFP6 E2M3" in line, line
     out = tmp_path / "vllm"
     proc = run_cli("run", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--engines", "vllm", "--json", "-")

@@ -32,7 +32,9 @@ from packaging.version import Version
 
 from mxforge.validation.profiles import all_profiles
 
-pytestmark = pytest.mark.engines
+# One worker runs this module: its tests share `measured` (every release probed once, minutes), which each worker
+# holding some of them would otherwise compute again.
+pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("test_glm5_next_engine_truth")]
 
 TEXT = {
     "hidden_size": 64,

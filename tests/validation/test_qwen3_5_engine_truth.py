@@ -29,7 +29,9 @@ from engine_truth import probe_io
 
 from mxforge.validation.profiles import all_profiles
 
-pytestmark = pytest.mark.engines
+# One worker runs this module: its tests share `measured` (every release probed once, minutes), which each worker
+# holding some of them would otherwise compute again.
+pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("test_qwen3_5_engine_truth")]
 
 TEXT = {
     "hidden_size": 64,
