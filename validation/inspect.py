@@ -171,9 +171,10 @@ def format_inspect(report: dict) -> str:
         dtypes = ", ".join(f"{d}:{n}" for d, n in sorted(v["dtypes"].items()))
         lines.append(f"  {kind:<16}{v['tensors']:>9,}{gb(v['bytes']):>16}  {dtypes}")
     s = report["layers"]
+    indexer = f", indexer on {len(s['indexer_layers'])}" if s["indexer_layers"] else ""  # DSA families only
     lines.append(
         f"  layers: {s['decoder_layers']} decoder ({len(s['dense_layers'])} dense, {len(s['moe_layers'])} MoE "
-        f"with {'/'.join(map(str, s['experts_per_moe_layer'])) or 0} experts), indexer on {len(s['indexer_layers'])}"
+        f"with {'/'.join(map(str, s['experts_per_moe_layer'])) or 0} experts){indexer}"
     )
     m = report["mtp"]
     if m["present"]:
