@@ -362,9 +362,10 @@ def write_fixture(
         bf16_shapes = {t.name: t.shape for t in tensors}
         tensors = fp8_inventory(tensors, family.fp8_format, family.fp8_bf16_weights)
         data = _fp8_data(seed, bf16_shapes, family.fp8_format, tensors, layout)
-        config["quantization_config"] = FP8_WRITERS[family.fp8_format][1](fp8_ignore(tensors))
+        ignore = fp8_ignore(tensors)
+        config["quantization_config"] = FP8_WRITERS[family.fp8_format][1](ignore)
         if family.fp8_ignore_key:
-            config["quantization_config"][family.fp8_ignore_key] = fp8_ignore(tensors)
+            config["quantization_config"][family.fp8_ignore_key] = ignore
     shards = plan_shards(tensors, shard_count or settings.get("shards"), settings.get("shard_bytes"))
     sparse = bool(settings.get("sparse", False))
     out.mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,9 @@ class MoeLayout:
     MTP_OWN_HEAD: ClassVar[bool] = False
     # The MTP layer's projection of [embedding, hidden] (layer-relative module name; Qwen3.5: "fc")
     MTP_PROJ: ClassVar[str] = "eh_proj"
+    # The MTP layer's norms of the embedding and of the hidden state, before that projection (Qwen3.5's
+    # pre_fc_norm_embedding, pre_fc_norm_hidden)
+    MTP_NORMS: ClassVar[tuple[str, str]] = ("enorm", "hnorm")
 
     def __post_init__(self):
         missing = [k for k in self.REQUIRED_FIELDS if k not in self.config]
@@ -236,29 +239,30 @@ class MoeLayout:
         h = int(c["hidden_size"])
         out: list[Spec] = []
         if self.is_mtp(layer):
-            out += [
-                ("enorm.weight", (h,), "BF16"),
-                ("hnorm.weight", (h,), "BF16"),
-                ("eh_proj.weight", (h, 2 * h), "BF16"),
-            ]
+            out += [(f"{norm}.weight", (h,), "BF16") for norm in self.MTP_NORMS]
+            out.append((f"{self.MTP_PROJ}.weight", (h, 2 * h), "BF16"))
         out.append(("input_layernorm.weight", (h,), "BF16"))
         out += self.attention_tensors(layer)
         out.append(("post_attention_layernorm.weight", (h,), "BF16"))
-        if self.is_moe(layer):
-            e, inter = int(c["n_routed_experts"]), int(c["moe_intermediate_size"])
-            out += [("mlp.gate.weight", (e, h), "BF16"), ("mlp.gate.e_score_correction_bias", (e,), "F32")]
-            for j in range(e):
-                out += mlp_tensors(f"mlp.experts.{j}.", h, inter)
-            n_shared = int(c.get("n_shared_experts", 1) or 0)
-            if n_shared:
-                out += mlp_tensors("mlp.shared_experts.", h, inter * n_shared)
-        else:
-            out += mlp_tensors("mlp.", h, int(c["intermediate_size"]))
+        out += self.moe_tensors() if self.is_moe(layer) else mlp_tensors("mlp.", h, int(c["intermediate_size"]))
         if self.is_mtp(layer):
             out += self.mtp_head_tensors()
         return [
             PlannedTensor(self.module_name(layer, name), self._dtype(name, dtype), shape) for name, shape, dtype in out
         ]
+
+    def moe_tensors(self) -> list[Spec]:
+        """A MoE layer's MLP: the router with its score-correction bias, the routed experts one by one, and
+        `n_shared_experts` shared experts as one MLP."""
+        c = self.config
+        h, e, inter = int(c["hidden_size"]), int(c["n_routed_experts"]), int(c["moe_intermediate_size"])
+        out: list[Spec] = [("mlp.gate.weight", (e, h), "BF16"), ("mlp.gate.e_score_correction_bias", (e,), "F32")]
+        for j in range(e):
+            out += mlp_tensors(f"mlp.experts.{j}.", h, inter)
+        n_shared = int(c.get("n_shared_experts", 1) or 0)
+        if n_shared:
+            out += mlp_tensors("mlp.shared_experts.", h, inter * n_shared)
+        return out
 
     def _dtype(self, name: str, dtype: str) -> str:
         return self.NORM_DTYPE if NORM_RE.search(name) else dtype

@@ -81,6 +81,7 @@ class Qwen3_5MoeLayout(MoeLayout):
     OPTIONAL_INT_FIELDS = ("num_nextn_predict_layers", "full_attention_interval")
     LAYER_LISTS = {"layer_types": LAYER_TYPES}
     MTP_PROJ = "fc"
+    MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden")
 
     def __post_init__(self):
         super().__post_init__()
@@ -135,27 +136,20 @@ class Qwen3_5MoeLayout(MoeLayout):
             ("linear_attn.out_proj.weight", (h, nv * dv), "BF16"),
         ]
 
-    def layer_tensors(self, layer: int) -> list[PlannedTensor]:
+    def moe_tensors(self) -> list[Spec]:
+        """Every layer's MLP: the router (no score-correction bias), the routed experts one by one, one shared expert
+        of its own width and its one-row sigmoid gate."""
         c = self.config
         h, e = int(c["hidden_size"]), int(c["n_routed_experts"])
-        out: list[Spec] = []
-        if self.is_mtp(layer):
-            out += [
-                ("pre_fc_norm_embedding.weight", (h,), "BF16"),
-                ("pre_fc_norm_hidden.weight", (h,), "BF16"),
-                ("fc.weight", (h, 2 * h), "BF16"),
-            ]
-        out.append(("input_layernorm.weight", (h,), "BF16"))
-        out += self.attention_tensors(layer)
-        out.append(("post_attention_layernorm.weight", (h,), "BF16"))
-        out.append(("mlp.gate.weight", (e, h), "BF16"))
+        out: list[Spec] = [("mlp.gate.weight", (e, h), "BF16")]
         for j in range(e):
             out += mlp_tensors(f"mlp.experts.{j}.", h, int(c["moe_intermediate_size"]))
         out += mlp_tensors("mlp.shared_expert.", h, int(c["shared_expert_intermediate_size"]))
-        out.append(("mlp.shared_expert_gate.weight", (1, h), "BF16"))
-        if self.is_mtp(layer):
-            out.append(("norm.weight", (h,), "BF16"))
-        return [PlannedTensor(self.module_name(layer, name), dtype, shape) for name, shape, dtype in out]
+        return out + [("mlp.shared_expert_gate.weight", (1, h), "BF16")]
+
+    def mtp_head_tensors(self) -> list[Spec]:
+        """The MTP block's final norm (`mtp.norm`, outside its layer: the family's `mtp_block_modules`)."""
+        return [("norm.weight", (int(self.config["hidden_size"]),), "BF16")]
 
     def _vision(self) -> Mapping[str, Any] | None:
         """The vision tower's config (None: a text-only checkpoint), its sizes checked.
