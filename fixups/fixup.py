@@ -25,7 +25,7 @@ from pathlib import Path
 from mxforge.checkpoint import INDEX_NAME, Checkpoint, CheckpointSource, LocalDir, load_json
 from mxforge.dir_lock import directory_lock
 from mxforge.errors import ConfigError
-from mxforge.formats import format_named
+from mxforge.formats import format_named, layer_config_of
 from mxforge.models import layout_of
 from mxforge.provenance import CONFIG_BACKUP_NAME, FIXUPS_NAME, keep_original, read_fixups_record, recorded_command
 from mxforge.records import fields_of
@@ -247,16 +247,6 @@ def _needs(added: dict[str, dict], record: dict, profile: EngineProfile) -> int:
         return 0
     kept["engines"].append(profile.name)
     return 1
-
-
-def layer_config_of(qc: dict, checkpoint_name: str) -> dict | None:
-    """The layer config Quark's export gives a checkpoint module (its `_find_matched_config`: the first
-    `layer_quant_config` pattern that fnmatches the name, else the global config)."""
-    layers = qc.get("layer_quant_config")
-    for pattern, config in (layers if isinstance(layers, dict) else {}).items():
-        if fnmatch.fnmatchcase(checkpoint_name, pattern):
-            return config
-    return qc.get("global_quant_config")
 
 
 def needed_layer_configs(loaded: LoadedCheckpoint, profiles: list[EngineProfile], qc: dict) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from mxforge.errors import ConfigError
 from mxforge.fixups.fixup import fixed_quantization_config
+from mxforge.formats import declared_formats
 from mxforge.quantize.plan import QuantizePlan
 from mxforge.quantize.recipe import Recipe
 from mxforge.safetensors_io import TensorInfo
@@ -24,9 +25,10 @@ from mxforge.validation.validate import loadability_problems
 LISTED = 1  # problems quoted in the refusal (the rest: counted; validate on the output would name them all)
 
 
-def planned_checkpoint(plan: QuantizePlan, ckpt) -> LoadedCheckpoint:
+def planned_checkpoint(plan: QuantizePlan, ckpt, quantization_config: dict) -> LoadedCheckpoint:
     """The checkpoint `plan` writes, as validate reads it: every output tensor's header (from the plan's shard
-    layouts), nothing read from disk. `ckpt`: the source (its config is the output's, but quantization_config)."""
+    layouts), nothing read from disk. `ckpt`: the source (its config is the output's, but quantization_config: the
+    one the plan writes)."""
     infos: dict[str, TensorInfo] = {}
     for shard in plan.shards:
         for t in shard.tensors:
@@ -36,15 +38,16 @@ def planned_checkpoint(plan: QuantizePlan, ckpt) -> LoadedCheckpoint:
     layout = plan.layout
     planned = layout.tensors()
     linears = checkpoint_linears(layout, planned)
-    stored = {lin.name: stored_form(lin, infos) for lin in all_linears(linears)}
+    declared = declared_formats(quantization_config)
+    stored = {lin.name: stored_form(lin, infos, declared) for lin in all_linears(linears)}
     return LoadedCheckpoint(ckpt, layout, planned, linears, infos, stored, frozenset())
 
 
 def unloadable(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[EngineProfile]) -> list[Problem]:
     """The engine problems validate would report on `plan`'s output after fixup, per release of `profiles` (those a
     serving flag avoids left out: validate names the flag)."""
-    loaded = planned_checkpoint(plan, ckpt)
     qc = plan.quantization_config(recipe, ckpt.config.get("quantization_config"))
+    loaded = planned_checkpoint(plan, ckpt, qc)
     fixed, *_ = fixed_quantization_config(loaded, profiles, qc, where=f"recipe {recipe.name!r}")
     found, _ = loadability_problems(loaded, profiles, fixed)
     return [p for p in found if p.check == "engine" and not p.server_flag]

@@ -1,13 +1,16 @@
-"""`mxforge dequantize CKPT OUT`: an MXFP4 checkpoint back to bf16, for evaluation and debugging.
+"""`mxforge dequantize CKPT OUT`: a quantized checkpoint (any element format, mixed) back to bf16, for evaluation and
+debugging.
 
 Every weight stored in an element format (mxforge/formats/: MXFP4's `X.weight` uint8 codes with its `X.weight_scale`
 E8M0 bytes) becomes a bf16 `X.weight` holding the values the codes encode (what Quark's own dequantization gives;
-every MXFP4 value is a bf16, exactly); its scale tensor goes. Every other tensor is copied byte for byte. A block
-whose scale is its format's NaN code (E8M0 0xFF, by the OCP MX spec) is NaN throughout, and the report says so per
-tensor (`nan_scale_blocks`, one warning each). Streaming: a tensor is read and written in row chunks (CHUNK_BYTES of
-output at a time), whatever its size. Each shard is written under a temporary name and renamed when whole; then the
-index, the side files, config.json without its quantization_config, and mxforge_dequantize.json (the report) last. A
-rerun into the same OUT redoes the work (OUT must be new, empty, or an earlier dequantize output).
+every MXFP4 value is a bf16, exactly); its scale tensor goes. Which format a weight is in is what its module's layer
+config in quantization_config names (mxforge.formats.declared_formats): MXFP6 E2M3 and E3M2 are stored alike. Every
+other tensor is copied byte for byte. A block whose scale is its format's NaN code (E8M0 0xFF, by the OCP MX spec) is
+NaN throughout, and the report says so per tensor (`nan_scale_blocks`, one warning each). Streaming: a tensor is read
+and written in row chunks (CHUNK_BYTES of output at a time), whatever its size. Each shard is written under a
+temporary name and renamed when whole; then the index, the side files, config.json without its quantization_config,
+and mxforge_dequantize.json (the report) last. A rerun into the same OUT redoes the work (OUT must be new, empty, or an
+earlier dequantize output).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 from mxforge.checkpoint import Checkpoint, write_index
 from mxforge.dir_lock import check_out_dir, directory_lock
 from mxforge.errors import CheckpointError
-from mxforge.formats import FORMATS, ElementFormat, StoredPair, declared_format, stored_pairs
+from mxforge.formats import FORMATS, Prefer, StoredPair, declared_formats, stored_pairs
 from mxforge.formats.element import f32_to_bf16_bits
 from mxforge.progress import byte_progress
 from mxforge.provenance import DEQUANTIZE_NAME, carried_from, recorded_command
@@ -34,9 +37,9 @@ from mxforge.safetensors_io import PlannedTensor, ShardWriter, TensorInfo, copy_
 CHUNK_BYTES = 16 << 20
 
 
-def quantized_pairs(infos: dict[str, TensorInfo], prefer: ElementFormat | None = None) -> dict[str, StoredPair]:
+def quantized_pairs(infos: dict[str, TensorInfo], prefer: Prefer = None) -> dict[str, StoredPair]:
     """The quantized weights of a checkpoint: `X.weight` (codes) -> its pair (format, codes, scales); `prefer`: the
-    format quantization_config declares (mxforge.formats.stored_pair).
+    format(s) quantization_config declares (mxforge.formats.stored_pair).
 
     Raises:
         CheckpointError: a pair whose shapes do not fit its format (named, with the expected shapes).
@@ -55,7 +58,7 @@ def quantized_pairs(infos: dict[str, TensorInfo], prefer: ElementFormat | None =
 def dequantize_checkpoint(
     src, out, *, quiet: bool = False, command: str | None = None, follow_symlinks: bool = False
 ) -> dict:
-    """Write OUT as the bf16 checkpoint SRC's MXFP4 weights encode; returns the report (also
+    """Write OUT as the bf16 checkpoint SRC's quantized weights encode; returns the report (also
     OUT/mxforge_dequantize.json).
 
     Raises:
@@ -68,7 +71,7 @@ def dequantize_checkpoint(
     src, out = Path(src), Path(out)
     ckpt = Checkpoint.open(src, follow_symlinks)
     infos = ckpt.tensor_infos()
-    pairs = quantized_pairs(infos, declared_format(ckpt.quantization_config))
+    pairs = quantized_pairs(infos, declared_formats(ckpt.quantization_config))
     if not pairs:
         raise CheckpointError(
             f"{src}: holds no weight stored in an element format ({', '.join(f.title for f in FORMATS)}: codes under "
@@ -133,6 +136,8 @@ def dequantize_checkpoint(
             "out": str(out.resolve()),
             "shards": len(ckpt.shard_names),
             "dequantized": len(pairs),
+            # per element format (registry name), in registry order: how many weights were stored in it
+            "by_format": {f.name: n for f in FORMATS if (n := sum(p.format == f for p in pairs.values()))},
             "copied": len(infos) - len(pairs) - len(scales),
             "scales_dropped": len(scales),
             "bytes_in": total,

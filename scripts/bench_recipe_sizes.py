@@ -23,7 +23,7 @@ from bench_markdown import add_markdown_option, emit_report
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.fixups.plan_check import planned_checkpoint
-from mxforge.formats import stored_pairs
+from mxforge.formats import declared_formats, stored_pairs
 from mxforge.hub.card import size_summary
 from mxforge.models import FAMILIES, family_named
 from mxforge.models.fixture import write_fixture
@@ -38,10 +38,10 @@ def recipe_sizes(src: Path, recipes: tuple[str, ...]) -> dict[str, dict]:
     for name in recipes:
         recipe = load_recipe(name, ckpt.config)
         plan = plan_checkpoint(ckpt, recipe)
-        planned = planned_checkpoint(plan, ckpt)
         qc = plan.quantization_config(recipe, ckpt.config.get("quantization_config"))
+        planned = planned_checkpoint(plan, ckpt, qc)
         size = size_summary(planned.infos, qc)
-        formats = Counter(p.format.title for p in stored_pairs(planned.infos).values())
+        formats = Counter(p.format.title for p in stored_pairs(planned.infos, declared_formats(qc)).values())
         out[name] = {
             "bytes": size.stored,
             "bf16_bytes": size.bf16,

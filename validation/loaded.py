@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mxforge.checkpoint import Checkpoint, CheckpointSource
+from mxforge.formats import declared_formats
 from mxforge.models import MoeLayout, layout_of
 from mxforge.safetensors_io import PlannedTensor, TensorInfo
 from mxforge.validation.integrity import check_index_and_shards
@@ -47,6 +48,7 @@ def load_checkpoint(root: str | Path | CheckpointSource | Checkpoint) -> tuple[L
             infos[name] = info
     planned = layout.tensors()
     linears = checkpoint_linears(layout, planned)
-    stored = {lin.name: stored_form(lin, infos) for lin in all_linears(linears)}
+    declared = declared_formats(ckpt.quantization_config)
+    stored = {lin.name: stored_form(lin, infos, declared) for lin in all_linears(linears)}
     loaded = LoadedCheckpoint(ckpt, layout, planned, linears, infos, stored, frozenset(unreadable))
     return loaded, problems, warnings, counts

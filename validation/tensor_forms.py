@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from mxforge.formats import FORMATS, format_named, stored_pair
+from mxforge.formats import FORMATS, Prefer, format_named, stored_pair
 from mxforge.safetensors_io import TensorInfo
 from mxforge.validation.modules import Linear
 
@@ -30,13 +30,15 @@ class Stored:
     defect: str | None = None  # e.g. a scale with the wrong shape; None when well-formed
 
 
-def stored_form(lin: Linear, infos: Mapping[str, TensorInfo]) -> Stored:
-    """Classify the tensors stored for `lin` (`<name>.weight`, and its scales when stored in an element format)."""
+def stored_form(lin: Linear, infos: Mapping[str, TensorInfo], prefer: Prefer = None) -> Stored:
+    """Classify the tensors stored for `lin` (`<name>.weight`, and its scales when stored in an element format);
+    `prefer`: the format(s) quantization_config declares, which tell apart formats stored alike
+    (mxforge.formats.declared_formats)."""
     weight = infos.get(lin.name + ".weight")
     if weight is None:
         return Stored(lin, None)
     if weight.dtype not in FLOAT_DTYPES:
-        pair = stored_pair(infos, weight.name, (lin.out_features, lin.in_features))
+        pair = stored_pair(infos, weight.name, (lin.out_features, lin.in_features), prefer)
         if pair is not None:
             return Stored(lin, pair.format.name, weight.dtype, weight.shape, pair.defect)
     defect = None

@@ -42,7 +42,7 @@ from mxforge.cli.support import (  # noqa: F401 (EXIT_* re-exported)
     require_at_least,
 )
 from mxforge.errors import MxforgeError
-from mxforge.formats import FORMATS
+from mxforge.formats import FORMATS, format_named
 
 
 # --- fixture ---------------------------------------------------------------------------------------
@@ -146,7 +146,9 @@ def run_dequantize(args) -> int:
     return emit_exit(
         r,
         args.json,
-        f"dequantized {r['source']} -> {r['out']}: {r['dequantized']:,} MXFP4 weights to bf16, "
+        f"dequantized {r['source']} -> {r['out']}: {r['dequantized']:,} weights to bf16 ("
+        + ", ".join(f"{n:,} {format_named(f).title}" for f, n in r["by_format"].items())
+        + "), "
         f"{r['copied']:,} tensors copied, {r['shards']} shards; {r['bytes_out'] / 1e9:.2f} GB written in "
         f"{r['seconds']:.1f} s",
     )
@@ -154,14 +156,15 @@ def run_dequantize(args) -> int:
 
 DEQUANTIZE = Command(
     "dequantize",
-    help="an MXFP4 checkpoint back to bf16 (streaming), for evaluation and debugging",
-    description="Write OUT as the bf16 checkpoint that CKPT's MXFP4 weights encode: each "
+    help="a quantized checkpoint (any element format, mixed) back to bf16 (streaming), for evaluation and debugging",
+    description="Write OUT as the bf16 checkpoint that CKPT's quantized weights encode: each "
     + "; ".join(f"{f.title}: {f.codes_label} X.weight with its X.weight{f.scale_suffix}" for f in FORMATS)
-    + " becomes a bf16 X.weight (exactly the encoded values); every "
+    + " becomes a bf16 X.weight (exactly the encoded values; where formats are stored alike, each module's is the "
+    "one its quantization_config layer config names); every "
     "other tensor is copied byte for byte; config.json loses its quantization_config. Streaming "
     "(bounded memory), each file written under a temporary name and renamed when whole.",
     positionals=(
-        ("ckpt", "MXFP4 checkpoint directory (e.g. mxforge quantize's OUT)"),
+        ("ckpt", "quantized checkpoint directory (e.g. mxforge quantize's OUT)"),
         ("out", "output directory: new, empty, or an earlier dequantize output (redone)"),
     ),
     quiet="no progress bar",

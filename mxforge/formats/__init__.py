@@ -11,8 +11,9 @@ fields); no other module spells a format's facts (tests/formats/test_registry.py
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from mxforge.errors import ConfigError
 from mxforge.formats import fp8_block, fp8_ptpc, mxfp4, mxfp6
@@ -54,6 +55,8 @@ __all__ = [
     "stored_pair",
     "stored_pairs",
     "declared_format",
+    "declared_formats",
+    "layer_config_of",
     "weight_of_scale",
 ]
 
@@ -94,6 +97,33 @@ def declared_format(quantization_config: Mapping | None) -> ElementFormat | None
     return format_of_spec(layer.get("weight")) if isinstance(layer, Mapping) else None
 
 
+def layer_config_of(quantization_config: Mapping | None, module: str) -> dict | None:
+    """The layer config a Quark quantization_config gives checkpoint module `module` (Quark's `_find_matched_config`:
+    the first `layer_quant_config` pattern that fnmatches the name, else the global config)."""
+    qc = quantization_config if isinstance(quantization_config, Mapping) else {}
+    layers = qc.get("layer_quant_config")
+    for pattern, config in (layers if isinstance(layers, Mapping) else {}).items():
+        if isinstance(pattern, str) and fnmatch.fnmatchcase(module, pattern):
+            return config if isinstance(config, dict) else None
+    layer = qc.get("global_quant_config")
+    return layer if isinstance(layer, dict) else None
+
+
+def declared_formats(quantization_config: Mapping | None) -> Callable[[str], ElementFormat | None]:
+    """Per weight name `X.weight`, the format quantization_config declares for module `X` (`layer_config_of`): what
+    tells apart formats whose codes and scales are stored alike (MXFP6 E2M3 and E3M2) in a mixed checkpoint."""
+
+    def of(weight_name: str) -> ElementFormat | None:
+        config = layer_config_of(quantization_config, weight_name.removesuffix(".weight"))
+        weight = config.get("weight") if config is not None else None
+        return format_of_spec(weight) if isinstance(weight, Mapping) else None
+
+    return of
+
+
+Prefer = ElementFormat | Callable[[str], "ElementFormat | None"] | None
+
+
 def weight_of_scale(name: str) -> str | None:
     """`X.weight` for a scale tensor's name `X.weight_scale` (any format's suffix); None for any other name."""
     for fmt in FORMATS:
@@ -122,16 +152,19 @@ def stored_pair(
     infos: Mapping[str, TensorInfo],
     weight_name: str,
     shape: tuple[int, int] | None = None,
-    prefer: ElementFormat | None = None,
+    prefer: Prefer = None,
 ) -> StoredPair | None:
     """How `weight_name` is stored, if as an element format's codes: the one test of "codes + scales" every
     stage uses. `shape` is the weight's `[out, in]` where the caller knows it (from config.json), else the codes'
-    shape implies it; where two formats' codes and scales could both fit (same dtypes, a weight narrower than one
-    block), `prefer` (the format quantization_config declares) wins. None: the weight is absent or not stored as
-    codes (e.g. bf16)."""
+    shape implies it; where two formats' codes and scales could both fit (same dtypes and scales: MXFP6 E2M3 and
+    E3M2; a weight narrower than one block), `prefer` wins: the format quantization_config declares, one for the
+    whole checkpoint or per weight name (`declared_formats`). None: the weight is absent or not stored as codes
+    (e.g. bf16)."""
     weight = infos.get(weight_name)
     if weight is None or not weight_name.endswith(".weight"):
         return None
+    if callable(prefer):
+        prefer = prefer(weight_name)
     candidates = sorted((f for f in FORMATS if f.codes_dtype == weight.dtype), key=lambda f: f != prefer)
     pairs = []
     for fmt in candidates:
@@ -142,7 +175,7 @@ def stored_pair(
     return next((p for p in pairs if p.defect is None), pairs[0] if pairs else None)
 
 
-def stored_pairs(infos: Mapping[str, TensorInfo], prefer: ElementFormat | None = None) -> dict[str, StoredPair]:
+def stored_pairs(infos: Mapping[str, TensorInfo], prefer: Prefer = None) -> dict[str, StoredPair]:
     """Every weight of a checkpoint stored as an element format's codes with its scales beside it, by name
     (`prefer`: see stored_pair)."""
     out = {}

@@ -22,7 +22,7 @@ from mxforge.formats import (
     DEFAULT_FORMAT,
     FORMATS,
     ElementFormat,
-    declared_format,
+    declared_formats,
     formats_title,
     stored_pairs,
 )
@@ -60,7 +60,7 @@ def _family_title(config: dict) -> str | None:
 
 def stored_formats(ckpt: Checkpoint) -> list[ElementFormat]:
     """The element formats the checkpoint's weights are stored in, in registry order."""
-    pairs = stored_pairs(ckpt.tensor_infos(), declared_format(ckpt.quantization_config))
+    pairs = stored_pairs(ckpt.tensor_infos(), declared_formats(ckpt.quantization_config))
     present = {p.format.name for p in pairs.values()}
     return [f for f in FORMATS if f.name in present]
 
@@ -69,7 +69,7 @@ def precision_table(ckpt: Checkpoint) -> dict[str, Counter]:
     """Per module class, how many tensors are stored in each precision (an element format's title for its codes
     with their scales: mxforge.formats.stored_pairs; else the safetensors dtype)."""
     infos = ckpt.tensor_infos()
-    pairs = stored_pairs(infos, declared_format(ckpt.quantization_config))
+    pairs = stored_pairs(infos, declared_formats(ckpt.quantization_config))
     scales = {p.scale.name for p in pairs.values() if p.scale is not None}
     layout = _layout(ckpt.config)
     table: dict[str, Counter] = defaultdict(Counter)
@@ -106,7 +106,7 @@ class SizeSummary:
 def size_summary(infos: Mapping[str, TensorInfo], quantization_config: dict | None) -> SizeSummary:
     """A checkpoint's tensor bytes against their bf16 equivalent, from its headers alone (`infos`: every tensor's
     header entry, as Checkpoint.tensor_infos or a plan's)."""
-    pairs = stored_pairs(infos, declared_format(quantization_config))
+    pairs = stored_pairs(infos, declared_formats(quantization_config))
     scales = {p.scale.name for p in pairs.values() if p.scale is not None}
     stored = sum(i.nbytes for i in infos.values())
     bf16 = sum(math.prod(pairs[n].shape) * BF16_BYTES if n in pairs else i.nbytes for n, i in infos.items())

@@ -8,11 +8,12 @@ quantizing) must be what the dequantized checkpoint shows against the bf16 sourc
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli, one_error_line
+from helpers import MXFP6_RECIPE, cli, one_error_line
 from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME, Checkpoint
@@ -31,8 +32,10 @@ def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 MIXED = "glm-5.2-mxfp4-attn-fp8"  # MXFP4 experts and FP8 PTPC attention
-PTPC = format_named("fp8_ptpc")
-RUNS = [("quark", None), ("mse", None), ("quark", MIXED), ("mse", MIXED)]  # (scale rule, recipe: None the default)
+MXFP6 = "mxfp6"  # helpers.MXFP6_RECIPE: MXFP6 E2M3 experts, E3M2 attention (stored alike: uint8 codes, E8M0 scales)
+PTPC, E2M3, E3M2 = format_named("fp8_ptpc"), format_named("mxfp6_e2m3"), format_named("mxfp6_e3m2")
+# (scale rule, recipe: None the default)
+RUNS = [("quark", None), ("mse", None), ("quark", MIXED), ("mse", MIXED), ("quark", MXFP6)]
 
 
 @pytest.fixture(scope="module", params=RUNS, ids=[f"{r}-{recipe or 'default'}" for r, recipe in RUNS])
@@ -41,6 +44,9 @@ def runs(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path, Path, dict]:
     rule, recipe = request.param
     work = tmp_path_factory.mktemp(f"deq-{rule}")
     mxfp4, bf16 = work / "mxfp4", work / "bf16"
+    if recipe == MXFP6:
+        (work / "mxfp6.toml").write_text(MXFP6_RECIPE)
+        recipe = str(work / "mxfp6.toml")
     cli(
         "quantize",
         str(tiny_ckpt),
@@ -58,21 +64,26 @@ def runs(request, tiny_ckpt, tmp_path_factory) -> tuple[str, Path, Path, dict]:
     return rule, mxfp4, bf16, json.loads((work / "q.json").read_text())
 
 
-def _format(codes: torch.Tensor):
-    """The registry entry of a stored weight, by its codes' dtype (the two formats written here differ in it)."""
-    return PTPC if codes.dtype == torch.float8_e4m3fn else MXFP4
+def _format(name: str, codes: torch.Tensor, recipe: str):
+    """The registry entry of a stored weight, from what the run's recipe asked for: FP8 PTPC has its own codes' dtype;
+    the MXFP6 recipe writes attention (not the indexer) E3M2 and the rest E2M3, stored alike."""
+    if codes.dtype == torch.float8_e4m3fn:
+        return PTPC
+    if recipe != MXFP6:
+        return MXFP4
+    return E3M2 if ".self_attn." in name and ".indexer." not in name else E2M3
 
 
 @pytest.mark.quark
 def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouched(runs):
-    rule, mxfp4, bf16, _ = runs
+    rule, mxfp4, bf16, report = runs
     packed, unpacked = _tensors(mxfp4), _tensors(bf16)
     scales = {n for n in packed if n.endswith(".weight_scale")}
     assert scales and not any(n.endswith(".weight_scale") for n in unpacked)
     assert set(unpacked) == set(packed) - scales
     for name, t in unpacked.items():
         if f"{name}_scale" in scales:
-            fmt = _format(packed[name])
+            fmt = _format(name, packed[name], report["recipe"]["name"])
             rows, packed_inner = packed[name].shape
             assert t.dtype == torch.bfloat16 and t.shape == (rows, fmt.unpacked_inner(packed_inner))
             want = quark_dequantize_weight(fmt, packed[name], packed[f"{name}_scale"], torch.bfloat16)
@@ -87,8 +98,10 @@ def test_dequantized_weights_equal_quarks_dequantization_and_the_rest_is_untouch
     index = json.loads((bf16 / INDEX_NAME).read_text())
     assert set(index["weight_map"]) == set(unpacked)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in unpacked.values())
-    report = json.loads((bf16 / DEQUANTIZE_NAME).read_text())
-    assert report["status"] == "done" and report["dequantized"] == len(scales)
+    done = json.loads((bf16 / DEQUANTIZE_NAME).read_text())
+    assert done["status"] == "done" and done["dequantized"] == len(scales)
+    want = Counter(_format(n, packed[n], report["recipe"]["name"]).name for n in packed if f"{n}_scale" in scales)
+    assert done["by_format"] == dict(want)
     assert (
         not list(bf16.glob("*.partial"))
         and (bf16 / "tokenizer.json").read_bytes() == (mxfp4 / "tokenizer.json").read_bytes()
@@ -100,8 +113,9 @@ def test_quantize_error_report_is_what_the_dequantized_checkpoint_shows(runs, ti
     in bf16 (MXFP4), else (an FP8 value times a float32 scale) Quark's own dequantization in float32."""
     rule, packed_dir, bf16, report = runs
     source, unpacked, packed = _tensors(tiny_ckpt), _tensors(bf16), _tensors(packed_dir)
+    recipe = report["recipe"]["name"]
     for name, codes in packed.items():
-        if _format(codes) == PTPC and name + "_scale" in packed:
+        if _format(name, codes, recipe) == PTPC and name + "_scale" in packed:
             unpacked[name] = quark_dequantize_weight(PTPC, codes, packed[name + "_scale"], torch.float32)
     error = report["error"]
     assert error["scale_rule"] == rule and error["tensors_measured"] == report["counts"]["quantized"]
@@ -114,9 +128,11 @@ def test_quantize_error_report_is_what_the_dequantized_checkpoint_shows(runs, ti
         assert measured["max_abs_err"] == pytest.approx((x - q).abs().max().item(), rel=1e-5), name
     assert error["overall"]["rel_rmse"] == pytest.approx((total_err / total_ref) ** 0.5, abs=2e-6)
     assert error["worst"][0]["rel_rmse"] == max(t["rel_rmse"] for t in error["tensors"].values())
-    formats = {name: _format(t).name for name, t in packed.items() if name in error["tensors"]}
-    if report["recipe"]["name"] == MIXED:
+    formats = {name: _format(name, t, recipe).name for name, t in packed.items() if name in error["tensors"]}
+    if recipe == MIXED:
         assert set(error["by_class"]) == {"experts", "shared_experts", "mtp", "attention", "indexer"}
+    elif recipe == MXFP6:
+        assert set(error["by_class"]) == {"experts", "shared_experts", "mtp", "attention"}
     else:
         assert set(error["by_class"]) == {"experts", "shared_experts", "mtp"}  # the default recipe's MXFP4 classes
     assert set(error["by_format"]) == set(formats.values())
@@ -128,7 +144,9 @@ def test_quantize_error_report_is_what_the_dequantized_checkpoint_shows(runs, ti
         ]
         assert pooled["tensors"] == len(names)
         assert pooled["rel_rmse"] == pytest.approx((sum(e for e, _ in sums) / sum(r for _, r in sums)) ** 0.5, abs=2e-6)
-    if report["recipe"]["name"] == MIXED:  # FP8 E4M3's 3 mantissa bits against E2M1's 1
+    if recipe == MXFP6:  # both decoded: E3M2 has 2 mantissa bits, E2M3 3 (in wider, Gaussian-like weights here)
+        assert set(error["by_format"]) == {E2M3.name, E3M2.name}
+    if recipe == MIXED:  # FP8 E4M3's 3 mantissa bits against E2M1's 1
         assert error["by_format"]["fp8_ptpc"]["rel_rmse"] < error["by_format"]["mxfp4"]["rel_rmse"] / 3
 
 
@@ -164,9 +182,9 @@ def test_nan_scales_make_their_whole_block_nan_with_one_warning_line(runs, tmp_p
 
     from mxforge.quantize.dequantize import dequantize_checkpoint
 
-    rule, mxfp4, _, _ = runs
-    if rule != "quark":
-        pytest.skip("one scale rule is enough")
+    rule, mxfp4, _, quantized = runs
+    if rule != "quark" or quantized["recipe"]["name"] == MXFP6:
+        pytest.skip("one scale rule is enough; MXFP4's codes (MXFP6's E8M0 scales are the same bytes)")
     tampered = shutil.copytree(mxfp4, tmp_path / "nan")
     ckpt = Checkpoint.open(tampered)
     infos = ckpt.tensor_infos()

@@ -22,8 +22,7 @@ from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME
 from mxforge.errors import ConfigError
-from mxforge.fixups.fixup import layer_config_of
-from mxforge.formats import FP8_BLOCK, MXFP4, format_named, format_of_spec
+from mxforge.formats import FP8_BLOCK, MXFP4, format_named, format_of_spec, layer_config_of
 from mxforge.models import family_named
 from mxforge.models.fixture import write_fixture
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import MTP, REPO, TOKEN, cli, hub_env, kill_group, run_cli
+from helpers import MTP, MXFP6_RECIPE, REPO, TOKEN, cli, hub_env, kill_group, run_cli
 
 from mxforge.models.fixture import write_fixture
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME
@@ -143,23 +143,25 @@ def test_run_refuses_a_recipe_a_release_cannot_load_before_quantizing(hub, tmp_p
 
 
 def test_run_refuses_a_format_no_selected_release_loads_and_warns_where_it_runs_emulated(tiny_ckpt, tmp_path):
-    """MXFP6 experts: no sglang release has an MXFP6 scheme, so run refuses the recipe before quantizing, naming
-    them; served by vLLM only, it runs, and validate warns that vLLM computes those modules by emulation (slow)."""
+    """MXFP6 E2M3 experts and E3M2 attention (MXFP6_RECIPE; the two are stored alike, told apart by their layer
+    configs): no sglang release has an MXFP6 scheme, so run refuses the recipe before quantizing, naming them; served
+    by vLLM only, it runs, and validate warns that vLLM computes those modules by emulation (slow), in each format."""
     recipe = tmp_path / "mxfp6.toml"
-    text = (REPO / "manifests" / "recipes" / "glm-5.2-mxfp4.toml").read_text()
-    recipe.write_text(text.replace('layers = "all"', 'layers = "all"\nformat = "mxfp6_e2m3"', 1))
+    recipe.write_text(MXFP6_RECIPE)
     proc = run_cli("run", str(tiny_ckpt), str(tmp_path / "all"), "--recipe", str(recipe), "--quiet", timeout=600)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     sglang = "sglang-0.5.9, sglang-0.5.10, sglang-0.5.11, sglang-0.5.12, sglang-0.5.15, sglang-0.5.16, sglang-0.5.18"
     assert f"its output would not load in {sglang}, sglang-0.5.19, sglang-0.5.21, sglang-0.5.22 even after" in line
-    assert "vllm" not in line.split("even after")[0] and "MXFP6 E2M3" in line, line
+    assert "vllm" not in line.split("even after")[0] and "MXFP6 E3M2" in line, line
     out = tmp_path / "vllm"
     proc = run_cli("run", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--engines", "vllm", "--json", "-")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
     report = json.loads(proc.stdout)["stages"]["validate"]["report"]
     assert report["ok"] and {w["engine"] for w in report["warnings"]} == {"vllm-0.30.0", "vllm-0.31.0"}
-    assert all("MXFP6 E2M3 module(s) by emulation" in w["message"] for w in report["warnings"]), report["warnings"]
+    assert all("MXFP6 E2M3, 32 MXFP6 E3M2 module(s) by emulation" in w["message"] for w in report["warnings"]), report[
+        "warnings"
+    ]
 
 
 @pytest.fixture(scope="module")
