@@ -16,10 +16,10 @@ from mxforge.quantize.plan import QuantizePlan
 from mxforge.quantize.recipe import Recipe
 from mxforge.safetensors_io import TensorInfo
 from mxforge.validation.loaded import LoadedCheckpoint
-from mxforge.validation.modules import all_linears, checkpoint_linears
+from mxforge.validation.modules import all_linears, checkpoint_linears, engine_modules
 from mxforge.validation.profiles import EngineProfile
 from mxforge.validation.report import Problem
-from mxforge.validation.tensor_forms import stored_form
+from mxforge.validation.tensor_forms import braced, form_title, stored_form
 from mxforge.validation.validate import loadability_problems
 
 LISTED = 1  # problems quoted in the refusal (the rest: counted; validate on the output would name them all)
@@ -73,12 +73,67 @@ def refuse_unloadable(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[E
     )
 
 
+def mixed_fused_modules(
+    plan: QuantizePlan, ckpt, quantization_config: dict, profiles: list[EngineProfile]
+) -> dict[tuple[str, ...], tuple[list[str], list[str]]]:
+    """The modules an engine release loads into one parameter (fused q/k/v or gate/up shards, an expert bank) whose
+    shards `plan` would store in different forms: their shard names -> (the forms, each shard's in order; the
+    releases of `profiles` that fuse them)."""
+    loaded = planned_checkpoint(plan, ckpt, quantization_config)
+    found: dict[tuple[str, ...], tuple[list[str], list[str]]] = {}
+    for profile in profiles:
+        for module in engine_modules(profile, loaded.layout, loaded.linears):
+            forms = [loaded.stored[lin.name].form or "nothing" for lin in module.shards]
+            if len(set(forms)) > 1:
+                names = tuple(lin.name for lin in module.shards)
+                found.setdefault(names, (forms, []))[1].append(profile.name)
+    return found
+
+
+def refuse_mixed_fused(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[EngineProfile]) -> None:
+    """Refuse a plan that stores the shards of a module some release fuses (`mixed_fused_modules`) in different
+    forms: no release of `profiles` that fuses it could load the output.
+
+    Raises:
+        ConfigError: names the shards, their forms, the releases and what to do.
+    """
+    qc = plan.quantization_config(recipe, ckpt.config.get("quantization_config"))
+    mixed = mixed_fused_modules(plan, ckpt, qc, profiles)
+    if not mixed:
+        return
+    (names, (forms, releases)), *rest = mixed.items()
+    by_form: dict[str, list[str]] = {}
+    for name, form in zip(names, forms):
+        by_form.setdefault(form, []).append(name)
+    shards = ", ".join(
+        f"{braced(group)} {form_title(form) if form != 'nothing' else 'absent'}" for form, group in by_form.items()
+    )
+    more = f" (and {len(rest)} more such module(s))" if rest else ""
+    raise ConfigError(
+        f"recipe {recipe.name!r} stores the shards of one fused module in different formats: {shards}; "
+        f"{', '.join(releases)} load them into one parameter, so no such release could load the output{more}. "
+        "Nothing was quantized: give every shard of a fused module (q/k/v, gate/up, a layer's experts) the same rule",
+        entry=recipe.name,
+    )
+
+
 def plan_checker(engines: str | list[str] | None):
     """The check `quantize_checkpoint(check_plan=...)` runs on its plan: `refuse_unloadable` for the releases
     `engines` selects (as --engines; None: every supported release) of the plan's model family."""
     from mxforge.validation.profiles import select
 
     def check(plan: QuantizePlan, recipe: Recipe, ckpt) -> None:
-        refuse_unloadable(plan, recipe, ckpt, [s.profile for s in select(engines, plan.layout.family)])
+        profiles = [s.profile for s in select(engines, plan.layout.family)]
+        refuse_mixed_fused(plan, recipe, ckpt, profiles)
+        refuse_unloadable(plan, recipe, ckpt, profiles)
 
     return check
+
+
+def check_fused_shards(plan: QuantizePlan, recipe: Recipe, ckpt) -> None:
+    """What `mxforge quantize` checks on its plan (`quantize_checkpoint(check_plan=...)`): `refuse_mixed_fused` for
+    every supported release of the plan's model family (quantize serves no release in particular; `mxforge run`
+    checks the releases selected, and everything else validate reports)."""
+    from mxforge.validation.profiles import all_profiles
+
+    refuse_mixed_fused(plan, recipe, ckpt, all_profiles(plan.layout.family))

@@ -43,6 +43,7 @@ def add_scale_rule_option(p: argparse.ArgumentParser) -> None:
 
 def run_quantize(args) -> int:
 
+    from mxforge.fixups.plan_check import check_fused_shards
     from mxforge.quantize.error_report import summary_line
     from mxforge.quantize.run import quantize_checkpoint
 
@@ -58,6 +59,7 @@ def run_quantize(args) -> int:
         follow_symlinks=args.follow_symlinks,
         scale_rule=args.scale_rule,
         measure_errors=not args.no_error_report,
+        check_plan=check_fused_shards,  # a fused module's shards split across formats: refused before quantizing
     )
     c, s = report.counts, report.shards
     assert c is not None and s is not None, "a report quantize just wrote has every count"
@@ -90,7 +92,9 @@ QUANTIZE = Command(
     "shards that still match their source, recipe and tool versions are skipped. An FP8 source (F8_E4M3 "
     "weights with block weight_scale_inv, as the DeepSeek-V3/R1/V3.2 and GLM-5.x FP8 releases, or compressed-"
     "tensors per-channel/per-tensor weight_scale, as GLM-4.5/4.6/4.7-FP8) is read as the bf16 it stands for "
-    "(DeepSeek's weight_dequant, compressed-tensors' dequantize); its scales are not written.",
+    "(DeepSeek's weight_dequant, compressed-tensors' dequantize); its scales are not written. Unlike Quark, a "
+    "recipe that would store the shards of a module an engine loads into one parameter (q/k/v, gate/up, a layer's "
+    "experts) in different formats is refused before anything is written.",
     positionals=(
         ("src", "bf16 or FP8 checkpoint directory (config.json, index, shards)"),
         ("out", "output directory: new, empty, or a previous quantize output to resume"),

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import MTP, MXFP6_RECIPE, REPO, TOKEN, cli, hub_env, kill_group, run_cli
+from helpers import MTP, MXFP6_RECIPE, REPO, TOKEN, cli, hub_env, kill_group, one_error_line, run_cli
 
 from mxforge.models.fixture import write_fixture
 from mxforge.provenance import PUBLISHED_RECORDS, RUN_STATE_NAME
@@ -162,6 +162,42 @@ def test_run_refuses_a_format_no_selected_release_loads_and_warns_where_it_runs_
     assert all("MXFP6 E2M3, 32 MXFP6 E3M2 module(s) by emulation" in w["message"] for w in report["warnings"]), report[
         "warnings"
     ]
+
+
+SPLITS = {  # a rule set that stores one fused module's shards in two formats -> the shards the refusal names
+    "gate/up": (
+        "[[quantize]]\nkinds = [\"dense_mlp\"]\nnames = ['.*\\.gate_proj']\n"
+        '[[quantize]]\nkinds = ["dense_mlp"]\nnames = [\'.*\\.up_proj\']\nformat = "fp8_ptpc"\n',
+        "model.layers.0.mlp.gate_proj MXFP4, model.layers.0.mlp.up_proj FP8 PTPC",
+    ),
+    "q_a/kv_a": (
+        '[[quantize]]\nkinds = ["attention"]\nnames = [\'.*\\.q_a_proj\']\nformat = "fp8_ptpc"\n',
+        "model.layers.0.self_attn.q_a_proj FP8 PTPC, model.layers.0.self_attn.kv_a_proj_with_mqa bf16",
+    ),
+    "an expert bank": (
+        '[[quantize]]\nkinds = ["experts"]\nnames = [\'.*\\.experts\\.0\\..*\']\nformat = "fp8_ptpc"\n',
+        "model.layers.3.mlp.experts.0.{gate,up,down}_proj FP8 PTPC, "
+        "model.layers.3.mlp.experts.{1..7}.{gate,up,down}_proj MXFP4",
+    ),
+}
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_quantize_and_run_refuse_a_fused_module_split_across_formats(split, tiny_ckpt, tmp_path):
+    """Shards an engine loads into one parameter (gate/up, MLA's q_a/kv_a, the experts of one layer) stored in two
+    formats load in no release that fuses them: quantize (which serves no release in particular) and run refuse the
+    recipe before writing anything, naming the shards, their formats and the releases."""
+    rules, shards = SPLITS[split]
+    recipe = tmp_path / "split.toml"
+    recipe.write_text(
+        'name = "split"\nscheme = "mxfp4"\n' + rules + '[[quantize]]\nkinds = ["experts"]\n'
+    )  # first wins
+    for stage in ("quantize", "run"):
+        out = tmp_path / stage
+        line = one_error_line(run_cli(stage, str(tiny_ckpt), str(out), "--recipe", str(recipe), "--quiet"))
+        assert f"recipe 'split' stores the shards of one fused module in different formats: {shards};" in line, line
+        assert "vllm-0.31.0 load them into one parameter" in line and "Nothing was quantized" in line, line
+        assert not out.exists() or not any(out.glob("*.safetensors")), stage
 
 
 @pytest.fixture(scope="module")
