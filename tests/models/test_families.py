@@ -269,6 +269,21 @@ def test_default_recipe_keeps_what_the_policy_keeps(family, tmp_path):
         assert (t.fate == "quantized") == want, (name, t.fate)
 
 
+# The variants #23 ships beside every family's default recipe (`<default>-<suffix>`), and why a family may lack one:
+# an engine that serves the family must load the variant (none here lacks one), and keep-FP8 needs an FP8 release.
+VARIANTS = ("mtp-bf16", "attn-fp8", "mtp-fp8")
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_every_family_ships_the_mixed_precision_variants(family):
+    """Each family's recipes: its default, the MTP layer bf16, AMD's AttnFP8 layout (FP8 PTPC attention), an FP8 MTP
+    layer, and a keep-FP8 variant exactly where the family has an FP8 release to keep weights from."""
+    stem = family.default_recipe
+    want = [stem] + [f"{stem}-{v}" for v in VARIANTS] + ([f"{stem}-keep-fp8"] if family.has_fp8_release else [])
+    assert sorted(family.recipes) == sorted(want)
+    assert [load_recipe(r).keeps_source_weights for r in want] == [r.endswith("keep-fp8") for r in want]
+
+
 def _bf16_recipes() -> list:
     """(family, recipe) for every shipped recipe whose output from a bf16 source is its own (a keep-FP8 recipe's is
     its family's default: tests/run/test_fp8_run.py runs those from the FP8 release)."""
