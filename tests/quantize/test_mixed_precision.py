@@ -90,3 +90,35 @@ def test_mixed_output_is_byte_identical_to_quarks_mixed_file_to_file(mixed, tiny
     # the index differs by design (test_quantize_e2e): Quark's total_size counts whole files; the maps agree
     assert [n for n in theirs if ours[n] != theirs[n]] == [INDEX_NAME]
     assert json.loads(ours[INDEX_NAME])["weight_map"] == json.loads(theirs[INDEX_NAME])["weight_map"]
+
+
+@pytest.mark.quark
+def test_mxfp6_mixed_output_is_byte_identical_to_quarks_file_to_file(tiny_ckpt, tmp_path):
+    """MXFP6_RECIPE (routed and decoder shared experts MXFP6 E2M3, attention E3M2, the rest bf16) against Quark's
+    file-to-file with its own MXFP6E2M3Scheme globally and MXFP6E3M2Scheme per attention pattern: each pattern's
+    scheme chosen here from the module it names, not from our config; every shard and config.json equal."""
+    from helpers import MXFP6_RECIPE
+    from quark.torch import ModelQuantizer
+    from quark.torch.quantization.config.config import QConfig
+    from quark.torch.quantization.config.template import MXFP6E2M3Scheme, MXFP6E3M2Scheme
+
+    recipe, out = tmp_path / "mxfp6.toml", tmp_path / "ours"
+    recipe.write_text(MXFP6_RECIPE)
+    cli("quantize", str(tiny_ckpt), str(out), "--recipe", str(recipe), "--quiet", check=True)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+
+    def scheme(pattern: str):
+        return MXFP6E3M2Scheme() if ".self_attn." in pattern and ".indexer." not in pattern else MXFP6E2M3Scheme()
+
+    assert {type(scheme(p)).__name__ for p in qc["layer_quant_config"]} == {"MXFP6E3M2Scheme"}  # attention's
+    config = QConfig(
+        global_quant_config=MXFP6E2M3Scheme().config,  # the first rule's format is the global scheme
+        layer_quant_config={p: scheme(p).config for p in qc["layer_quant_config"]},
+        exclude=list(qc["exclude"]),
+    )
+    dst = tmp_path / "quark"
+    ModelQuantizer(config).direct_quantize_checkpoint(str(tiny_ckpt), str(dst), device="cpu")
+    ours, theirs = _files(out), _files(dst)
+    assert set(theirs) <= set(ours)
+    assert [n for n in theirs if ours[n] != theirs[n]] == [INDEX_NAME]  # total_size differs by design (as above)
+    assert json.loads(ours[INDEX_NAME])["weight_map"] == json.loads(theirs[INDEX_NAME])["weight_map"]
