@@ -13,7 +13,7 @@ seconds), the ratios, each one's peak RSS (summed over its process group, sample
 size, and whether mxforge's files are byte-identical to Quark's.
 
     .venv/bin/python scripts/bench_quantize.py [--gib 2] [--workdir DIR] [--workers N] [--json OUT]
-        [--skip-quark] [--repeat N] [--recipe R ...]
+        [--skip-quark] [--repeat N] [--recipe R ...] [--family F]
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def _best(results: dict, name: str, seconds: float, peak_rss: int, cpu_seconds: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--family", default=None, help="the model family of the bench fixture (default: mxforge fixture's)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the fixture and outputs go (default: a temp dir)")
     ap.add_argument("--workers", type=int, default=None, help="mxforge --workers (default: its own default)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
@@ -173,11 +174,12 @@ def main() -> None:
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mxforge-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    src = work / f"bench-{args.gib:g}gib"
+    family = ["--family", args.family] if args.family else []
+    src = work / f"bench-{args.family or 'default'}-{args.gib:g}gib"
     mxforge = [sys.executable, "-m", "mxforge.cli"]
     if not (src / "config.json").exists():
         subprocess.run(
-            [*mxforge, "fixture", str(src), "--preset", "bench", "--gib", str(args.gib), "--quiet"], check=True
+            [*mxforge, "fixture", str(src), "--preset", "bench", "--gib", str(args.gib), "--quiet", *family], check=True
         )
     size = weight_bytes(src)
     recipes: list[str | None] = list(args.recipe or [None])  # None: the family's default
@@ -191,7 +193,7 @@ def main() -> None:
     # Fill the numba and Quark-config caches so the timed run measures the work, not first-use compiles.
     warmup = work / "warmup"
     shutil.rmtree(warmup, ignore_errors=True)
-    subprocess.run([*mxforge, "fixture", str(warmup / "src"), "--quiet"], check=True, capture_output=True)
+    subprocess.run([*mxforge, "fixture", str(warmup / "src"), "--quiet", *family], check=True, capture_output=True)
     for i, r in enumerate(recipes):
         subprocess.run(
             [*mxforge, "quantize", str(warmup / "src"), str(warmup / f"out{i}"), "--quiet"]
@@ -261,6 +263,7 @@ def main() -> None:
         r["gb_per_s"] = size / r["seconds"] / 1e9
     first = recipes[0]
     report = {
+        "family": args.family or "default",
         "source_bytes": size,
         "cores": len(os.sched_getaffinity(0)),
         "recipes": [labels[r] for r in recipes],
@@ -285,7 +288,7 @@ def main() -> None:
     }
     lines: list[str] = []
     lines.append(
-        f"source: {size / 1e9:.2f} GB of bf16 shards ({src}), {report['cores']} cores, "
+        f"source: {size / 1e9:.2f} GB of bf16 shards ({src}, family {report['family']}), {report['cores']} cores, "
         f"load average {report['load_average'][0]:.2f}"
     )
     width = max(24, *(len(n) for n in results))
