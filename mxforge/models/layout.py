@@ -85,6 +85,8 @@ class MoeLayout:
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_FIELDS
     OPTIONAL_INT_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_OPTIONAL_INT_FIELDS
     LAYER_LISTS: ClassVar[dict[str, tuple[str, ...]]] = LAYER_LISTS
+    # A family's own ranges for fields FIELD_LIMITS also bounds (GLM-5.3-Flash's NoPE MLA: qk_rope_head_dim 0 only)
+    OWN_FIELD_LIMITS: ClassVar[dict[str, tuple[int, int]]] = {}
     NORM_DTYPE: ClassVar[str] = "BF16"  # how the published checkpoint stores its norms (DeepSeek-V3.2: F32)
     # Layer-relative names of MTP-layer tensors a release may leave out because every engine loads them from
     # elsewhere (GLM-4.6's MTP layer has no embed_tokens / shared_head.head: engines use the model's).
@@ -120,7 +122,7 @@ class MoeLayout:
                     entry=key,
                 )
             if value is not None:
-                low, high = FIELD_LIMITS.get(key, FIELD_LIMIT_DEFAULT)
+                low, high = self.OWN_FIELD_LIMITS.get(key) or FIELD_LIMITS.get(key, FIELD_LIMIT_DEFAULT)
                 if not low <= value <= high:
                     raise ConfigError(
                         f"config.json: {key} is {value:,}, outside {low:,}..{high:,}"

@@ -194,6 +194,56 @@ def test_qwen3_5_moe_tiny_matches_what_transformers_saves(tmp_path):
     assert [layout.attention_type(n) for n in layout.all_layers] == ["linear_attention"] * 3 + ["full_attention"] * 2
 
 
+def test_glm5_next_figures():
+    """GLM-5.3-Flash's inventory, derived from transformers' default config: 45 layers, every fourth indexed NoPE MLA,
+    the rest KDA; the first three dense, then 288 routed experts and one shared expert; mHC on every decoder layer;
+    the 24-block vision tower; the MTP layer 45. 321.32 B parameters and 38,770 tensors: what transformers' own model
+    on the meta device holds (313.79 B with its vision default out_hidden_size 1536, less the MTP layer)."""
+    tensors, by_name = full_layout(family_named("glm5_next"))
+    count, parameters, _ = totals(tensors)
+    assert (count, parameters) == (38770, 321323049822)
+    text = "model.language_model.layers."
+    assert by_name[text + "0.self_attn.q_proj.weight"].shape == (64 * 128, 4096)
+    assert by_name[text + "0.self_attn.q_conv1d.weight"].shape == (64 * 128, 1, 4)
+    assert by_name[text + "0.hc_attn_fn"].shape == (24, 4 * 4096) and by_name[text + "0.hc_ffn_base"].dtype == "F32"
+    assert by_name[text + "3.self_attn.q_b_proj.weight"].shape == (64 * 256, 1536)  # NoPE: no rope dims
+    assert by_name[text + "3.self_attn.indexer.index_kpool_compress_gate"].shape == (128, 4096)
+    assert (
+        text + "4.self_attn.kv_b_proj.weight" not in by_name and text + "2.mlp.experts.0.up_proj.weight" not in by_name
+    )
+    assert by_name[text + "44.mlp.experts.287.down_proj.weight"].shape == (4096, 2048)
+    assert by_name[text + "45.eh_proj.weight"].shape == (4096, 8192) and text + "45.hc_attn_fn" not in by_name
+    assert by_name["model.visual.merger.down_proj.weight"].shape == (4096, 10240)
+    assert sum(n.startswith("model.visual.blocks.") for n in by_name) == 24 * 14
+
+
+def test_glm5_next_tiny_matches_what_transformers_saves(tmp_path):
+    """Outside the MTP layer (which transformers does not build), the tiny fixture's names, shapes and dtypes equal
+    what `Glm5NextForConditionalGeneration.save_pretrained` writes for its config loaded in bf16 (the modules
+    transformers keeps float32: the router, KDA's convs, dt_bias and A_log, the mHC bases and scales): KDA and
+    indexed MLA layers with mHC, routed experts one by one, the vision tower."""
+    import torch
+    import transformers
+
+    write_fixture(tmp_path / "g", "tiny", family="glm5_next", quiet=True)
+    ckpt = Checkpoint.open(tmp_path / "g")
+    config = transformers.Glm5NextConfig(
+        text_config=ckpt.config["text_config"], vision_config=ckpt.config["vision_config"]
+    )
+    transformers.Glm5NextForConditionalGeneration(config).save_pretrained(tmp_path / "f32")
+    model = transformers.Glm5NextForConditionalGeneration.from_pretrained(tmp_path / "f32", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "hf")
+    theirs = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(f, "pt") as s:
+            theirs.update({k: (tuple(s.get_slice(k).get_shape()), s.get_slice(k).get_dtype()) for k in s.keys()})
+    layout = layout_of(ckpt.config)
+    ours = {k: (v.shape, v.dtype) for k, v in ckpt.tensor_infos().items() if not layout.in_mtp_layer(k)}
+    assert ours == theirs
+    assert [layout.attention_type(n) for n in layout.all_layers] == ["linear_attention"] * 3 + ["indexed_attention"] * 2
+    assert [layout.has_indexer(n) for n in layout.all_layers] == [False] * 3 + [True] * 2
+
+
 def test_qwen3_5_moe_fixup_writes_mtp_entries_sglang_0_5_12_reads_without_dropping_the_draft(tmp_path):
     """The default recipe keeps `mtp.fc` (vLLM quantizes it unless excluded) and the MTP layer's attention and shared
     expert bf16, its routed experts MXFP4. sglang 0.5.12-0.5.20 build the whole draft unquantized as soon as an
