@@ -41,7 +41,7 @@ def fixture_ckpt(tmp_path_factory):
     def get(
         preset: str, family: str | None = None, precision: str = "bf16", shard_count: int | None = None, **overrides
     ) -> tuple[Path, FixtureResult]:
-        key = (preset, family or GLM5.name, precision, shard_count, tuple(sorted(overrides.items())))
+        key = (preset, family or GLM5.name, precision, shard_count, json.dumps(overrides, sort_keys=True))
         if key not in built:
             out = tmp_path_factory.mktemp(f"fixture-{preset}-{key[1]}-{precision}") / "ckpt"
             result = write_fixture(

@@ -108,9 +108,14 @@ def engine_excludes(
     return all(hits)
 
 
-def map_name(profile: EngineProfile, name: str) -> str:
-    """The draft's name mapper on one name: the longest matching substring replaced once (WeightsMapper)."""
-    for old, new in sorted(profile.draft.name_mapper, key=lambda pair: len(pair[0]), reverse=True):
+def map_name(profile: EngineProfile, name: str, layer: int | None = None) -> str:
+    """The draft's name mapper on one name: the longest matching substring replaced once (WeightsMapper). A pair
+    naming `{layer}` is the MTP layer's (`layer`; the mapper a draft class builds from its config's layer count,
+    sglang's GLM-5.3-Flash NextN) and maps nothing without one."""
+    pairs = [
+        (old.format(layer=layer), new) for old, new in profile.draft.name_mapper if layer is not None or "{" not in old
+    ]
+    for old, new in sorted(pairs, key=lambda pair: len(pair[0]), reverse=True):
         if old in name:
             return name.replace(old, new, 1)
     return name
@@ -144,25 +149,26 @@ def role_views(
     global_config: dict | None = raw_global if isinstance(raw_global, dict) else None
     main = ExcludeList(tuple(exclude))
     target, target_configs = main, layer_configs
-    if profile.runtime_prefixes:  # the release's own mapper renames entries and keys as it renames the modules
+    if profile.runtime_prefixes or profile.runtime_suffixes:  # the release's mapper renames entries as modules
         target = ExcludeList(tuple(dict.fromkeys(profile.runtime_name(e) for e in main.entries)))
         target_configs = {profile.runtime_name(k): v for k, v in layer_configs.items()}
     views = {TARGET: RoleView(target, target, False, target_configs, global_config, target_configs, profile.packed)}
     draft_packed = profile.packed_in(True)
     mapped, mapped_configs = main, layer_configs
-    if profile.exclude_source == "mapped" and profile.draft.name_mapper:
-        mapped = ExcludeList(tuple(dict.fromkeys(map_name(profile, e) for e in main.entries)))
-    if profile.layer_configs_mapped and profile.draft.name_mapper:  # WeightsMapper.apply_dict: keys replaced
-        mapped_configs = {map_name(profile, k): v for k, v in layer_configs.items()}
     mtp = layout.mtp_layers
+    first = mtp[0] if mtp else None
+    if profile.exclude_source == "mapped" and profile.draft.name_mapper:
+        mapped = ExcludeList(tuple(dict.fromkeys(map_name(profile, e, first) for e in main.entries)))
+    if profile.layer_configs_mapped and profile.draft.name_mapper:  # WeightsMapper.apply_dict: keys replaced
+        mapped_configs = {map_name(profile, k, first): v for k, v in layer_configs.items()}
     if not mtp:
         views[DRAFT] = RoleView(mapped, mapped, False, mapped_configs, global_config, mapped_configs, draft_packed)
         return views
     layer = mtp[0]
     prefix = layout.layer_prefix(layer)
-    whole = (profile.draft.whole_draft_switch and bool(mapped.matching_entry(map_name(profile, prefix[:-1])))) or (
-        _block_entry_switches(profile, layout, main)
-    )
+    whole = (
+        profile.draft.whole_draft_switch and bool(mapped.matching_entry(map_name(profile, prefix[:-1], layer)))
+    ) or (_block_entry_switches(profile, layout, main))
     entries, configs = mapped, mapped_configs
     if profile.draft.remap_mtp_entries:
         entries = _with_mtp_remap(profile, mapped, layer, prefix)

@@ -126,6 +126,12 @@ class EngineProfile:
     # applies to module names and `exclude` entries alike (vLLM's hf_to_vllm_mapper: Qwen3.5's
     # `model.language_model.` -> `language_model.model.`); empty: the checkpoint's names
     runtime_prefixes: tuple[tuple[str, str], ...] = ()
+    # Module-name endings the same mapper renames after the prefixes (sglang's GLM-5.3-Flash: the vision tower's
+    # `.attn.qkv` -> `.attn.qkv_proj`)
+    runtime_suffixes: tuple[tuple[str, str], ...] = ()
+    # Names the model's packed_modules_mapping lists as packed from themselves alone (vLLM 0.30's GLM-5.3-Flash,
+    # inheriting Glm4v's "gate_up_proj": ["gate_up_proj"]): decided by that name, as an unpacked module is
+    packed_as_itself: frozenset[str] = frozenset()
 
     @property
     def serve_command(self) -> str:
@@ -156,11 +162,20 @@ class EngineProfile:
         return self.draft.eh_proj_quantizable if mtp_proj else True
 
     def runtime_name(self, name: str) -> str:
-        """A target module's or `exclude` entry's name as the release maps it (`runtime_prefixes`)."""
+        """A target module's or `exclude` entry's name as the release maps it (`runtime_prefixes`, then
+        `runtime_suffixes`)."""
         for old, new in self.runtime_prefixes:
             if name.startswith(old):
-                return new + name[len(old) :]
+                name = new + name[len(old) :]
+                break
+        for old, new in self.runtime_suffixes:
+            if name.endswith(old):
+                return name[: -len(old)] + new
         return name
+
+    def packed_mapping(self, is_draft: bool) -> frozenset[str]:
+        """The names the target's or the draft's packed_modules_mapping lists (what the probes read)."""
+        return self.packed_in(is_draft) | self.packed_as_itself
 
     def packed_in(self, is_draft: bool) -> frozenset[str]:
         """The fused modules decided by their shards' entries in the target's or the draft's model."""
@@ -310,6 +325,8 @@ def _load(name: str, family: str) -> EngineProfile:
                 tuple(fu.get("layer_config_bases", ())),
             ),
             runtime_prefixes=tuple(tuple(p) for p in mod.get("runtime_prefixes", ())),
+            runtime_suffixes=tuple(tuple(p) for p in mod.get("runtime_suffixes", ())),
+            packed_as_itself=frozenset(ex.get("packed_as_itself", ())),
             serve_base=sv["command"],
             serve_speculative=sv["speculative"],
             serve_source=tuple(sv["source"]),
@@ -331,12 +348,15 @@ def _check(p: EngineProfile, where: str, family_from_later_release: bool = False
         or p.fusion.veto not in VETOES
         or p.layer_config_match not in LAYER_CONFIG_MATCHES
         or p.draft.block_entry_switch not in BLOCK_ENTRY_SWITCHES
-        or any(len(pair) != 2 or not all(isinstance(x, str) and x for x in pair) for pair in p.runtime_prefixes)
+        or any(
+            len(pair) != 2 or not all(isinstance(x, str) and x for x in pair)
+            for pair in p.runtime_prefixes + p.runtime_suffixes
+        )
     ):
         raise ConfigError(
             f"{where}: exclude.source must be one of {SOURCES}, fusion.veto one of {VETOES}, "
             f"schemes.layer_config_match one of {LAYER_CONFIG_MATCHES}, draft.block_entry_switch one of "
-            f"{BLOCK_ENTRY_SWITCHES}, modules.runtime_prefixes [checkpoint prefix, runtime prefix] pairs"
+            f"{BLOCK_ENTRY_SWITCHES}, modules.runtime_prefixes / runtime_suffixes [checkpoint, runtime] pairs"
         )
     outside = [v for v in p.read if Version(v) not in p.releases]
     if not p.read or outside or (p.read[0] != p.name.split("-", 1)[1] and not family_from_later_release):
@@ -347,6 +367,8 @@ def _check(p: EngineProfile, where: str, family_from_later_release: bool = False
     unknown = (p.packed | (p.draft.packed or frozenset())) - set(p.fused)
     if unknown:
         raise ConfigError(f"{where}: exclude.packed names {sorted(unknown)}, which modules.fused does not define")
+    if p.packed & p.packed_as_itself:
+        raise ConfigError(f"{where}: {sorted(p.packed & p.packed_as_itself)} both packed and packed as itself")
     for key, names in (
         ("formats", p.formats),
         ("formats_raising", p.formats_raising),

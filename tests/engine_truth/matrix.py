@@ -69,13 +69,16 @@ def fixture_args(size: str, family: Family) -> tuple[str, dict]:
     e256 is the family's real layout: real shapes, routed-expert count (sglang's shared-expert fusion gate reads
     it), decoder layer count and so MTP layer index (sglang's DeepSeek draft maps `model.layers.61` by that literal
     name; `layers.78` has the real layer `layers.7` as its prefix), with all but the last two decoder layers dense
-    (`first_k_dense_replace`), in 16 shards: glm_moe_dsa's 48 exports and fixups take 16 s instead of 245 s with
-    every layer MoE in 282 shards. Validate, fixup and quantize's plan are tested on every family's whole layout
-    (`full_layout_ckpt`)."""
+    (`first_k_dense_replace`, or for a family that reads none an `mlp_layer_types` list: GLM-5.3-Flash), in 16
+    shards: glm_moe_dsa's 48 exports and fixups take 16 s instead of 245 s with every layer MoE in 282 shards.
+    Validate, fixup and quantize's plan are tested on every family's whole layout (`full_layout_ckpt`)."""
     if size == "e6":
         return "tiny", {"n_routed_experts": 6, "num_experts_per_tok": 2}
-    layers = int(preset_config("full-layout", family=family)[0]["num_hidden_layers"])
-    return "full-layout", {"first_k_dense_replace": layers - 2, "shard_count": 16}
+    config = family.config.view(preset_config("full-layout", family=family)[0])
+    layers = int(config["num_hidden_layers"])
+    if "first_k_dense_replace" in family.layout.REQUIRED_FIELDS:
+        return "full-layout", {"first_k_dense_replace": layers - 2, "shard_count": 16}
+    return "full-layout", {"mlp_layer_types": ["dense"] * (layers - 2) + ["sparse"] * 2, "shard_count": 16}
 
 
 def _layout(src: Path) -> MoeLayout:
@@ -376,7 +379,7 @@ def mismatches(profile: EngineProfile, loaded, answer: dict) -> list[str]:
     for role, a in ((TARGET, t), (DRAFT, d)):
         expect(
             f"{role} packed-module mapping",
-            sorted(profile.packed_in(role == DRAFT)),
+            sorted(profile.packed_mapping(role == DRAFT)),
             sorted(a["packed_modules_mapping"]),
         )
         expect(f"{role} shared-expert fusion", int(role in view.fused), a["fused_shared_experts"])

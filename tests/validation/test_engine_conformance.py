@@ -222,7 +222,11 @@ def wrong_mapper(family_name: str) -> tuple[tuple[str, str], ...]:
     """A draft name mapper for the releases that have none: DeepSeek-V3's MTP layer, model.layers.61, renamed as
     sglang's draft names it; for a family whose real layout ends before layer 61 (GLM-4.7-Flash: 47 layers), its own
     MTP layer."""
-    mtp = int(preset_config("full-layout", family=family_named(family_name))[0]["num_hidden_layers"])
+    family = family_named(family_name)
+    layout = family.layout_of(preset_config("full-layout", family=family)[0])
+    mtp = layout.num_hidden_layers
+    if family.layers.decoder != "model.layers.{layer}":  # stored under other names (GLM-5.3-Flash's): its own
+        return ((layout.layer_prefix(mtp)[:-1], "model.decoder"),)
     return ((f"model.layers.{min(61, mtp)}", "model.decoder"),)
 
 

@@ -1,6 +1,7 @@
 """What every sglang and vLLM release that builds GLM-5.3-Flash does with a Quark MXFP4 checkpoint of it, measured by
-executing the release's own code (the engine-truth probes, tests/engine_truth/), target and MTP draft: the map #24's
-GLM-5.3-Flash engine tables are to be written from, pinned so a probe or release that answers otherwise fails here.
+executing the release's own code (the engine-truth probes, tests/engine_truth/), target and MTP draft: the map the
+`[family.glm5_next]` tables of manifests/engines/ were written from (the conformance suite then judges them on the
+whole matrix), pinned so a probe or release that answers otherwise fails here.
 
 The checkpoint config is transformers' own `Glm5NextConfig` at small sizes (three KDA linear-attention layers, one
 indexed MLA layer, one dense and three sparse MLPs, a two-block vision tower, one MTP layer) with the fields the
@@ -122,13 +123,7 @@ def _cases(engine: str) -> list[dict]:
     return probe_io.exclude_cases(_config(), EXCLUDES, target=target, draft=draft)
 
 
-FIRST = {"sglang": Version("0.5.20"), "vllm": Version("0.30.0")}  # the first releases that register the family
-RELEASES = [
-    (p.engine, release)
-    for p in all_profiles("glm_moe_dsa")
-    for release in p.read
-    if Version(release) >= FIRST[p.engine]
-]
+RELEASES = [(p.engine, release) for p in all_profiles("glm5_next") for release in p.read]
 
 
 @pytest.fixture(scope="module")
@@ -191,9 +186,10 @@ def test_each_release_builds_glm5_next_target_and_draft_as_pinned(measured, engi
 
 def test_the_family_starts_with_the_releases_pinned():
     """sglang 0.5.19 and the releases before it register no GLM-5.3-Flash class (the registry's EntryClass names,
-    read from the wheel); 0.5.20 does."""
+    read from the wheel); 0.5.20, the first release its profiles read, does."""
     from engine_truth.sglang_probe import entry_modules
     from engine_truth.wheels import Release
 
     assert "Glm5NextForConditionalGeneration" not in entry_modules(Release("sglang", "0.5.19"))
     assert "Glm5NextForConditionalGeneration" in entry_modules(Release("sglang", "0.5.20"))
+    assert RELEASES[0] == ("sglang", "0.5.20") and ("sglang", "0.5.19") not in RELEASES
