@@ -14,6 +14,7 @@ when every 2-D weight is F8_E4M3 with its F32 scales except the router (`mlp.gat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mxforge.models.family import load_family
 from mxforge.models.layout import (
@@ -36,7 +37,10 @@ PATTERN_CODES = {"F": "full", "S": "shared"}  # index_topk_pattern's letters
 @dataclass(frozen=True)
 class GlmMoeDsaLayout(MoeLayout):
     REQUIRED_FIELDS = LINEAGE_FIELDS + MLA_FIELDS + DSA_FIELDS
-    OPTIONAL_INT_FIELDS = LINEAGE_OPTIONAL_INT_FIELDS + ("index_topk_freq", "index_skip_topk_offset")
+    OPTIONAL_INT_FIELDS: ClassVar[tuple[str, ...]] = LINEAGE_OPTIONAL_INT_FIELDS + (
+        "index_topk_freq",
+        "index_skip_topk_offset",
+    )
     LAYER_LISTS = {**LAYER_LISTS, "indexer_types": INDEXER_TYPES}
 
     def __post_init__(self):
