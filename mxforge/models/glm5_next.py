@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from mxforge.errors import ConfigError
 from mxforge.models.family import load_family
@@ -53,8 +53,6 @@ NORM_WEIGHT = re.compile(r"norm[a-z0-9_]*\.weight$")
 F32 = re.compile(
     r"^(mlp\.gate\.weight|self_attn\.[qkv]_conv1d\.weight|self_attn\.(dt_bias|A_log)|hc_\w+_(base|scale))$"
 )
-VISION_FIELDS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size")
-VISION_DEFAULTS = {"spatial_merge_size": 2, "temporal_patch_size": 2, "attention_bias": True}
 # First match wins, on the layer-relative name (the whole name for a global tensor: the vision tower, embeddings)
 KIND_RULES = compile_rules(
     (
@@ -93,10 +91,17 @@ class Glm5NextLayout(GlmMoeDsaLayout):
     )
     OWN_FIELD_LIMITS = {"qk_rope_head_dim": (0, 0), "hc_mult": (1, 64), "index_kpool": (1, 1_024)}  # NoPE only
     LAYER_LISTS = {**GlmMoeDsaLayout.LAYER_LISTS, "layer_types": LAYER_TYPES}
-
-    def __post_init__(self):
-        super().__post_init__()
-        self._vision()  # checked before anything is planned from it
+    TEXT_PREFIX = "model.language_model."
+    VISION_FIELDS = (
+        "depth",
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "in_channels",
+        "patch_size",
+        "projection_intermediate_size",
+    )
+    VISION_DEFAULTS = {"spatial_merge_size": 2, "temporal_patch_size": 2}
 
     @property
     def hc_mult(self) -> int:
@@ -185,30 +190,14 @@ class Glm5NextLayout(GlmMoeDsaLayout):
         tower's)."""
         return 1.0 if NORM_WEIGHT.search(name) else None
 
-    def _vision(self) -> Mapping[str, Any] | None:
-        """The vision tower's config (None: a text-only checkpoint), its sizes checked.
+    def vision_config(self) -> dict[str, Any] | None:
+        """The vision tower's config (MoeLayout.vision_config), its heads dividing its width.
 
         Raises:
-            ConfigError: a vision field missing, not a whole number or out of range, or heads that do not divide it.
+            ConfigError: as MoeLayout.vision_config, or vision_config.num_heads not dividing hidden_size.
         """
-        vision = self.config.get("vision_config")
-        if vision is None:
-            return None
-        if not isinstance(vision, dict):
-            raise ConfigError("config.json: vision_config must be an object", filename="config.json")
-        merged = {**VISION_DEFAULTS, **vision}
-        defaults = {"out_hidden_size": self.config["hidden_size"], "projection_intermediate_size": None}
-        for key in (*VISION_FIELDS, "spatial_merge_size", "temporal_patch_size", *defaults):
-            value = merged.get(key, defaults.get(key))
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
-                raise ConfigError(
-                    f"config.json: vision_config.{key} is {value!r}, not a whole number in 1..{1 << 20:,}; "
-                    "fix it (it sizes the vision tower's tensors)",
-                    filename="config.json",
-                    entry=f"vision_config.{key}",
-                )
-            merged[key] = value
-        if merged["hidden_size"] % merged["num_heads"]:
+        merged = super().vision_config()
+        if merged is not None and merged["hidden_size"] % merged["num_heads"]:
             raise ConfigError(
                 f"config.json: vision_config.hidden_size {merged['hidden_size']} is not a multiple of num_heads "
                 f"{merged['num_heads']}; fix it",
@@ -220,7 +209,7 @@ class Glm5NextLayout(GlmMoeDsaLayout):
     def vision_tensors(self) -> list[PlannedTensor]:
         """The vision tower, as transformers' GLM-5.3-Flash vision model stores it (bf16, left alone by every
         recipe)."""
-        v = self._vision()
+        v = self.vision_config()
         if v is None:
             return []
         hv, iv, out_h, pi = (
@@ -229,7 +218,7 @@ class Glm5NextLayout(GlmMoeDsaLayout):
             v["out_hidden_size"],
             v["projection_intermediate_size"],
         )
-        head, merge, bias = hv // v["num_heads"], v["spatial_merge_size"], bool(v["attention_bias"])
+        head, merge, bias = hv // v["num_heads"], v["spatial_merge_size"], bool(v.get("attention_bias", True))
         out: list[Spec] = [
             (
                 "patch_embed.proj.weight",
@@ -270,22 +259,6 @@ class Glm5NextLayout(GlmMoeDsaLayout):
         per-layer lists of config.json cannot describe a layer past them, so the lineage's test cannot build one)."""
         own = {self.MTP_PROJ, *self.MTP_NORMS}
         return any(self.locate(n)[0] == layer and self.locate(n)[1].split(".", 1)[0] in own for n in names)
-
-    def tensors(self) -> list[PlannedTensor]:
-        """Every tensor of the bf16 checkpoint: the text model (embedding, layers, norm), the head, the vision
-        tower, the MTP layer last."""
-        h, v = int(self.config["hidden_size"]), int(self.config["vocab_size"])
-        text = "model.language_model."
-        out = [PlannedTensor(text + "embed_tokens.weight", "BF16", (v, h))]
-        for layer in range(self.num_hidden_layers):
-            out += self.layer_tensors(layer)
-        out.append(PlannedTensor(text + "norm.weight", "BF16", (h,)))
-        if not self.config.get("tie_word_embeddings", False):
-            out.append(PlannedTensor("lm_head.weight", "BF16", (v, h)))
-        out += self.vision_tensors()
-        for layer in self.mtp_layers:
-            out += self.layer_tensors(layer)
-        return out
 
 
 FAMILY = load_family("glm-5.3-flash", layout=Glm5NextLayout, kind_rules=KIND_RULES)

@@ -99,6 +99,12 @@ class MoeLayout:
     # The MTP layer's norms of the embedding and of the hidden state, before that projection (Qwen3.5's
     # pre_fc_norm_embedding, pre_fc_norm_hidden)
     MTP_NORMS: ClassVar[tuple[str, str]] = ("enorm", "hnorm")
+    # Where the language model's embedding and final norm are stored (a multimodal family's: model.language_model.)
+    TEXT_PREFIX: ClassVar[str] = "model."
+    # A vision tower's config.json fields that size its tensors (whole numbers; a family without one: none), and
+    # those with a default (`out_hidden_size`, what the merger feeds the text model, defaults to its hidden size)
+    VISION_FIELDS: ClassVar[tuple[str, ...]] = ()
+    VISION_DEFAULTS: ClassVar[dict[str, int]] = {}
 
     def __post_init__(self):
         missing = [k for k in self.REQUIRED_FIELDS if k not in self.config]
@@ -131,6 +137,7 @@ class MoeLayout:
                     )
         for key, allowed in self.LAYER_LISTS.items():
             self._check_layer_list(key, self.config.get(key), allowed)
+        self.vision_config()  # checked before anything is planned from it
         implied = (self.num_hidden_layers + len(self.mtp_layers)) * (3 * int(self.config["n_routed_experts"]) + 64)
         if implied > MAX_TENSORS:
             raise ConfigError(
@@ -295,15 +302,44 @@ class MoeLayout:
         """Full names of the tensors config.json implies that a checkpoint may lack (OMITTABLE_MTP_TENSORS)."""
         return frozenset(self.module_name(i, n) for i in self.mtp_layers for n in self.OMITTABLE_MTP_TENSORS)
 
+    def vision_config(self) -> dict[str, Any] | None:
+        """The vision tower's config with its defaults (None: a family or checkpoint without one), its sizes checked.
+
+        Raises:
+            ConfigError: vision_config not an object, or a field missing, not a whole number or out of range.
+        """
+        vision = self.config.get("vision_config")
+        if vision is None or not self.VISION_FIELDS:
+            return None
+        if not isinstance(vision, dict):
+            raise ConfigError("config.json: vision_config must be an object", filename="config.json")
+        merged = {**self.VISION_DEFAULTS, "out_hidden_size": self.config["hidden_size"], **vision}
+        for key in (*self.VISION_FIELDS, *self.VISION_DEFAULTS, "out_hidden_size"):
+            value = merged.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
+                raise ConfigError(
+                    f"config.json: vision_config.{key} is {value!r}, not a whole number in 1..{1 << 20:,}; "
+                    "fix it (it sizes the vision tower's tensors)",
+                    filename="config.json",
+                    entry=f"vision_config.{key}",
+                )
+        return merged
+
+    def vision_tensors(self) -> list[PlannedTensor]:
+        """The vision tower's tensors (global, bf16; none for a family without one)."""
+        return []
+
     def tensors(self) -> list[PlannedTensor]:
-        """Every tensor of the bf16 checkpoint in storage order: embeddings, decoder layers, head, MTP layers last."""
+        """Every tensor of the bf16 checkpoint in storage order: embeddings, decoder layers, the final norm, head, a
+        vision tower, MTP layers last."""
         h, v = int(self.config["hidden_size"]), int(self.config["vocab_size"])
-        out = [PlannedTensor("model.embed_tokens.weight", "BF16", (v, h))]
+        out = [PlannedTensor(self.TEXT_PREFIX + "embed_tokens.weight", "BF16", (v, h))]
         for layer in range(self.num_hidden_layers):
             out += self.layer_tensors(layer)
-        out.append(PlannedTensor("model.norm.weight", self.NORM_DTYPE, (h,)))
+        out.append(PlannedTensor(self.TEXT_PREFIX + "norm.weight", self.NORM_DTYPE, (h,)))
         if not self.config.get("tie_word_embeddings", False):
             out.append(PlannedTensor("lm_head.weight", "BF16", (v, h)))
+        out += self.vision_tensors()
         for layer in self.mtp_layers:
             out += self.layer_tensors(layer)
         return out

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
 
-from mxforge.errors import ConfigError
 from mxforge.models.family import load_family
 from mxforge.models.layout import MoeLayout, Spec, mlp_tensors
 from mxforge.models.tensor_kinds import compile_rules
@@ -41,8 +39,6 @@ from mxforge.safetensors_io import PlannedTensor
 LAYER_TYPES = ("linear_attention", "full_attention")
 VISUAL = "model.visual."  # the vision tower's prefix (global: no layer)
 NORM_WEIGHT = re.compile(r"norm[a-z0-9_]*\.weight$")
-VISION_FIELDS = ("depth", "hidden_size", "intermediate_size", "in_channels", "patch_size", "temporal_patch_size")
-VISION_DEFAULTS = {"spatial_merge_size": 2, "num_position_embeddings": 2304}
 # First match wins, on the layer-relative name (the whole name for a global tensor: the vision tower, embeddings)
 KIND_RULES = compile_rules(
     (
@@ -82,10 +78,9 @@ class Qwen3_5MoeLayout(MoeLayout):
     LAYER_LISTS = {"layer_types": LAYER_TYPES}
     MTP_PROJ = "fc"
     MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden")
-
-    def __post_init__(self):
-        super().__post_init__()
-        self._vision()  # checked before anything is planned from it
+    TEXT_PREFIX = "model.language_model."
+    VISION_FIELDS = ("depth", "hidden_size", "intermediate_size", "in_channels", "patch_size", "temporal_patch_size")
+    VISION_DEFAULTS = {"spatial_merge_size": 2, "num_position_embeddings": 2304}
 
     def norm_center(self, name: str) -> float | None:
         """Qwen3.5's RMSNorms scale by (1 + w) and are trained from zero (transformers' Qwen3_5MoeRMSNorm); the gated
@@ -151,33 +146,9 @@ class Qwen3_5MoeLayout(MoeLayout):
         """The MTP block's final norm (`mtp.norm`, outside its layer: the family's `mtp_block_modules`)."""
         return [("norm.weight", (int(self.config["hidden_size"]),), "BF16")]
 
-    def _vision(self) -> Mapping[str, Any] | None:
-        """The vision tower's config (None: a text-only checkpoint), its sizes checked.
-
-        Raises:
-            ConfigError: a vision field missing, not a whole number or out of range.
-        """
-        vision = self.config.get("vision_config")
-        if vision is None:
-            return None
-        if not isinstance(vision, dict):
-            raise ConfigError("config.json: vision_config must be an object", filename="config.json")
-        merged = {**VISION_DEFAULTS, **vision}
-        for key in (*VISION_FIELDS, *VISION_DEFAULTS, "out_hidden_size"):
-            value = merged.get(key, self.config["hidden_size"] if key == "out_hidden_size" else None)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
-                raise ConfigError(
-                    f"config.json: vision_config.{key} is {value!r}, not a whole number in 1..{1 << 20:,}; "
-                    "fix it (it sizes the vision tower's tensors)",
-                    filename="config.json",
-                    entry=f"vision_config.{key}",
-                )
-            merged[key] = value
-        return merged
-
     def vision_tensors(self) -> list[PlannedTensor]:
         """The vision tower, as transformers' Qwen3.5 vision model stores it (bf16, left alone by every recipe)."""
-        v = self._vision()
+        v = self.vision_config()
         if v is None:
             return []
         hv, iv, merge = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2
@@ -213,22 +184,6 @@ class Qwen3_5MoeLayout(MoeLayout):
     def stores_mtp_layer(self, layer: int, names) -> bool:
         """Whether `names` hold the MTP block's own tensors (`mtp.fc`...): the MTP layer has its own prefix."""
         return any(self.locate(n)[0] == layer and self.locate(n)[1].startswith(self.MTP_PROJ + ".") for n in names)
-
-    def tensors(self) -> list[PlannedTensor]:
-        """Every tensor of the bf16 checkpoint: the text model (embedding, layers, norm), the head, the vision
-        tower, the MTP block last."""
-        h, v = int(self.config["hidden_size"]), int(self.config["vocab_size"])
-        text = "model.language_model."
-        out = [PlannedTensor(text + "embed_tokens.weight", "BF16", (v, h))]
-        for layer in range(self.num_hidden_layers):
-            out += self.layer_tensors(layer)
-        out.append(PlannedTensor(text + "norm.weight", "BF16", (h,)))
-        if not self.config.get("tie_word_embeddings", False):
-            out.append(PlannedTensor("lm_head.weight", "BF16", (v, h)))
-        out += self.vision_tensors()
-        for layer in self.mtp_layers:
-            out += self.layer_tensors(layer)
-        return out
 
 
 FAMILY = load_family("qwen3.5-moe", layout=Qwen3_5MoeLayout, kind_rules=KIND_RULES)
