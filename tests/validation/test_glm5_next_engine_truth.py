@@ -1,5 +1,5 @@
-"""What every sglang and vLLM release that builds GLM-5.3-Flash does with a Quark MXFP4 checkpoint of it, measured by
-executing the release's own code (the engine-truth probes, tests/engine_truth/), target and MTP draft: the map the
+"""What the sglang and vLLM releases that build GLM-5.3-Flash do with a Quark MXFP4 checkpoint of it, measured by
+executing the first release of each profile range's own code (the engine-truth probes, tests/engine_truth/), target and MTP draft: the map the
 `[family.glm5_next]` tables of manifests/engines/ were written from (the conformance suite then judges them on the
 whole matrix), pinned so a probe or release that answers otherwise fails here.
 
@@ -123,7 +123,8 @@ def _cases(engine: str) -> list[dict]:
     return probe_io.exclude_cases(_config(), EXCLUDES, target=target, draft=draft)
 
 
-RELEASES = [(p.engine, release) for p in all_profiles("glm5_next") for release in p.read]
+# The first release of each profile range (the conformance suite judges every release against its profile)
+RELEASES = [(p.engine, p.read[0]) for p in all_profiles("glm5_next")]
 
 
 @pytest.fixture(scope="module")
