@@ -1,7 +1,8 @@
 """What the sglang and vLLM releases that build GLM-5.3-Flash do with a Quark MXFP4 checkpoint of it, measured by
-executing the first release of each profile range's own code (the engine-truth probes, tests/engine_truth/), target and MTP draft: the map the
-`[family.glm5_next]` tables of manifests/engines/ were written from (the conformance suite then judges them on the
-whole matrix), pinned so a probe or release that answers otherwise fails here.
+executing the first release of each profile range's own code (the engine-truth probes, tests/engine_truth/), target
+and MTP draft: the map the `[family.glm5_next]` tables of manifests/engines/ were written from (the conformance suite
+then judges every release against them on the whole matrix), pinned so a probe or release that answers otherwise
+fails here.
 
 The checkpoint config is transformers' own `Glm5NextConfig` at small sizes (three KDA linear-attention layers, one
 indexed MLA layer, one dense and three sparse MLPs, a two-block vision tower, one MTP layer) with the fields the
