@@ -43,23 +43,27 @@ def planned_checkpoint(plan: QuantizePlan, ckpt, quantization_config: dict) -> L
     return LoadedCheckpoint(ckpt, layout, planned, linears, infos, stored, frozenset())
 
 
-def unloadable(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[EngineProfile]) -> list[Problem]:
-    """The engine problems validate would report on `plan`'s output after fixup, per release of `profiles` (those a
-    serving flag avoids left out: validate names the flag)."""
+def planned_output(plan: QuantizePlan, recipe: Recipe, ckpt) -> tuple[dict, LoadedCheckpoint]:
+    """(the quantization_config `plan` writes with `recipe`, its output as validate reads it: `planned_checkpoint`)."""
     qc = plan.quantization_config(recipe, ckpt.config.get("quantization_config"))
-    loaded = planned_checkpoint(plan, ckpt, qc)
+    return qc, planned_checkpoint(plan, ckpt, qc)
+
+
+def unloadable(loaded: LoadedCheckpoint, qc: dict, recipe: Recipe, profiles: list[EngineProfile]) -> list[Problem]:
+    """The engine problems validate would report on a plan's output (`planned_output`) after fixup, per release of
+    `profiles` (those a serving flag avoids left out: validate names the flag)."""
     fixed, *_ = fixed_quantization_config(loaded, profiles, qc, where=f"recipe {recipe.name!r}")
     found, _ = loadability_problems(loaded, profiles, fixed)
     return [p for p in found if p.check == "engine" and not p.server_flag]
 
 
-def refuse_unloadable(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[EngineProfile]) -> None:
-    """Refuse a plan whose output would not load in a selected release.
+def refuse_unloadable(loaded: LoadedCheckpoint, qc: dict, recipe: Recipe, profiles: list[EngineProfile]) -> None:
+    """Refuse a plan whose output (`planned_output`) would not load in a selected release.
 
     Raises:
         ConfigError: names the releases, the first problems and what to do.
     """
-    problems = unloadable(plan, recipe, ckpt, profiles)
+    problems = unloadable(loaded, qc, recipe, profiles)
     if not problems:
         return
     releases = list(dict.fromkeys(str(p.engine) for p in problems))
@@ -74,12 +78,11 @@ def refuse_unloadable(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[E
 
 
 def mixed_fused_modules(
-    plan: QuantizePlan, ckpt, quantization_config: dict, profiles: list[EngineProfile]
+    loaded: LoadedCheckpoint, profiles: list[EngineProfile]
 ) -> dict[tuple[str, ...], tuple[list[str], list[str]]]:
     """The modules an engine release loads into one parameter (fused q/k/v or gate/up shards, an expert bank) whose
-    shards `plan` would store in different forms: their shard names -> (the forms, each shard's in order; the
-    releases of `profiles` that fuse them)."""
-    loaded = planned_checkpoint(plan, ckpt, quantization_config)
+    shards a plan's output (`planned_output`) stores in different forms: their shard names -> (the forms, each
+    shard's in order; the releases of `profiles` that fuse them)."""
     found: dict[tuple[str, ...], tuple[list[str], list[str]]] = {}
     for profile in profiles:
         for module in engine_modules(profile, loaded.layout, loaded.linears):
@@ -90,15 +93,14 @@ def mixed_fused_modules(
     return found
 
 
-def refuse_mixed_fused(plan: QuantizePlan, recipe: Recipe, ckpt, profiles: list[EngineProfile]) -> None:
-    """Refuse a plan that stores the shards of a module some release fuses (`mixed_fused_modules`) in different
-    forms: no release of `profiles` that fuses it could load the output.
+def refuse_mixed_fused(loaded: LoadedCheckpoint, recipe: Recipe, profiles: list[EngineProfile]) -> None:
+    """Refuse a plan whose output (`planned_output`) stores the shards of a module some release fuses
+    (`mixed_fused_modules`) in different forms: no release of `profiles` that fuses it could load it.
 
     Raises:
         ConfigError: names the shards, their forms, the releases and what to do.
     """
-    qc = plan.quantization_config(recipe, ckpt.config.get("quantization_config"))
-    mixed = mixed_fused_modules(plan, ckpt, qc, profiles)
+    mixed = mixed_fused_modules(loaded, profiles)
     if not mixed:
         return
     (names, (forms, releases)), *rest = mixed.items()
@@ -124,8 +126,9 @@ def plan_checker(engines: str | list[str] | None):
 
     def check(plan: QuantizePlan, recipe: Recipe, ckpt) -> None:
         profiles = [s.profile for s in select(engines, plan.layout.family)]
-        refuse_mixed_fused(plan, recipe, ckpt, profiles)
-        refuse_unloadable(plan, recipe, ckpt, profiles)
+        qc, loaded = planned_output(plan, recipe, ckpt)  # built once for both checks
+        refuse_mixed_fused(loaded, recipe, profiles)
+        refuse_unloadable(loaded, qc, recipe, profiles)
 
     return check
 
@@ -136,4 +139,4 @@ def check_fused_shards(plan: QuantizePlan, recipe: Recipe, ckpt) -> None:
     checks the releases selected, and everything else validate reports)."""
     from mxforge.validation.profiles import all_profiles
 
-    refuse_mixed_fused(plan, recipe, ckpt, all_profiles(plan.layout.family))
+    refuse_mixed_fused(planned_output(plan, recipe, ckpt)[1], recipe, all_profiles(plan.layout.family))

@@ -22,7 +22,7 @@ from pathlib import Path
 from bench_markdown import add_markdown_option, emit_report
 
 from mxforge.checkpoint import Checkpoint
-from mxforge.fixups.plan_check import planned_checkpoint
+from mxforge.fixups.plan_check import planned_output
 from mxforge.formats import declared_formats, stored_pairs
 from mxforge.hub.card import size_summary
 from mxforge.models import FAMILIES, family_named
@@ -38,8 +38,7 @@ def recipe_sizes(src: Path, recipes: tuple[str, ...]) -> dict[str, dict]:
     for name in recipes:
         recipe = load_recipe(name, ckpt.config)
         plan = plan_checkpoint(ckpt, recipe)
-        qc = plan.quantization_config(recipe, ckpt.config.get("quantization_config"))
-        planned = planned_checkpoint(plan, ckpt, qc)
+        qc, planned = planned_output(plan, recipe, ckpt)
         size = size_summary(planned.infos, qc)
         formats = Counter(p.format.title for p in stored_pairs(planned.infos, declared_formats(qc)).values())
         out[name] = {
