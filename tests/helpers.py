@@ -62,6 +62,8 @@ NO_EXPERT_CHILD_RULE = {
 # Qwen3.5's: the shared expert's width 64 (the MTP layer's shared expert is kept FP8; its gate and up shards merge).
 RAGGED_TILES = {
     "qwen3_5_moe": ({"shared_expert_intermediate_size": 64}, [(".mlp.shared_expert.gate_up_proj", "gate_proj")]),
+    # its attention is bf16 in the FP8 release: the MTP layer's shared expert is the kept block-FP8 merge
+    "glm5_next": ({"moe_intermediate_size": 64}, [(".shared_experts.gate_up_proj", "gate_proj")]),
 }
 RAGGED_TILES_LINEAGE = (
     {"q_lora_rank": 64, "moe_intermediate_size": 64},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from helpers import TOKEN, cli, hub_env, run_cli
@@ -12,7 +13,7 @@ from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
 from mxforge.models import FAMILIES, family_named, layout_of
-from mxforge.models.fixture import write_fixture
+from mxforge.models.fixture import preset_config, write_fixture
 from mxforge.models.layout import fp8_block_inventory
 from mxforge.quantize.plan import plan_checkpoint
 from mxforge.quantize.recipe import load_recipe
@@ -414,3 +415,32 @@ def test_vllm_0_30_requantizing_deepseek_attention_is_a_warning_not_a_failure(tm
             layers = json.loads((tmp_path / family / "config.json").read_text())["num_hidden_layers"] + 1
             assert report.checked["engines"]["vllm-0.30.0"]["requantized_at_load"] == 4 * layers
             assert report.checked["engines"]["vllm-0.31.0"]["requantized_at_load"] == 0
+
+
+def test_glm5_next_fp8_release_is_fp8_exactly_where_every_release_quantizes():
+    """GLM-5.3-Flash's FP8 release layout is derived (glm-5.3-flash.family.toml): each of its FP8 modules is one that
+    every release building the family builds with the quantization config (a fused module's shards all FP8 or all
+    bf16), and each bf16 linear beyond the lineage's set (GLM-5.2-FP8's) is one some release builds unquantized."""
+    from mxforge.validation.modules import checkpoint_linears, engine_modules
+    from mxforge.validation.profiles import all_profiles
+
+    family = family_named("glm5_next")
+    lineage = re.compile(family_named("glm_moe_dsa").fp8_bf16_weights)
+    bf16, _ = full_layout(family)
+    fp8 = fp8_block_inventory(bf16, family.fp8_bf16_weights)
+    dtype = {t.name.removesuffix(".weight"): t.dtype for t in fp8 if t.name.endswith(".weight")}
+    layout = layout_of(preset_config("full-layout", family=family)[0])
+    linears = checkpoint_linears(layout, fp8)
+    unquantized_somewhere: set[str] = set()
+    for profile in all_profiles(family):
+        for module in engine_modules(profile, layout, linears):
+            kinds = {dtype[s.name] for s in module.shards}
+            assert len(kinds) == 1, f"{profile.label}: {module.checkpoint} mixes {kinds}"
+            if kinds == {"F8_E4M3"}:
+                assert module.quantizable, f"{profile.label} builds {module.runtime} unquantized, but it is FP8"
+            if not module.quantizable:
+                unquantized_somewhere.update(s.name for s in module.shards)
+    linear = {t.name.removesuffix(".weight") for t in bf16 if t.name.endswith(".weight") and len(t.shape) == 2}
+    extra = {n for n in linear if dtype[n] != "F8_E4M3" and not lineage.search(n + ".weight")}
+    assert extra and extra <= unquantized_somewhere, sorted(extra - unquantized_somewhere)[:5]
+    assert any(dtype[n] == "F8_E4M3" for n in linear)

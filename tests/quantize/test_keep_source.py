@@ -23,7 +23,7 @@ from safetensors import safe_open
 from mxforge.checkpoint import INDEX_NAME
 from mxforge.errors import ConfigError
 from mxforge.formats import FP8_BLOCK, MXFP4, format_named, format_of_spec, layer_config_of
-from mxforge.models import family_named
+from mxforge.models import family_named, family_of
 from mxforge.models.fixture import write_fixture
 from mxforge.provenance import QUANTIZE_NAME, QUANTIZE_STATE_NAME
 from mxforge.quantize.plan import Fp8Scale, plan_tensor
@@ -32,7 +32,12 @@ from mxforge.safetensors_io import TensorInfo
 
 FP8_PTPC = format_named("fp8_ptpc")
 
-FAMILIES = [f for f in ("glm_moe_dsa", "deepseek_v3", "qwen3_5_moe") if family_named(f).fp8_format == "block"]
+FAMILIES = [
+    f for f in ("glm_moe_dsa", "deepseek_v3", "qwen3_5_moe", "glm5_next") if family_named(f).fp8_format == "block"
+]
+# Where a family's keep-fp8 output holds block FP8 (default: attention); GLM-5.3-Flash's release stores its attention
+# bf16 (glm-5.3-flash.family.toml), so its kept FP8 is the dense MLP layers' and the MTP layer's shared expert
+KEPT_FP8_AT = {"glm5_next": ".mlp.down_proj."}
 # compressed-tensors FP8 (per-channel weight_scale, static input_scale): kept as FP8 PTPC
 CT_FAMILY = "glm4_moe"
 
@@ -75,7 +80,8 @@ def test_kept_weights_are_the_source_bytes_with_quarks_scale_name(kept):
         assert torch.equal(o[name + "_scale"].view(torch.uint8), s[name + "_scale_inv"].view(torch.uint8)), name
         assert format_of_spec(qc["layer_quant_config"][module]["weight"]) is FP8_BLOCK, module
         assert module not in qc["exclude"]
-    assert any(".self_attn." in n for n in kept_fp8) and not any(".mlp.experts." in n for n in kept_fp8)
+    kept_there = KEPT_FP8_AT.get(family_of(json.loads((src / "config.json").read_text())).name, ".self_attn.")
+    assert any(kept_there in n for n in kept_fp8) and not any(".mlp.experts." in n for n in kept_fp8)
     assert any(".mlp.experts." in n and t.dtype == torch.uint8 for n, t in o.items())
     assert format_of_spec(qc["global_quant_config"]["weight"]) is MXFP4
     report = json.loads((out / QUANTIZE_NAME).read_text())
@@ -305,7 +311,7 @@ def test_dequantize_turns_kept_block_fp8_into_the_bf16_it_stands_for(kept, tmp_p
     s, d = _tensors(src), _tensors(tmp_path / "bf16")
     kept_source = json.loads((out / QUANTIZE_NAME).read_text())["tensors"]["kept_source"]
     kept_fp8 = [n for n in kept_source if s[n].dtype == torch.float8_e4m3fn and n + "_scale_inv" in s]
-    assert kept_fp8 and not any(n.endswith("_scale") for n in d)
+    assert kept_fp8 and not any(n.endswith(".weight_scale") for n in d)
     for name in kept_fp8:
         rows, cols = s[name].shape
         tiles = s[name + "_scale_inv"].repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
@@ -316,14 +322,16 @@ def test_dequantize_turns_kept_block_fp8_into_the_bf16_it_stands_for(kept, tmp_p
 def test_a_replica_whose_merged_block_fp8_shards_are_ragged_tiles_is_refused_for_vllm(family, tmp_path):
     """vLLM builds a merged block-FP8 GEMM only when every shard but the last is whole 128-row tiles
     (validate_fp8_block_shape; loaded for real in tests/vllm_cpu): a replica whose kept block-FP8 merges are ragged
-    (helpers.RAGGED_TILES: the lineage's q_lora_rank and expert width 64, Qwen3.5's shared expert width 64) fails
-    validate for every vLLM release, naming the module, the shard and the rule, and `mxforge run` refuses the recipe
-    before quantizing; the family's tiny fixture (whole tiles) passes."""
+    (helpers.RAGGED_TILES: the lineage's q_lora_rank and expert width 64, Qwen3.5's shared expert width 64,
+    GLM-5.3-Flash's expert width 64) fails validate after fixup for every vLLM release, naming the module, the shard
+    and the rule, and `mxforge run` refuses the recipe before quantizing; the family's tiny fixture (whole tiles)
+    passes."""
     src = tmp_path / "fp8"
     ragged, merged = ragged_tiles(family)
     write_fixture(src, "tiny", seed=0, quiet=True, family=family, precision="fp8", overrides=ragged)
     recipe, out = _keep_recipe(family), tmp_path / "out"
     cli("quantize", str(src), str(out), "--recipe", recipe, "--quiet", check=True)
+    cli("fixup", str(out), "--engines", "vllm", "--quiet")  # as run does before validate (exit 1: what it can't cure)
     report = tmp_path / "validate.json"
     proc = cli("validate", str(out), "--engines", "vllm", "--json", str(report))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -343,4 +351,5 @@ def test_a_replica_whose_merged_block_fp8_shards_are_ragged_tiles_is_refused_for
     whole = tmp_path / "whole"
     write_fixture(whole / "fp8", "tiny", seed=0, quiet=True, family=family, precision="fp8")
     cli("quantize", str(whole / "fp8"), str(whole / "out"), "--recipe", recipe, "--quiet", check=True)
+    cli("fixup", str(whole / "out"), "--engines", "vllm", "--quiet", check=True)
     assert cli("validate", str(whole / "out"), "--engines", "vllm").returncode == 0
