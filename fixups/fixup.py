@@ -275,6 +275,8 @@ def needed_layer_configs(loaded: LoadedCheckpoint, profiles: list[EngineProfile]
                     if scheme_format(profile, config) != format_named(form):
                         continue  # the release would not load the module's own config as stored: validate says why
                     head, _, proj = module.runtime.rpartition(".")
+                    if proj in profile.packed_as_itself:
+                        continue  # built in the global config whatever layer_quant_config says: validate says so
                     packed = profile.packed_in(module.is_mtp)
                     shards = profile.fused.get(proj, ()) if not module.is_experts and proj in packed else ()
                     for entry in [f"{head}.{s}" for s in shards] or [module.runtime]:

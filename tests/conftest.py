@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import GLM5, OTHER_TOKEN, REPO, TOKEN, cli
+from helpers import GLM5, OTHER_TOKEN, RECIPE_ENGINES, REPO, TOKEN, cli
 
 from mxforge.models.fixture import FixtureResult, write_fixture
 
@@ -148,12 +148,14 @@ def family_cases(tmp_path_factory, fixture_ckpt):
             runs = [(recipe, "quark") for recipe in matrix.bf16_recipes(family)] + [(family.recipes[0], "mse")]
             for recipe, rule in runs:
                 name = f"run-{recipe}" + ("" if rule == "quark" else f"-{rule}")
+                only = RECIPE_ENGINES.get(recipe)
                 cli(
                     "run",
                     str(srcs["e6"]),
                     str(root / name),
                     "--recipe",
                     recipe,
+                    *(["--engines", only] if only else []),
                     "--scale-rule",
                     rule,
                     "--workers",
@@ -161,15 +163,19 @@ def family_cases(tmp_path_factory, fixture_ckpt):
                     "--quiet",
                     check=True,
                 )
-                out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4")
+                out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4", only)
             if family.has_fp8_release:  # the default recipe, and each that keeps FP8 as stored, on the FP8 release
                 preset, kwargs = matrix.fixture_args("e6", family)
                 fp8 = fixture_ckpt(preset, family.name, "fp8", **kwargs)[0]
                 kept_as = source_precision(json.loads((fp8 / "config.json").read_text())).fp8.kept_as
-                only = KEEP_SOURCE_ENGINES.get(kept_as)
                 for recipe in [family.recipes[0], *matrix.keep_source_recipes(family)]:
                     name = f"run-fp8-{recipe}"
-                    engines = [] if recipe == family.recipes[0] or only is None else ["--engines", only]
+                    only = (
+                        None
+                        if recipe == family.recipes[0]
+                        else RECIPE_ENGINES.get(recipe, KEEP_SOURCE_ENGINES.get(kept_as))
+                    )
+                    engines = ["--engines", only] if only else []
                     cli(
                         "run",
                         str(fp8),
@@ -182,8 +188,7 @@ def family_cases(tmp_path_factory, fixture_ckpt):
                         "--quiet",
                         check=True,
                     )
-                    chosen = (only,) if engines else None
-                    out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4", chosen)
+                    out[f"e6/{name}"] = matrix.Case(f"e6/{name}", root / name / "mxfp4", only)
             built[family_name] = out
         return built[family_name]
 

@@ -71,6 +71,18 @@ RAGGED_TILES_LINEAGE = (
 )
 
 
+# Shipped recipes whose output loads in some releases of their family only, and those releases (`--engines`): a run
+# must select them, as their users must; the default run is refused, naming the others (tests/models/test_families.py
+# checks that, so an entry goes stale loudly). A keep-fp8 recipe not listed is its format's (conftest's
+# KEEP_SOURCE_ENGINES). GLM-5.3-Flash: vLLM builds every attention linear unquantized, and vLLM 0.30's model packs
+# gate_up_proj from itself, so it builds the dense MLP and shared experts in the global format (MXFP4) or bf16 only.
+RECIPE_ENGINES = {
+    "glm-5.3-flash-mxfp4-attn-fp8": "sglang",
+    "glm-5.3-flash-mxfp4-mtp-fp8": "sglang vllm>=0.31",
+    "glm-5.3-flash-mxfp4-keep-fp8": "vllm>=0.31",
+}
+
+
 def ragged_tiles(family: str) -> tuple[dict, list[tuple[str, str]]]:
     """(overrides, [(ragged merged module suffix, its first shard)]) of `family`'s RAGGED_TILES replica."""
     return RAGGED_TILES.get(family, RAGGED_TILES_LINEAGE)

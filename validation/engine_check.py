@@ -139,6 +139,17 @@ def decide(view: EngineView, module: EngineModule, quantized_checkpoint: bool = 
             and fmt.name in profile.linear_formats_emulated_without_inputs
             and (config or {}).get("input_tensors") is None
         )
+        proj = module.runtime.rpartition(".")[2]
+        if proj in profile.packed_as_itself:
+            return Verdict(
+                module,
+                fmt.name,
+                f"no exclude entry matches it, and {profile.name}'s model packs {proj} from itself, which it builds "
+                "in the global config whatever layer_quant_config says (exclude.packed_as_itself)",
+                emulated=emulated,
+                remedy=f"store it as the global config does ({fmt.title}) or bf16 (excluded), or serve it with a "
+                "release that reads its layer config",
+            )
         return Verdict(module, fmt.name, "no exclude entry matches it", emulated=emulated)
     weight = (config or {}).get("weight")
     if not isinstance(weight, dict):
@@ -315,7 +326,7 @@ def _compare(view: EngineView, verdict: Verdict, stored: list[Stored]) -> Proble
             "re-quantize so that every shard of this module is stored alike",
         )
     if verdict.form != BF16:
-        return problem(message, RUN_FIXUP)
+        return problem(message + (f" ({verdict.reason})" if verdict.remedy else ""), verdict.remedy or RUN_FIXUP)
     if not module.quantizable:
         return problem(message + f" ({verdict.reason})", f"re-quantize with {module.checkpoint} excluded (kept bf16)")
     stored_as = next((form_title(f) for f in forms if f is not None), "quantized")

@@ -151,7 +151,8 @@ def role_views(
     target, target_configs = main, layer_configs
     if profile.runtime_prefixes or profile.runtime_suffixes:  # the release's mapper renames entries as modules
         target = ExcludeList(tuple(dict.fromkeys(profile.runtime_name(e) for e in main.entries)))
-        target_configs = {profile.runtime_name(k): v for k, v in layer_configs.items()}
+        if profile.layer_configs_mapped:
+            target_configs = {profile.runtime_name(k): v for k, v in layer_configs.items()}
     views = {TARGET: RoleView(target, target, False, target_configs, global_config, target_configs, profile.packed)}
     draft_packed = profile.packed_in(True)
     mapped, mapped_configs = main, layer_configs
@@ -196,6 +197,8 @@ def module_config(profile: EngineProfile, view: RoleView, prefix: str, is_expert
         SchemeError: shards (or pinned experts) with different configs.
     """
     head, _, proj = prefix.rpartition(".")
+    if proj in profile.packed_as_itself:
+        return view.global_config  # its one shard is itself: the fallback config, never a layer config
     if proj in view.packed and profile.fused[proj] != (proj,):  # not one packed as itself (vLLM's vision "qkv")
         configs = [module_config(profile, view, f"{head}.{s}" if head else s, False) for s in profile.fused[proj]]
         if any(c != configs[0] for c in configs):

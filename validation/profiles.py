@@ -93,7 +93,8 @@ class EngineProfile:
     formats_needing_inputs: frozenset[str]  # ... whose weights load only with dynamic same-format inputs declared
     expert_layer_configs: bool  # per-expert layer_quant_config entries configure the experts
     layer_config_match: str  # how layer_quant_config keys match: "fnmatch", "substring-or-fnmatch"
-    # The draft's name mapper rewrites layer_quant_config keys too (as it rewrites a "mapped" exclude list)
+    # The release's name mappers (the target's runtime_prefixes / runtime_suffixes, the draft's name_mapper) rewrite
+    # layer_quant_config keys too, as they rewrite the exclude list
     layer_configs_mapped: bool
     # Formats these releases load but compute by emulation on the profile's platform (weights dequantized on the fly,
     # matmuls in high precision: slow), every module; and those emulated in linear layers whose config declares no
@@ -130,7 +131,9 @@ class EngineProfile:
     # `.attn.qkv` -> `.attn.qkv_proj`)
     runtime_suffixes: tuple[tuple[str, str], ...] = ()
     # Names the model's packed_modules_mapping lists as packed from themselves alone (vLLM 0.30's GLM-5.3-Flash,
-    # inheriting Glm4v's "gate_up_proj": ["gate_up_proj"]): decided by that name, as an unpacked module is
+    # inheriting Glm4v's "gate_up_proj": ["gate_up_proj"]): excluded by that name, as an unpacked module is, and built
+    # in the global config whatever layer_quant_config says (_find_matched_config takes the fallback for a shard
+    # named as the module)
     packed_as_itself: frozenset[str] = frozenset()
 
     @property

@@ -117,7 +117,7 @@ def shared_expert(src: Path) -> str:
 class Case:
     name: str
     path: Path
-    engines: tuple[str, ...] | None = None  # a pipeline output made for these engines only (`--engines`); None: all
+    engines: str | None = None  # a pipeline output made for these releases only (its `--engines`); None: all
 
     def load(self):
         loaded, _, _, _ = load_checkpoint(self.path)

@@ -8,7 +8,7 @@ import math
 import re
 
 import pytest
-from helpers import TOKEN, cli, hub_env, run_cli
+from helpers import RECIPE_ENGINES, TOKEN, cli, hub_env, run_cli
 from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
@@ -320,25 +320,17 @@ def test_default_recipe_keeps_what_the_policy_keeps(family, tmp_path):
         assert (t.fate == "quantized") == want, (name, t.fate)
 
 
-# The variants #23 ships beside every family's default recipe (`<default>-<suffix>`), and why a family may lack one:
-# keep-FP8 needs an FP8 release, and the FP8-attention variants need a recipe an engine of each kind serves.
+# The variants #23 ships beside every family's default recipe (`<default>-<suffix>`); keep-FP8 needs an FP8 release.
+# A variant may serve in one engine only (helpers.RECIPE_ENGINES: GLM-5.3-Flash's FP8 attention, sglang).
 VARIANTS = ("mtp-bf16", "attn-fp8", "mtp-fp8")
-NOT_SHIPPED = {
-    # vLLM builds every GLM-5.3-Flash attention linear, the MTP layer's too, without the quantization config (bf16
-    # whatever the checkpoint holds: tests/validation/test_glm5_next_engine_truth.py), so an FP8-attention recipe would
-    # serve in sglang only, and a recipe cannot yet name the engines it is for
-    "glm5_next": ("attn-fp8", "mtp-fp8"),
-}
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_every_family_ships_the_mixed_precision_variants(family):
     """Each family's recipes: its default, the MTP layer bf16, AMD's AttnFP8 layout (FP8 PTPC attention), an FP8 MTP
-    layer, and a keep-FP8 variant exactly where the family has an FP8 release to keep weights from (NOT_SHIPPED: the
-    variants a family lacks, and why)."""
+    layer, and a keep-FP8 variant exactly where the family has an FP8 release to keep weights from."""
     stem = family.default_recipe
-    variants = [v for v in VARIANTS if v not in NOT_SHIPPED.get(family.name, ())]
-    want = [stem] + [f"{stem}-{v}" for v in variants] + ([f"{stem}-keep-fp8"] if family.has_fp8_release else [])
+    want = [stem] + [f"{stem}-{v}" for v in VARIANTS] + ([f"{stem}-keep-fp8"] if family.has_fp8_release else [])
     assert sorted(family.recipes) == sorted(want)
     assert [load_recipe(r).keeps_source_weights for r in want] == [r.endswith("keep-fp8") for r in want]
 
@@ -372,6 +364,7 @@ def test_run_end_to_end_per_family(family, recipe, tmp_path):
             str(tmp_path / "out"),
             "--recipe",
             recipe,
+            *(["--engines", RECIPE_ENGINES[recipe]] if recipe in RECIPE_ENGINES else []),
             "--push",
             f"alice/{family.name}-mxfp4",
             "--quiet",
@@ -394,8 +387,31 @@ def test_run_end_to_end_per_family(family, recipe, tmp_path):
         hub.stop()
     quantized = json.loads((tmp_path / "out" / "mxfp4" / "mxforge_quantize.json").read_text())
     assert quantized["recipe"]["name"] == recipe
-    validate = cli("validate", str(tmp_path / "out" / "mxfp4"), "--json")
+    only = ["--engines", RECIPE_ENGINES[recipe]] if recipe in RECIPE_ENGINES else []
+    validate = cli("validate", str(tmp_path / "out" / "mxfp4"), *only, "--json")
     assert validate.returncode == 0, validate.stdout + validate.stderr
+
+
+@pytest.mark.parametrize(("recipe", "engines"), sorted(RECIPE_ENGINES.items()))
+def test_a_recipe_for_some_releases_is_refused_for_the_others_before_quantizing(recipe, engines, tmp_path):
+    """A shipped recipe whose output loads in some releases of its family only (helpers.RECIPE_ENGINES): run for every
+    release, from the family's tiny fixture (its FP8 release's for a keep-fp8 recipe), refuses it before writing
+    anything, naming each profile whose releases it leaves out and none it keeps, and says to select releases with
+    --engines (the runs with them: test_run_end_to_end_per_family, tests/run/test_fp8_run.py)."""
+    from mxforge.validation.profiles import all_profiles, select
+
+    family = next(f for f in FAMILIES if recipe in f.recipes)
+    precision = "fp8" if load_recipe(recipe).keeps_source_weights else "bf16"
+    write_fixture(tmp_path / "src", "tiny", family=family, precision=precision, quiet=True)
+    proc = cli("run", str(tmp_path / "src"), str(tmp_path / "out"), "--recipe", recipe, "--quiet")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    refused = set(re.findall(r"(?:sglang|vllm)-[0-9.]+", line.split("even after")[0]))
+    chosen = {s.profile.name: set(s.releases) for s in select(engines, family)}
+    left_out = {p.name for p in all_profiles(family) if chosen.get(p.name) != set(p.read)}
+    assert refused == left_out, line
+    assert "select the releases you serve with --engines" in line
+    assert not (tmp_path / "out" / "mxfp4" / "config.json").exists()
 
 
 def test_vllm_0_30_requantizing_deepseek_attention_is_a_warning_not_a_failure(tmp_path):

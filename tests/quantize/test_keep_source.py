@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import cli, one_error_line, ragged_tiles
+from helpers import RECIPE_ENGINES, cli, one_error_line, ragged_tiles
 from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME
@@ -330,10 +330,11 @@ def test_a_replica_whose_merged_block_fp8_shards_are_ragged_tiles_is_refused_for
     ragged, merged = ragged_tiles(family)
     write_fixture(src, "tiny", seed=0, quiet=True, family=family, precision="fp8", overrides=ragged)
     recipe, out = _keep_recipe(family), tmp_path / "out"
+    vllm = RECIPE_ENGINES.get(recipe, "vllm")  # the vLLM releases that load it (GLM-5.3-Flash's: 0.31 on)
     cli("quantize", str(src), str(out), "--recipe", recipe, "--quiet", check=True)
-    cli("fixup", str(out), "--engines", "vllm", "--quiet")  # as run does before validate (exit 1: what it can't cure)
+    cli("fixup", str(out), "--engines", vllm, "--quiet")  # as run does before validate (exit 1: what it can't cure)
     report = tmp_path / "validate.json"
-    proc = cli("validate", str(out), "--engines", "vllm", "--json", str(report))
+    proc = cli("validate", str(out), "--engines", vllm, "--json", str(report))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     verdict = json.loads(report.read_text())
     assert verdict["releases"] and not any(r["ok"] for r in verdict["releases"]), verdict["releases"]
@@ -344,12 +345,12 @@ def test_a_replica_whose_merged_block_fp8_shards_are_ragged_tiles_is_refused_for
         assert f"{shard} (not the last shard) has 64 rows" in named[0]["message"]
         assert "is not divisible by weight quantization block_n = 128" in named[0]["message"]
 
-    line = one_error_line(cli("run", str(src), str(tmp_path / "run"), "--recipe", recipe, "--engines", "vllm"))
+    line = one_error_line(cli("run", str(src), str(tmp_path / "run"), "--recipe", recipe, "--engines", vllm))
     assert merged[0][0].rsplit(".", 1)[1] in line and "not divisible by weight quantization block_n" in line
     assert not (tmp_path / "run" / "mxfp4" / "config.json").exists()
 
     whole = tmp_path / "whole"
     write_fixture(whole / "fp8", "tiny", seed=0, quiet=True, family=family, precision="fp8")
     cli("quantize", str(whole / "fp8"), str(whole / "out"), "--recipe", recipe, "--quiet", check=True)
-    cli("fixup", str(whole / "out"), "--engines", "vllm", "--quiet", check=True)
-    assert cli("validate", str(whole / "out"), "--engines", "vllm").returncode == 0
+    cli("fixup", str(whole / "out"), "--engines", vllm, "--quiet", check=True)
+    assert cli("validate", str(whole / "out"), "--engines", vllm).returncode == 0

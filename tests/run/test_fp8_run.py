@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import hub_env, pushed_files, run_push
+from helpers import RECIPE_ENGINES, hub_env, pushed_files, run_push
 
 from mxforge.models import FAMILIES, family_named
 from mxforge.quantize.fp8_source import source_precision
@@ -92,9 +92,10 @@ def test_keep_fp8_recipe_pushes_for_the_releases_that_load_it_and_is_refused_for
     )
     assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr
     said = proc.stderr.strip().splitlines()[-1].split("even after")[0]
-    assert "sglang-0.5.21" in said and "vllm" not in said, said
+    engines = RECIPE_ENGINES.get(recipe, "vllm")  # GLM-5.3-Flash's: vLLM 0.31 on (helpers.RECIPE_ENGINES)
+    assert "sglang-0.5.21" in said and "vllm-0.31" not in said, said
     out = tmp_path / "run"
-    report = _run(fp8_hub, tmp_path, family, out, f"alice/{recipe}", "--recipe", recipe, "--engines", "vllm")
+    report = _run(fp8_hub, tmp_path, family, out, f"alice/{recipe}", "--recipe", recipe, "--engines", engines)
     engines = report["stages"]["validate"]["report"]["engines"]
     assert engines and all(engines.values()) and all(e.startswith("vllm") for e in engines), engines
     counts = report["stages"]["quantize"]["report"]["counts"]
