@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import GLM5, OTHER_TOKEN, RECIPE_ENGINES, REPO, TOKEN, cli
+from helpers import GLM5, OTHER_TOKEN, REPO, TOKEN, cli, engines_for
 
 from mxforge.models.fixture import FixtureResult, write_fixture
 
@@ -113,13 +113,6 @@ def hub(tmp_path, tiny_ckpt):
     h.stop()
 
 
-# The engines whose releases load FP8 kept as stored in that format (manifests/engines: formats), by the format a
-# source layout keeps its weights in (Fp8Scheme.kept_as): a keep-source recipe's run selects them, as its users must
-# (sglang refuses or mis-loads block FP8 in every release: the plan check says so). Absent: every engine loads it
-# (compressed-tensors FP8 kept as FP8 PTPC).
-KEEP_SOURCE_ENGINES = {"fp8_block": "vllm"}
-
-
 @pytest.fixture(scope="session")
 def family_cases(tmp_path_factory, fixture_ckpt):
     """The engine-conformance matrix of one model family, built on first use and once per session for every
@@ -148,7 +141,7 @@ def family_cases(tmp_path_factory, fixture_ckpt):
             runs = [(recipe, "quark") for recipe in matrix.bf16_recipes(family)] + [(family.recipes[0], "mse")]
             for recipe, rule in runs:
                 name = f"run-{recipe}" + ("" if rule == "quark" else f"-{rule}")
-                only = RECIPE_ENGINES.get(recipe)
+                only = engines_for(recipe)
                 cli(
                     "run",
                     str(srcs["e6"]),
@@ -170,11 +163,7 @@ def family_cases(tmp_path_factory, fixture_ckpt):
                 kept_as = source_precision(json.loads((fp8 / "config.json").read_text())).fp8.kept_as
                 for recipe in [family.recipes[0], *matrix.keep_source_recipes(family)]:
                     name = f"run-fp8-{recipe}"
-                    only = (
-                        None
-                        if recipe == family.recipes[0]
-                        else RECIPE_ENGINES.get(recipe, KEEP_SOURCE_ENGINES.get(kept_as))
-                    )
+                    only = None if recipe == family.recipes[0] else engines_for(recipe, kept_as)
                     engines = ["--engines", only] if only else []
                     cli(
                         "run",

@@ -73,14 +73,31 @@ RAGGED_TILES_LINEAGE = (
 
 # Shipped recipes whose output loads in some releases of their family only, and those releases (`--engines`): a run
 # must select them, as their users must; the default run is refused, naming the others (tests/models/test_families.py
-# checks that, so an entry goes stale loudly). A keep-fp8 recipe not listed is its format's (conftest's
-# KEEP_SOURCE_ENGINES). GLM-5.3-Flash: vLLM builds every attention linear unquantized, and vLLM 0.30's model packs
-# gate_up_proj from itself, so it builds the dense MLP and shared experts in the global format (MXFP4) or bf16 only.
+# checks that, so an entry goes stale loudly). GLM-5.3-Flash: vLLM builds every attention linear unquantized, and
+# vLLM 0.30's model packs gate_up_proj from itself, so it builds the dense MLP and shared experts in the global format
+# (MXFP4) or bf16 only.
 RECIPE_ENGINES = {
     "glm-5.3-flash-mxfp4-attn-fp8": "sglang",
     "glm-5.3-flash-mxfp4-mtp-fp8": "sglang vllm>=0.31",
     "glm-5.3-flash-mxfp4-keep-fp8": "vllm>=0.31",
 }
+# The engines whose releases load FP8 kept as stored in that format (manifests/engines: formats), by the format a
+# source layout keeps its weights in (Fp8Scheme.kept_as): a keep-source recipe's run selects them, as its users must
+# (sglang refuses or mis-loads block FP8 in every release: the plan check says so). Absent: every engine loads it
+# (compressed-tensors FP8 kept as FP8 PTPC).
+KEEP_SOURCE_ENGINES = {"fp8_block": "vllm"}
+
+
+def engines_for(recipe: str, kept_as: str | None = None) -> str | None:
+    """The `--engines` a run of shipped `recipe` selects (None: every release): its RECIPE_ENGINES entry, else, for a
+    recipe keeping an FP8 source's weights as stored in format `kept_as`, that format's KEEP_SOURCE_ENGINES."""
+    return RECIPE_ENGINES.get(recipe) or (KEEP_SOURCE_ENGINES.get(kept_as) if kept_as else None)
+
+
+def engines_args(recipe: str, kept_as: str | None = None) -> list[str]:
+    """`engines_for` as command-line arguments: `["--engines", E]`, or none."""
+    only = engines_for(recipe, kept_as)
+    return ["--engines", only] if only else []
 
 
 def ragged_tiles(family: str) -> tuple[dict, list[tuple[str, str]]]:

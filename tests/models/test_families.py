@@ -8,7 +8,7 @@ import math
 import re
 
 import pytest
-from helpers import RECIPE_ENGINES, TOKEN, cli, hub_env, run_cli
+from helpers import RECIPE_ENGINES, TOKEN, cli, engines_args, hub_env, run_cli
 from safetensors import safe_open
 
 from mxforge.checkpoint import Checkpoint
@@ -364,7 +364,7 @@ def test_run_end_to_end_per_family(family, recipe, tmp_path):
             str(tmp_path / "out"),
             "--recipe",
             recipe,
-            *(["--engines", RECIPE_ENGINES[recipe]] if recipe in RECIPE_ENGINES else []),
+            *engines_args(recipe),
             "--push",
             f"alice/{family.name}-mxfp4",
             "--quiet",
@@ -387,8 +387,7 @@ def test_run_end_to_end_per_family(family, recipe, tmp_path):
         hub.stop()
     quantized = json.loads((tmp_path / "out" / "mxfp4" / "mxforge_quantize.json").read_text())
     assert quantized["recipe"]["name"] == recipe
-    only = ["--engines", RECIPE_ENGINES[recipe]] if recipe in RECIPE_ENGINES else []
-    validate = cli("validate", str(tmp_path / "out" / "mxfp4"), *only, "--json")
+    validate = cli("validate", str(tmp_path / "out" / "mxfp4"), *engines_args(recipe), "--json")
     assert validate.returncode == 0, validate.stdout + validate.stderr
 
 
@@ -442,10 +441,10 @@ def test_glm5_next_fp8_release_is_fp8_exactly_where_every_release_quantizes():
 
     family = family_named("glm5_next")
     lineage = re.compile(family_named("glm_moe_dsa").fp8_bf16_weights)
-    bf16, _ = full_layout(family)
+    layout = layout_of(preset_config("full-layout", family=family)[0])
+    bf16 = layout.tensors()
     fp8 = fp8_block_inventory(bf16, family.fp8_bf16_weights)
     dtype = {t.name.removesuffix(".weight"): t.dtype for t in fp8 if t.name.endswith(".weight")}
-    layout = layout_of(preset_config("full-layout", family=family)[0])
     linears = checkpoint_linears(layout, fp8)
     unquantized_somewhere: set[str] = set()
     for profile in all_profiles(family):

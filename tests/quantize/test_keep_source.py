@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import RECIPE_ENGINES, cli, one_error_line, ragged_tiles
+from helpers import cli, engines_for, one_error_line, ragged_tiles
 from safetensors import safe_open
 
 from mxforge.checkpoint import INDEX_NAME
@@ -330,7 +330,7 @@ def test_a_replica_whose_merged_block_fp8_shards_are_ragged_tiles_is_refused_for
     ragged, merged = ragged_tiles(family)
     write_fixture(src, "tiny", seed=0, quiet=True, family=family, precision="fp8", overrides=ragged)
     recipe, out = _keep_recipe(family), tmp_path / "out"
-    vllm = RECIPE_ENGINES.get(recipe, "vllm")  # the vLLM releases that load it (GLM-5.3-Flash's: 0.31 on)
+    vllm = engines_for(recipe, "fp8_block")  # the vLLM releases that load it (GLM-5.3-Flash's: 0.31 on)
     cli("quantize", str(src), str(out), "--recipe", recipe, "--quiet", check=True)
     cli("fixup", str(out), "--engines", vllm, "--quiet")  # as run does before validate (exit 1: what it can't cure)
     report = tmp_path / "validate.json"

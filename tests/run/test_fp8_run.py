@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import RECIPE_ENGINES, hub_env, pushed_files, run_push
+from helpers import engines_for, hub_env, pushed_files, run_push
 
 from mxforge.models import FAMILIES, family_named
 from mxforge.quantize.fp8_source import source_precision
+from mxforge.validation.profiles import select
 from mxforge.validation.validate import validate_checkpoint
 
 pytestmark = pytest.mark.slow  # the whole pipeline from the loopback Hub to a push, per family (as test_run.py)
@@ -92,10 +93,11 @@ def test_keep_fp8_recipe_pushes_for_the_releases_that_load_it_and_is_refused_for
     )
     assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr
     said = proc.stderr.strip().splitlines()[-1].split("even after")[0]
-    engines = RECIPE_ENGINES.get(recipe, "vllm")  # GLM-5.3-Flash's: vLLM 0.31 on (helpers.RECIPE_ENGINES)
-    assert "sglang-0.5.21" in said and "vllm-0.31" not in said, said
+    only = engines_for(recipe, "fp8_block")  # vLLM's releases (GLM-5.3-Flash's: 0.31 on: helpers.RECIPE_ENGINES)
+    loading = {s.profile.name for s in select(only, family)}
+    assert "sglang-0.5.21" in said and not any(name in said for name in loading), said
     out = tmp_path / "run"
-    report = _run(fp8_hub, tmp_path, family, out, f"alice/{recipe}", "--recipe", recipe, "--engines", engines)
+    report = _run(fp8_hub, tmp_path, family, out, f"alice/{recipe}", "--recipe", recipe, "--engines", only)
     engines = report["stages"]["validate"]["report"]["engines"]
     assert engines and all(engines.values()) and all(e.startswith("vllm") for e in engines), engines
     counts = report["stages"]["quantize"]["report"]["counts"]
