@@ -131,7 +131,7 @@ def _add_toy_family(copy: Path, family_toml_extra: str = "") -> None:
     init = copy / "mxforge/models/__init__.py"
     text = init.read_text()
     text, n = re.subn(
-        r"^(from mxforge\.models import .+)$", r"\1\nfrom mxforge.models import toy_moe", text, count=1, flags=re.M
+        r"^(from mxforge\.models import )", r"from mxforge.models import toy_moe\n\1", text, count=1, flags=re.M
     )
     assert n == 1
     text, n = re.subn(
@@ -180,6 +180,32 @@ def test_a_new_model_family_is_a_module_a_registration_its_data_and_its_tables(c
     assert ours["ok"] and ours["checked"]["engines"] == glm["checked"]["engines"]
     refused = cli("validate", str(toy))
     assert refused.returncode == 2 and "ToyMoeForCausalLM" in refused.stderr
+
+
+def test_a_family_like_another_states_only_what_differs(copy, pristine, export, tmp_path):
+    """A family whose checkpoints are another's under other names states in each engine profile only what differs:
+    `like = "<family>"` reads the other's table as that profile has it (Qwen3.5 MoE's text-only model). The
+    throwaway family's tables are one line in the two base profiles, and every release decides its checkpoint as
+    GLM-5.2's, later profiles' changes to GLM-5.2's tables included."""
+    _add_toy_family(copy)
+    bases = [copy / f"mxforge/manifests/engines/{name}.toml" for name in ("sglang-0.5.9", "vllm-0.30.0")]
+    for profile in bases:
+        profile.write_text(profile.read_text().rstrip() + '\n\n[family.toy_moe]\nlike = "glm_moe_dsa"\n')
+    added = {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} | {
+        f"mxforge/manifests/models/toy-moe.{suffix}" for suffix in ("family.toml", "config.json", "fixtures.toml")
+    }
+    assert changed_files(copy, pristine) == added | {p.relative_to(copy).as_posix() for p in bases}
+    toy = tmp_path / "toy"
+    shutil.copytree(export, toy, copy_function=os.link)
+    config = json.loads((toy / "config.json").read_text())
+    config.update(architectures=["ToyMoeForCausalLM"], model_type="toy_moe")
+    (toy / "config.json").unlink()
+    (toy / "config.json").write_text(json.dumps(config))
+    ours, glm = (
+        _validate(lambda *a: run_copy(copy, *a), str(toy)),
+        _validate(lambda *a: run_copy(copy, *a), str(export)),
+    )
+    assert ours["ok"] and ours["checked"]["engines"] == glm["checked"]["engines"]
 
 
 TOY_LAYERS = """
