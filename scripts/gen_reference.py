@@ -308,8 +308,8 @@ def _recipes() -> list[str]:
         "`[[keep]]` rules win over `[[quantize]]` rules; a weight no rule selects stays bf16, and so does "
         f"every tensor that is not a 2-D linear weight. Layer scopes: {', '.join(_code(s) for s in LAYER_SCOPES)}.",
     )
-    default_of = {f.default_recipe: f.name for f in FAMILIES}
-    family_of = {r: f.name for f in FAMILIES for r in f.recipes}
+    default_of = {f.default_recipe for f in FAMILIES}
+    family_of = {r: [f.name for f in FAMILIES if r in f.recipes] for r in shipped_recipes()}
     rows = []
     for name in shipped_recipes():
         r = load_recipe(name)
@@ -329,12 +329,12 @@ def _recipes() -> list[str]:
                 if rule.action == action
             )
 
-        family = family_of.get(name, "")
+        families = ", ".join(_code(f) for f in family_of[name])
         default = " (default)" if name in default_of else ""
         rows.append(
             [
                 _code(name),
-                (_code(family) + default) if family else "-",
+                (families + default) if families else "-",
                 r.description,
                 _code(r.scheme),
                 rules("quantize"),

@@ -11,7 +11,16 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from mxforge.errors import ConfigError
-from mxforge.models import deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm5_next, glm_moe_dsa, qwen3_5_moe
+from mxforge.models import (
+    deepseek_v3,
+    deepseek_v32,
+    glm4_moe,
+    glm4_moe_lite,
+    glm5_next,
+    glm_moe_dsa,
+    qwen3_5_moe,
+    qwen3_5_moe_text,
+)
 from mxforge.models.family import Family
 from mxforge.models.layout import MoeLayout
 
@@ -22,6 +31,7 @@ FAMILIES: tuple[Family, ...] = (
     glm4_moe.FAMILY,
     glm4_moe_lite.FAMILY,
     qwen3_5_moe.FAMILY,
+    qwen3_5_moe_text.FAMILY,
     glm5_next.FAMILY,
 )
 DEFAULT_FAMILY = FAMILIES[0]  # what `mxforge fixture` builds unless told otherwise

@@ -1,6 +1,6 @@
 """Qwen3.5 / 3.6 / 3.8 MoE: `Qwen3_5MoeForConditionalGeneration` (model_type qwen3_5_moe). The text-only
-`Qwen3_5MoeForCausalLM` (qwen3_5_moe_text: a flat config, the text model under `model.*`) is another layout, not this
-family's.
+`Qwen3_5MoeForCausalLM` (qwen3_5_moe_text: a flat config, the text model under `model.*`, no vision tower) is the same
+layout under other names: its own family, mxforge/models/qwen3_5_moe_text.py.
 
 A hybrid text model under `model.language_model.*` (its family.toml's `[layers]`; its fields nested in
 `text_config` under Qwen's names: `[config]`): per `layer_types` (else every `full_attention_interval`-th layer)
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mxforge.models.family import load_family
 from mxforge.models.layout import MoeLayout, Spec, mlp_tensors
@@ -49,7 +50,7 @@ KIND_RULES = compile_rules(
         ("norms", r"(^|\.)([a-z_]*norm[a-z_]*)\.(weight|bias)$"),
         ("attention", r"^(self_attn|linear_attn)\."),
         ("mtp_proj", r"^fc\."),
-        ("embeddings", r"^(model\.language_model\.embed_tokens|lm_head)\."),
+        ("embeddings", r"^(model\.(language_model\.)?embed_tokens|lm_head)\."),  # the text-only model's too
     )
 )
 
@@ -79,7 +80,14 @@ class Qwen3_5MoeLayout(MoeLayout):
     MTP_PROJ = "fc"
     MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden")
     TEXT_PREFIX = "model.language_model."
-    VISION_FIELDS = ("depth", "hidden_size", "intermediate_size", "in_channels", "patch_size", "temporal_patch_size")
+    VISION_FIELDS: ClassVar[tuple[str, ...]] = (
+        "depth",
+        "hidden_size",
+        "intermediate_size",
+        "in_channels",
+        "patch_size",
+        "temporal_patch_size",
+    )
     VISION_DEFAULTS = {"spatial_merge_size": 2, "num_position_embeddings": 2304}
 
     def norm_center(self, name: str) -> float | None:

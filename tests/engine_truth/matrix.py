@@ -51,7 +51,7 @@ def sizes(family: Family) -> tuple[str, ...]:
 # the lineage's eh_proj, and the class that ends sglang's draft block's name where the draft builds a whole
 # one-layer text model (Qwen3.5's Qwen3_5ForCausalLMMTP builds Qwen3_5ForCausalLM under `mtp`, its layer at
 # `mtp.layers.0`).
-DRAFT_BLOCK_CLASSES = {"qwen3_5_moe": "ForCausalLM"}
+DRAFT_BLOCK_CLASSES = {"qwen3_5_moe": "ForCausalLM", "qwen3_5_moe_text": "ForCausalLM"}
 
 
 def probe_hints(family: Family, layout: MoeLayout) -> dict:

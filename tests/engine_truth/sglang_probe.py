@@ -380,8 +380,12 @@ def probe_case(mods: dict, case: dict) -> dict:
     shared between them, as in the release, and starts fresh for every case)."""
     stubs.SERVER_STATE.clear()
     stubs.restore_packed_mappings(mods["_pristine"])
-    if case.get(probe_io.DRAFT_CLASS_ONLY):  # a family the release does not build: which class it would draft with
-        return {"draft": {"class": draft_architecture(mods, probe_io.hf_config(case["config"], mods))}}
+    if case.get(probe_io.DRAFT_CLASS_ONLY):  # a family the release does not build: is its class registered, and
+        hf = probe_io.hf_config(case["config"], mods)  # which class would it draft with
+        return {
+            "registered": hf.architectures[0] in mods["_entries"],
+            "draft": {"class": draft_architecture(mods, hf)},
+        }
     hf = probe_io.hf_config(case["config"], mods)
     target_cls = model_class(mods, hf.architectures[0])
     target_qc = quant_config(mods, target_cls, hf, is_draft=False)

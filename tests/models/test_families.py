@@ -195,6 +195,39 @@ def test_qwen3_5_moe_tiny_matches_what_transformers_saves(tmp_path):
     assert [layout.attention_type(n) for n in layout.all_layers] == ["linear_attention"] * 3 + ["full_attention"] * 2
 
 
+def test_qwen3_5_moe_text_is_the_multimodal_language_model_under_its_own_names():
+    """The text-only Qwen3_5MoeForCausalLM: Qwen3.5-35B-A3B's tensors less the vision tower, `model.language_model.`
+    stored as `model.`, the MTP block as it is; 32,118 tensors, 35.51 B parameters."""
+    tensors, by_name = full_layout(family_named("qwen3_5_moe_text"))
+    multimodal = full_layout(family_named("qwen3_5_moe"))[0]
+    renamed = {
+        (t.name.replace("model.language_model.", "model.", 1), t.shape, t.dtype)
+        for t in multimodal
+        if not t.name.startswith("model.visual.")
+    }
+    assert {(t.name, t.shape, t.dtype) for t in tensors} == renamed
+    assert totals(tensors)[:2] == (32118, 35505251456)
+    assert by_name["model.layers.39.mlp.experts.255.down_proj.weight"].shape == (2048, 512)
+
+
+def test_qwen3_5_moe_text_tiny_matches_what_transformers_saves(tmp_path):
+    """Outside `mtp.*`, the text-only tiny fixture's names and shapes equal what transformers'
+    `Qwen3_5MoeForCausalLM.save_pretrained` writes for its config (flat, as that class stores it)."""
+    import transformers
+
+    write_fixture(tmp_path / "q", "tiny", family="qwen3_5_moe_text", quiet=True)
+    ckpt = Checkpoint.open(tmp_path / "q")
+    assert "text_config" not in ckpt.config and ckpt.config["num_experts"] == 8
+    transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**ckpt.config)).save_pretrained(
+        tmp_path / "hf"
+    )
+    theirs = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(f, "pt") as s:
+            theirs.update({k: tuple(s.get_slice(k).get_shape()) for k in s.keys()})
+    assert {k: v.shape for k, v in ckpt.tensor_infos().items() if not k.startswith("mtp.")} == theirs
+
+
 def test_glm5_next_figures():
     """GLM-5.3-Flash's inventory, derived from transformers' default config: 45 layers, every fourth indexed NoPE MLA,
     the rest KDA; the first three dense, then 288 routed experts and one shared expert; mHC on every decoder layer;

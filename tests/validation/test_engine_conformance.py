@@ -59,26 +59,40 @@ def family_reports(family_cases):
     return get
 
 
-def drafted_otherwise() -> list[tuple[str, str, str]]:
-    """(family, sglang release, the draft class of the family's first release that builds it) for every release read
-    whose profile says it does not build the family because of the class it drafts the MTP layer with (a reason naming
-    ModelConfig._config_draft_model, or a later `first_release` in its range): a claim about the release's code."""
+# The two reasons a profile gives for a sglang release that does not build a family, each a claim about the
+# release's code: its registry has no model class for the family's architecture (no module's EntryClass names it), or
+# ModelConfig._config_draft_model drafts its MTP layer with a class that cannot load it.
+UNREGISTERED, DRAFTED_WITH = "EntryClass", "_config_draft_model"
+
+
+def not_built() -> list[tuple[str, str, str, str]]:
+    """(family, sglang release, the claim: UNREGISTERED or DRAFTED_WITH, the draft class of the family's first release
+    that builds it) for every release read whose profile says it does not build the family for one of those reasons,
+    or whose range's `first_release` comes later (the claim then that of the family's unsupported ranges, else
+    DRAFTED_WITH)."""
     out = []
     for family in FAMILIES:
         built = [p for p in all_profiles(family) if p.engine == "sglang"]
         if not built:
             continue
-        for r in release_ranges():
-            if r.engine != "sglang":
-                continue
-            reason = unsupported_reason(r.name, family)
-            if reason is not None and "_config_draft_model" not in reason:
-                continue
-            out += [(family.name, v, built[0].draft.class_name) for v in r.read if not any(v in p.read for p in built)]
+        ranges = [r for r in release_ranges() if r.engine == "sglang"]
+        reasons = {r.name: unsupported_reason(r.name, family) for r in ranges}
+        stated = " ".join(why for why in reasons.values() if why)
+        for r in ranges:
+            why = reasons[r.name] if reasons[r.name] is not None else stated
+            claim = UNREGISTERED if UNREGISTERED in why else DRAFTED_WITH if DRAFTED_WITH in why else None
+            if claim is None and reasons[r.name] is None:
+                claim = DRAFTED_WITH
+            if claim is not None:
+                out += [
+                    (family.name, v, claim, built[0].draft.class_name)
+                    for v in r.read
+                    if not any(v in p.read for p in built)
+                ]
     return out
 
 
-DRAFTED_OTHERWISE = drafted_otherwise()
+NOT_BUILT = not_built()
 
 
 def profile_of(family_name: str, engine: str, release: str):
@@ -129,7 +143,7 @@ def answers(request, family_cases, family_loaded, probe_runs):
                 loaded = family_loaded(family.name)
                 for name, c in family_cases(family.name).items():
                     requests.append({**matrix.request(profile, c, loaded[name]), "name": f"{family.name}:{name}"})
-            for family_name in sorted({f for f, v, _ in DRAFTED_OTHERWISE if (engine, v) == ("sglang", release)}):
+            for family_name in sorted({f for f, v, _, _ in NOT_BUILT if (engine, v) == ("sglang", release)}):
                 config = preset_config("tiny", family=family_named(family_name))[0]
                 requests.append({"name": f"{family_name}:draft-class", "config": config, probe_io.DRAFT_CLASS_ONLY: 1})
             probe_runs[engine, release] = probe_runs.get((engine, release), 0) + 1
@@ -152,16 +166,22 @@ def answers(request, family_cases, family_loaded, probe_runs):
 
 
 @pytest.mark.parametrize(
-    "family_name,release,built_with", DRAFTED_OTHERWISE, ids=[f"{f}-sglang=={r}" for f, r, _ in DRAFTED_OTHERWISE]
+    "family_name,release,claim,built_with", NOT_BUILT, ids=[f"{f}-sglang=={r}" for f, r, _, _ in NOT_BUILT]
 )
-def test_a_release_that_does_not_build_a_family_drafts_it_with_another_class(family_name, release, built_with, answers):
-    """Where a profile says a release does not build a family because of its draft class, the release's own
+def test_a_release_that_does_not_build_a_family_has_no_class_for_it_or_drafts_it_otherwise(
+    family_name, release, claim, built_with, answers
+):
+    """Where a profile says a release does not build a family, the release's own code says why: its registry has no
+    class for the architecture (Qwen3.5's text-only Qwen3_5MoeForCausalLM before sglang 0.5.17), or its
     ModelConfig._config_draft_model picks a class other than the one the family's first building release drafts with
-    (GLM-4.7-Flash before sglang 0.5.13: GLM-4.5's GQA Glm4MoeForCausalLMNextN; DeepSeek-V3.2 before 0.5.12: the
-    whole model)."""
+    (GLM-4.7-Flash before 0.5.13: GLM-4.5's GQA Glm4MoeForCausalLMNextN; DeepSeek-V3.2 before 0.5.12: the whole
+    model)."""
     found = answers.submit("sglang", release).result()[f"{family_name}:draft-class"]
     assert "error" not in found, found["error"]
-    assert found["draft"]["class"] != built_with, found
+    if claim == UNREGISTERED:
+        assert found["registered"] is False, found
+    else:
+        assert found["registered"] and found["draft"]["class"] != built_with, found
 
 
 def test_one_probe_process_answers_every_family_of_a_release(answers, probe_runs):
@@ -298,7 +318,7 @@ PERTURBATIONS = {
         ),
     ),
     "runtime prefixes": lambda p: dataclasses.replace(
-        p, runtime_prefixes=() if p.runtime_prefixes else (("model.language_model.", "language_model.model."),)
+        p, runtime_prefixes=() if p.runtime_prefixes else (("model.", "model.language_model."),)
     ),
     "fusion compares layer configs": lambda p: dataclasses.replace(
         p,
