@@ -109,6 +109,29 @@ def test_a_new_engine_release_is_one_profile_file(copy, pristine, export):
     assert refused.returncode == 2 and "sglang==0.5.99" in refused.stderr
 
 
+# What registering the throwaway family adds to the copy (_add_toy_family)
+TOY_FILES = {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} | {
+    f"mxforge/manifests/models/toy-moe.{suffix}" for suffix in ("family.toml", "config.json", "fixtures.toml")
+}
+
+
+def _toy_validates_as_glm(copy: Path, export: Path, tmp_path: Path) -> Path:
+    """GLM-5.2's export relabelled as the throwaway family (a hard-linked copy) validates in the copy exactly as
+    GLM-5.2's does, release by release; the relabelled copy."""
+    toy = tmp_path / "toy"
+    shutil.copytree(export, toy, copy_function=os.link)
+    config = json.loads((toy / "config.json").read_text())
+    config.update(architectures=["ToyMoeForCausalLM"], model_type="toy_moe")
+    (toy / "config.json").unlink()
+    (toy / "config.json").write_text(json.dumps(config))
+    ours, glm = (
+        _validate(lambda *a: run_copy(copy, *a), str(toy)),
+        _validate(lambda *a: run_copy(copy, *a), str(export)),
+    )
+    assert ours["ok"] and ours["checked"]["engines"] == glm["checked"]["engines"]
+    return toy
+
+
 def _add_toy_family(copy: Path, family_toml_extra: str = "") -> None:
     """Registers the throwaway family `toy_moe` in the copy: GLM-5.2's layout, data and recipes under another name
     (its module, its line in FAMILIES, its three manifests/models/ files, `family_toml_extra` appended to its
@@ -158,26 +181,13 @@ def test_a_new_model_family_is_a_module_a_registration_its_data_and_its_tables(c
         if ours:
             profile.write_text(text.rstrip() + "\n\n" + ours)
     touched = changed_files(copy, pristine)
-    added = {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} | {
-        f"mxforge/manifests/models/toy-moe.{suffix}" for suffix in ("family.toml", "config.json", "fixtures.toml")
-    }
-    assert added <= touched
-    assert touched - added <= {p.relative_to(copy).as_posix() for p in profiles}
+    assert TOY_FILES <= touched
+    assert touched - TOY_FILES <= {p.relative_to(copy).as_posix() for p in profiles}
     made = run_copy(copy, "fixture", str(tmp_path / "toy-fixture"), "--family", "toy_moe", "--preset", "tiny")
     assert made.returncode == 0, made.stderr
     assert json.loads((tmp_path / "toy-fixture/config.json").read_text())["architectures"] == ["ToyMoeForCausalLM"]
 
-    toy = tmp_path / "toy"
-    shutil.copytree(export, toy, copy_function=os.link)
-    config = json.loads((toy / "config.json").read_text())
-    config.update(architectures=["ToyMoeForCausalLM"], model_type="toy_moe")
-    (toy / "config.json").unlink()
-    (toy / "config.json").write_text(json.dumps(config))
-    ours, glm = (
-        _validate(lambda *a: run_copy(copy, *a), str(toy)),
-        _validate(lambda *a: run_copy(copy, *a), str(export)),
-    )
-    assert ours["ok"] and ours["checked"]["engines"] == glm["checked"]["engines"]
+    toy = _toy_validates_as_glm(copy, export, tmp_path)
     refused = cli("validate", str(toy))
     assert refused.returncode == 2 and "ToyMoeForCausalLM" in refused.stderr
 
@@ -191,21 +201,8 @@ def test_a_family_like_another_states_only_what_differs(copy, pristine, export, 
     bases = [copy / f"mxforge/manifests/engines/{name}.toml" for name in ("sglang-0.5.9", "vllm-0.30.0")]
     for profile in bases:
         profile.write_text(profile.read_text().rstrip() + '\n\n[family.toy_moe]\nlike = "glm_moe_dsa"\n')
-    added = {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} | {
-        f"mxforge/manifests/models/toy-moe.{suffix}" for suffix in ("family.toml", "config.json", "fixtures.toml")
-    }
-    assert changed_files(copy, pristine) == added | {p.relative_to(copy).as_posix() for p in bases}
-    toy = tmp_path / "toy"
-    shutil.copytree(export, toy, copy_function=os.link)
-    config = json.loads((toy / "config.json").read_text())
-    config.update(architectures=["ToyMoeForCausalLM"], model_type="toy_moe")
-    (toy / "config.json").unlink()
-    (toy / "config.json").write_text(json.dumps(config))
-    ours, glm = (
-        _validate(lambda *a: run_copy(copy, *a), str(toy)),
-        _validate(lambda *a: run_copy(copy, *a), str(export)),
-    )
-    assert ours["ok"] and ours["checked"]["engines"] == glm["checked"]["engines"]
+    assert changed_files(copy, pristine) == TOY_FILES | {p.relative_to(copy).as_posix() for p in bases}
+    _toy_validates_as_glm(copy, export, tmp_path)
 
 
 TOY_LAYERS = """
@@ -226,10 +223,7 @@ def test_where_a_family_stores_its_layers_is_its_layers_table(copy, pristine, ti
     from mxforge.checkpoint import Checkpoint
 
     _add_toy_family(copy, TOY_LAYERS)
-    added = {"mxforge/models/toy_moe.py", "mxforge/models/__init__.py"} | {
-        f"mxforge/manifests/models/toy-moe.{suffix}" for suffix in ("family.toml", "config.json", "fixtures.toml")
-    }
-    assert changed_files(copy, pristine) == added
+    assert changed_files(copy, pristine) == TOY_FILES
     toy_src, toy_out, glm_out = tmp_path / "toy-src", tmp_path / "toy-out", tmp_path / "glm-out"
     made = run_copy(copy, "fixture", str(toy_src), "--family", "toy_moe", "--preset", "tiny", "--quiet")
     assert made.returncode == 0, made.stderr
