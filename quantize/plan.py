@@ -185,7 +185,7 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
 
     Raises:
         CheckpointError: a shard is missing/corrupt, the index lists a tensor twice, the index and the
-            shard headers disagree.
+            shard headers disagree, routed experts stored fused in 3-D tensors.
         ConfigError: not a supported model family's config, a recipe rule matches nothing, or a weight the recipe
             selects cannot be packed (odd in-dimension).
     """
@@ -210,6 +210,7 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
                 path=ckpt.root / shard,
                 tensor=orphans[0],
             )
+    refuse_fused_experts(ckpt, infos, layout)
     scales = fp8_scales(ckpt, infos, precision)
     recipe.check_matches([n for n, i in infos.items() if is_quantizable(i) or n in scales], layout, str(ckpt.root))
     consumed = {s.info.name for s in scales.values()} | {
@@ -228,6 +229,30 @@ def plan_checkpoint(ckpt: Checkpoint, recipe: Recipe) -> QuantizePlan:
         ]
         shards.append(ShardPlan(shard, plans, header.file_size))
     return QuantizePlan(layout, shards, precision)
+
+
+def refuse_fused_experts(ckpt: Checkpoint, infos: dict[str, TensorInfo], layout: MoeLayout) -> None:
+    """Routed experts must be stored one by one (`mlp.experts.{j}.gate_proj.weight`...): a layer's experts fused in
+    one 3-D tensor (transformers' in-memory `mlp.experts.gate_up_proj` [experts, 2 x width, hidden], as some Qwen3.5
+    exports store them) are not 2-D linear weights, so no recipe rule would select them and they would be copied bf16
+    beside MXFP4 everywhere else.
+
+    Raises:
+        CheckpointError: a tensor of the routed experts that is not 2-D.
+    """
+    name = next((n for n, i in infos.items() if len(i.shape) == 3 and layout.kind_of(n) == "experts"), None)
+    if name is None:
+        return
+    where = ckpt.root / ckpt.weight_map[name]
+    parent = name.rpartition(".")[0]
+    raise CheckpointError(
+        f"{where}: tensor {name!r} {list(infos[name].shape)} holds every routed expert of {parent} in one 3-D tensor; "
+        f"mxforge quantizes routed experts stored one by one ({parent}.0.gate_proj.weight, ...), as transformers' "
+        "save_pretrained writes them and the engines' MXFP4 loaders read them: re-save the checkpoint with "
+        "save_pretrained, or start from a release that stores its experts one by one",
+        path=where,
+        tensor=name,
+    )
 
 
 def fp8_scales(ckpt: Checkpoint, infos: dict[str, TensorInfo], precision: SourcePrecision) -> dict[str, Fp8Scale]:

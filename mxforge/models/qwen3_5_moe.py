@@ -23,7 +23,8 @@ to the text model's hidden size (the merger feeds the text embedding; the class'
 No model.safetensors.index.json could be read here: the inventory is derived and checked only against the Hub's
 rounded parameter count (35 B; tests/models/test_families.py). Not checked: tensor and shard counts, storage order,
 the dtypes of A_log / dt_bias (bf16 here). Checkpoints storing the routed experts fused as 3-D tensors
-(`mlp.experts.gate_up_proj`) are another layout, not read (their experts are not 2-D linear weights: plan keeps them).
+(`mlp.experts.gate_up_proj`) are another layout, not read: quantize refuses them with one error naming the tensor
+(quantize/plan.py `refuse_fused_experts`; before, their experts, not 2-D linear weights, were copied bf16).
 """
 
 from __future__ import annotations

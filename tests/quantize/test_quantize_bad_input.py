@@ -232,3 +232,38 @@ def test_error_in_one_worker_stops_the_others_cleanly(src, tmp_path):
     proc = run_cli("quantize", str(src), str(tmp_path / "out"), "--quiet", "--workers", "3")
     assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not list((tmp_path / "out").glob("*.partial")) and not (tmp_path / "out" / "config.json").exists()
+
+
+def test_routed_experts_fused_in_3d_tensors_are_refused_not_copied_bf16(fixture_ckpt, tmp_path):
+    """Some Qwen3.5 exports store a layer's routed experts fused, as transformers holds them in memory
+    (`mlp.experts.gate_up_proj` [experts, 2 x width, hidden], `mlp.experts.down_proj`): no recipe rule selects a 3-D
+    tensor, so they used to be copied bf16 while the config declared MXFP4 experts. One error names the tensor and
+    the way out (save_pretrained writes them one by one)."""
+    ckpt = fixture_ckpt("tiny", "qwen3_5_moe_text")[0]
+    src = tmp_path / "fused"
+    shutil.copytree(ckpt, src)
+    index = json.loads((src / INDEX_NAME).read_text())
+    prefix = "model.layers.1.mlp.experts."
+    names = [n for n in index["weight_map"] if n.startswith(prefix)]
+    shards = {src / index["weight_map"][n] for n in names}
+    tensors = {n: t for f in shards for n, t in load_file(f).items()}
+    experts = sorted({int(n[len(prefix) :].split(".")[0]) for n in names})
+    fused = {
+        prefix + "gate_up_proj": torch.stack(
+            [
+                torch.cat([tensors[f"{prefix}{j}.gate_proj.weight"], tensors[f"{prefix}{j}.up_proj.weight"]])
+                for j in experts
+            ]
+        ),
+        prefix + "down_proj": torch.stack([tensors[f"{prefix}{j}.down_proj.weight"] for j in experts]),
+    }
+    shard = src / index["weight_map"][names[0]]
+    for f in shards:  # each shard without the layer's experts, the first with them fused
+        kept = {n: t for n, t in load_file(f).items() if not n.startswith(prefix)}
+        save_file({**kept, **(fused if f == shard else {})}, f, metadata={"format": "pt"})
+    for n in names:
+        del index["weight_map"][n]
+    index["weight_map"].update(dict.fromkeys(fused, shard.name))
+    (src / INDEX_NAME).write_text(json.dumps(index))
+    msg = _fails(src, tmp_path / "out", match=f"{prefix}gate_up_proj")
+    assert f"[{len(experts)}, 256, 256]" in msg and "save_pretrained" in msg and shard.name in msg
