@@ -271,8 +271,8 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _family_table(raw: dict, family: str, where: str) -> dict:
-    """A profile's table for `family`; one with `like = "<family>"` (a family whose checkpoints are another's under
+def _family_table(raw: dict, name: str, family: str) -> dict:
+    """Profile `name`'s table for `family`; one with `like = "<family>"` (a family whose checkpoints are another's under
     other names: Qwen3.5 MoE's text-only model) is that family's table as this release reads it, overlaid with its own.
 
     Raises:
@@ -285,8 +285,9 @@ def _family_table(raw: dict, family: str, where: str) -> dict:
     base = raw["family"].get(like) if isinstance(like, str) else None
     if base is None or "unsupported" in base or "like" in base:
         raise ConfigError(
-            f"{where}: like = {like!r} must name a family this profile builds with a table of its own",
-            filename=where.split(" ")[0],
+            f"manifests/engines/{name}.toml [family.{family}]: like = {like!r} must name a family this profile builds "
+            "with a table of its own",
+            filename=f"manifests/engines/{name}.toml",
             entry=f"family.{family}.like",
         )
     return _merge(base, {k: v for k, v in table.items() if k != "like"})
@@ -296,7 +297,7 @@ def _family_table(raw: dict, family: str, where: str) -> dict:
 def _load(name: str, family: str) -> EngineProfile:
     where = f"manifests/engines/{name}.toml [family.{family}]"
     raw = _raw(name)
-    data = _merge({k: v for k, v in raw.items() if k != "family"}, _family_table(raw, family, where))
+    data = _merge({k: v for k, v in raw.items() if k != "family"}, _family_table(raw, name, family))
     first = data.pop("first_release", None)  # the range's releases before it do not build this family
     if first is not None:
         data["read"] = [r for r in data["read"] if Version(r) >= Version(first)]

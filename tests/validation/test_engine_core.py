@@ -170,3 +170,25 @@ def test_expert_child_rule(profile):
     assert engine_excludes(profile, f"model.layers.{EXPERT_LAYER}.mlp.experts", True, children) == (
         profile.name not in NO_EXPERT_CHILD_RULE
     )
+
+
+@pytest.mark.parametrize(
+    ("profile", "like"),
+    [
+        ("sglang-0.5.9", "glm5_next_typo"),  # no such table
+        ("sglang-0.5.9", "glm4_moe_lite"),  # unsupported there
+        ("vllm-0.30.0", "qwen3_5_moe_text"),  # itself like another
+        ("vllm-0.30.0", 7),
+    ],
+    ids=["unknown", "unsupported", "like", "int"],
+)
+def test_a_like_naming_no_table_of_its_own_is_one_error_naming_file_and_entry(profile, like):
+    """`like` must name a family whose table in the same profile is its own and supported."""
+    from mxforge.errors import ConfigError
+    from mxforge.validation.profiles import _family_table, _raw
+
+    raw = {**_raw(profile), "family": {**_raw(profile)["family"], "toy": {"like": like}}}
+    with pytest.raises(ConfigError) as e:
+        _family_table(raw, profile, "toy")
+    assert e.value.filename == f"manifests/engines/{profile}.toml" and e.value.entry == "family.toy.like"
+    assert "\n" not in str(e.value) and repr(like) in str(e.value)
